@@ -1,0 +1,45 @@
+"""AutoAWQ "GEMM" packing: eight 4-bit values per int32 along the output dimension.
+
+Nibble i (bits 4i..4i+3) of a packed word holds column AWQ_ORDER[i] of its group of eight,
+so column c sits in nibble AWQ_REVERSE_ORDER[c] = {0,4,1,5,2,6,3,7}[c].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_SHIFTS = np.array([4 * AWQ_REVERSE_ORDER[c] for c in range(8)], dtype=np.uint32)
+
+
+def unpack(packed: np.ndarray) -> np.ndarray:
+    """int32 [R, C/8] -> uint8 [R, C] of values 0..15 in logical column order."""
+    p = packed.view(np.uint32)
+    return ((p[:, :, None] >> _SHIFTS) & 0xF).astype(np.uint8).reshape(p.shape[0], -1)
+
+
+def pack(values: np.ndarray) -> np.ndarray:
+    """uint8 [R, C] of 0..15 -> int32 [R, C/8]; the inverse of unpack."""
+    v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)
+    out = np.zeros(v.shape[:2], dtype=np.uint32)
+    for c in range(8):
+        out |= v[:, :, c] << np.uint32(4 * AWQ_REVERSE_ORDER[c])
+    return out.view(np.int32)
+
+
+def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group_size: int,
+               rows: slice | None = None) -> np.ndarray:
+    """W [K, N] float32 = (q - z) * s, group-wise along K. `rows` dequantizes a K-slice only."""
+    if rows is not None:
+        k0 = rows.start or 0
+        assert k0 % group_size == 0, "row slices must start on a group boundary"
+        qweight = qweight[rows]
+        g0, g1 = k0 // group_size, (k0 + qweight.shape[0] + group_size - 1) // group_size
+        qzeros, scales = qzeros[g0:g1], scales[g0:g1]
+    q = unpack(qweight).astype(np.float32)
+    z = unpack(qzeros).astype(np.float32)
+    s = scales.astype(np.float32)
+    K = q.shape[0]
+    zg = np.repeat(z, group_size, axis=0)[:K]
+    sg = np.repeat(s, group_size, axis=0)[:K]
+    return (q - zg) * sg

@@ -1,0 +1,277 @@
+"""The `kuiper` command line. stdout carries generated text or JSON only; everything else goes to stderr."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import click
+
+from .errors import KuiperError
+
+DEBUG = {"on": False}
+
+
+def _err(msg: str) -> None:
+    click.echo(f"kuiper: error: {msg}", err=True)
+
+
+def main(argv=None) -> None:
+    """Entry point: one line and an exit code for every failure; a traceback only under --debug."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    DEBUG["on"] = "--debug" in argv or os.environ.get("KUIPER_DEBUG") == "1"
+    try:
+        rc = cli.main(args=argv, prog_name="kuiper", standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except click.exceptions.Abort:
+        click.echo("\nkuiper: interrupted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("\nkuiper: interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        _err(e.format_message())
+        sys.exit(2)
+    except KuiperError as e:
+        if DEBUG["on"]:
+            traceback.print_exc()
+        _err(str(e))
+        sys.exit(e.exit_code)
+    except MemoryError:
+        if DEBUG["on"]:
+            traceback.print_exc()
+        _err("out of host memory")
+        sys.exit(3)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)
+    except Exception as e:  # noqa: BLE001 - the last line of defence turns a bug into one line
+        if DEBUG["on"]:
+            traceback.print_exc()
+        _err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for a traceback)")
+        sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.version_option(package_name="kuiper", prog_name="kuiper")
+def cli(debug: bool) -> None:
+    """kuiper: Qwen3 AWQ inference from one ak48 file."""
+
+
+@cli.command("export")
+@click.argument("hf_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .bin file.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def export_cmd(hf_dir: str, output: str, quiet: bool) -> None:
+    """Convert a Hugging Face Qwen3 AWQ checkpoint directory to an ak48 .bin file."""
+    from .export import export
+    export(hf_dir, output, progress=not quiet)
+
+
+@cli.command("info")
+@click.argument("model", type=click.Path())
+@click.option("--verify", is_flag=True, help="Recompute and check the content checksum.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+def info_cmd(model: str, verify: bool, as_json: bool) -> None:
+    """Show an ak48 file's header, dimensions, sizes and checksum status."""
+    from . import format as fmt
+    from .loader import load
+    mf = load(model)
+    h, a = mf.header, mf.args
+    regions = fmt.regions(h)
+    q_bytes = sum(r.nbytes for r in regions if r.name.split(".")[-1] in ("qweight", "qzeros", "scales"))
+    status = "absent (plain v5 file)" if not (h.has_ext and h.flags & fmt.FLAG_CHECKSUM) else "present, not verified"
+    ok = None
+    if verify:
+        ok = mf.verify_checksum()
+        status = {None: "absent (plain v5 file)", True: "OK", False: "MISMATCH"}[ok]
+    d = {"file": str(mf.path), "size": mf.size, "version": h.version, "kuiper_ext": h.has_ext,
+         "model_type": a.model_type, "dim": h.dim, "intermediate": h.hidden_dim, "layers": h.n_layers,
+         "heads": h.n_heads, "kv_heads": h.n_kv_heads, "head_dim": h.head_dim, "vocab": h.vocab_size,
+         "max_seq_len": h.max_seq_len, "group_size": h.group_size, "shared_classifier": h.shared_classifier,
+         "rope_theta": a.rope_theta, "rms_norm_eps": a.rms_norm_eps, "rope_scaling": a.rope_scaling,
+         "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": n_params(h),
+         "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
+         "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
+         "checksum": status}
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        for k, v in d.items():
+            click.echo(f"{k:18s} {v}")
+    if ok is False:
+        raise KuiperError("checksum mismatch: the file is damaged")
+
+
+def n_params(h) -> int:
+    from . import format as fmt
+    n = 0
+    for r in fmt.regions(h):
+        last = r.name.split(".")[-1]
+        if last == "qweight":
+            n += r.shape[0] * r.shape[1] * 8
+        elif last not in ("qzeros", "scales"):
+            n += r.shape[0] * (r.shape[1] if len(r.shape) > 1 else 1)
+    return n
+
+
+def _sampling_options(f):
+    for opt in reversed([
+        click.option("--temp", type=float, default=None, help="Temperature; 0 = greedy. Default: generation_config."),
+        click.option("--top-k", type=int, default=None, help="Top-k (0 = off)."),
+        click.option("--top-p", type=float, default=None, help="Top-p nucleus mass (1 = off)."),
+        click.option("--min-p", type=float, default=None, help="Min-p relative to the top token (0 = off)."),
+        click.option("--repeat-penalty", type=float, default=None, help="Repetition penalty (1 = off)."),
+        click.option("--repeat-last-n", type=int, default=None, help="Tokens the repetition penalty looks back over."),
+        click.option("--seed", type=int, default=None, help="Random seed for sampling."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _read_prompt(prompt: str | None, file: str | None) -> str:
+    if (prompt is None) == (file is None):
+        raise KuiperError("give exactly one of -p/--prompt (or -p - for stdin) and -f/--file")
+    try:
+        if file is not None:
+            with open(file, "rb") as fh:
+                data = fh.read()
+        elif prompt == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            return prompt
+    except OSError as e:
+        raise KuiperError(f"cannot read prompt file {file}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KuiperError(f"prompt is not valid UTF-8 (byte {e.start})") from None
+
+
+def _peak_host_mib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@cli.command("generate")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-p", "--prompt", default=None, help="Prompt text, or - to read stdin.")
+@click.option("-f", "--file", "prompt_file", default=None, type=click.Path(), help="Read the prompt from a file.")
+@click.option("-n", "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate at most.")
+@_sampling_options
+@click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
+@click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
+@click.option("--think/--no-think", default=None, help="Qwen3 thinking mode (enable_thinking); default: the template's.")
+@click.option("-s", "--system", default=None, help="System message for the chat template.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--max-context", type=int, default=None, help="KV cache positions (default: prompt + max tokens).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
+              help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
+@click.option("-v", "--verbose", is_flag=True, help="More logs on stderr.")
+def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
+                 repeat_last_n, seed, stop, raw, think, system, device, max_context, tokenizer_dir, as_json, verbose):
+    """Generate text from a prompt, streaming it to stdout."""
+    from .generate import Engine, generate, log
+    from .sampling import SamplingParams
+
+    text = _read_prompt(prompt, prompt_file)
+    eng = Engine.load(model, device, tokenizer_dir)
+    tok = eng.tokenizer
+    params = SamplingParams.from_generation_config(
+        (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
+        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    if raw:
+        if system is not None or think is not None:
+            raise KuiperError("--system and --think/--no-think need the chat template; drop --raw")
+        prompt_text = text
+    else:
+        msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
+               [{"role": "user", "content": text}]
+        prompt_text = tok.apply_chat_template(msgs, enable_thinking=think)
+    ids = tok.encode(prompt_text)
+    if verbose:
+        a = eng.file.args
+        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}), device {eng.device}")
+        log(f"sampling: {params}")
+        log(f"prompt: {len(ids)} tokens")
+    if max_context is not None and max_context <= 0:
+        raise KuiperError(f"--max-context {max_context} must be positive")
+    last = None
+    pieces = []
+    interrupted = False
+    try:
+        for r in generate(eng, ids, max_tokens, params, list(stop), max_context):
+            last = r
+            if r.text:
+                pieces.append(r.text)
+                if not as_json:
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    if not as_json:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if last is None:
+        if interrupted:
+            log("kuiper: interrupted during prefill")
+            sys.exit(130)
+        return
+    reason = "interrupted" if interrupted else last.finish_reason
+    if reason == "context":
+        log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; raise --max-context)")
+    stats = {
+        "load_s": round(eng.load_seconds, 3),
+        "prompt_tokens": last.prompt_tokens, "prompt_s": round(last.prompt_seconds, 4),
+        "prompt_tok_s": round(last.prompt_tokens / max(last.prompt_seconds, 1e-9), 2),
+        "generated_tokens": last.gen_tokens, "gen_s": round(last.gen_seconds, 4),
+        "gen_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 2),
+        "peak_host_mib": round(_peak_host_mib(), 1),
+    }
+    if eng.device == "cuda":
+        from .ops_cupy import gpu_memory_used_mib
+        stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
+    if as_json:
+        click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
+                               "prompt_tokens": last.prompt_tokens, "timings": stats}, ensure_ascii=False))
+    log(f"load {stats['load_s']:.2f} s | prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
+        f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
+        f"peak host {stats['peak_host_mib']:.0f} MiB" + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else ""))
+    if interrupted:
+        sys.exit(130)
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{s!r} is not a comma-separated list of integers") from None
+    if not out or any(v < 0 for v in out):
+        raise click.BadParameter(f"{s!r} must list non-negative integers")
+    return out
+
+
+@cli.command("bench")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-p", "--n-prompt", default="512", show_default=True, help="Prompt lengths (comma list); 0 skips.")
+@click.option("-n", "--n-gen", default="128", show_default=True, help="Generated lengths (comma list); 0 skips.")
+@click.option("-r", "--repetitions", type=int, default=5, show_default=True)
+@click.option("-o", "--output", "out_fmt", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device):
+    """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench."""
+    from .bench import run_bench, render
+    if repetitions < 1:
+        raise KuiperError(f"-r {repetitions} must be >= 1")
+    rows = run_bench(model, _int_list(n_prompt), _int_list(n_gen), repetitions, device)
+    click.echo(render(rows, out_fmt))
+
+
+if __name__ == "__main__":
+    main()

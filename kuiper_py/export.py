@@ -1,0 +1,192 @@
+"""`kuiper export`: a Hugging Face Qwen3 AWQ checkpoint -> one ak48 file, streamed tensor by tensor."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import format as fmt
+from .config import ModelArgs
+from .errors import KuiperError, ResourceError
+from .st_reader import Checkpoint, bf16_to_f32
+
+TRAILER_KEYS = ("config", "generation_config", "tokenizer", "tokenizer_config")
+
+
+def _read_json(path: Path, required: bool):
+    if not path.exists():
+        if required:
+            raise KuiperError(f"{path.parent} has no {path.name}: not a Hugging Face model directory")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KuiperError(f"{path} is not valid JSON: {e}") from None
+
+
+def check_config(cfg: dict) -> int:
+    """Refuse anything but a Qwen3 dense AWQ-GEMM 4-bit zero-point checkpoint; return the group size."""
+    arch = cfg.get("architectures") or []
+    mtype = cfg.get("model_type")
+    if mtype != "qwen3" and "Qwen3ForCausalLM" not in arch:
+        raise KuiperError(f"unsupported architecture {arch or mtype!r}: kuiper exports Qwen3ForCausalLM (model_type qwen3)")
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        raise KuiperError("config.json has no quantization_config: kuiper needs an AWQ 4-bit checkpoint")
+    method = str(q.get("quant_method", "")).lower()
+    if method != "awq":
+        raise KuiperError(f"quantization method {method!r} is not supported (only awq)")
+    if q.get("bits", q.get("w_bit")) != 4:
+        raise KuiperError(f"AWQ bits={q.get('bits', q.get('w_bit'))} is not supported (only 4-bit)")
+    if q.get("zero_point", True) is not True:
+        raise KuiperError("AWQ without zero point is not supported")
+    if str(q.get("version", "gemm")).lower() != "gemm":
+        raise KuiperError(f"AWQ version {q.get('version')!r} is not supported (only GEMM packing)")
+    g = q.get("group_size", q.get("q_group_size", 128))
+    if not isinstance(g, int) or g <= 0 or g % 8:
+        raise KuiperError(f"AWQ group_size={g} is not supported (a positive multiple of 8)")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias", False):
+        raise KuiperError("config has a non-silu activation or attention bias, which Qwen3 does not")
+    skip = q.get("modules_to_not_convert") or []
+    if any(m for m in skip if m not in ("lm_head",)):
+        raise KuiperError(f"modules_to_not_convert={skip} is not supported for dense Qwen3")
+    return g
+
+
+def header_from_args(a: ModelArgs, shared: bool) -> fmt.Header:
+    return fmt.Header(
+        dim=a.hidden_size, hidden_dim=a.intermediate_size, n_layers=a.num_hidden_layers,
+        n_heads=a.num_attention_heads, n_kv_heads=a.num_key_value_heads, vocab_size=a.vocab_size,
+        max_seq_len=a.max_position_embeddings, shared_classifier=shared, head_dim=a.head_dim,
+        group_size=a.group_size, has_ext=True, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
+        bos_token_id=a.bos_token_id if isinstance(a.bos_token_id, int) else -1,
+        eos_token_id=a.eos_token_ids[0] if a.eos_token_ids else -1, model_type=1, flags=fmt.FLAG_CHECKSUM)
+
+
+def _check_dtype(st_dtype: str, want: str, name: str) -> None:
+    ok = ("I32",) if want == "int32" else ("F16", "BF16", "F32")
+    if st_dtype not in ok:
+        raise KuiperError(f"tensor {name} has dtype {st_dtype}, expected {' or '.join(ok)}")
+
+
+def _as_file_dtype(arr: np.ndarray, st_dtype: str, want: str, name: str) -> np.ndarray:
+    _check_dtype(st_dtype, want, name)
+    if want == "int32" or st_dtype == "F16":
+        return arr
+    return (bf16_to_f32(arr) if st_dtype == "BF16" else arr).astype(np.float16)
+
+
+def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=None) -> dict:
+    log = log or (lambda m: print(m, file=sys.stderr))
+    t0 = time.perf_counter()
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if not hf_dir.is_dir():
+        raise KuiperError(f"{hf_dir} is not a directory")
+    cfg = _read_json(hf_dir / "config.json", required=True)
+    if not isinstance(cfg, dict):
+        raise KuiperError("config.json is not a JSON object")
+    g = check_config(cfg)
+    args = ModelArgs.from_hf_config(cfg, group_size=g)
+    ck = Checkpoint(hf_dir)
+    shared = args.tie_word_embeddings or "lm_head.weight" not in ck
+    if not args.tie_word_embeddings and "lm_head.weight" not in ck:
+        raise KuiperError("checkpoint is missing tensor lm_head.weight and tie_word_embeddings is false")
+    header = header_from_args(args, shared)
+    header.validate()
+    regions = fmt.regions(header)
+
+    # validate every tensor's presence, shape and dtype before a byte is written
+    for r in regions:
+        name = fmt.hf_name(r.name)
+        shape = ck.shape(name)
+        if tuple(shape) != r.shape:
+            raise KuiperError(f"tensor {name} has shape {list(shape)}, expected {list(r.shape)}")
+        _check_dtype(ck.dtype(name), r.dtype, name)
+
+    gen = _read_json(hf_dir / "generation_config.json", required=False)
+    tok = None
+    if (hf_dir / "tokenizer.json").exists():
+        try:
+            tok = (hf_dir / "tokenizer.json").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KuiperError(f"cannot read tokenizer.json: {e}") from None
+    else:
+        log("warning: no tokenizer.json in the checkpoint; `kuiper generate` will need --tokenizer")
+    tok_cfg = _read_json(hf_dir / "tokenizer_config.json", required=False)
+    if tok_cfg is not None and "chat_template" not in tok_cfg and (hf_dir / "chat_template.jinja").exists():
+        tok_cfg["chat_template"] = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    trailer = json.dumps({"config": cfg, "generation_config": gen, "tokenizer": tok,
+                          "tokenizer_config": tok_cfg, "kuiper": {"format": "ak48", "ext_version": 1}},
+                         ensure_ascii=False).encode("utf-8")
+    header.trailer_offset = regions[-1].offset + regions[-1].nbytes
+    header.trailer_length = len(trailer)
+    total = header.trailer_offset + len(trailer)
+
+    out_dir = out_path.resolve().parent
+    if not out_dir.is_dir():
+        raise KuiperError(f"output directory {out_dir} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_dir)
+    except OSError as e:
+        raise KuiperError(f"cannot write to {out_dir}: {e.strerror}") from None
+    n_q = n_qbytes = 0
+    bar = None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            head = header.pack()
+            sha = hashlib.sha256(head[:fmt.CHECKSUM_OFFSET])
+            f.write(head)
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export",
+                           file=sys.stderr, dynamic_ncols=True)
+            for r in regions:
+                name = fmt.hf_name(r.name)
+                arr = _as_file_dtype(ck.get(name), ck.dtype(name), r.dtype, name)
+                if r.name.endswith("scales") and not np.isfinite(arr).all():
+                    raise KuiperError(f"tensor {name} has NaN or Inf scales")
+                if r.name.endswith("qweight"):
+                    n_q += r.shape[0] * r.shape[1] * 8
+                if r.name.split(".")[-1] in ("qweight", "qzeros", "scales"):
+                    n_qbytes += r.nbytes
+                b = np.ascontiguousarray(arr).tobytes()
+                assert len(b) == r.nbytes and f.tell() == r.offset, r.name
+                sha.update(b)
+                f.write(b)
+                if bar:
+                    bar.update(len(b))
+            sha.update(trailer)
+            f.write(trailer)
+            header.checksum = sha.digest()
+            f.seek(0)
+            f.write(header.pack())
+            f.flush()
+            os.fsync(f.fileno())
+        if bar:
+            bar.update(len(trailer))
+            bar.close()
+        os.replace(tmp, out_path)
+    except BaseException as e:
+        if bar:
+            bar.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            if e.errno in (28, 27, 122):  # ENOSPC, EFBIG, EDQUOT
+                raise ResourceError(f"export failed, disk full or file too large: {e.strerror}") from None
+            raise KuiperError(f"export failed writing {out_path}: {e.strerror}") from None
+        raise
+    dt = time.perf_counter() - t0
+    summary = {"tensors": len(regions), "bytes": total, "bits_per_weight": 8 * n_qbytes / max(n_q, 1),
+               "seconds": dt, "shared_classifier": shared, "output": str(out_path)}
+    log(f"exported {len(regions)} tensors, {total / 2**20:.1f} MiB, {summary['bits_per_weight']:.3f} bits per "
+        f"quantized weight, in {dt:.1f} s -> {out_path}")
+    return summary

@@ -1,0 +1,187 @@
+"""mmap an ak48 file and build layer objects over zero-copy views. Nothing is dequantized here."""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import format as fmt
+from .config import ModelArgs
+from .errors import KuiperError
+
+
+@dataclass
+class AwqLinear:
+    qweight: Any  # int32 [K, N/8]
+    qzeros: Any  # int32 [K/g, N/8]
+    scales: Any  # fp16 [K/g, N]
+    group_size: int
+
+    @property
+    def K(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.scales.shape[1]
+
+
+@dataclass
+class Layer:
+    attn_norm: Any  # fp16 [D]
+    ffn_norm: Any  # fp16 [D]
+    q_norm: Any  # fp16 [head_dim]
+    k_norm: Any  # fp16 [head_dim]
+    wq: AwqLinear
+    wk: AwqLinear
+    wv: AwqLinear
+    wo: AwqLinear
+    w1: AwqLinear  # gate
+    w2: AwqLinear  # down
+    w3: AwqLinear  # up
+
+
+@dataclass
+class Weights:
+    embed: Any  # fp16 [V, D]
+    final_norm: Any  # fp16 [D]
+    lm_head: Any  # fp16 [V, D]; the embedding itself when shared
+    layers: list[Layer] = field(default_factory=list)
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    header: fmt.Header
+    args: ModelArgs
+    weights: Weights
+    trailer: dict | None
+    size: int
+    _mm: Any = None
+
+    def verify_checksum(self) -> bool | None:
+        """True/False when the file carries a checksum, None when it has none (plain v5)."""
+        h = self.header
+        if not (h.has_ext and h.flags & fmt.FLAG_CHECKSUM):
+            return None
+        sha = hashlib.sha256(self._mm[:fmt.CHECKSUM_OFFSET])
+        step = 64 << 20
+        for off in range(fmt.HEADER_SIZE, self.size, step):
+            sha.update(self._mm[off:min(off + step, self.size)])
+        return sha.digest() == h.checksum
+
+
+def _open_regular(path: Path):
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise KuiperError(f"cannot open model {path}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise KuiperError(f"model path {path} is a directory, not an ak48 file (export it with `kuiper export`)")
+    if not stat.S_ISREG(st.st_mode):
+        raise KuiperError(f"model path {path} is not a regular file")
+    try:
+        return open(path, "rb"), st.st_size
+    except OSError as e:
+        raise KuiperError(f"cannot open model {path}: {e.strerror}") from None
+
+
+def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile:
+    path = Path(path)
+    f, size = _open_regular(path)
+    with f:
+        h = fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
+        regions = fmt.regions(h)
+        end = regions[-1].offset + regions[-1].nbytes
+        if h.has_ext and h.trailer_length:
+            if h.trailer_offset != end:
+                raise KuiperError(f"header trailer offset {h.trailer_offset} is not the end of the weights ({end})")
+            end += h.trailer_length
+        if size < end:
+            raise KuiperError(f"model file is truncated: {size} bytes, the header implies {end}")
+        if size > end:
+            raise KuiperError(f"model file has {size - end} unexpected extra bytes after the {end} the header implies")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def view(r: fmt.Region) -> np.ndarray:
+        return np.frombuffer(mm, dtype=r.dtype, count=r.nbytes // np.dtype(r.dtype).itemsize,
+                             offset=r.offset).reshape(r.shape)
+
+    v = {r.name: view(r) for r in regions}
+    trailer = None
+    if h.has_ext and h.trailer_length:
+        try:
+            trailer = json.loads(bytes(mm[h.trailer_offset:h.trailer_offset + h.trailer_length]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise KuiperError("model file's metadata trailer is not valid JSON") from None
+        if not isinstance(trailer, dict) or not isinstance(trailer.get("config"), dict):
+            raise KuiperError("model file's metadata trailer has no config object")
+    if tokenizer_dir is not None:
+        trailer = dict(trailer or {})
+        trailer.update(tokenizer_from_dir(Path(tokenizer_dir)))
+    args = args_from(h, trailer)
+    g = h.group_size
+
+    def lin(p, i):
+        return AwqLinear(v[f"{p}.{i}.qweight"], v[f"{p}.{i}.qzeros"], v[f"{p}.{i}.scales"], g)
+
+    layers = [Layer(v[f"attn_norm.{i}"], v[f"ffn_norm.{i}"], v[f"q_norm.{i}"], v[f"k_norm.{i}"],
+                    *(lin(p, i) for p in fmt.PROJECTIONS)) for i in range(h.n_layers)]
+    w = Weights(v["embed"], v["final_norm"], v["embed"] if h.shared_classifier else v["lm_head"], layers)
+    return ModelFile(path, h, args, w, trailer, size, mm)
+
+
+def args_from(h: fmt.Header, trailer: dict | None) -> ModelArgs:
+    cfg = (trailer or {}).get("config") or {}
+    gen = (trailer or {}).get("generation_config") or {}
+    a = ModelArgs(
+        hidden_size=h.dim, intermediate_size=h.hidden_dim, num_hidden_layers=h.n_layers,
+        num_attention_heads=h.n_heads, num_key_value_heads=h.n_kv_heads, head_dim=h.head_dim,
+        vocab_size=h.vocab_size, max_position_embeddings=h.max_seq_len,
+        tie_word_embeddings=h.shared_classifier, group_size=h.group_size)
+    if h.has_ext:
+        a.rope_theta, a.rms_norm_eps = h.rope_theta, h.rms_norm_eps
+        a.bos_token_id = h.bos_token_id if h.bos_token_id >= 0 else None
+        a.eos_token_ids = [h.eos_token_id] if h.eos_token_id >= 0 else []
+    elif cfg:
+        a.rope_theta = float(cfg.get("rope_theta", a.rope_theta))
+        a.rms_norm_eps = float(cfg.get("rms_norm_eps", a.rms_norm_eps))
+    if cfg:
+        hf = ModelArgs.from_hf_config(cfg, h.group_size)
+        a.rope_scaling = hf.rope_scaling
+        a.eos_token_ids = _merge_ids(a.eos_token_ids, hf.eos_token_ids)
+        if a.bos_token_id is None:
+            a.bos_token_id = hf.bos_token_id
+    eos = gen.get("eos_token_id")
+    a.eos_token_ids = _merge_ids(a.eos_token_ids, [eos] if isinstance(eos, int) else list(eos or []))
+    return a
+
+
+def _merge_ids(a: list, b: list) -> list[int]:
+    out = list(a)
+    for x in b:
+        if isinstance(x, int) and x not in out:
+            out.append(x)
+    return out
+
+
+def tokenizer_from_dir(d: Path) -> dict:
+    """The trailer's tokenizer keys, read from a Hugging Face directory (for plain v5 files)."""
+    if not (d / "tokenizer.json").is_file():
+        raise KuiperError(f"--tokenizer {d}: no tokenizer.json there")
+    out: dict[str, Any] = {"tokenizer": (d / "tokenizer.json").read_text(encoding="utf-8")}
+    for key, name in (("tokenizer_config", "tokenizer_config.json"), ("generation_config", "generation_config.json"),
+                      ("config", "config.json")):
+        if (d / name).is_file():
+            try:
+                out[key] = json.loads((d / name).read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise KuiperError(f"--tokenizer {d}: {name} is not valid JSON") from None
+    return out

@@ -1,0 +1,53 @@
+"""The Qwen3 forward, written once against an `ops` backend (NumPy or CuPy).
+
+Prefill and decode are separate entry points over one preallocated KV cache that the
+backend owns; `pos` is the number of positions already in the cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import KuiperError
+
+
+class Qwen3:
+    def __init__(self, model_file, ops_cls, max_context: int, **ops_kwargs):
+        self.args = model_file.args
+        if not 0 < max_context <= self.args.max_position_embeddings:
+            raise KuiperError(f"--max-context {max_context} must be in 1..{self.args.max_position_embeddings} "
+                              f"(the model's max_position_embeddings)")
+        self.max_context = max_context
+        self.ops = ops_cls(self.args, model_file.weights, max_context, **ops_kwargs)
+        self.pos = 0
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        ops, w = self.ops, self.ops.weights
+        pos0, T = self.pos, len(ids)
+        if pos0 + T > self.max_context:
+            raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
+        h = ops.embed(ids)  # [T, D]
+        r = None
+        for i, layer in enumerate(w.layers):
+            h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
+            q, k, v = ops.qkv(x, layer)
+            q = ops.qk_norm_rope_store(q, k, v, layer, i, pos0)
+            r = ops.linear(ops.attention(q, i, pos0), layer.wo)
+            h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
+            r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
+        h, x = ops.add_rmsnorm(h, r, w.final_norm)
+        self.pos += T
+        return ops.logits(x, all_logits)
+
+    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Run the prompt (appended at the current position); float32 logits [V] of its last token,
+        or [T, V] for every position with all_logits (for tests)."""
+        if not ids:
+            raise KuiperError("empty prompt")
+        return self._forward(list(ids), all_logits)
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token at the current position; float32 logits [V]."""
+        return self._forward([int(token)])

@@ -1,0 +1,107 @@
+"""NumPy backend: the plain float32 Qwen3 ops, the oracle the CUDA kernels must match.
+
+Kept obviously right rather than fast: weights stay packed in the mapped file and each
+linear dequantizes group-aligned row blocks on the fly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import awq
+from .config import ModelArgs, rope_tables
+from .loader import AwqLinear, Layer, Weights
+
+_K_BLOCK = 2048  # rows of W dequantized at a time, a multiple of every supported group size
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(np.float32)
+
+
+def awq_linear(x: np.ndarray, lin: AwqLinear) -> np.ndarray:
+    """x [T, K] float32 @ dequant(W) [K, N] -> [T, N] float32."""
+    out = np.zeros((x.shape[0], lin.N), dtype=np.float32)
+    step = max(lin.group_size, _K_BLOCK // lin.group_size * lin.group_size)
+    for k0 in range(0, lin.K, step):
+        k1 = min(k0 + step, lin.K)
+        W = awq.dequantize(lin.qweight, lin.qzeros, lin.scales, lin.group_size, rows=slice(k0, k1))
+        out += x[:, k0:k1] @ W
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE. x [T, heads, hd], cos/sin [T, hd/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class NumpyOps:
+    name = "cpu"
+
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int):
+        self.args = args
+        self.weights = weights
+        self.cos, self.sin = rope_tables(args, max_context)
+        shape = (args.num_hidden_layers, max_context, args.num_key_value_heads, args.head_dim)
+        self.k_cache = np.zeros(shape, dtype=np.float32)
+        self.v_cache = np.zeros(shape, dtype=np.float32)
+
+    def embed(self, ids: list[int]) -> np.ndarray:
+        return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+
+    def add_rmsnorm(self, h, r, w):
+        if r is not None:
+            h = h + r
+        return h, rmsnorm(h, w, self.args.rms_norm_eps)
+
+    def linear(self, x, lin: AwqLinear):
+        return awq_linear(x, lin)
+
+    def qkv(self, x, layer: Layer):
+        return awq_linear(x, layer.wq), awq_linear(x, layer.wk), awq_linear(x, layer.wv)
+
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
+        a = self.args
+        T = q.shape[0]
+        q = rmsnorm(q.reshape(T, a.num_attention_heads, a.head_dim), layer.q_norm, a.rms_norm_eps)
+        k = rmsnorm(k.reshape(T, a.num_key_value_heads, a.head_dim), layer.k_norm, a.rms_norm_eps)
+        cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
+        self.k_cache[i, pos0:pos0 + T] = rope(k, cos, sin)
+        self.v_cache[i, pos0:pos0 + T] = v.reshape(T, a.num_key_value_heads, a.head_dim)
+        return rope(q, cos, sin)
+
+    def attention(self, q, i: int, pos0: int):
+        """Causal GQA over the cache. q [T, H, hd] at positions pos0..pos0+T-1 -> [T, H*hd]."""
+        a = self.args
+        T, H, hd = q.shape
+        n = pos0 + T
+        group = H // a.num_key_value_heads
+        K = self.k_cache[i, :n]  # [n, KV, hd]
+        V = self.v_cache[i, :n]
+        Kh = np.repeat(K, group, axis=1).transpose(1, 2, 0)  # [H, hd, n]
+        Vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)  # [H, n, hd]
+        s = np.matmul(q.transpose(1, 0, 2), Kh) / np.sqrt(hd)  # [H, T, n]
+        mask = np.arange(n)[None, :] > (pos0 + np.arange(T))[:, None]
+        s = np.where(mask[None], -np.inf, s)
+        s = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = s / s.sum(axis=-1, keepdims=True)
+        return np.matmul(p, Vh).transpose(1, 0, 2).reshape(T, H * hd)
+
+    def gate_up_silu(self, x, layer: Layer):
+        return silu(awq_linear(x, layer.w1)) * awq_linear(x, layer.w3)
+
+    def logits(self, x, all_positions: bool = False) -> np.ndarray:
+        x = x if all_positions else x[-1:]
+        W = self.weights.lm_head
+        out = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
+        step = 16384
+        for r0 in range(0, W.shape[0], step):
+            out[:, r0:r0 + step] = x @ W[r0:r0 + step].astype(np.float32).T
+        return out if all_positions else out[0]

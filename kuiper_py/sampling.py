@@ -1,0 +1,98 @@
+"""Token sampling as plain functions over float32 logits, shared by every backend.
+
+Order as in Hugging Face generate: repetition penalty, then temperature, top-k, top-p, min-p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import KuiperError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.6
+    top_k: int = 20  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            (self.temperature >= 0 and np.isfinite(self.temperature), f"--temp {self.temperature} must be >= 0"),
+            (self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, f"--top-p {self.top_p} must be in (0, 1]"),
+            (0 <= self.min_p < 1, f"--min-p {self.min_p} must be in [0, 1)"),
+            (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty),
+             f"--repeat-penalty {self.repeat_penalty} must be > 0"),
+            (self.repeat_last_n >= 0, f"--repeat-last-n {self.repeat_last_n} must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise KuiperError(msg)
+        return self
+
+    @classmethod
+    def from_generation_config(cls, gen: dict | None, **overrides) -> "SamplingParams":
+        gen = gen or {}
+        p = cls()
+        if gen.get("do_sample") is False:
+            p.temperature = 0.0
+        else:
+            p.temperature = float(gen.get("temperature", p.temperature))
+            p.top_k = int(gen.get("top_k", p.top_k) or 0)
+            p.top_p = float(gen.get("top_p", p.top_p) or 1.0)
+            p.min_p = float(gen.get("min_p", p.min_p) or 0.0)
+        p.repeat_penalty = float(gen.get("repetition_penalty", 1.0) or 1.0)
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(p, k, v)
+        return p.validate()
+
+
+def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: float) -> np.ndarray:
+    """Divide positive and multiply negative logits of seen tokens by `penalty` (CTRL / HF rule)."""
+    if penalty == 1.0 or not history:
+        return logits
+    ids = np.unique(np.asarray(history, dtype=np.int64))
+    out = logits.copy()
+    sel = out[ids]
+    out[ids] = np.where(sel > 0, sel / penalty, sel * penalty)
+    return out
+
+
+def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.size:
+        kth = np.partition(x, -p.top_k)[-p.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    if p.top_p < 1.0:
+        order = np.argsort(-x, kind="stable")
+        probs = np.exp(x[order] - x[order[0]])
+        probs /= probs.sum()
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+        x = x.copy()
+        x[order[cut:]] = -np.inf
+    if p.min_p > 0.0:
+        mx = x.max()
+        x = np.where(x < mx + np.log(p.min_p), -np.inf, x)
+    return x
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int],
+           n_valid: int) -> int:
+    """Pick the next token from float32 logits [V]; ids >= n_valid (vocabulary padding) are never chosen."""
+    x = np.asarray(logits, dtype=np.float32)[:n_valid]
+    x = apply_repetition_penalty(x, history[-p.repeat_last_n:] if p.repeat_last_n else [], p.repeat_penalty)
+    if p.temperature == 0.0:
+        return int(np.argmax(x))
+    x = filter_logits(x.astype(np.float64), p)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
