@@ -1,0 +1,78 @@
+"""Shared fixtures: synthetic checkpoints (built once per session) and their exported ak48 files."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kuiper_py import synth
+from kuiper_py.export import export
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _has_gpu() -> bool:
+    try:
+        from kuiper_py.ops_cupy import cuda_available
+        return cuda_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpts")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(ckpt_root):
+    """Tied embeddings (like Qwen3-0.6B), 2 shards."""
+    return synth.make_checkpoint(ckpt_root / "tiny", "tiny", seed=1, n_shards=2)
+
+
+@pytest.fixture(scope="session")
+def untied_dir(ckpt_root):
+    """Separate lm_head (like Qwen3-8B), single file."""
+    return synth.make_checkpoint(ckpt_root / "untied", "tiny-untied", seed=2, n_shards=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_bin(tiny_dir, ckpt_root):
+    out = ckpt_root / "tiny.bin"
+    export(tiny_dir, out, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def untied_bin(untied_dir, ckpt_root):
+    out = ckpt_root / "untied.bin"
+    export(untied_dir, out, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.fixture
+def copy_ckpt(tmp_path):
+    """A fresh writable copy of a checkpoint directory, for tests that damage it."""
+    def _copy(src):
+        dst = tmp_path / ("ck_" + Path(src).name)
+        shutil.copytree(src, dst)
+        return dst
+    return _copy
+
+
+def run_cli(*args, input=None, timeout=300, env=None):
+    """Run the real CLI as a subprocess; returns CompletedProcess with text stdout/stderr."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "kuiper_py", *map(str, args)], input=input,
+                          capture_output=True, text=True, timeout=timeout, env=e)

@@ -1,0 +1,53 @@
+"""Independent references for the tests: AWQ unpacking written differently, and the HF oracle."""
+import json
+
+import numpy as np
+
+# AutoAWQ packs column AWQ_PACK_ORDER[i] of each group of eight into nibble i
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def unpack_loop(packed):
+    """int32 [R, C/8] -> int [R, C], nibble by nibble through the pack order (not the reverse table)."""
+    p = np.asarray(packed).astype(np.int64) & 0xFFFFFFFF
+    R, C8 = p.shape
+    out = np.zeros((R, C8 * 8), dtype=np.int64)
+    for nib in range(8):
+        col = AWQ_PACK_ORDER[nib]
+        out[:, col::8] = (p >> (4 * nib)) & 0xF
+    return out
+
+
+def dequant_reference(qweight, qzeros, scales, group_size):
+    q = unpack_loop(qweight).astype(np.float64)
+    z = unpack_loop(qzeros).astype(np.float64)
+    s = np.asarray(scales).astype(np.float64)
+    g = np.arange(q.shape[0]) // group_size
+    return (q - z[g]) * s[g]
+
+
+def hf_model(ckpt_dir):
+    """transformers' Qwen3ForCausalLM in float32 on the dequantized weights of a synthetic checkpoint."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    g = cfg.pop("quantization_config")["group_size"]
+    cfg["torch_dtype"] = "float32"
+    sd = {}
+    for f in sorted(ckpt_dir.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    state = {}
+    for name, a in sd.items():
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            W = dequant_reference(a, sd[base + ".qzeros"], sd[base + ".scales"], g)
+            state[base + ".weight"] = torch.from_numpy(W.T.astype(np.float32).copy())
+        elif not name.endswith((".qzeros", ".scales")):
+            state[name] = torch.from_numpy(a.astype(np.float32))
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    model.load_state_dict(state, strict=not cfg.get("tie_word_embeddings"))
+    if cfg.get("tie_word_embeddings"):
+        model.tie_weights()
+    return model.float().eval()
