@@ -12,7 +12,7 @@ import numpy as np
 from . import loader
 from .errors import KuiperError
 from .model import Qwen3
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .tokenizer import ChatTokenizer, StreamDecoder
 
 
@@ -139,7 +139,7 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
         yield rec(None, "", "length")
         return
     while True:
-        tok = sample(logits, params, rng, history, engine.n_valid_tokens)
+        tok = model.ops.sample(logits, params, rng, history, engine.n_valid_tokens)
         if tok in eos:
             yield rec(None, pending + (dec.flush() if dec else ""), "stop")
             return

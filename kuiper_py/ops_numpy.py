@@ -10,6 +10,7 @@ import numpy as np
 from . import awq
 from .config import ModelArgs, rope_tables
 from .loader import AwqLinear, Layer, Weights
+from .sampling import sample
 
 _K_BLOCK = 2048  # rows of W dequantized at a time, a multiple of every supported group size
 
@@ -96,6 +97,12 @@ class NumpyOps:
 
     def gate_up_silu(self, x, layer: Layer):
         return silu(awq_linear(x, layer.w1)) * awq_linear(x, layer.w3)
+
+    sample = staticmethod(sample)
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return x
 
     def logits(self, x, all_positions: bool = False) -> np.ndarray:
         x = x if all_positions else x[-1:]

@@ -43,7 +43,7 @@ CHAT_TEMPLATE = (
 PRESETS = {
     # name: hidden, intermediate, layers, heads, kv_heads, head_dim, tied
     "tiny": (128, 384, 2, 4, 2, 64, True),
-    "tiny-untied": (128, 256, 3, 4, 2, 32, False),
+    "tiny-untied": (128, 256, 3, 4, 2, 64, False),
     "small": (512, 1536, 4, 8, 4, 64, False),
     "0.6b": (1024, 3072, 28, 16, 8, 128, True),
     "1.7b": (2048, 6144, 28, 16, 8, 128, True),

@@ -1,0 +1,263 @@
+// Attention over the fp16 KV cache (layout per layer [ctx, KV, HD]).
+//
+// flash_attn_prefill: causal flash attention for a chunk of T queries at positions pos0..pos0+T-1,
+//   tensor cores for QK^T and PV, online softmax in registers, GQA by indexing the shared KV head.
+//   64 queries x one head per block (4 warps x 16 rows), 32-key tiles. HD in {64, 128}.
+// attn_decode_split + attn_decode_combine: flash-decoding for one query token, the KV length split
+//   across blocks so that long contexts fill the GPU; a second pass merges the partial softmaxes.
+#include "common.cuh"
+
+#define FA_BQ 64
+#define FA_BKV 32
+#define FA_PAD 8
+
+template <int HD>
+struct FaSmem {
+    half q[FA_BQ][HD + FA_PAD];
+    half k[FA_BKV][HD + FA_PAD];
+    half v[FA_BKV][HD + FA_PAD];
+};
+
+template <int HD>
+__global__ void __launch_bounds__(128)
+flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
+                   const half* __restrict__ Kc,  // [ctx, KV, HD] this layer
+                   const half* __restrict__ Vc,  // [ctx, KV, HD]
+                   half* __restrict__ O,         // [T, H, HD]
+                   int T, int pos0, int H, int KV, float scale_log2) {
+    __shared__ __align__(16) FaSmem<HD> sm;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int q0 = blockIdx.x * FA_BQ, h = blockIdx.y, kvh = h / (H / KV);
+    const int g = lane >> 2, tq = lane & 3;
+    constexpr int CH = HD / 8;  // 16-byte chunks per row
+
+    for (int c = t; c < FA_BQ * CH; c += 128) {
+        int r = c / CH, cc = c % CH;
+        bool ok = q0 + r < T;
+        cp_async16(&sm.q[r][cc * 8], ok ? Q + ((size_t)(q0 + r) * H + h) * HD + cc * 8 : Q, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qf[HD / 16][4];  // this warp's 16 query rows as A fragments, kept for the whole loop
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        ldmatrix_x4(qf[kk], &sm.q[warp * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+    const int qpos0 = pos0 + q0 + warp * 16 + g;  // absolute position of row g (row g+8 is +8)
+    const int n_keys = pos0 + T;
+    const int kv_end = min(n_keys, pos0 + q0 + FA_BQ);  // causal bound of this query tile
+
+    for (int kv0 = 0; kv0 < kv_end; kv0 += FA_BKV) {
+        __syncthreads();  // previous tile fully consumed
+        for (int c = t; c < FA_BKV * CH; c += 128) {
+            int r = c / CH, cc = c % CH;
+            bool ok = kv0 + r < n_keys;  // zero-fill past the end: V rows must not hold NaN garbage
+            size_t off = ((size_t)(kv0 + r) * KV + kvh) * HD + cc * 8;
+            cp_async16(&sm.k[r][cc * 8], ok ? Kc + off : Kc, ok ? 16 : 0);
+            cp_async16(&sm.v[r][cc * 8], ok ? Vc + off : Vc, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        float s[FA_BKV / 8][4];
+#pragma unroll
+        for (int i = 0; i < FA_BKV / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+            for (int np = 0; np < FA_BKV / 16; ++np) {
+                u32 kf[4];  // non-transposed: K rows are B's columns
+                ldmatrix_x4(kf, &sm.k[np * 16 + (lane >> 4) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+                mma_16816(s[np * 2], qf[kk], kf[0], kf[1]);
+                mma_16816(s[np * 2 + 1], qf[kk], kf[2], kf[3]);
+            }
+        // mask, scale into log2 domain, online softmax (each row lives in one quad of lanes)
+        float mnew[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int nt = 0; nt < FA_BKV / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int key = kv0 + nt * 8 + tq * 2 + (e & 1);
+                int qp = qpos0 + (e >> 1) * 8;
+                float v = (key <= qp && key < n_keys) ? s[nt][e] * scale_log2 : -INFINITY;
+                s[nt][e] = v;
+                mnew[e >> 1] = fmaxf(mnew[e >> 1], v);
+            }
+        float corr[2], rsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
+            mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
+            corr[r] = mnew[r] == -INFINITY ? 1.f : exp2f(mrow[r] - mnew[r]);
+            mrow[r] = mnew[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_BKV / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float m = mrow[e >> 1];
+                float p = m == -INFINITY ? 0.f : exp2f(s[nt][e] - m);
+                s[nt][e] = p;
+                rsum[e >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 1);
+            rsum[r] += __shfl_xor_sync(0xffffffffu, rsum[r], 2);
+            lrow[r] = lrow[r] * corr[r] + rsum[r];
+        }
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            o[i][0] *= corr[0]; o[i][1] *= corr[0];
+            o[i][2] *= corr[1]; o[i][3] *= corr[1];
+        }
+        // O += P V: the S accumulators of two adjacent 8-key tiles form one A fragment
+#pragma unroll
+        for (int ks = 0; ks < FA_BKV / 16; ++ks) {
+            u32 pf[4];
+            pf[0] = pack_half2(s[2 * ks][0], s[2 * ks][1]);
+            pf[1] = pack_half2(s[2 * ks][2], s[2 * ks][3]);
+            pf[2] = pack_half2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pf[3] = pack_half2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                u32 vf[4];
+                ldmatrix_x4_trans(vf, &sm.v[ks * 16 + (lane & 15)][np * 16 + (lane >> 4) * 8]);
+                mma_16816(o[np * 2], pf, vf[0], vf[1]);
+                mma_16816(o[np * 2 + 1], pf, vf[2], vf[3]);
+            }
+        }
+    }
+    float inv[2] = {lrow[0] > 0.f ? 1.f / lrow[0] : 0.f, lrow[1] > 0.f ? 1.f / lrow[1] : 0.f};
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+        int col = nt * 8 + tq * 2;
+        int r0 = q0 + warp * 16 + g;
+        if (r0 < T)
+            *reinterpret_cast<half2*>(&O[((size_t)r0 * H + h) * HD + col]) =
+                __floats2half2_rn(o[nt][0] * inv[0], o[nt][1] * inv[0]);
+        if (r0 + 8 < T)
+            *reinterpret_cast<half2*>(&O[((size_t)(r0 + 8) * H + h) * HD + col]) =
+                __floats2half2_rn(o[nt][2] * inv[1], o[nt][3] * inv[1]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash-decoding. Block (h, split) of 128 threads = 32 quads; a quad owns one key at a time, each
+// lane HD/4 dimensions in 16-byte chunks interleaved so a quad reads 64 contiguous bytes per load.
+// ---------------------------------------------------------------------------------------------
+template <int HD>
+__global__ void __launch_bounds__(128)
+attn_decode_split(const half* __restrict__ q,   // [H, HD]
+                  const half* __restrict__ Kc,  // [ctx, KV, HD]
+                  const half* __restrict__ Vc,
+                  float* __restrict__ part_o,   // [H, S, HD] unnormalised
+                  float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
+                  int n_keys, int H, int KV, int chunk, float scale_log2) {
+    constexpr int NC = HD / 32;  // 16-byte chunks per lane
+    __shared__ float sm_o[32][HD + 4];
+    __shared__ float sm_m[32], sm_l[32];
+    const int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+    const int kvh = h / (H / KV);
+    const int quad = threadIdx.x >> 2, ql = threadIdx.x & 3;
+
+    float qv[NC][8];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        uint4 raw = *reinterpret_cast<const uint4*>(q + (size_t)h * HD + (ql + 4 * c) * 8);
+        const half2* hp = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = __half22float2(hp[i]);
+            qv[c][2 * i] = f.x * scale_log2;
+            qv[c][2 * i + 1] = f.y * scale_log2;
+        }
+    }
+    float acc[NC][8];
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
+    float m = -INFINITY, l = 0.f;
+    const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
+    for (int key = k_begin + quad; key < k_end; key += 32) {
+        const half* kr = Kc + ((size_t)key * KV + kvh) * HD;
+        const half* vr = Vc + ((size_t)key * KV + kvh) * HD;
+        uint4 kraw[NC], vraw[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            kraw[c] = *reinterpret_cast<const uint4*>(kr + (ql + 4 * c) * 8);
+            vraw[c] = *reinterpret_cast<const uint4*>(vr + (ql + 4 * c) * 8);
+        }
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const half2* hp = reinterpret_cast<const half2*>(&kraw[c]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float2 f = __half22float2(hp[i]);
+                dot += qv[c][2 * i] * f.x + qv[c][2 * i + 1] * f.y;
+            }
+        }
+        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        float mn = fmaxf(m, dot);
+        float corr = exp2f(m - mn), p = exp2f(dot - mn);
+        m = mn;
+        l = l * corr + p;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const half2* hp = reinterpret_cast<const half2*>(&vraw[c]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float2 f = __half22float2(hp[i]);
+                acc[c][2 * i] = acc[c][2 * i] * corr + p * f.x;
+                acc[c][2 * i + 1] = acc[c][2 * i + 1] * corr + p * f.y;
+            }
+        }
+    }
+    // merge the 32 quads of this block
+    if (ql == 0) { sm_m[quad] = m; sm_l[quad] = l; }
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sm_o[quad][(ql + 4 * c) * 8 + i] = acc[c][i];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int i = 0; i < 32; ++i) M = fmaxf(M, sm_m[i]);
+    float L = 0.f;
+    for (int i = 0; i < 32; ++i) L += M == -INFINITY ? 0.f : sm_l[i] * exp2f(sm_m[i] - M);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float od = 0.f;
+        if (M != -INFINITY)
+            for (int i = 0; i < 32; ++i) od += sm_o[i][d] * exp2f(sm_m[i] - M);
+        part_o[((size_t)h * S + s) * HD + d] = od;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[((size_t)h * S + s) * 2] = M;
+        part_ml[((size_t)h * S + s) * 2 + 1] = L;
+    }
+}
+
+// out[h, :] = merged softmax(V) over the S splits. One block of HD threads per head.
+__global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                    half* __restrict__ out, int S, int HD) {
+    const int h = blockIdx.x, d = threadIdx.x;
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
+    float L = 0.f, od = 0.f;
+    for (int s = 0; s < S; ++s) {
+        float ms = part_ml[((size_t)h * S + s) * 2], ls = part_ml[((size_t)h * S + s) * 2 + 1];
+        if (ls == 0.f) continue;  // an empty split contributes nothing
+        float w = exp2f(ms - M);
+        L += ls * w;
+        od += part_o[((size_t)h * S + s) * HD + d] * w;
+    }
+    out[(size_t)h * HD + d] = __float2half(L > 0.f ? od / L : 0.f);
+}

@@ -1,0 +1,124 @@
+// Device helpers shared by the kernel families: AWQ nibble dequantization, cp.async,
+// ldmatrix and mma.sync wrappers, warp reductions. Included by the .cu files (NVRTC -I).
+#pragma once
+#include <cuda_fp16.h>
+
+typedef unsigned int u32;
+
+// ---------------------------------------------------------------------------------------------
+// AWQ 4-bit -> fp16 with the LOP3 magic-number trick.
+// A packed word holds column c of its 8 in nibble {0,4,1,5,2,6,3,7}[c], so nibbles (0,4),
+// (1,5), (2,6), (3,7) are the column pairs (0,1), (2,3), (4,5), (6,7): masking a nibble into the
+// mantissa of 1024.0h (0x6400) yields 1024 + q, or 1024 + 16q for the upper nibble of a byte.
+// ---------------------------------------------------------------------------------------------
+
+// (a & b) | c in one instruction: LOP3 with the truth table 0xEA.
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm volatile("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Four half2 with the biased codes of columns (0,1),(2,3),(4,5),(6,7): pairs 0 and 2 hold
+// 1024+q, pairs 1 and 3 hold 1024+16q (subtract and rescale with awq_bias below).
+__device__ __forceinline__ void awq_magic(u32 w, half2 (&h)[4]) {
+    const u32 lo = 0x000f000fu, hi = 0x00f000f0u, ex = 0x64006400u;
+    u32 r0 = lop3_and_or(w, lo, ex);
+    u32 r1 = lop3_and_or(w, hi, ex);
+    u32 s = w >> 8;
+    u32 r2 = lop3_and_or(s, lo, ex);
+    u32 r3 = lop3_and_or(s, hi, ex);
+    h[0] = *reinterpret_cast<half2*>(&r0);
+    h[1] = *reinterpret_cast<half2*>(&r1);
+    h[2] = *reinterpret_cast<half2*>(&r2);
+    h[3] = *reinterpret_cast<half2*>(&r3);
+}
+
+// The biased zero points matching awq_magic's pairs: subtracting them leaves the exact small
+// integer (q - z) or 16(q - z), so no precision is lost before the scale multiplies it.
+__device__ __forceinline__ void awq_zero_bias(u32 zword, half2 (&zb)[4]) {
+    awq_magic(zword, zb);
+}
+
+// w = (q - z) * s for 8 columns: s2[i] holds the scales of pair i (pairs 1 and 3 pre-divided by 16).
+__device__ __forceinline__ void awq_dequant8(u32 w, const half2 (&zb)[4], const half2 (&s2)[4],
+                                             half2 (&out)[4]) {
+    half2 h[4];
+    awq_magic(w, h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __hmul2(__hsub2(h[i], zb[i]), s2[i]);
+}
+
+// Scales of 8 consecutive columns (one 16-byte load) as awq_dequant8 wants them.
+__device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
+    const half2 sixteenth = __float2half2_rn(0.0625f);
+    s2[0] = *reinterpret_cast<half2*>(&raw.x);
+    s2[1] = __hmul2(*reinterpret_cast<half2*>(&raw.y), sixteenth);
+    s2[2] = *reinterpret_cast<half2*>(&raw.z);
+    s2[3] = __hmul2(*reinterpret_cast<half2*>(&raw.w), sixteenth);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Async copies, ldmatrix and mma (sm_80+).
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy; bytes past src_bytes are zero-filled (ragged tile edges).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// D += A(16x16 row) * B(16x8 col), fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result. `red` needs 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : 0.f;
+    return warp_sum(v);
+}

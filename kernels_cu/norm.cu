@@ -1,0 +1,32 @@
+// Embedding gather and RMSNorm fused with the residual add. The residual stream h is fp32 so
+// that 36-64 layers of additions do not round away the small updates; normed outputs are fp16.
+#include "common.cuh"
+
+// h[t, :] = float(table[ids[t], :]). grid T, block 256.
+__global__ void embed_gather(const int* __restrict__ ids,     // [T]
+                             const half* __restrict__ table,  // [V, D]
+                             float* __restrict__ h,           // [T, D]
+                             int D) {
+    const size_t row = (size_t)ids[blockIdx.x] * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) h[(size_t)blockIdx.x * D + d] = __half2float(table[row + d]);
+}
+
+// h += r (when r is not null); x = h / rms(h) * w. grid T, block 256.
+__global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
+                            const half* __restrict__ r,   // [T, D] or null
+                            const half* __restrict__ w,   // [D]
+                            half* __restrict__ x,         // [T, D]
+                            int D, float eps) {
+    __shared__ float red[32];
+    float* hr = h + (size_t)blockIdx.x * D;
+    const half* rr = r ? r + (size_t)blockIdx.x * D : nullptr;
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float v = hr[d];
+        if (rr) { v += __half2float(rr[d]); hr[d] = v; }
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        x[(size_t)blockIdx.x * D + d] = __float2half(hr[d] * inv * __half2float(w[d]));
+}

@@ -1,0 +1,55 @@
+// Qwen3's per-head q/k RMSNorm, rotate-half RoPE and the KV-cache write, fused in one pass.
+// One warp per (token, head); heads 0..H-1 are queries, H..H+KV-1 keys, then KV values (copied).
+// A lane holds HD/64 consecutive dims of each half, so the rotation pairs d and d + HD/2 meet in
+// the same lane.
+#include "common.cuh"
+
+template <int HD>
+__global__ void __launch_bounds__(128)
+qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride], H*HD used
+                   const half* __restrict__ kin, int k_stride,   // [T, k_stride], KV*HD used
+                   const half* __restrict__ vin, int v_stride,
+                   const half* __restrict__ qn,                  // [HD] q_norm weight
+                   const half* __restrict__ kn,                  // [HD] k_norm weight
+                   const float* __restrict__ cosb,               // [ctx, HD/2]
+                   const float* __restrict__ sinb,
+                   half* __restrict__ qout,                      // [T, H, HD]
+                   half* __restrict__ Kc,                        // [ctx, KV, HD] this layer
+                   half* __restrict__ Vc,
+                   int H, int KV, int pos0, float eps) {
+    constexpr int P = HD / 64;
+    const int tok = blockIdx.x, lane = threadIdx.x & 31;
+    const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
+    if (head >= H + 2 * KV) return;
+    const int pos = pos0 + tok;
+    const int d0 = lane * P;
+    if (head >= H + KV) {  // value head: straight copy into the cache
+        const int vh = head - H - KV;
+        const half* src = vin + (size_t)tok * v_stride + vh * HD;
+        half* dst = Vc + ((size_t)pos * KV + vh) * HD;
+#pragma unroll
+        for (int i = 0; i < P; ++i) { dst[d0 + i] = src[d0 + i]; dst[HD / 2 + d0 + i] = src[HD / 2 + d0 + i]; }
+        return;
+    }
+    const bool is_q = head < H;
+    const half* src = is_q ? qin + (size_t)tok * q_stride + head * HD : kin + (size_t)tok * k_stride + (head - H) * HD;
+    const half* nw = is_q ? qn : kn;
+    float a[P], b[P];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        a[i] = __half2float(src[d0 + i]);
+        b[i] = __half2float(src[HD / 2 + d0 + i]);
+        ss += a[i] * a[i] + b[i] * b[i];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / HD + eps);
+    half* dst = is_q ? qout + ((size_t)tok * H + head) * HD : Kc + ((size_t)pos * KV + (head - H)) * HD;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+        float x1 = a[i] * inv * __half2float(nw[d0 + i]);
+        float x2 = b[i] * inv * __half2float(nw[HD / 2 + d0 + i]);
+        float c = cosb[(size_t)pos * (HD / 2) + d0 + i], s = sinb[(size_t)pos * (HD / 2) + d0 + i];
+        dst[d0 + i] = __float2half(x1 * c - x2 * s);
+        dst[HD / 2 + d0 + i] = __float2half(x2 * c + x1 * s);
+    }
+}

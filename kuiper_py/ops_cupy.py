@@ -1,0 +1,363 @@
+"""CuPy backend: the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/.
+
+Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed on the GPU exactly as
+in the file. Decode (T = 1) runs on preallocated buffers and allocates nothing per token.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelArgs, rope_tables
+from .errors import KuiperError, ResourceError
+from .loader import AwqLinear, Layer, Weights
+from .sampling import SamplingParams
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - CPU-only installs
+    cp = None
+
+GEMV_ROWS_PER_BLOCK = 128  # GEMV_WARPS * GEMV_ROWS in gemv_w4a16.cu
+GEMV_COLS = 1024
+GEMM_BM, GEMM_BN = 64, 128
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def kernel_dir() -> Path:
+    try:
+        from importlib.resources import files
+        p = Path(str(files("kuiper_py.kernels_cu")))
+        if (p / "common.cuh").is_file():
+            return p
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parent.parent / "kernels_cu"
+
+
+def cuda_available() -> bool:
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+def check_device() -> None:
+    if not cuda_available():
+        raise KuiperError("--device cuda: no CUDA GPU is visible (use --device cpu)")
+    major, minor = cp.cuda.Device().compute_capability[:-1], cp.cuda.Device().compute_capability[-1]
+    if int(major) < 8:
+        raise KuiperError(f"GPU compute capability {major}.{minor} is below 8.0 (cp.async, ldmatrix and "
+                          f"mma.sync need Ampere or newer)")
+
+
+def gpu_name() -> str:
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def gpu_memory_used_mib() -> float:
+    """Device memory this process holds through CuPy's pool (weights, KV cache, workspace)."""
+    return cp.get_default_memory_pool().total_bytes() / 2**20
+
+
+_MODULES: dict[str, object] = {}
+_FILES = {
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16", "splitk_reduce", "splitk_reduce_swiglu"]),
+    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16", "silu_mul"]),
+    "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
+                              "attn_decode_split<128>", "attn_decode_combine"]),
+    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
+    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>"]),
+    "lmh": ("lm_head.cu", ["lm_head_gemv"]),
+    "smp": ("sampling.cu", ["sample_token"]),
+}
+
+
+def kernel(family: str, name: str):
+    """A compiled kernel. The source gets a #line so NVRTC errors name the real .cu file; CuPy
+    caches the binary on disk, so a second start does not recompile."""
+    if family not in _MODULES:
+        fname, names = _FILES[family]
+        d = kernel_dir()
+        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text()
+        try:
+            mod = cp.RawModule(code=src, options=("--std=c++17", f"-I{d}"), name_expressions=names)
+            mod.compile()
+        except cp.cuda.compiler.CompileException as e:
+            raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
+        _MODULES[family] = mod
+    return _MODULES[family].get_function(name)
+
+
+def _i(v):
+    return np.int32(v)
+
+
+def _f(v):
+    return np.float32(v)
+
+
+def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial):
+    """Decode projections sharing the input x [1, K]: split-K GEMV over up to three matrices, then
+    the reduction epilogue ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1)."""
+    K = mats[0].K
+    S = math.ceil(K / GEMV_ROWS_PER_BLOCK)
+    n_total = sum(m.N for m in mats)
+    assert S * n_total <= partial.size and all(m.K == K for m in mats)
+    tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
+    flat = []
+    for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
+        flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
+    kernel("gemv", "gemv_w4a16")((tiles, S), (256,), (x, *flat, _i(len(mats)), partial, _i(K),
+                                                     _i(mats[0].group_size)))
+    if out_kind == "swiglu":
+        I = mats[0].N
+        kernel("gemv", "splitk_reduce_swiglu")((math.ceil(I / 256),), (256,), (partial, _i(S), _i(I), out))
+    else:
+        kernel("gemv", "splitk_reduce")((math.ceil(n_total / 256),), (256,), (partial, _i(S), _i(n_total), out))
+    return out
+
+
+def gemm(x, m: AwqLinear, out=None):
+    """Prefill projection: x [T, K] fp16 -> [T, N] fp16 through the tensor-core W4A16 GEMM."""
+    T = x.shape[0]
+    out = cp.empty((T, m.N), cp.float16) if out is None else out
+    grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / GEMM_BM))
+    kernel("gemm", "gemm_w4a16")(grid, (128,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
+                                                _i(m.group_size)))
+    return out
+
+
+def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
+    """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd]."""
+    T, H, hd = q.shape
+    out = cp.empty((T, H * hd), cp.float16) if out is None else out
+    kernel("attn", f"flash_attn_prefill<{hd}>")((math.ceil(T / 64), H), (128,), (
+        q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
+    return out
+
+
+def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out):
+    """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd]."""
+    _, H, hd = q.shape
+    S = max(1, min(max_splits, math.ceil(n_keys / 32)))
+    chunk = math.ceil(n_keys / S)
+    S = math.ceil(n_keys / chunk)
+    assert H * S * hd <= part_o.size
+    kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
+        q, kc, vc, part_o, part_ml, _i(n_keys), _i(H), _i(n_kv_heads), _i(chunk),
+        _f(math.log2(math.e) / math.sqrt(hd))))
+    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
+    return out
+
+
+def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_heads: int, eps: float,
+                       out=None):
+    """Per-head RMSNorm of q and k, RoPE at positions pos0.., k and v written into kc/vc [ctx, KV, hd].
+    q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
+    T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
+    out = cp.empty((T, n_heads, hd), cp.float16) if out is None else out
+    kernel("rope", f"qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / 4)), (128,), (
+        q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
+        out, kc, vc, _i(n_heads), _i(KV), _i(pos0), _f(eps)))
+    return out
+
+
+def add_rmsnorm(h, r, w, eps: float, out=None):
+    """h [T, D] fp32 += r (fp16, or None); returns rmsnorm(h) * w in fp16."""
+    T, D = h.shape
+    out = cp.empty((T, D), cp.float16) if out is None else out
+    kernel("norm", "add_rmsnorm")((T,), (256,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
+    return out
+
+
+def lm_head(x, W, out):
+    """x [D] fp16, W [V, D] fp16 -> out [V] fp32."""
+    V, D = W.shape
+    kernel("lmh", "lm_head_gemv")((math.ceil(V / 32),), (256,), (x, W, out, _i(V), _i(D)))
+    return out
+
+
+class CupyOps:
+    name = "cuda"
+
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True):
+        self.args = a = args
+        if a.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
+        for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),
+                        (a.q_dim, "heads*head_dim"), (a.kv_dim, "kv_heads*head_dim")):
+            if n % 32:
+                raise KuiperError(f"{what}={n} is not a multiple of 32, which the GPU kernels need")
+        if a.group_size % 32:
+            raise KuiperError(f"AWQ group size {a.group_size} is not a multiple of 32 (GPU kernels)")
+        if a.hidden_size > 8192:
+            raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
+        self.dev = cp.cuda.Device()
+        self.n_sm = self.dev.attributes["MultiProcessorCount"]
+        self.max_context = max_context
+        try:
+            self.weights = self._upload(weights, progress)
+            L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+            self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+            self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+            cos, sin = rope_tables(a, max_context)
+            self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+            self._alloc_decode()
+        except cp.cuda.memory.OutOfMemoryError as e:
+            kv = 2 * a.num_hidden_layers * max_context * a.kv_dim * 2
+            raise ResourceError(f"out of GPU memory ({e}); the KV cache alone needs {kv / 2**20:.0f} MiB for "
+                                f"--max-context {max_context}: try a smaller --max-context") from None
+        for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
+            kernel(fam, _FILES[fam][1][0])
+
+    # ------------------------------------------------------------------ loading
+    def _upload(self, w: Weights, progress: bool) -> Weights:
+        import cupyx
+        arrays = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
+        for layer in w.layers:
+            arrays += [layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm]
+            for p in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+                lin = getattr(layer, p)
+                arrays += [lin.qweight, lin.qzeros, lin.scales]
+        total = sum(x.nbytes for x in arrays)
+        chunk = 64 << 20
+        pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr,
+                       dynamic_ncols=True, leave=False)
+        done: dict[int, object] = {}
+
+        def up(x):
+            if id(x) in done:
+                return done[id(x)]
+            d = cp.empty(x.shape, dtype=x.dtype)
+            src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            dst = d.reshape(-1).view(cp.uint8)
+            for o in range(0, src.size, chunk):
+                n = min(chunk, src.size - o)
+                pinned[:n] = src[o:o + n]
+                dst[o:o + n].set(pinned[:n])
+            if bar:
+                bar.update(x.nbytes)
+            done[id(x)] = d
+            return d
+
+        def lin(q: AwqLinear):
+            return AwqLinear(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
+
+        layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
+                        lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3)) for L in w.layers]
+        out = Weights(up(w.embed), up(w.final_norm), up(w.lm_head), layers)
+        if bar:
+            bar.close()
+        cp.cuda.Device().synchronize()
+        return out
+
+    def _alloc_decode(self):
+        a = self.args
+        D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
+        s_max = max(math.ceil(k / GEMV_ROWS_PER_BLOCK) * n for k, n in
+                    ((D, qd + 2 * kvd), (qd, D), (D, 2 * I), (I, D)))
+        self.attn_splits = max(1, math.ceil(2 * self.n_sm / a.num_attention_heads))
+        self.d = {
+            "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
+            "partial": cp.empty((s_max,), cp.float32), "qkv": cp.empty((1, qd + 2 * kvd), cp.float16),
+            "qrot": cp.empty((1, a.num_attention_heads, a.head_dim), cp.float16),
+            "attn": cp.empty((1, qd), cp.float16), "proj": cp.empty((1, D), cp.float16),
+            "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
+            "part_o": cp.empty((a.num_attention_heads * self.attn_splits * a.head_dim,), cp.float32),
+            "part_ml": cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32),
+            "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64),
+            "hist": cp.zeros((1024,), cp.int32),
+        }
+        self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
+
+    # ------------------------------------------------------------------ the ops interface
+    def embed(self, ids: list[int]):
+        T, D = len(ids), self.args.hidden_size
+        if T == 1:
+            dev_ids = self.d["token"] if self._sampled is not None and ids[0] == self._sampled else None
+            if dev_ids is None:
+                dev_ids = self.d["ids"]
+                dev_ids[0] = ids[0]
+            h = self.d["h"]
+        else:
+            dev_ids = cp.asarray(np.asarray(ids, dtype=np.int32))
+            h = cp.empty((T, D), cp.float32)
+        kernel("norm", "embed_gather")((T,), (256,), (dev_ids, self.weights.embed, h, _i(D)))
+        return h
+
+    def add_rmsnorm(self, h, r, w):
+        out = self.d["x"] if h.shape[0] == 1 else None
+        return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
+
+    def qkv(self, x, layer: Layer):
+        a = self.args
+        if x.shape[0] == 1:
+            buf = gemv(x, [layer.wq, layer.wk, layer.wv], "plain", self.d["qkv"], self.d["partial"])
+            qd, kvd = a.q_dim, a.kv_dim
+            return buf[:, :qd], buf[:, qd:qd + kvd], buf[:, qd + kvd:]
+        return gemm(x, layer.wq), gemm(x, layer.wk), gemm(x, layer.wv)
+
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
+        a = self.args
+        return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
+                                  self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
+                                  self.d["qrot"] if q.shape[0] == 1 else None)
+
+    def attention(self, q, i: int, pos0: int):
+        KV = self.args.num_key_value_heads
+        if q.shape[0] == 1:
+            return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
+                                    self.d["part_o"], self.d["part_ml"], self.d["attn"])
+        return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
+
+    def linear(self, x, lin: AwqLinear):
+        if x.shape[0] == 1:
+            out = self.d["proj"] if lin.N == self.args.hidden_size else cp.empty((1, lin.N), cp.float16)
+            return gemv(x, [lin], "plain", out, self.d["partial"])
+        return gemm(x, lin)
+
+    def gate_up_silu(self, x, layer: Layer):
+        if x.shape[0] == 1:
+            return gemv(x, [layer.w1, layer.w3], "swiglu", self.d["act"], self.d["partial"])
+        g, u = gemm(x, layer.w1), gemm(x, layer.w3)
+        out = cp.empty_like(g)
+        kernel("gemm", "silu_mul")((math.ceil(g.size / 256),), (256,), (g, u, out, _i(g.size)))
+        return out
+
+    def logits(self, x, all_positions: bool = False):
+        V = self.args.vocab_size
+        if not all_positions:
+            return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"])
+        out = cp.empty((x.shape[0], V), cp.float32)
+        for r in range(x.shape[0]):
+            lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
+        return out
+
+    def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
+        """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
+        hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
+        hist = hist[-1024:]
+        if hist:
+            self.d["hist"][:len(hist)].set(np.asarray(hist, dtype=np.int32))
+        if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
+            self._rng, self._seed = rng, np.uint64(rng.integers(0, 2**63))
+            self.d["step"].fill(0)
+        kernel("smp", "sample_token")((1,), (1024,), (
+            logits, _i(n_valid), self.d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
+            _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, self.d["step"], self.d["token"]))
+        self._sampled = int(self.d["token"].get()[0])
+        return self._sampled
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return cp.asnumpy(x)
