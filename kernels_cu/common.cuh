@@ -5,6 +5,10 @@
 
 typedef unsigned int u32;
 
+#ifndef INFINITY  // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // AWQ 4-bit -> fp16 with the LOP3 magic-number trick.
 // A packed word holds column c of its 8 in nibble {0,4,1,5,2,6,3,7}[c], so nibbles (0,4),
