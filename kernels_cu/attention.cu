@@ -186,9 +186,13 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
         for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
     float m = -INFINITY, l = 0.f;
     const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
-    for (int key = k_begin + quad; key < k_end; key += 32) {
-        const half* kr = Kc + ((size_t)key * KV + kvh) * HD;
-        const half* vr = Vc + ((size_t)key * KV + kvh) * HD;
+    // the trip count is uniform across the block so every lane reaches the quad shuffles
+    for (int base = k_begin; base < k_end; base += 32) {
+        const int key = base + quad;
+        const bool valid = key < k_end;
+        const int kk = valid ? key : k_begin;  // clamp: invalid quads load a real row and drop it
+        const half* kr = Kc + ((size_t)kk * KV + kvh) * HD;
+        const half* vr = Vc + ((size_t)kk * KV + kvh) * HD;
         uint4 kraw[NC], vraw[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
@@ -207,6 +211,7 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
         }
         dot += __shfl_xor_sync(0xffffffffu, dot, 1);
         dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        if (!valid) continue;
         float mn = fmaxf(m, dot);
         float corr = exp2f(m - mn), p = exp2f(dot - mn);
         m = mn;

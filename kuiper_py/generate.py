@@ -67,12 +67,11 @@ class Engine:
 
     def session(self, max_context: int) -> Qwen3:
         """A model with a KV cache of max_context positions (reused when big enough)."""
-        if self.model is None or self.model.max_context != max_context:
+        if self.model is None:
             t0 = time.perf_counter()
-            self.model = None
             self.model = Qwen3(self.file, ops_class(self.device), max_context)
             self.load_seconds += time.perf_counter() - t0
-        self.model.reset()
+        self.model.set_context(max_context)
         return self.model
 
     @property
@@ -128,6 +127,7 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     pending = ""
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids)
+    model.ops.synchronize()  # GPU work is asynchronous: the prompt's time ends when its kernels do
     t_prompt = time.perf_counter() - t0
     t1 = time.perf_counter()
 

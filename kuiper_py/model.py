@@ -13,11 +13,22 @@ from .errors import KuiperError
 class Qwen3:
     def __init__(self, model_file, ops_cls, max_context: int, **ops_kwargs):
         self.args = model_file.args
-        if not 0 < max_context <= self.args.max_position_embeddings:
-            raise KuiperError(f"--max-context {max_context} must be in 1..{self.args.max_position_embeddings} "
-                              f"(the model's max_position_embeddings)")
+        self._check_context(max_context)
         self.max_context = max_context
         self.ops = ops_cls(self.args, model_file.weights, max_context, **ops_kwargs)
+        self.pos = 0
+
+    def _check_context(self, n: int) -> None:
+        if not 0 < n <= self.args.max_position_embeddings:
+            raise KuiperError(f"--max-context {n} must be in 1..{self.args.max_position_embeddings} "
+                              f"(the model's max_position_embeddings)")
+
+    def set_context(self, max_context: int) -> None:
+        """Reallocate the KV cache for a new context length; the weights stay where they are."""
+        if max_context != self.max_context:
+            self._check_context(max_context)
+            self.ops.alloc_cache(max_context)
+            self.max_context = max_context
         self.pos = 0
 
     def reset(self) -> None:

@@ -200,21 +200,36 @@ class CupyOps:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
         self.n_sm = self.dev.attributes["MultiProcessorCount"]
-        self.max_context = max_context
         try:
             self.weights = self._upload(weights, progress)
-            L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
-            self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
-            self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
-            cos, sin = rope_tables(a, max_context)
-            self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
             self._alloc_decode()
         except cp.cuda.memory.OutOfMemoryError as e:
-            kv = 2 * a.num_hidden_layers * max_context * a.kv_dim * 2
-            raise ResourceError(f"out of GPU memory ({e}); the KV cache alone needs {kv / 2**20:.0f} MiB for "
-                                f"--max-context {max_context}: try a smaller --max-context") from None
+            raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
+        self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
+
+    def alloc_cache(self, max_context: int) -> None:
+        """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
+        a = self.args
+        L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+        self.k_cache = self.v_cache = None
+        cp.get_default_memory_pool().free_all_blocks()
+        try:
+            self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+            self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+        except cp.cuda.memory.OutOfMemoryError:
+            self.k_cache = self.v_cache = None
+            kv = 2 * L * max_context * KV * hd * 2
+            raise ResourceError(f"out of GPU memory: the KV cache needs {kv / 2**20:.0f} MiB for --max-context "
+                                f"{max_context}; try a smaller --max-context") from None
+        cos, sin = rope_tables(a, max_context)
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        self.max_context = max_context
+
+    @staticmethod
+    def synchronize() -> None:
+        cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------------ loading
     def _upload(self, w: Weights, progress: bool) -> Weights:

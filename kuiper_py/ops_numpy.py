@@ -49,10 +49,18 @@ class NumpyOps:
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int):
         self.args = args
         self.weights = weights
-        self.cos, self.sin = rope_tables(args, max_context)
-        shape = (args.num_hidden_layers, max_context, args.num_key_value_heads, args.head_dim)
+        self.alloc_cache(max_context)
+
+    def alloc_cache(self, max_context: int) -> None:
+        a = self.args
+        self.cos, self.sin = rope_tables(a, max_context)
+        shape = (a.num_hidden_layers, max_context, a.num_key_value_heads, a.head_dim)
         self.k_cache = np.zeros(shape, dtype=np.float32)
         self.v_cache = np.zeros(shape, dtype=np.float32)
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
 
     def embed(self, ids: list[int]) -> np.ndarray:
         return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
