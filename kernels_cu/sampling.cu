@@ -110,7 +110,7 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
             if (x > v) { v = x; idx = i; }  // strided scan keeps the first maximum per thread
         }
         block_argmax(v, idx, sv, si);
-        if (threadIdx.x == 0) { *out = idx; *step += 1; }
+        if (threadIdx.x == 0) { *out = idx == 0x7fffffff ? -1 : idx; *step += 1; }  // -1: all NaN
         return;
     }
     const float invt = 1.f / temperature;
@@ -148,5 +148,5 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
     }
     block_argmax(best, idx, sv, si);
     __syncthreads();
-    if (threadIdx.x == 0) { *out = idx; *step = st + 1; }
+    if (threadIdx.x == 0) { *out = idx == 0x7fffffff ? -1 : idx; *step = st + 1; }
 }

@@ -370,8 +370,11 @@ class CupyOps:
         kernel("smp", "sample_token")((1,), (1024,), (
             logits, _i(n_valid), self.d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
             _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, self.d["step"], self.d["token"]))
-        self._sampled = int(self.d["token"].get()[0])
-        return self._sampled
+        tok = int(self.d["token"].get()[0])
+        if tok < 0:
+            raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be damaged")
+        self._sampled = tok
+        return tok
 
     @staticmethod
     def to_host(x) -> np.ndarray:
