@@ -256,10 +256,12 @@ class CupyOps:
             d = cp.empty(x.shape, dtype=x.dtype)
             src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
             dst = d.reshape(-1).view(cp.uint8)
+            stream = cp.cuda.get_current_stream()
             for o in range(0, src.size, chunk):
                 n = min(chunk, src.size - o)
                 pinned[:n] = src[o:o + n]
-                dst[o:o + n].set(pinned[:n])
+                dst[o:o + n].set(pinned[:n], stream=stream)
+                stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
             if bar:
                 bar.update(x.nbytes)
             done[id(x)] = d
