@@ -1,8 +1,10 @@
 """The `kuiper` command line. stdout carries generated text or JSON only; everything else goes to stderr."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -22,6 +24,8 @@ def main(argv=None) -> None:
     """Entry point: one line and an exit code for every failure; a traceback only under --debug."""
     argv = list(sys.argv[1:] if argv is None else argv)
     DEBUG["on"] = "--debug" in argv or os.environ.get("KUIPER_DEBUG") == "1"
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit should fail the write (EFBIG), not kill us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         rc = cli.main(args=argv, prog_name="kuiper", standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
@@ -46,12 +50,23 @@ def main(argv=None) -> None:
             traceback.print_exc()
         _err("out of host memory")
         sys.exit(3)
+    except OSError as e:
+        if DEBUG["on"]:
+            traceback.print_exc()
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM):
+            _err(f"out of resources: {e.strerror}")
+            sys.exit(3)
+        _err(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")
+        sys.exit(2)
     except BrokenPipeError:
         sys.stderr.close()
         sys.exit(0)
     except Exception as e:  # noqa: BLE001 - the last line of defence turns a bug into one line
         if DEBUG["on"]:
             traceback.print_exc()
+        if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
+            _err(f"out of GPU memory: {e} (try a smaller --max-context)")
+            sys.exit(3)
         _err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for a traceback)")
         sys.exit(1)
 

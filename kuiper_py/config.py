@@ -72,6 +72,16 @@ class ModelArgs:
 
 def rope_inv_freq(args: ModelArgs) -> tuple[np.ndarray, float]:
     """Inverse frequencies [head_dim/2] and the attention scaling factor, as transformers computes them."""
+    try:
+        inv, scale = _rope_inv_freq(args)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        raise KuiperError(f"bad rope_scaling {args.rope_scaling!r}: {e}") from None
+    if not (np.isfinite(inv).all() and np.isfinite(scale)):
+        raise KuiperError(f"rope_scaling {args.rope_scaling!r} gives non-finite frequencies")
+    return inv, scale
+
+
+def _rope_inv_freq(args: ModelArgs) -> tuple[np.ndarray, float]:
     d = args.head_dim
     base = args.rope_theta
     inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))

@@ -97,6 +97,8 @@ class Header:
             (_, _, h.rope_theta, h.rms_norm_eps, h.bos_token_id, h.eos_token_id, h.model_type,
              h.flags, h.trailer_offset, h.trailer_length, h.checksum) = ext
             h.has_ext = True
+            if any(buf[EXT_OFFSET + _EXT.size:HEADER_SIZE]) or any(buf[0x2D:EXT_OFFSET]):
+                raise KuiperError("header reserved bytes are not zero: damaged or unknown variant")
         elif any(buf[0x2D:HEADER_SIZE]):
             raise KuiperError("header padding is not zero and carries no kuiper extension: unknown variant")
         h.validate()
@@ -132,8 +134,15 @@ class Header:
 
     @property
     def weights_end(self) -> int:
-        r = regions(self)
-        return r[-1].offset + r[-1].nbytes
+        """End of the last weight region, by formula in Python integers (no region list is built, so a
+        hostile layer count cannot make us loop or allocate before the size check)."""
+        L, D, V, hd, g = self.n_layers, self.dim, self.vocab_size, self.head_dim, self.group_size
+        fp16 = 2 * (2 * L * D + D + V * D + (0 if self.shared_classifier else V * D) + 2 * L * hd)
+        quant = 0
+        for p in PROJECTIONS:
+            K, N = proj_dims(self, p)
+            quant += K * N // 2 + (K // g) * (N // 8) * 4 + (K // g) * N * 2
+        return HEADER_SIZE + fp16 + L * quant
 
 
 @dataclass(frozen=True)

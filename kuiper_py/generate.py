@@ -61,6 +61,13 @@ class Engine:
         t0 = time.perf_counter()
         mf = loader.load(path, tokenizer_dir)
         tok = ChatTokenizer(mf.trailer) if need_tokenizer else None
+        if tok is not None:
+            V = mf.args.vocab_size
+            if tok.vocab_size > V:
+                raise KuiperError(f"tokenizer has {tok.vocab_size} tokens but the model only {V} embeddings")
+            bad = [i for i in mf.args.eos_token_ids if not 0 <= i < tok.vocab_size]
+            if bad:
+                raise KuiperError(f"end-of-sequence ids {bad} are outside the tokenizer's {tok.vocab_size} tokens")
         eng = cls(mf, pick_device(device), tok)
         eng.load_seconds = time.perf_counter() - t0
         return eng
@@ -113,6 +120,8 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
         raise KuiperError(f"--max-tokens {max_tokens} must be >= 0")
     if not prompt_ids:
         raise KuiperError("the prompt is empty")
+    if not all(0 <= t < args.vocab_size for t in prompt_ids):
+        raise KuiperError(f"prompt token ids must be in 0..{args.vocab_size - 1}")
     ctx = max_context or min(len(prompt_ids) + max_tokens, args.max_position_embeddings)
     if len(prompt_ids) > ctx:
         raise KuiperError(f"prompt of {len(prompt_ids)} tokens does not fit a context of {ctx} "

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import format as fmt
-from .config import ModelArgs
+from .config import ModelArgs, rope_inv_freq
 from .errors import KuiperError
 
 
@@ -98,8 +98,7 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
     f, size = _open_regular(path)
     with f:
         h = fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
-        regions = fmt.regions(h)
-        end = regions[-1].offset + regions[-1].nbytes
+        end = h.weights_end
         if h.has_ext and h.trailer_length:
             if h.trailer_offset != end:
                 raise KuiperError(f"header trailer offset {h.trailer_offset} is not the end of the weights ({end})")
@@ -108,6 +107,8 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
             raise KuiperError(f"model file is truncated: {size} bytes, the header implies {end}")
         if size > end:
             raise KuiperError(f"model file has {size - end} unexpected extra bytes after the {end} the header implies")
+        regions = fmt.regions(h)  # bounded now: every layer's regions are inside the file
+        assert regions[-1].offset + regions[-1].nbytes == h.weights_end
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def view(r: fmt.Region) -> np.ndarray:
@@ -141,6 +142,8 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
 def args_from(h: fmt.Header, trailer: dict | None) -> ModelArgs:
     cfg = (trailer or {}).get("config") or {}
     gen = (trailer or {}).get("generation_config") or {}
+    if not isinstance(cfg, dict) or not isinstance(gen, dict):
+        raise KuiperError("model metadata: config and generation_config must be objects")
     a = ModelArgs(
         hidden_size=h.dim, intermediate_size=h.hidden_dim, num_hidden_layers=h.n_layers,
         num_attention_heads=h.n_heads, num_key_value_heads=h.n_kv_heads, head_dim=h.head_dim,
@@ -154,20 +157,30 @@ def args_from(h: fmt.Header, trailer: dict | None) -> ModelArgs:
         a.rope_theta = float(cfg.get("rope_theta", a.rope_theta))
         a.rms_norm_eps = float(cfg.get("rms_norm_eps", a.rms_norm_eps))
     if cfg:
-        hf = ModelArgs.from_hf_config(cfg, h.group_size)
-        a.rope_scaling = hf.rope_scaling
-        a.eos_token_ids = _merge_ids(a.eos_token_ids, hf.eos_token_ids)
-        if a.bos_token_id is None:
-            a.bos_token_id = hf.bos_token_id
-    eos = gen.get("eos_token_id")
-    a.eos_token_ids = _merge_ids(a.eos_token_ids, [eos] if isinstance(eos, int) else list(eos or []))
+        # only what the header lacks; the trailer is input from outside, so every field is type-checked
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is not None and not isinstance(scaling, dict):
+            raise KuiperError("model metadata: rope_scaling is not an object")
+        a.rope_scaling = scaling
+        eos_cfg = cfg.get("eos_token_id")
+        a.eos_token_ids = _merge_ids(a.eos_token_ids, [eos_cfg] if isinstance(eos_cfg, int) else
+                                     list(eos_cfg) if isinstance(eos_cfg, list) else [])
+        if a.bos_token_id is None and isinstance(cfg.get("bos_token_id"), int):
+            a.bos_token_id = cfg["bos_token_id"]
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    a.eos_token_ids = _merge_ids(a.eos_token_ids, [eos] if isinstance(eos, int) else
+                                 list(eos) if isinstance(eos, list) else [])
+    rope_inv_freq(a)  # refuses unsupported or malformed rope_scaling now, not mid-generation
     return a
 
 
 def _merge_ids(a: list, b: list) -> list[int]:
     out = list(a)
     for x in b:
-        if isinstance(x, int) and x not in out:
+        if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 and x not in out:
             out.append(x)
     return out
 

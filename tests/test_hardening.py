@@ -1,0 +1,123 @@
+"""Hostile inputs, resource limits, interrupts and long runs through the real CLI (issue: hardening)."""
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from test_cli import _one_line_error
+
+
+def test_model_path_fifo_dev_zero_and_directory(tmp_path, tiny_dir):
+    fifo = tmp_path / "pipe.bin"
+    os.mkfifo(fifo)
+    _one_line_error(run_cli("info", fifo, timeout=30), match="not a regular file")  # never blocks on open
+    _one_line_error(run_cli("info", "/dev/zero", timeout=30), match="not a regular file")
+    _one_line_error(run_cli("generate", "-m", tiny_dir, "-p", "x", timeout=30), match="is a directory")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_model(tiny_bin, tmp_path):
+    p = tmp_path / "locked.bin"
+    p.write_bytes(tiny_bin.read_bytes()[:1000])
+    p.chmod(0)
+    _one_line_error(run_cli("info", p), match="Permission denied")
+
+
+def _export_limited(src, out, limit):
+    def lim():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "kuiper_py", "export", str(src), "-o", str(out), "-q"],
+                          capture_output=True, text=True, timeout=300, env=env, preexec_fn=lim)
+
+
+def test_export_disk_full_leaves_nothing(untied_dir, tmp_path):
+    out = tmp_path / "out" / "m.bin"
+    out.parent.mkdir()
+    r = _export_limited(untied_dir, out, 10 << 20)  # a 10 MiB file-size limit stands in for a full disk
+    _one_line_error(r, code=3, match="disk full or file too large")
+    assert list(out.parent.iterdir()) == []
+
+
+def test_export_output_directory_problems(untied_dir, tmp_path):
+    f = tmp_path / "plainfile"
+    f.write_text("x")
+    _one_line_error(run_cli("export", untied_dir, "-o", f / "m.bin"), match="does not exist")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        _one_line_error(run_cli("export", untied_dir, "-o", ro / "m.bin"), match="cannot write")
+
+
+def _spawn(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "kuiper_py", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+
+
+def test_ctrl_c_during_decode_prints_text_and_stats(tiny_bin):
+    p = _spawn("generate", "-m", tiny_bin, "-p", "Once upon a time", "--raw", "--temp", "0", "-n", 100000,
+               "--max-context", 4096, "--device", "cpu")
+    first = p.stdout.read(8)  # some text has streamed: we are in the decode loop
+    assert first
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    err = err.decode()
+    assert "Traceback" not in err and "finish: interrupted" in err and "tok/s" in err
+    assert len(first + out) > 8
+
+
+def test_ctrl_c_during_prefill(tiny_bin):
+    prompt = " ".join(f"word{i}" for i in range(3000))
+    p = _spawn("generate", "-m", tiny_bin, "-p", prompt, "--raw", "-n", 4, "--device", "cpu", "-v")
+    deadline = time.time() + 60
+    buf = b""
+    while b"prompt:" not in buf and time.time() < deadline:
+        buf += p.stderr.read1(4096)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert b"Traceback" not in buf + err and b"interrupted" in buf + err
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(tiny_bin, tmp_path):
+    import json
+    from kuiper_py import format as fmt
+    b = bytearray(tiny_bin.read_bytes())
+    h = fmt.Header.unpack(bytes(b[:256]))
+    h.vocab_size = 1000  # fewer embedding rows than the tokenizer's 151669 tokens
+    body_end = h.weights_end
+    trailer = b[fmt.Header.unpack(bytes(b[:256])).trailer_offset:]
+    keep = bytes(b[256:256 + body_end - 256])
+    h.trailer_offset, h.trailer_length, h.flags = body_end, len(trailer), 0
+    p = tmp_path / "small_vocab.bin"
+    p.write_bytes(h.pack() + keep + bytes(trailer))
+    json.loads(bytes(trailer))
+    _one_line_error(run_cli("generate", "-m", p, "-p", "hi", "--device", "cpu"), match="only 1000 embeddings")
+
+
+def test_soak_cpu_memory_is_flat(tiny_bin):
+    """One process, many generations: resident memory must not grow after the first runs."""
+    from kuiper_py.generate import Engine, generate
+    from kuiper_py.sampling import SamplingParams
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    eng = Engine.load(tiny_bin, "cpu")
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1)
+    sizes = []
+    for run in range(12):
+        for _ in generate(eng, eng.tokenizer.encode("Tell me about the sea"), 48, p, max_context=64):
+            pass
+        sizes.append(rss())
+    growth = sizes[-1] - sizes[2]
+    assert growth < 0.01 * sizes[2] + (1 << 20), sizes
