@@ -99,6 +99,8 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
     with f:
         h = fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
         end = h.weights_end
+        if size < end:
+            raise KuiperError(f"model file is truncated: {size} bytes, the header's dimensions imply {end}")
         if h.has_ext and h.trailer_length:
             if h.trailer_offset != end:
                 raise KuiperError(f"header trailer offset {h.trailer_offset} is not the end of the weights ({end})")

@@ -95,6 +95,9 @@ def kernel(family: str, name: str):
 
 
 def _i(v):
+    """A kernel's int32 argument, refused (not wrapped) when it does not fit."""
+    if not -2**31 <= int(v) < 2**31:
+        raise KuiperError(f"a kernel size argument ({v}) exceeds the int32 range; use a smaller --max-context")
     return np.int32(v)
 
 
