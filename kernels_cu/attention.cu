@@ -159,7 +159,8 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
                   const half* __restrict__ Vc,
                   float* __restrict__ part_o,   // [H, S, HD] unnormalised
                   float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
-                  int n_keys, int H, int KV, int chunk, float scale_log2) {
+                  int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
+                  int H, int KV, float scale_log2) {
     constexpr int NC = HD / 32;  // 16-byte chunks per lane
     __shared__ float sm_o[32][HD + 4];
     __shared__ float sm_m[32], sm_l[32];
@@ -185,6 +186,8 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
     float m = -INFINITY, l = 0.f;
+    if (pos_dev) n_keys = *pos_dev + 1;
+    const int chunk = (n_keys + S - 1) / S;  // in-kernel, so a captured graph serves every length
     const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
     // the trip count is uniform across the block so every lane reaches the quad shuffles
     for (int base = k_begin; base < k_end; base += 32) {

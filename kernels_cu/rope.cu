@@ -16,12 +16,14 @@ qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride
                    half* __restrict__ qout,                      // [T, H, HD]
                    half* __restrict__ Kc,                        // [ctx, KV, HD] this layer
                    half* __restrict__ Vc,
-                   int H, int KV, int pos0, float eps) {
+                   int H, int KV, int pos0,
+                   const int* __restrict__ pos_dev,  // when set, pos0 is read here (graph replay)
+                   float eps) {
     constexpr int P = HD / 64;
     const int tok = blockIdx.x, lane = threadIdx.x & 31;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
     if (head >= H + 2 * KV) return;
-    const int pos = pos0 + tok;
+    const int pos = (pos_dev ? *pos_dev : pos0) + tok;
     const int d0 = lane * P;
     if (head >= H + KV) {  // value head: straight copy into the cache
         const int vh = head - H - KV;
@@ -53,3 +55,6 @@ qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride
         dst[HD / 2 + d0 + i] = __float2half(x2 * c + x1 * s);
     }
 }
+
+// The decode graph's last node: the next replay works one position further on.
+__global__ void advance_position(int* pos) { *pos += 1; }

@@ -34,11 +34,8 @@ class Qwen3:
     def reset(self) -> None:
         self.pos = 0
 
-    def _forward(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+    def _body(self, ids: list[int], pos0: int, all_logits: bool = False):
         ops, w = self.ops, self.ops.weights
-        pos0, T = self.pos, len(ids)
-        if pos0 + T > self.max_context:
-            raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
         h = ops.embed(ids)  # [T, D]
         r = None
         for i, layer in enumerate(w.layers):
@@ -49,8 +46,16 @@ class Qwen3:
             h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
             r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
         h, x = ops.add_rmsnorm(h, r, w.final_norm)
-        self.pos += T
         return ops.logits(x, all_logits)
+
+    def _forward(self, ids: list[int], all_logits: bool = False):
+        pos0, T = self.pos, len(ids)
+        if pos0 + T > self.max_context:
+            raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
+        self.ops.begin_step(pos0, T)
+        out = self._body(ids, pos0, all_logits)
+        self.pos += T
+        return out
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,
@@ -59,6 +64,15 @@ class Qwen3:
             raise KuiperError("empty prompt")
         return self._forward(list(ids), all_logits)
 
-    def decode(self, token: int) -> np.ndarray:
-        """One token at the current position; float32 logits [V]."""
-        return self._forward([int(token)])
+    def decode(self, token: int):
+        """One token at the current position; float32 logits [V]. Backends that can (CUDA) replay
+        the whole step as one captured graph."""
+        token = int(token)
+        if not getattr(self.ops, "graphs", False):
+            return self._forward([token])
+        if self.pos + 1 > self.max_context:
+            raise KuiperError(f"context full: {self.pos} + 1 tokens exceed --max-context {self.max_context}")
+        pos0 = self.pos
+        out = self.ops.decode_step(lambda: self._body([token], pos0), token, pos0)
+        self.pos += 1
+        return out

@@ -72,7 +72,7 @@ _FILES = {
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
                               "attn_decode_split<128>", "attn_decode_combine"]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
-    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>"]),
+    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token"]),
 }
@@ -145,29 +145,29 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
     return out
 
 
-def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out):
-    """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd]."""
+def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
+                     pos_dev=None):
+    """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
+    With pos_dev (graph replay) the length is read on the device and all max_splits splits run."""
     _, H, hd = q.shape
-    S = max(1, min(max_splits, math.ceil(n_keys / 32)))
-    chunk = math.ceil(n_keys / S)
-    S = math.ceil(n_keys / chunk)
+    S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
     assert H * S * hd <= part_o.size
     kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
-        q, kc, vc, part_o, part_ml, _i(n_keys), _i(H), _i(n_kv_heads), _i(chunk),
-        _f(math.log2(math.e) / math.sqrt(hd))))
+        q, kc, vc, part_o, part_ml, _i(n_keys), pos_dev if pos_dev is not None else np.uint64(0), _i(H),
+        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
     kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
     return out
 
 
 def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_heads: int, eps: float,
-                       out=None):
+                       out=None, pos_dev=None):
     """Per-head RMSNorm of q and k, RoPE at positions pos0.., k and v written into kc/vc [ctx, KV, hd].
     q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
     T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
     out = cp.empty((T, n_heads, hd), cp.float16) if out is None else out
     kernel("rope", f"qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / 4)), (128,), (
         q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
-        out, kc, vc, _i(n_heads), _i(KV), _i(pos0), _f(eps)))
+        out, kc, vc, _i(n_heads), _i(KV), _i(pos0), pos_dev if pos_dev is not None else np.uint64(0), _f(eps)))
     return out
 
 
@@ -203,6 +203,12 @@ class CupyOps:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
         self.n_sm = self.dev.attributes["MultiProcessorCount"]
+        import os
+        self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
+        self._graph = None
+        self._dev_pos = None
+        # a blocking stream: ordered with the default stream that eager kernels use, and capturable
+        self._stream = cp.cuda.Stream(non_blocking=False)
         try:
             self.weights = self._upload(weights, progress)
             self._alloc_decode()
@@ -229,6 +235,7 @@ class CupyOps:
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         self.max_context = max_context
+        self._graph = None  # it holds the old cache's addresses
 
     @staticmethod
     def synchronize() -> None:
@@ -295,7 +302,7 @@ class CupyOps:
             "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
             "part_o": cp.empty((a.num_attention_heads * self.attn_splits * a.head_dim,), cp.float32),
             "part_ml": cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32),
-            "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64),
+            "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
         self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
@@ -329,16 +336,46 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
+        one = q.shape[0] == 1
         return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
                                   self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
-                                  self.d["qrot"] if q.shape[0] == 1 else None)
+                                  self.d["qrot"] if one else None, self.d["pos"] if one else None)
 
     def attention(self, q, i: int, pos0: int):
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
-                                    self.d["part_o"], self.d["part_ml"], self.d["attn"])
+                                    self.d["part_o"], self.d["part_ml"], self.d["attn"],
+                                    self.d["pos"] if self.graphs else None)
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
+
+    # ------------------------------------------------------------------ decode as one CUDA graph
+    def begin_step(self, pos0: int, n_tokens: int) -> None:
+        """Single-token steps read their position from device memory (so a graph can replay them)."""
+        if n_tokens == 1 and self._dev_pos != pos0:
+            self.d["pos"].fill(pos0)
+            self._dev_pos = pos0
+
+    def decode_step(self, body, token: int, pos0: int):
+        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32."""
+        if self._sampled is None or token != self._sampled:
+            self.d["token"].fill(token)
+            self._sampled = token
+        self.begin_step(pos0, 1)
+        if self._graph is None:
+            stream = self._stream
+            with stream:
+                stream.begin_capture()
+                try:
+                    out = body()
+                    kernel("rope", "advance_position")((1,), (1,), (self.d["pos"],))
+                finally:
+                    graph = stream.end_capture()
+            assert out.data.ptr == self.d["logits"].data.ptr
+            self._graph = graph
+        self._graph.launch(self._stream)
+        self._dev_pos = pos0 + 1
+        return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
         if x.shape[0] == 1:

@@ -62,6 +62,9 @@ class NumpyOps:
     def synchronize() -> None:
         pass
 
+    def begin_step(self, pos0: int, n_tokens: int) -> None:
+        pass
+
     def embed(self, ids: list[int]) -> np.ndarray:
         return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 

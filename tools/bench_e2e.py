@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark (device machine), batch 1, on an ak48 file with the real Qwen3-8B shapes:
+decode tok/s at several contexts with the effective bandwidth (bytes read per step / step time) as a
+ratio to a same-run device copy; prefill tok/s; the same through Hugging Face transformers in FP16
+(sdpa, same dequantized weights); peak GPU memory of both.
+
+    python tools/bench_e2e.py MODEL.bin [--ctx 512,8192,32768] [--prompts 128,512,2048,8192] [--no-hf] [--json F]
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupy as cp  # noqa: E402
+
+from kuiper_py import format as fmt  # noqa: E402
+from kuiper_py.generate import Engine  # noqa: E402
+from kuiper_py.ops_cupy import gpu_name  # noqa: E402
+from kuiper_py.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def copy_bandwidth():
+    n = 1 << 28
+    a, b = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+    cp.copyto(b, a)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(10):
+        cp.copyto(b, a)
+    e1.record()
+    e1.synchronize()
+    return 2 * n * 4 * 10 / (cp.cuda.get_elapsed_time(e0, e1) / 1e3) / 1e9
+
+
+def step_bytes(mf, ctx):
+    """Bytes one decode step must read: every weight region once (a separate embedding table only for
+    the one row it gathers), plus the KV cache up to ctx."""
+    h, a = mf.header, mf.args
+    weights = h.weights_end - fmt.HEADER_SIZE
+    if not h.shared_classifier:
+        weights -= (h.vocab_size - 1) * h.dim * 2
+    return weights + 2 * a.num_hidden_layers * ctx * a.kv_dim * 2
+
+
+def hf_model(mf):
+    """transformers Qwen3ForCausalLM in fp16 on the GPU with our file's dequantized weights."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = dict(mf.trailer["config"])
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float16"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg, attn_implementation="sdpa"))
+    shifts = cp.asarray([0, 16, 4, 20, 8, 24, 12, 28], dtype=cp.uint32)
+
+    def deq(lin):
+        q = ((cp.asarray(lin.qweight).view(cp.uint32)[:, :, None] >> shifts) & 15).reshape(lin.K, -1)
+        z = ((cp.asarray(lin.qzeros).view(cp.uint32)[:, :, None] >> shifts) & 15).reshape(lin.K // 128, -1)
+        s = cp.asarray(lin.scales)
+        g = cp.arange(lin.K) // 128
+        w = ((q.astype(cp.float16) - z[g].astype(cp.float16)) * s[g]).T.copy()
+        return torch.from_dlpack(w)
+
+    w = mf.weights
+    sd = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(w.embed)).cuda(),
+          "model.norm.weight": torch.from_numpy(np.asarray(w.final_norm)).cuda(),
+          "lm_head.weight": torch.from_numpy(np.asarray(w.lm_head)).cuda()}
+    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+             "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
+    for i, L in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = torch.from_numpy(np.asarray(L.attn_norm)).cuda()
+        sd[p + "post_attention_layernorm.weight"] = torch.from_numpy(np.asarray(L.ffn_norm)).cuda()
+        sd[p + "self_attn.q_norm.weight"] = torch.from_numpy(np.asarray(L.q_norm)).cuda()
+        sd[p + "self_attn.k_norm.weight"] = torch.from_numpy(np.asarray(L.k_norm)).cuda()
+        for k, n in names.items():
+            sd[p + n + ".weight"] = deq(getattr(L, k))
+    model.load_state_dict(sd, assign=True, strict=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config, device="cuda")
+    return model.eval()
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--ctx", default="512,8192,32768")
+@click.option("--prompts", default="128,512,2048,8192")
+@click.option("--steps", default=64)
+@click.option("--no-hf", is_flag=True)
+@click.option("--json", "json_out", default=None)
+def main(model, ctx, prompts, steps, no_hf, json_out):
+    ctxs, pls = [int(x) for x in ctx.split(",")], [int(x) for x in prompts.split(",")]
+    res = {"gpu": gpu_name(), "copy_GBps": copy_bandwidth(), "decode": [], "prefill": []}
+    eng = Engine.load(model, "cuda", need_tokenizer=False)
+    rng = np.random.default_rng(0)
+    mf = eng.file
+    for c in ctxs:
+        m = eng.session(c + steps + 1)
+        ids = rng.integers(0, 151643, c).tolist()
+        lg = m.prefill(ids)
+        tok = m.ops.sample(lg, GREEDY, rng, [], 151669)
+        for _ in range(4):  # warm-up (graph capture)
+            tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
+        dt = (time.perf_counter() - t0) / steps
+        by = step_bytes(mf, c + 4 + steps // 2)
+        res["decode"].append({"context": c, "tok_s": 1 / dt, "step_ms": dt * 1e3, "bytes_per_step": by,
+                              "eff_GBps": by / dt / 1e9, "ratio_to_copy": by / dt / 1e9 / res["copy_GBps"]})
+    for p in pls:
+        m = eng.session(p)
+        ids = rng.integers(0, 151643, p).tolist()
+        ts = []
+        for rep in range(4):
+            m.set_context(p)
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            m.prefill(ids)
+            cp.cuda.Device().synchronize()
+            if rep:
+                ts.append(time.perf_counter() - t0)
+        res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts))})
+    res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
+    eng.model = None
+    cp.get_default_memory_pool().free_all_blocks()
+    if not no_hf:
+        import torch
+        hf = hf_model(mf)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        hf_pre = {}
+        with torch.no_grad():
+            for p in pls:
+                x = torch.randint(0, 151643, (1, p), device="cuda")
+                ts = []
+                for rep in range(3):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    hf(x, use_cache=False, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    if rep:
+                        ts.append(time.perf_counter() - t0)
+                hf_pre[p] = p / float(np.median(ts))
+            hf_dec = {}
+            for c in ctxs[:1]:
+                x = torch.randint(0, 151643, (1, c), device="cuda")
+                out = hf(x, use_cache=True, logits_to_keep=1)
+                pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                for i in range(steps + 4):
+                    if i == 4:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                    out = hf(nxt, past_key_values=pkv, use_cache=True)
+                    pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                hf_dec[c] = steps / (time.perf_counter() - t0)
+        res["hf_peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        for r in res["prefill"]:
+            r["hf_tok_s"] = hf_pre[r["prompt"]]
+            r["ratio_to_hf"] = r["tok_s"] / r["hf_tok_s"]
+        for r in res["decode"]:
+            if r["context"] in hf_dec:
+                r["hf_tok_s"] = hf_dec[r["context"]]
+                r["ratio_to_hf"] = r["tok_s"] / r["hf_tok_s"]
+    print(f"# {res['gpu']}: device copy {res['copy_GBps']:.0f} GB/s; kuiper GPU memory {res['ours_gpu_mib']:.0f} MiB"
+          + (f"; transformers fp16 peak {res['hf_peak_gpu_mib']:.0f} MiB" if "hf_peak_gpu_mib" in res else ""))
+    print("| decode ctx | tok/s | ms/step | eff. GB/s | / copy | HF fp16 tok/s | x HF |\n|---:|---:|---:|---:|---:|---:|---:|")
+    for r in res["decode"]:
+        print(f"| {r['context']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['eff_GBps']:.0f} | "
+              f"{r['ratio_to_copy']:.2f} | {r.get('hf_tok_s', float('nan')):.1f} | {r.get('ratio_to_hf', float('nan')):.2f} |")
+    print("| prefill tokens | tok/s | HF fp16 tok/s | x HF |\n|---:|---:|---:|---:|")
+    for r in res["prefill"]:
+        print(f"| {r['prompt']} | {r['tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | {r.get('ratio_to_hf', float('nan')):.2f} |")
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

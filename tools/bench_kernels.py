@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Kernel benchmark (device machine): decode GEMV bandwidth vs a same-run device copy, prefill GEMM
+throughput vs cuBLAS FP16 (cupy.matmul), at the Qwen3-8B projection shapes. Weight copies are
+rotated so their total is several times the L2 cache: these are DRAM numbers.
+
+    python tools/bench_kernels.py [--json OUT.json]
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupy as cp  # noqa: E402
+
+from kuiper_py.loader import AwqLinear  # noqa: E402
+from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head  # noqa: E402
+
+DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
+       "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
+PRE = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate 4096->12288": (4096, 12288),
+       "down 12288->4096": (12288, 4096)}
+
+
+def time_ms(fn, iters=50, reps=5):
+    fn(0)
+    cp.cuda.Device().synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        for i in range(iters):
+            fn(i)
+        b.record()
+        b.synchronize()
+        out.append(cp.cuda.get_elapsed_time(a, b) / iters)
+    return float(np.median(out))
+
+
+def rand_awq(K, N):
+    qw = cp.random.randint(-2**31, 2**31 - 1, size=(K, N // 8), dtype=cp.int64).astype(cp.int32)
+    qz = cp.random.randint(-2**31, 2**31 - 1, size=(K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
+    sc = (cp.random.random((K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
+    return AwqLinear(qw, qz, sc, 128)
+
+
+def main():
+    out = {"gpu": gpu_name(), "decode": [], "prefill": []}
+    l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
+    n = 1 << 28
+    src, dst = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+    ms = time_ms(lambda i: cp.copyto(dst, src), iters=10)
+    copy_bw = 2 * n * 4 / ms / 1e6  # GB/s, read + write
+    out["copy_GBps"] = copy_bw
+    del src, dst
+    partial = cp.empty((96 * 4096 + 32 * 24576,), cp.float32)
+    for name, mats in DEC.items():
+        per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
+        copies = max(2, math.ceil(6 * l2 / per))
+        sets = [[rand_awq(K, N) for K, N in mats] for _ in range(copies)]
+        K = mats[0][0]
+        x = (cp.random.standard_normal((1, K)) * 0.1).astype(cp.float16)
+        nout = sum(N for _, N in mats) if "gate" not in name else mats[0][1]
+        o = cp.empty((1, nout), cp.float16)
+        kind = "swiglu" if "gate" in name else "plain"
+        t = time_ms(lambda i: gemv(x, sets[i % copies], kind, o, partial))
+        bw = per / t / 1e6
+        out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
+                              "weight_bytes": per, "rotated_copies": copies})
+    V, D = 151936, 4096
+    W = [(cp.random.standard_normal((V, D), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(2)]
+    x = cp.random.standard_normal(D, dtype=cp.float32).astype(cp.float16)
+    lo = cp.empty(V, cp.float32)
+    t = time_ms(lambda i: lm_head(x, W[i % 2], lo))
+    bw = V * D * 2 / t / 1e6
+    out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
+                          "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
+    del W
+    for name, (K, N) in PRE.items():
+        m = rand_awq(K, N)
+        Wf = (cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16)
+        for M in (16, 128, 512, 2048):
+            a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
+            c = cp.empty((M, N), cp.float16)
+            t_ours = time_ms(lambda i: gemm(a, m, c), iters=20)
+            t_cublas = time_ms(lambda i: cp.matmul(a, Wf, out=c), iters=20)
+            fl = 2 * M * K * N
+            out["prefill"].append({"shape": name, "M": M, "ours_TFLOPs": fl / t_ours / 1e9,
+                                   "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours})
+    print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write)")
+    print("| decode GEMV | us | GB/s | / copy |\n| --- | ---: | ---: | ---: |")
+    for r in out["decode"]:
+        print(f"| {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['ratio_to_copy']:.2f} |")
+    print("| prefill GEMM | M | ours TFLOP/s | cuBLAS fp16 TFLOP/s | ratio |\n| --- | ---: | ---: | ---: | ---: |")
+    for r in out["prefill"]:
+        print(f"| {r['shape']} | {r['M']} | {r['ours_TFLOPs']:.1f} | {r['cublas_TFLOPs']:.1f} | {r['ratio']:.2f} |")
+    if len(sys.argv) > 2 and sys.argv[1] == "--json":
+        Path(sys.argv[2]).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

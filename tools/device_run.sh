@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device call 1 (PART=1): GPU tests, soak on a tiny model, kernel benchmark.
+# Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
+set -u
+OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${PART:-1}" = 1 ]; then
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
+    > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
+  python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
+  timeout 200 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
+  timeout 200 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
+else
+  M=/tmp/q8b; B=/tmp/q8b.bin
+  python3 tools/make_synthetic.py $M --preset 8b --shards 4 2>&1 | tail -1
+  python3 -m kuiper_py export $M -o $B -q 2>&1 | tail -1
+  python3 -m kuiper_py generate -m $B -p "The capital of France is" -n 64 --temp 0 --device cuda 2>&1 >/dev/null | tr '\r' '\n' | grep -v upload | tail -1
+  python3 -m kuiper_py bench -m $B -p 512,2048 -n 128 -r 3 --device cuda 2>/dev/null | tee "$OUT/bench8b.md"
+  timeout 330 python3 tools/bench_e2e.py $B ${E2E_ARGS:-} --json "$OUT/bench_e2e.json" 2>&1 | grep -v upload | tail -20
+fi
