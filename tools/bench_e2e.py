@@ -100,7 +100,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
     rng = np.random.default_rng(0)
     mf = eng.file
     for c in ctxs:
-        m = eng.session(c + steps + 1)
+        m = eng.session(c + steps + 8)  # prompt, 4 warm-up steps, timed steps
         ids = rng.integers(0, 151643, c).tolist()
         lg = m.prefill(ids)
         tok = m.ops.sample(lg, GREEDY, rng, [], 151669)
