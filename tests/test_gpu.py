@@ -84,7 +84,8 @@ def test_gemv_awkward_sizes(K, N, g):
 
 
 @pytest.mark.parametrize("M", [2, 3, 17, 127, 300, 2047])
-@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 6144), (12288, 4096), (1024, 3072), (5120, 1024)])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 6144), (12288, 4096), (1024, 3072), (5120, 1024),
+                                 (5120, 8192), (8192, 5120), (5120, 25600), (25600, 5120)])
 def test_gemm_shapes(M, K, N):
     if M == 2047 and K * N > 4096 * 6144:
         pytest.skip("reference too slow on the host for this combination")

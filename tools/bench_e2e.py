@@ -65,7 +65,7 @@ def hf_model(mf):
         s = cp.asarray(lin.scales)
         g = cp.arange(lin.K) // 128
         w = ((q.astype(cp.float16) - z[g].astype(cp.float16)) * s[g]).T.copy()
-        return torch.from_dlpack(w)
+        return torch.from_dlpack(w).clone()  # torch-owned, so its peak-memory counter sees it
 
     w = mf.weights
     sd = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(w.embed)).cuda(),
@@ -133,8 +133,9 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
     if not no_hf:
         import torch
         hf = hf_model(mf)
+        cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # the peak still counts the weights, which stay allocated
         hf_pre = {}
         with torch.no_grad():
             for p in pls:

@@ -18,5 +18,5 @@ else
   python3 -m kuiper_py generate -m $B -p "The capital of France is" -n 64 --temp 0 --device cuda 2>&1 >/dev/null | tr '\r' '\n' | grep -v upload | tail -1
   python3 -m kuiper_py bench -m $B -p 512,2048 -n 128 -r 3 --device cuda 2>/dev/null | tee "$OUT/bench8b.md"
   timeout 330 python3 tools/bench_e2e.py $B ${E2E_ARGS:-} --json "$OUT/bench_e2e.json" 2>&1 | grep -v upload | tail -20
-  [ "${KERNELS:-1}" = 1 ] && timeout 200 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
+  [ "${KERNELS:-1}" != 1 ] || timeout 200 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
 fi
