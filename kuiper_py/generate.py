@@ -65,6 +65,9 @@ class Engine:
             V = mf.args.vocab_size
             if tok.vocab_size > V:
                 raise KuiperError(f"tokenizer has {tok.vocab_size} tokens but the model only {V} embeddings")
+            if tok.vocab_size < V - 1024:  # beyond the usual padding of the embedding to a round size
+                raise KuiperError(f"tokenizer has only {tok.vocab_size} tokens for a model that emits {V} ids: "
+                                  f"wrong tokenizer?")
             bad = [i for i in mf.args.eos_token_ids if not 0 <= i < tok.vocab_size]
             if bad:
                 raise KuiperError(f"end-of-sequence ids {bad} are outside the tokenizer's {tok.vocab_size} tokens")

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import awq
 from .config import ModelArgs, rope_tables
+from .errors import ResourceError
 from .loader import AwqLinear, Layer, Weights
 from .sampling import sample
 
@@ -55,8 +56,14 @@ class NumpyOps:
         a = self.args
         self.cos, self.sin = rope_tables(a, max_context)
         shape = (a.num_hidden_layers, max_context, a.num_key_value_heads, a.head_dim)
-        self.k_cache = np.zeros(shape, dtype=np.float32)
-        self.v_cache = np.zeros(shape, dtype=np.float32)
+        self.k_cache = self.v_cache = None
+        try:
+            self.k_cache = np.zeros(shape, dtype=np.float32)
+            self.v_cache = np.zeros(shape, dtype=np.float32)
+        except MemoryError:
+            need = 2 * 4 * a.num_hidden_layers * max_context * a.kv_dim
+            raise ResourceError(f"out of host memory: the KV cache needs {need / 2**20:.0f} MiB for --max-context "
+                                f"{max_context}; try a smaller --max-context") from None
 
     @staticmethod
     def synchronize() -> None:

@@ -121,3 +121,19 @@ def test_soak_cpu_memory_is_flat(tiny_bin):
         sizes.append(rss())
     growth = sizes[-1] - sizes[2]
     assert growth < 0.01 * sizes[2] + (1 << 20), sizes
+
+
+def test_tokenizer_much_smaller_than_model_vocab_is_refused(tiny_bin, tmp_path):
+    import json
+    from tokenizers import Tokenizer, models
+    from kuiper_py import format as fmt
+    b = tiny_bin.read_bytes()
+    h = fmt.Header.unpack(b[:256])
+    trailer = json.loads(b[h.trailer_offset:])
+    small = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+    trailer["tokenizer"] = small.to_str()
+    t = json.dumps(trailer).encode()
+    h.trailer_length, h.flags = len(t), 0
+    p = tmp_path / "small_tok.bin"
+    p.write_bytes(h.pack() + b[256:h.trailer_offset] + t)
+    _one_line_error(run_cli("generate", "-m", p, "-p", "w1", "--device", "cpu"), match="only 500 tokens")
