@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from . import format as fmt
 from .generate import Engine, generate, log
 from .sampling import SamplingParams
 
@@ -27,7 +28,6 @@ def _run_once(eng: Engine, prompt: list[int], n_gen: int) -> tuple[float, int]:
 def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, device: str) -> list[dict]:
     eng = Engine.load(model, device, need_tokenizer=False)
     log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device}")
-    from .cli import n_params
     rng = np.random.default_rng(0)
     V = eng.file.args.vocab_size
     tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
@@ -45,7 +45,7 @@ def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, devi
         row = {
             "backends": "CUDA" if eng.device == "cuda" else "CPU", "model_filename": str(model),
             "model_type": f"qwen3 {eng.file.args.num_hidden_layers}L d{eng.file.args.hidden_size} AWQ-4bit",
-            "model_size": eng.file.size, "model_n_params": n_params(eng.file.header),
+            "model_size": eng.file.size, "model_n_params": fmt.n_params(eng.file.header),
             "n_prompt": p if n == 0 else 0, "n_gen": n, "test": name,
             "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "avg_ns": int(ns.mean()), "stddev_ns": int(ns.std(ddof=1)) if len(ns) > 1 else 0,

@@ -110,7 +110,7 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "heads": h.n_heads, "kv_heads": h.n_kv_heads, "head_dim": h.head_dim, "vocab": h.vocab_size,
          "max_seq_len": h.max_seq_len, "group_size": h.group_size, "shared_classifier": h.shared_classifier,
          "rope_theta": a.rope_theta, "rms_norm_eps": a.rms_norm_eps, "rope_scaling": a.rope_scaling,
-         "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": n_params(h),
+         "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": fmt.n_params(h),
          "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
          "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
          "checksum": status}
@@ -121,18 +121,6 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
             click.echo(f"{k:18s} {v}")
     if ok is False:
         raise KuiperError("checksum mismatch: the file is damaged")
-
-
-def n_params(h) -> int:
-    from . import format as fmt
-    n = 0
-    for r in fmt.regions(h):
-        last = r.name.split(".")[-1]
-        if last == "qweight":
-            n += r.shape[0] * r.shape[1] * 8
-        elif last not in ("qzeros", "scales"):
-            n += r.shape[0] * (r.shape[1] if len(r.shape) > 1 else 1)
-    return n
 
 
 def _sampling_options(f):

@@ -124,7 +124,7 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
     trailer = json.dumps({"config": cfg, "generation_config": gen, "tokenizer": tok,
                           "tokenizer_config": tok_cfg, "kuiper": {"format": "ak48", "ext_version": 1}},
                          ensure_ascii=False).encode("utf-8")
-    header.trailer_offset = regions[-1].offset + regions[-1].nbytes
+    header.trailer_offset = header.weights_end
     header.trailer_length = len(trailer)
     total = header.trailer_offset + len(trailer)
 

@@ -201,6 +201,18 @@ def regions(h: Header) -> list[Region]:
     return out
 
 
+def n_params(h: Header) -> int:
+    """Parameter count: 8 per packed int32 of the quantized weights, one per element elsewhere."""
+    n = 0
+    for r in regions(h):
+        last = r.name.split(".")[-1]
+        if last == "qweight":
+            n += r.shape[0] * r.shape[1] * 8
+        elif last not in ("qzeros", "scales"):
+            n += r.shape[0] * (r.shape[1] if len(r.shape) > 1 else 1)
+    return n
+
+
 def hf_name(region_name: str) -> str:
     """The Hugging Face tensor a region comes from."""
     parts = region_name.split(".")
