@@ -114,6 +114,10 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
          "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
          "checksum": status}
+    if h.is_moe:
+        d.update(num_experts=h.num_experts, experts_per_tok=h.experts_per_tok, moe_intermediate=h.moe_intermediate,
+                 norm_topk_prob=h.norm_topk_prob, decoder_sparse_step=h.decoder_sparse_step,
+                 mlp_only_layers=list(h.mlp_only_layers))
     if as_json:
         click.echo(json.dumps(d))
     else:

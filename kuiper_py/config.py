@@ -28,6 +28,13 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = "qwen3"
+    # Qwen3-MoE (num_experts 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], group_size: int = 128) -> "ModelArgs":
@@ -57,9 +64,18 @@ class ModelArgs:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
                 model_type=str(cfg.get("model_type", "qwen3")),
+                num_experts=int(cfg.get("num_experts", 0) or 0) if cfg.get("model_type") == "qwen3_moe" else 0,
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+                mlp_only_layers=tuple(int(i) for i in (cfg.get("mlp_only_layers") or [])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise KuiperError(f"config.json is missing or has a bad field: {e}") from None
+
+    def moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_dim(self) -> int:

@@ -34,8 +34,9 @@ def check_config(cfg: dict) -> int:
     """Refuse anything but a Qwen3 dense AWQ-GEMM 4-bit zero-point checkpoint; return the group size."""
     arch = cfg.get("architectures") or []
     mtype = cfg.get("model_type")
-    if mtype != "qwen3" and "Qwen3ForCausalLM" not in arch:
-        raise KuiperError(f"unsupported architecture {arch or mtype!r}: kuiper exports Qwen3ForCausalLM (model_type qwen3)")
+    if mtype not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(arch):
+        raise KuiperError(f"unsupported architecture {arch or mtype!r}: kuiper exports Qwen3ForCausalLM and "
+                          f"Qwen3MoeForCausalLM")
     q = cfg.get("quantization_config")
     if not isinstance(q, dict):
         raise KuiperError("config.json has no quantization_config: kuiper needs an AWQ 4-bit checkpoint")
@@ -54,8 +55,10 @@ def check_config(cfg: dict) -> int:
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias", False):
         raise KuiperError("config has a non-silu activation or attention bias, which Qwen3 does not")
     skip = q.get("modules_to_not_convert") or []
-    if any(m for m in skip if m not in ("lm_head",)):
-        raise KuiperError(f"modules_to_not_convert={skip} is not supported for dense Qwen3")
+    allowed = ("lm_head",) + (("gate", "mlp.gate") if mtype == "qwen3_moe" else ())
+    if any(m for m in skip if m not in allowed):
+        raise KuiperError(f"modules_to_not_convert={skip} is not supported (only {', '.join(allowed)} may stay "
+                          f"unquantized)")
     return g
 
 
@@ -66,7 +69,11 @@ def header_from_args(a: ModelArgs, shared: bool) -> fmt.Header:
         max_seq_len=a.max_position_embeddings, shared_classifier=shared, head_dim=a.head_dim,
         group_size=a.group_size, has_ext=True, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
         bos_token_id=a.bos_token_id if isinstance(a.bos_token_id, int) else -1,
-        eos_token_id=a.eos_token_ids[0] if a.eos_token_ids else -1, model_type=1, flags=fmt.FLAG_CHECKSUM)
+        eos_token_id=a.eos_token_ids[0] if a.eos_token_ids else -1, flags=fmt.FLAG_CHECKSUM,
+        model_type=2 if a.num_experts else 1, version=fmt.VERSION_MOE if a.num_experts else fmt.VERSION_DENSE,
+        num_experts=a.num_experts, experts_per_tok=a.num_experts_per_tok, moe_intermediate=a.moe_intermediate_size,
+        norm_topk_prob=a.norm_topk_prob, decoder_sparse_step=a.decoder_sparse_step,
+        mlp_only_layers=tuple(a.mlp_only_layers))
 
 
 def _check_dtype(st_dtype: str, want: str, name: str) -> None:
@@ -80,6 +87,28 @@ def _as_file_dtype(arr: np.ndarray, st_dtype: str, want: str, name: str) -> np.n
     if want == "int32" or st_dtype == "F16":
         return arr
     return (bf16_to_f32(arr) if st_dtype == "BF16" else arr).astype(np.float16)
+
+
+def region_sources(r: fmt.Region) -> list[list[str]]:
+    """The checkpoint tensors behind a region: one list per expert of the pieces concatenated along the
+    last axis (gate then up for the stacked w13), or a single one-tensor list."""
+    parts = r.name.split(".")
+    if parts[0] != "experts":
+        return [[fmt.hf_name(r.name)]]
+    _, which, layer, kind = parts
+    projs = ("gate_proj", "up_proj") if which == "w13" else ("down_proj",)
+    return [[f"model.layers.{layer}.mlp.experts.{e}.{p}.{kind}" for p in projs] for e in range(r.shape[0])]
+
+
+def _region_bytes(ck: Checkpoint, r: fmt.Region):
+    """Yield the region's bytes piece by piece (one expert at a time for stacks)."""
+    for pieces in region_sources(r):
+        arrs = [_as_file_dtype(ck.get(n), ck.dtype(n), r.dtype, n) for n in pieces]
+        arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=-1)
+        if r.name.endswith("scales") and not np.isfinite(arr).all():
+            bad = next(n for n, a in zip(pieces, arrs) if not np.isfinite(a).all())
+            raise KuiperError(f"tensor {bad} has NaN or Inf scales")
+        yield np.ascontiguousarray(arr).tobytes()
 
 
 def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=None) -> dict:
@@ -103,11 +132,14 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
 
     # validate every tensor's presence, shape and dtype before a byte is written
     for r in regions:
-        name = fmt.hf_name(r.name)
-        shape = ck.shape(name)
-        if tuple(shape) != r.shape:
-            raise KuiperError(f"tensor {name} has shape {list(shape)}, expected {list(r.shape)}")
-        _check_dtype(ck.dtype(name), r.dtype, name)
+        for pieces in region_sources(r):
+            want = r.shape if len(region_sources(r)) == 1 else r.shape[1:]
+            for n in pieces:
+                shape = tuple(ck.shape(n))
+                exp = want if len(pieces) == 1 else want[:-1] + (want[-1] // len(pieces),)
+                if shape != exp:
+                    raise KuiperError(f"tensor {n} has shape {list(shape)}, expected {list(exp)}")
+                _check_dtype(ck.dtype(n), r.dtype, n)
 
     gen = _read_json(hf_dir / "generation_config.json", required=False)
     tok = None
@@ -140,27 +172,24 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
     try:
         with os.fdopen(fd, "wb") as f:
             head = header.pack()
-            sha = hashlib.sha256(head[:fmt.CHECKSUM_OFFSET])
+            sha = hashlib.sha256(fmt.hashed_header(head))
             f.write(head)
             if progress:
                 from tqdm import tqdm
                 bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export",
                            file=sys.stderr, dynamic_ncols=True)
             for r in regions:
-                name = fmt.hf_name(r.name)
-                arr = _as_file_dtype(ck.get(name), ck.dtype(name), r.dtype, name)
-                if r.name.endswith("scales") and not np.isfinite(arr).all():
-                    raise KuiperError(f"tensor {name} has NaN or Inf scales")
                 if r.name.endswith("qweight"):
-                    n_q += r.shape[0] * r.shape[1] * 8
+                    n_q += int(np.prod(r.shape)) * 8
                 if r.name.split(".")[-1] in ("qweight", "qzeros", "scales"):
                     n_qbytes += r.nbytes
-                b = np.ascontiguousarray(arr).tobytes()
-                assert len(b) == r.nbytes and f.tell() == r.offset, r.name
-                sha.update(b)
-                f.write(b)
-                if bar:
-                    bar.update(len(b))
+                assert f.tell() == r.offset, r.name
+                for b in _region_bytes(ck, r):
+                    sha.update(b)
+                    f.write(b)
+                    if bar:
+                        bar.update(len(b))
+                assert f.tell() == r.offset + r.nbytes, r.name
             sha.update(trailer)
             f.write(trailer)
             header.checksum = sha.digest()

@@ -16,10 +16,13 @@ from .errors import KuiperError
 
 MAGIC = 0x616B3438  # "ak48"
 VERSION_DENSE = 5
+VERSION_MOE = 6  # Qwen3-MoE: same core header, MoE fields after the extension, expert stacks
 HEADER_SIZE = 256
 EXT_MAGIC = 0x3158504B  # b"KPX1" read little-endian
 EXT_VERSION = 1
-MODEL_TYPES = {1: "qwen3"}
+MODEL_TYPES = {1: "qwen3", 2: "qwen3_moe"}
+MAX_MOE_LAYERS = 128  # the mlp_only_layers bitmap has 128 bits
+MAX_EXPERTS = 4096
 INT32_MAX = 2**31 - 1
 
 # v5 core: magic, version, 7 x i32 dims, u8 shared_classifier, head_dim, group_size (packed, no alignment)
@@ -29,6 +32,16 @@ _EXT = struct.Struct("<IIddiiIIQQ32s")  # 0x30..0x87
 EXT_OFFSET = 0x30
 CHECKSUM_OFFSET = EXT_OFFSET + _EXT.size - 32  # the sha256 covers header[:CHECKSUM_OFFSET] + body
 FLAG_CHECKSUM = 1
+# v6 only: num_experts, experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
+# reserved, mlp_only_layers as a 128-bit little-endian bitmap
+_MOE = struct.Struct("<IIIIII16s")
+MOE_OFFSET = EXT_OFFSET + _EXT.size  # 0x88..0xAF
+
+
+def hashed_header(head: bytes) -> bytes:
+    """The header bytes the checksum covers: everything before the checksum, and for v6 the MoE block."""
+    version = struct.unpack_from("<i", head, 4)[0]
+    return head[:CHECKSUM_OFFSET] + (head[MOE_OFFSET:HEADER_SIZE] if version == VERSION_MOE else b"")
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 HF_PROJ = {
@@ -61,6 +74,21 @@ class Header:
     trailer_offset: int = 0
     trailer_length: int = 0
     checksum: bytes = b"\0" * 32
+    # v6 (MoE)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.version == VERSION_MOE
+
+    def moe_layer(self, i: int) -> bool:
+        return (self.is_moe and self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     def pack(self) -> bytes:
         for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
@@ -76,6 +104,12 @@ class Header:
             _EXT.pack_into(buf, EXT_OFFSET, EXT_MAGIC, EXT_VERSION, self.rope_theta, self.rms_norm_eps,
                            self.bos_token_id, self.eos_token_id, self.model_type, self.flags,
                            self.trailer_offset, self.trailer_length, self.checksum)
+        if self.is_moe:
+            if not self.has_ext or any(not 0 <= i < MAX_MOE_LAYERS for i in self.mlp_only_layers):
+                raise KuiperError("MoE header needs the extension and mlp_only_layers below 128")
+            bitmap = sum(1 << i for i in set(self.mlp_only_layers)).to_bytes(16, "little")
+            _MOE.pack_into(buf, MOE_OFFSET, self.num_experts, self.experts_per_tok, self.moe_intermediate,
+                           int(self.norm_topk_prob), self.decoder_sparse_step, 0, bitmap)
         return bytes(buf)
 
     @classmethod
@@ -85,8 +119,8 @@ class Header:
         (magic, version, dim, hidden, nl, nh, nkv, vocab, msl, shared, hd, gs) = _CORE.unpack_from(buf, 0)
         if magic != MAGIC:
             raise KuiperError(f"not an ak48 model file (magic 0x{magic:08x}, expected 0x{MAGIC:08x})")
-        if version != VERSION_DENSE:
-            raise KuiperError(f"unsupported ak48 version {version} (this kuiper reads version {VERSION_DENSE})")
+        if version not in (VERSION_DENSE, VERSION_MOE):
+            raise KuiperError(f"unsupported ak48 version {version} (this kuiper reads versions 5 and 6)")
         if shared not in (0, 1):
             raise KuiperError(f"header shared_classifier flag is {shared}, expected 0 or 1")
         h = cls(dim, hidden, nl, nh, nkv, vocab, msl, bool(shared), hd, gs, version)
@@ -97,8 +131,21 @@ class Header:
             (_, _, h.rope_theta, h.rms_norm_eps, h.bos_token_id, h.eos_token_id, h.model_type,
              h.flags, h.trailer_offset, h.trailer_length, h.checksum) = ext
             h.has_ext = True
-            if any(buf[EXT_OFFSET + _EXT.size:HEADER_SIZE]) or any(buf[0x2D:EXT_OFFSET]):
+            if version == VERSION_MOE:
+                (h.num_experts, h.experts_per_tok, h.moe_intermediate, ntp, h.decoder_sparse_step, rsv,
+                 bitmap) = _MOE.unpack_from(buf, MOE_OFFSET)
+                if ntp not in (0, 1) or rsv:
+                    raise KuiperError("MoE header has a bad norm_topk_prob flag or reserved field")
+                h.norm_topk_prob = bool(ntp)
+                bits = int.from_bytes(bitmap, "little")
+                h.mlp_only_layers = tuple(i for i in range(MAX_MOE_LAYERS) if bits >> i & 1)
+                rest = buf[MOE_OFFSET + _MOE.size:HEADER_SIZE]
+            else:
+                rest = buf[EXT_OFFSET + _EXT.size:HEADER_SIZE]
+            if any(rest) or any(buf[0x2D:EXT_OFFSET]):
                 raise KuiperError("header reserved bytes are not zero: damaged or unknown variant")
+        elif version == VERSION_MOE:
+            raise KuiperError("ak48 version 6 (MoE) file without its header extension")
         elif any(buf[0x2D:HEADER_SIZE]):
             raise KuiperError("header padding is not zero and carries no kuiper extension: unknown variant")
         h.validate()
@@ -126,6 +173,21 @@ class Header:
         for a, b in ((self.n_heads, self.head_dim), (self.vocab_size, self.dim), (self.hidden_dim, self.dim)):
             if a * b > INT32_MAX:
                 raise KuiperError(f"a weight of {a}x{b} elements exceeds the int32 index range")
+        if self.is_moe:
+            if self.model_type != 2:
+                raise KuiperError(f"version 6 file with model_type {self.model_type}, expected 2 (qwen3_moe)")
+            if not 0 < self.n_layers <= MAX_MOE_LAYERS:
+                raise KuiperError(f"MoE n_layers={self.n_layers} must be in 1..{MAX_MOE_LAYERS}")
+            if not 0 < self.num_experts <= MAX_EXPERTS or not 0 < self.experts_per_tok <= self.num_experts:
+                raise KuiperError(f"MoE num_experts={self.num_experts} / experts_per_tok={self.experts_per_tok} "
+                                  f"out of range")
+            if self.moe_intermediate <= 0 or self.moe_intermediate % g or self.decoder_sparse_step <= 0:
+                raise KuiperError(f"MoE moe_intermediate_size={self.moe_intermediate} (multiple of the group "
+                                  f"size) or decoder_sparse_step={self.decoder_sparse_step} out of range")
+            if self.num_experts * self.moe_intermediate * 2 * self.dim > 2**40:
+                raise KuiperError("MoE expert stack too large")
+        elif self.has_ext and self.model_type != 1:
+            raise KuiperError(f"version 5 file with model_type {self.model_type}, expected 1 (qwen3)")
         if self.has_ext:
             if self.model_type not in MODEL_TYPES:
                 raise KuiperError(f"unknown model_type {self.model_type} in header")
@@ -136,6 +198,9 @@ class Header:
     def weights_end(self) -> int:
         """End of the last weight region, by formula in Python integers (no region list is built, so a
         hostile layer count cannot make us loop or allocate before the size check)."""
+        if self.is_moe:  # n_layers <= 128 and num_experts <= 4096 are validated: the list is small
+            r = regions(self)[-1]
+            return r.offset + r.nbytes
         L, D, V, hd, g = self.n_layers, self.dim, self.vocab_size, self.head_dim, self.group_size
         fp16 = 2 * (2 * L * D + D + V * D + (0 if self.shared_classifier else V * D) + 2 * L * hd)
         quant = 0
@@ -186,12 +251,24 @@ def regions(h: Header) -> list[Region]:
     add("final_norm", "float16", (D,))
     add("embed", "float16", (h.vocab_size, D))
     g = h.group_size
+    dense = [i for i in range(L) if not h.moe_layer(i)]
     for p in PROJECTIONS:
         K, N = proj_dims(h, p)
-        for i in range(L):
+        for i in (range(L) if p in ("wq", "wk", "wv", "wo") else dense):
             add(f"{p}.{i}.qweight", "int32", (K, N // 8))
             add(f"{p}.{i}.qzeros", "int32", (K // g, N // 8))
             add(f"{p}.{i}.scales", "float16", (K // g, N))
+    if h.is_moe:
+        E, I = h.num_experts, h.moe_intermediate
+        moe = [i for i in range(L) if h.moe_layer(i)]
+        for i in moe:
+            add(f"router.{i}", "float16", (E, D))
+        # experts stacked per layer so one launch serves them all; gate|up concatenated along N
+        for name, (K, N) in (("w13", (D, 2 * I)), ("w2", (I, D))):
+            for i in moe:
+                add(f"experts.{name}.{i}.qweight", "int32", (E, K, N // 8))
+                add(f"experts.{name}.{i}.qzeros", "int32", (E, K // g, N // 8))
+                add(f"experts.{name}.{i}.scales", "float16", (E, K // g, N))
     if not h.shared_classifier:
         add("lm_head", "float16", (h.vocab_size, D))
     for i in range(L):
@@ -222,5 +299,7 @@ def hf_name(region_name: str) -> str:
               "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
     if parts[0] in simple:
         return f"model.layers.{parts[1]}.{simple[parts[0]]}"
+    if parts[0] == "router":
+        return f"model.layers.{parts[1]}.mlp.gate.weight"
     return {"final_norm": "model.norm.weight", "embed": "model.embed_tokens.weight",
             "lm_head": "lm_head.weight"}[parts[0]]

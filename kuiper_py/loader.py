@@ -34,6 +34,22 @@ class AwqLinear:
 
 
 @dataclass
+class AwqStack:
+    """All experts of one MoE layer: AWQ tensors with a leading expert axis."""
+    qweight: Any  # int32 [E, K, N/8]
+    qzeros: Any  # int32 [E, K/g, N/8]
+    scales: Any  # fp16 [E, K/g, N]
+    group_size: int
+
+    @property
+    def E(self) -> int:
+        return self.qweight.shape[0]
+
+    def expert(self, e: int) -> AwqLinear:
+        return AwqLinear(self.qweight[e], self.qzeros[e], self.scales[e], self.group_size)
+
+
+@dataclass
 class Layer:
     attn_norm: Any  # fp16 [D]
     ffn_norm: Any  # fp16 [D]
@@ -43,9 +59,12 @@ class Layer:
     wk: AwqLinear
     wv: AwqLinear
     wo: AwqLinear
-    w1: AwqLinear  # gate
-    w2: AwqLinear  # down
-    w3: AwqLinear  # up
+    w1: AwqLinear | None  # gate (None in MoE layers)
+    w2: AwqLinear | None  # down
+    w3: AwqLinear | None  # up
+    router: Any = None  # fp16 [E, D] in MoE layers
+    experts_w13: AwqStack | None = None  # gate|up of every expert, N = 2 * moe_intermediate
+    experts_w2: AwqStack | None = None  # down of every expert
 
 
 @dataclass
@@ -71,7 +90,7 @@ class ModelFile:
         h = self.header
         if not (h.has_ext and h.flags & fmt.FLAG_CHECKSUM):
             return None
-        sha = hashlib.sha256(self._mm[:fmt.CHECKSUM_OFFSET])
+        sha = hashlib.sha256(fmt.hashed_header(bytes(self._mm[:fmt.HEADER_SIZE])))
         step = 64 << 20
         for off in range(fmt.HEADER_SIZE, self.size, step):
             sha.update(self._mm[off:min(off + step, self.size)])
@@ -133,10 +152,18 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
     g = h.group_size
 
     def lin(p, i):
+        if f"{p}.{i}.qweight" not in v:
+            return None
         return AwqLinear(v[f"{p}.{i}.qweight"], v[f"{p}.{i}.qzeros"], v[f"{p}.{i}.scales"], g)
 
+    def stack(name, i):
+        if f"experts.{name}.{i}.qweight" not in v:
+            return None
+        return AwqStack(*(v[f"experts.{name}.{i}.{k}"] for k in ("qweight", "qzeros", "scales")), g)
+
     layers = [Layer(v[f"attn_norm.{i}"], v[f"ffn_norm.{i}"], v[f"q_norm.{i}"], v[f"k_norm.{i}"],
-                    *(lin(p, i) for p in fmt.PROJECTIONS)) for i in range(h.n_layers)]
+                    *(lin(p, i) for p in fmt.PROJECTIONS), v.get(f"router.{i}"), stack("w13", i), stack("w2", i))
+              for i in range(h.n_layers)]
     w = Weights(v["embed"], v["final_norm"], v["embed"] if h.shared_classifier else v["lm_head"], layers)
     return ModelFile(path, h, args, w, trailer, size, mm)
 
@@ -150,7 +177,11 @@ def args_from(h: fmt.Header, trailer: dict | None) -> ModelArgs:
         hidden_size=h.dim, intermediate_size=h.hidden_dim, num_hidden_layers=h.n_layers,
         num_attention_heads=h.n_heads, num_key_value_heads=h.n_kv_heads, head_dim=h.head_dim,
         vocab_size=h.vocab_size, max_position_embeddings=h.max_seq_len,
-        tie_word_embeddings=h.shared_classifier, group_size=h.group_size)
+        tie_word_embeddings=h.shared_classifier, group_size=h.group_size,
+        model_type=fmt.MODEL_TYPES[h.model_type] if h.has_ext else "qwen3",
+        num_experts=h.num_experts, num_experts_per_tok=h.experts_per_tok, moe_intermediate_size=h.moe_intermediate,
+        norm_topk_prob=h.norm_topk_prob, decoder_sparse_step=h.decoder_sparse_step,
+        mlp_only_layers=tuple(h.mlp_only_layers))
     if h.has_ext:
         a.rope_theta, a.rms_norm_eps = h.rope_theta, h.rms_norm_eps
         a.bos_token_id = h.bos_token_id if h.bos_token_id >= 0 else None

@@ -44,7 +44,10 @@ class Qwen3:
             q = ops.qk_norm_rope_store(q, k, v, layer, i, pos0)
             r = ops.linear(ops.attention(q, i, pos0), layer.wo)
             h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
-            r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
+            if layer.router is not None:
+                r = ops.moe(x, layer)
+            else:
+                r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
         h, x = ops.add_rmsnorm(h, r, w.final_norm)
         return ops.logits(x, all_logits)
 

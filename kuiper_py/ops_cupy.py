@@ -191,6 +191,9 @@ class CupyOps:
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True):
         self.args = a = args
+        if a.num_experts:
+            raise KuiperError("Qwen3-MoE models run on the CPU only for now (--device cpu); the GPU MoE "
+                              "pipeline is not implemented yet")
         if a.head_dim not in SUPPORTED_HEAD_DIMS:
             raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
         for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),

@@ -50,6 +50,7 @@ class NumpyOps:
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int):
         self.args = args
         self.weights = weights
+        self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
         self.alloc_cache(max_context)
 
     def alloc_cache(self, max_context: int) -> None:
@@ -115,6 +116,27 @@ class NumpyOps:
 
     def gate_up_silu(self, x, layer: Layer):
         return silu(awq_linear(x, layer.w1)) * awq_linear(x, layer.w3)
+
+    def moe(self, x, layer: Layer):
+        """Qwen3-MoE block: fp32 router softmax, top-k (renormalised when norm_topk_prob), the selected
+        experts' SwiGLU MLPs weighted and summed. Each call's expert choice is appended to routing_log."""
+        a = self.args
+        logits = x @ layer.router.astype(np.float32).T  # [T, E]
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        top = np.argsort(-p, axis=-1, kind="stable")[:, :a.num_experts_per_tok]  # [T, k]
+        w = np.take_along_axis(p, top, axis=-1)
+        if a.norm_topk_prob:
+            w = w / w.sum(axis=-1, keepdims=True)
+        self.routing_log.append(top)
+        out = np.zeros_like(x)
+        inter = a.moe_intermediate_size
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            hg = awq_linear(x[rows], layer.experts_w13.expert(int(e)))  # [n, 2I]: gate | up
+            y = awq_linear(silu(hg[:, :inter]) * hg[:, inter:], layer.experts_w2.expert(int(e)))
+            out[rows] += w[rows, slot][:, None] * y
+        return out
 
     sample = staticmethod(sample)
 

@@ -52,6 +52,14 @@ PRESETS = {
     "14b": (5120, 17408, 40, 40, 8, 128, False),
     "32b": (5120, 25600, 64, 64, 8, 128, False),
 }
+# Qwen3-MoE: hidden, dense intermediate, layers, heads, kv_heads, head_dim, tied, experts, top-k,
+# expert intermediate, mlp_only_layers
+MOE_PRESETS = {
+    "tiny-moe": (128, 256, 2, 4, 2, 64, True, 8, 2, 128, ()),
+    "tiny-moe-mixed": (128, 256, 3, 4, 2, 64, False, 8, 3, 128, (1,)),
+    "30b-a3b": (2048, 6144, 48, 32, 4, 128, False, 128, 8, 768, ()),
+    "235b-a22b": (4096, 12288, 94, 64, 4, 128, False, 128, 8, 1536, ()),
+}
 VOCAB = 151936
 N_RANKS = 151643
 
@@ -159,7 +167,10 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
     (real AWQ rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes)."""
     from safetensors.numpy import save_file
 
-    D, I, L, H, KV, hd, tied = PRESETS[preset]
+    if preset in MOE_PRESETS:
+        D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = MOE_PRESETS[preset]
+    else:
+        (D, I, L, H, KV, hd, tied), E, topk, moe_I, mlp_only = PRESETS[preset], 0, 0, 0, ()
     L = layers or L
     mode = mode or ("quantize" if D <= 1024 and L <= 8 else "direct")
     g = 128
@@ -178,6 +189,12 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
         "tie_word_embeddings": tied, "torch_dtype": "float16", "use_cache": True,
         "use_sliding_window": False, "vocab_size": VOCAB,
     }
+    if E:
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=E,
+                      num_experts_per_tok=topk, moe_intermediate_size=moe_I, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=list(mlp_only), router_aux_loss_coef=0.001,
+                      output_router_logits=False)
+        config["quantization_config"]["modules_to_not_convert"] = ["gate"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
@@ -217,9 +234,16 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
             t[p + "post_attention_layernorm.weight"] = norm(D)
             t[p + "self_attn.q_norm.weight"] = norm(hd)
             t[p + "self_attn.k_norm.weight"] = norm(hd)
-            for name, (K, N) in (("self_attn.q_proj", (D, H * hd)), ("self_attn.k_proj", (D, KV * hd)),
-                                 ("self_attn.v_proj", (D, KV * hd)), ("self_attn.o_proj", (H * hd, D)),
-                                 ("mlp.gate_proj", (D, I)), ("mlp.up_proj", (D, I)), ("mlp.down_proj", (I, D))):
+            projs = [("self_attn.q_proj", (D, H * hd)), ("self_attn.k_proj", (D, KV * hd)),
+                     ("self_attn.v_proj", (D, KV * hd)), ("self_attn.o_proj", (H * hd, D))]
+            if E and i not in mlp_only:
+                t[p + "mlp.gate.weight"] = f16(rng.standard_normal((E, D), dtype=np.float32) * (3 / np.sqrt(D)))
+                for e in range(E):
+                    projs += [(f"mlp.experts.{e}.gate_proj", (D, moe_I)), (f"mlp.experts.{e}.up_proj", (D, moe_I)),
+                              (f"mlp.experts.{e}.down_proj", (moe_I, D))]
+            else:
+                projs += [("mlp.gate_proj", (D, I)), ("mlp.up_proj", (D, I)), ("mlp.down_proj", (I, D))]
+            for name, (K, N) in projs:
                 for k, v in linear(K, N).items():
                     t[f"{p}{name}.{k}"] = v
         if si == n_shards - 1:

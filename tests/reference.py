@@ -51,3 +51,44 @@ def hf_model(ckpt_dir):
     if cfg.get("tie_word_embeddings"):
         model.tie_weights()
     return model.float().eval()
+
+
+def hf_moe_model(ckpt_dir):
+    """transformers' Qwen3MoeForCausalLM in float32 on the dequantized weights (experts fused as
+    transformers stores them: gate_up_proj [E, 2I, D], down_proj [E, D, I])."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    g = cfg.pop("quantization_config")["group_size"]
+    sd = {}
+    for f in sorted(ckpt_dir.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+
+    def W(base):  # nn.Linear weight [out, in]
+        return dequant_reference(sd[base + ".qweight"], sd[base + ".qzeros"], sd[base + ".scales"], g).T
+
+    state = {}
+    for name, a in sd.items():
+        if ".mlp.experts." in name or name.endswith((".qweight", ".qzeros", ".scales")):
+            continue
+        state[name] = torch.from_numpy(a.astype(np.float32))
+    for name in sd:
+        if name.endswith(".qweight") and ".mlp.experts." not in name:
+            base = name[: -len(".qweight")]
+            state[base + ".weight"] = torch.from_numpy(W(base).astype(np.float32).copy())
+    E = cfg["num_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.qweight" not in sd:
+            continue
+        gu = np.stack([np.concatenate([W(f"{p}.{e}.gate_proj"), W(f"{p}.{e}.up_proj")]) for e in range(E)])
+        dn = np.stack([W(f"{p}.{e}.down_proj") for e in range(E)])
+        state[f"{p}.gate_up_proj"] = torch.from_numpy(gu.astype(np.float32))
+        state[f"{p}.down_proj"] = torch.from_numpy(dn.astype(np.float32))
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
+    model.load_state_dict(state, strict=not cfg.get("tie_word_embeddings"))
+    if cfg.get("tie_word_embeddings"):
+        model.tie_weights()
+    return model.float().eval()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Write a synthetic Qwen3 AWQ checkpoint (random weights, real HF layout and Qwen tokenizer).
 
-    python tools/make_synthetic.py OUT_DIR --preset tiny|tiny-untied|small|0.6b|1.7b|4b|8b|14b|32b
+    python tools/make_synthetic.py OUT_DIR --preset tiny|tiny-untied|small|0.6b|1.7b|4b|8b|14b|32b|
+        tiny-moe|tiny-moe-mixed|30b-a3b|235b-a22b
 """
 import sys
 from pathlib import Path
@@ -9,12 +10,12 @@ from pathlib import Path
 import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kuiper_py.synth import PRESETS, make_checkpoint  # noqa: E402
+from kuiper_py.synth import MOE_PRESETS, PRESETS, make_checkpoint  # noqa: E402
 
 
 @click.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(list(PRESETS) + list(MOE_PRESETS)), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--shards", type=int, default=2, show_default=True)
 @click.option("--layers", type=int, default=None, help="Override the preset's layer count.")
