@@ -283,10 +283,13 @@ def n_params(h: Header) -> int:
     n = 0
     for r in regions(h):
         last = r.name.split(".")[-1]
+        size = 1
+        for d in r.shape:
+            size *= d
         if last == "qweight":
-            n += r.shape[0] * r.shape[1] * 8
+            n += size * 8
         elif last not in ("qzeros", "scales"):
-            n += r.shape[0] * (r.shape[1] if len(r.shape) > 1 else 1)
+            n += size
     return n
 
 

@@ -55,7 +55,6 @@ class NumpyOps:
 
     def alloc_cache(self, max_context: int) -> None:
         a = self.args
-        self.cos, self.sin = rope_tables(a, max_context)
         shape = (a.num_hidden_layers, max_context, a.num_key_value_heads, a.head_dim)
         self.k_cache = self.v_cache = None
         try:
@@ -65,6 +64,7 @@ class NumpyOps:
             need = 2 * 4 * a.num_hidden_layers * max_context * a.kv_dim
             raise ResourceError(f"out of host memory: the KV cache needs {need / 2**20:.0f} MiB for --max-context "
                                 f"{max_context}; try a smaller --max-context") from None
+        self.cos, self.sin = rope_tables(a, max_context)
 
     @staticmethod
     def synchronize() -> None:

@@ -137,3 +137,26 @@ def test_tokenizer_much_smaller_than_model_vocab_is_refused(tiny_bin, tmp_path):
     p = tmp_path / "small_tok.bin"
     p.write_bytes(h.pack() + b[256:h.trailer_offset] + t)
     _one_line_error(run_cli("generate", "-m", p, "-p", "w1", "--device", "cpu"), match="only 500 tokens")
+
+
+@pytest.mark.skipif(open("/proc/sys/vm/overcommit_memory").read().strip() == "1",
+                    reason="with unconditional overcommit a huge allocation does not fail up front")
+def test_kv_cache_too_large_for_host_memory(tmp_path):
+    from kuiper_py import synth
+    from kuiper_py.export import export
+    d = synth.make_checkpoint(tmp_path / "ck", "tiny", seed=4, n_shards=1, max_position_embeddings=2**30)
+    export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
+    r = run_cli("generate", "-m", tmp_path / "m.bin", "-p", "hi", "--max-context", 2**30, "--device", "cpu")
+    _one_line_error(r, code=3, match="KV cache needs")
+    assert "--max-context" in r.stderr
+
+
+@pytest.mark.gpu
+def test_kv_cache_too_large_for_gpu_memory(tmp_path):
+    pytest.importorskip("cupy")
+    from kuiper_py import synth
+    from kuiper_py.export import export
+    d = synth.make_checkpoint(tmp_path / "ck", "tiny", seed=4, n_shards=1, max_position_embeddings=2**30)
+    export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
+    r = run_cli("generate", "-m", tmp_path / "m.bin", "-p", "hi", "--max-context", 2**30, "--device", "cuda")
+    _one_line_error(r, code=3, match="KV cache needs")
