@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 
 import click

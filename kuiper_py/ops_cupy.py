@@ -6,6 +6,7 @@ in the file. Decode (T = 1) runs on preallocated buffers and allocates nothing p
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -206,7 +207,6 @@ class CupyOps:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
         self.n_sm = self.dev.attributes["MultiProcessorCount"]
-        import os
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None

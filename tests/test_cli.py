@@ -2,7 +2,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from conftest import run_cli
 from kuiper_py.loader import load

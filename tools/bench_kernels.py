@@ -75,7 +75,7 @@ def main():
     ms = time_ms(lambda i: cp.copyto(dst, src), iters=10)
     copy_bw = 2 * n * 4 / ms / 1e6  # GB/s, read + write
     out["copy_GBps"] = copy_bw
-    del src, dst
+    src = dst = None  # free before the weight copies
     partial = cp.empty((96 * 4096 + 32 * 24576,), cp.float32)
     for name, mats in DEC.items():
         per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
@@ -98,7 +98,7 @@ def main():
     bw = V * D * 2 / t / 1e6
     out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
                           "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
-    del W
+    W = None
     for name, (K, N) in PRE.items():
         m = rand_awq(K, N)
         Wf = (cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16)
