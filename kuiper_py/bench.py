@@ -27,7 +27,8 @@ def _run_once(eng: Engine, prompt: list[int], n_gen: int) -> tuple[float, int]:
 
 def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, device: str) -> list[dict]:
     eng = Engine.load(model, device, need_tokenizer=False)
-    log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device}")
+    eng.session(max([p for p in n_prompt if p > 0] + [n + 1 for n in n_gen if n > 0] + [1]))
+    log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device} (map, upload, kernels)")
     rng = np.random.default_rng(0)
     V = eng.file.args.vocab_size
     tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
