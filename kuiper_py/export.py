@@ -100,15 +100,35 @@ def region_sources(r: fmt.Region) -> list[list[str]]:
     return [[f"model.layers.{layer}.mlp.experts.{e}.{p}.{kind}" for p in projs] for e in range(r.shape[0])]
 
 
+_CHUNK = 64 << 20
+
+
 def _region_bytes(ck: Checkpoint, r: fmt.Region):
-    """Yield the region's bytes piece by piece (one expert at a time for stacks)."""
+    """Yield the region's bytes piece by piece (one expert at a time for stacks; large tensors in 64 MiB
+    zero-copy slices of the mapping, whose pages are dropped once written)."""
     for pieces in region_sources(r):
+        if len(pieces) == 1 and (ck.dtype(pieces[0]) == "F16" or r.dtype == "int32"):
+            n = pieces[0]
+            arr = ck.get(n)
+            _check_dtype(ck.dtype(n), r.dtype, n)
+            flat = arr.reshape(-1).view(np.uint8)
+            for o in range(0, flat.size, _CHUNK):
+                part = flat[o:o + _CHUNK]
+                if r.name.endswith("scales") and not np.isfinite(part.view(np.float16)).all():
+                    raise KuiperError(f"tensor {n} has NaN or Inf scales")
+                yield memoryview(part)
+                ck.release(n, o, o + part.size)
+            continue
         arrs = [_as_file_dtype(ck.get(n), ck.dtype(n), r.dtype, n) for n in pieces]
         arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=-1)
         if r.name.endswith("scales") and not np.isfinite(arr).all():
             bad = next(n for n, a in zip(pieces, arrs) if not np.isfinite(a).all())
             raise KuiperError(f"tensor {bad} has NaN or Inf scales")
-        yield np.ascontiguousarray(arr).tobytes()
+        data = np.ascontiguousarray(arr).tobytes()
+        del arrs, arr
+        for n in pieces:
+            ck.release(n)
+        yield data
 
 
 def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=None) -> dict:
@@ -188,7 +208,7 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
                     sha.update(b)
                     f.write(b)
                     if bar:
-                        bar.update(len(b))
+                        bar.update(b.nbytes if isinstance(b, memoryview) else len(b))
                 assert f.tell() == r.offset + r.nbytes, r.name
             sha.update(trailer)
             f.write(trailer)

@@ -74,6 +74,18 @@ class SafetensorsFile:
                             offset=self._base + a)
         return arr.reshape(shape)
 
+    def release(self, name: str, start: int = 0, end: int | None = None) -> None:
+        """Drop the mapped pages of (a byte range of) a tensor we are done with, so a streaming export's
+        resident set stays near one chunk instead of growing to the whole checkpoint."""
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        _, _, a, b = self.tensors[name]
+        page = mmap.PAGESIZE
+        lo = (self._base + a + start) // page * page
+        hi = self._base + (b if end is None else a + end)
+        if hi > lo:
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def close(self):
         # views handed out keep the mapping alive; closing the file object is enough
         self._f.close()
@@ -126,6 +138,9 @@ class Checkpoint:
 
     def dtype(self, name: str) -> str:
         return self.where[name].dtype(name)
+
+    def release(self, name: str, start: int = 0, end: int | None = None) -> None:
+        self.where[name].release(name, start, end)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.where:
