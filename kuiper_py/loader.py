@@ -93,7 +93,11 @@ class ModelFile:
         sha = hashlib.sha256(fmt.hashed_header(bytes(self._mm[:fmt.HEADER_SIZE])))
         step = 64 << 20
         for off in range(fmt.HEADER_SIZE, self.size, step):
-            sha.update(self._mm[off:min(off + step, self.size)])
+            end = min(off + step, self.size)
+            sha.update(memoryview(self._mm)[off:end])
+            if hasattr(mmap, "MADV_DONTNEED"):  # hashed pages need not stay resident
+                lo = off // mmap.PAGESIZE * mmap.PAGESIZE
+                self._mm.madvise(mmap.MADV_DONTNEED, lo, end - lo)
         return sha.digest() == h.checksum
 
 
