@@ -152,8 +152,9 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
 
     # validate every tensor's presence, shape and dtype before a byte is written
     for r in regions:
-        for pieces in region_sources(r):
-            want = r.shape if len(region_sources(r)) == 1 else r.shape[1:]
+        sources = region_sources(r)
+        for pieces in sources:
+            want = r.shape if len(sources) == 1 else r.shape[1:]
             for n in pieces:
                 shape = tuple(ck.shape(n))
                 exp = want if len(pieces) == 1 else want[:-1] + (want[-1] // len(pieces),)
