@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import awq
+from . import awq, moe_ref
 from .config import ModelArgs, rope_tables
 from .errors import ResourceError
 from .loader import AwqLinear, Layer, Weights
@@ -118,25 +118,16 @@ class NumpyOps:
         return silu(awq_linear(x, layer.w1)) * awq_linear(x, layer.w3)
 
     def moe(self, x, layer: Layer):
-        """Qwen3-MoE block: fp32 router softmax, top-k (renormalised when norm_topk_prob), the selected
-        experts' SwiGLU MLPs weighted and summed. Each call's expert choice is appended to routing_log."""
+        """Qwen3-MoE block through the staged pipeline of moe_ref (the GPU's stages). Each call's expert
+        choice is appended to routing_log (tests)."""
         a = self.args
-        logits = x @ layer.router.astype(np.float32).T  # [T, E]
-        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
-        top = np.argsort(-p, axis=-1, kind="stable")[:, :a.num_experts_per_tok]  # [T, k]
-        w = np.take_along_axis(p, top, axis=-1)
-        if a.norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
-        self.routing_log.append(top)
-        out = np.zeros_like(x)
-        inter = a.moe_intermediate_size
-        for e in np.unique(top):
-            rows, slot = np.nonzero(top == e)
-            hg = awq_linear(x[rows], layer.experts_w13.expert(int(e)))  # [n, 2I]: gate | up
-            y = awq_linear(silu(hg[:, :inter]) * hg[:, inter:], layer.experts_w2.expert(int(e)))
-            out[rows] += w[rows, slot][:, None] * y
-        return out
+        ids, w = moe_ref.route(x, layer.router, a.num_experts_per_tok, a.norm_topk_prob)
+        self.routing_log.append(ids)
+        _, offsets, p2u, u2p = moe_ref.expert_maps(ids, a.num_experts)
+        xp = moe_ref.gather(x, p2u, a.num_experts_per_tok)
+        act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13, awq_linear)
+        yp = moe_ref.grouped_gemm2(act, offsets, layer.experts_w2, awq_linear)
+        return moe_ref.finalize(yp, u2p, w)
 
     sample = staticmethod(sample)
 
