@@ -74,9 +74,6 @@ class ModelArgs:
         except (KeyError, TypeError, ValueError) as e:
             raise KuiperError(f"config.json is missing or has a bad field: {e}") from None
 
-    def moe_layer(self, i: int) -> bool:
-        return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
-
     @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim

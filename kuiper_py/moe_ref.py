@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .loader import AwqStack
+from .ops_numpy import awq_linear, silu
 
 
 def route(x: np.ndarray, router: np.ndarray, k: int, norm_topk_prob: bool):
@@ -43,7 +44,7 @@ def gather(x: np.ndarray, perm_to_unperm: np.ndarray, k: int) -> np.ndarray:
     return x[perm_to_unperm // k]
 
 
-def grouped_gemm1_swiglu(xp: np.ndarray, offsets: np.ndarray, w13: AwqStack, linear) -> np.ndarray:
+def grouped_gemm1_swiglu(xp: np.ndarray, offsets: np.ndarray, w13: AwqStack) -> np.ndarray:
     """Rows of expert e times its gate|up weights (N = 2I), SwiGLU in the epilogue: [T*k, I]."""
     inter = w13.scales.shape[-1] // 2
     out = np.zeros((xp.shape[0], inter), dtype=np.float32)
@@ -51,19 +52,18 @@ def grouped_gemm1_swiglu(xp: np.ndarray, offsets: np.ndarray, w13: AwqStack, lin
         a, b = int(offsets[e]), int(offsets[e + 1])
         if a == b:  # an expert that received no tokens does no work
             continue
-        hg = linear(xp[a:b], w13.expert(e))
-        g = hg[:, :inter]
-        out[a:b] = g / (1.0 + np.exp(-g)) * hg[:, inter:]
+        hg = awq_linear(xp[a:b], w13.expert(e))
+        out[a:b] = silu(hg[:, :inter]) * hg[:, inter:]
     return out
 
 
-def grouped_gemm2(act: np.ndarray, offsets: np.ndarray, w2: AwqStack, linear) -> np.ndarray:
+def grouped_gemm2(act: np.ndarray, offsets: np.ndarray, w2: AwqStack) -> np.ndarray:
     """Rows of expert e times its down weights: [T*k, D]."""
     out = np.zeros((act.shape[0], w2.scales.shape[-1]), dtype=np.float32)
     for e in range(w2.E):
         a, b = int(offsets[e]), int(offsets[e + 1])
         if a != b:
-            out[a:b] = linear(act[a:b], w2.expert(e))
+            out[a:b] = awq_linear(act[a:b], w2.expert(e))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import awq, moe_ref
+from . import awq
 from .config import ModelArgs, rope_tables
 from .errors import ResourceError
 from .loader import AwqLinear, Layer, Weights
@@ -120,13 +120,15 @@ class NumpyOps:
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block through the staged pipeline of moe_ref (the GPU's stages). Each call's expert
         choice is appended to routing_log (tests)."""
+        from . import moe_ref  # moe_ref builds on this module's awq_linear and silu
+
         a = self.args
         ids, w = moe_ref.route(x, layer.router, a.num_experts_per_tok, a.norm_topk_prob)
         self.routing_log.append(ids)
         _, offsets, p2u, u2p = moe_ref.expert_maps(ids, a.num_experts)
         xp = moe_ref.gather(x, p2u, a.num_experts_per_tok)
-        act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13, awq_linear)
-        yp = moe_ref.grouped_gemm2(act, offsets, layer.experts_w2, awq_linear)
+        act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13)
+        yp = moe_ref.grouped_gemm2(act, offsets, layer.experts_w2)
         return moe_ref.finalize(yp, u2p, w)
 
     sample = staticmethod(sample)

@@ -148,8 +148,8 @@ def test_staged_pipeline_maps_and_direct_equivalence(moe, T):
     if T * k < a.num_experts:
         assert (counts == 0).any()  # fewer slots than experts: some experts receive no tokens
     xp = moe_ref.gather(x, p2u, k)
-    act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13, awq_linear)
-    y = moe_ref.finalize(moe_ref.grouped_gemm2(act, offsets, layer.experts_w2, awq_linear), u2p, w)
+    act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13)
+    y = moe_ref.finalize(moe_ref.grouped_gemm2(act, offsets, layer.experts_w2), u2p, w)
     inter = a.moe_intermediate_size
     sel = range(T) if T <= 7 else rng.choice(T, 6, replace=False)
     for t in sel:
