@@ -1,4 +1,5 @@
 """Hostile inputs, resource limits, interrupts and long runs through the real CLI (issue: hardening)."""
+import ctypes
 import os
 import resource
 import signal
@@ -20,12 +21,31 @@ def test_model_path_fifo_dev_zero_and_directory(tmp_path, tiny_dir):
     _one_line_error(run_cli("generate", "-m", tiny_dir, "-p", "x", timeout=30), match="is a directory")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def _without_dac_override():
+    """preexec_fn: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so even root's
+    child obeys file modes (exec would restore them from the bounding set otherwise)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def test_unreadable_model(tiny_bin, tmp_path):
     p = tmp_path / "locked.bin"
     p.write_bytes(tiny_bin.read_bytes()[:1000])
     p.chmod(0)
-    _one_line_error(run_cli("info", p), match="Permission denied")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "kuiper_py"]
+    try:
+        probe = subprocess.run(["cat", str(p)], capture_output=True, preexec_fn=_without_dac_override)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot drop the file-permission override here: {e}")
+    if probe.returncode == 0:
+        pytest.skip("this process reads files whatever their mode (capabilities could not be dropped)")
+    r = subprocess.run(cmd + ["info", str(p)], capture_output=True, text=True, timeout=60, env=env,
+                       preexec_fn=_without_dac_override)
+    _one_line_error(r, match="is not readable")
 
 
 def _export_limited(src, out, limit):
