@@ -71,8 +71,9 @@ def copy_ckpt(tmp_path):
     return _copy
 
 
-def run_cli(*args, input=None, timeout=300, env=None):
+def run_cli(*args, input=None, timeout=300, env=None, preexec_fn=None):
     """Run the real CLI as a subprocess; returns CompletedProcess with text stdout/stderr."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "kuiper_py", *map(str, args)], input=input,
-                          capture_output=True, text=True, timeout=timeout, env=e)
+                          capture_output=True, text=True, timeout=timeout, env=e,
+                          preexec_fn=preexec_fn)
