@@ -7,6 +7,15 @@
 // Supported tile configurations (anything else is rejected on the host):
 //   BM x BN x BK = 64 x 128 x 32, 4 warps as 2 x 2 (warp tile 32 x 64), 3 stages;
 //   requires K % 32 == 0, group % 32 == 0, N % 32 == 0; any M >= 1 (rows past M are zero-filled).
+//
+// Three modes share the tile code (template parameter MODE):
+//   GEMM_DENSE   C = A W for one matrix;
+//   GEMM_GATHER_SWIGLU  MoE GEMM1: blockIdx.y walks the tiles of every expert (tile_offsets), A rows
+//                are gathered through perm_to_unperm / k (no permuted copy of the activations), the
+//                block's 128 columns are 64 gate and the matching 64 up columns of the expert's
+//                [gate | up] weights (interleaved in 32-column chunks), and the epilogue writes
+//                silu(gate) * up: C [T*k, I], requires I % 64 == 0;
+//   GEMM_GROUPED MoE GEMM2: like the dense mode per expert, A and C in permuted row order.
 #include "common.cuh"
 
 #define BM 64
@@ -16,6 +25,10 @@
 #define A_PAD 8   // halves of padding per A row: 80-byte rows make ldmatrix conflict-free
 #define B_PAD 8   // halves of padding per dequantized B row (272-byte rows)
 
+#define GEMM_DENSE 0
+#define GEMM_GATHER_SWIGLU 1
+#define GEMM_GROUPED 2
+
 struct GemmSmem {
     half a[STAGES][BM][BK + A_PAD];
     u32 w[STAGES][BK][BN / 8];
@@ -24,51 +37,59 @@ struct GemmSmem {
     half b[BK][BN + B_PAD];
 };
 
-// Issue the async copies of K tile kt into stage st. 128 threads.
-__device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, const half* A, const u32* qw,
-                                               const u32* qz, const half* sc, int M, int N, int K, int group,
-                                               int m0, int n0) {
+// First weight column of the block's 32-column chunk cc (0..3). In the SwiGLU mode chunks
+// alternate gate, up, gate, up over the block's 64 gate columns starting at n0, so each warp's
+// accumulators hold a gate column and its up column side by side.
+template <int MODE>
+__device__ __forceinline__ int gemm_chunk_col(int n0, int cc, int N) {
+    if (MODE == GEMM_GATHER_SWIGLU) return n0 + (cc >> 1) * 32 + (cc & 1) * (N / 2);
+    return n0 + cc * 32;
+}
+
+// Issue the async copies of K tile kt into stage st. 128 threads. a_row[r] is the source row of
+// tile row r in A, or -1 (zero-filled).
+template <int MODE>
+__device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, const half* A, const int* a_row,
+                                               const u32* qw, const u32* qz, const half* sc, int N, int K,
+                                               int group, int n0) {
     const int t = threadIdx.x;
     const int k0 = kt * BK;
     // A: 64 rows x 4 chunks of 8 halves
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         int c = t + i * 128, row = c >> 2, cc = c & 3;
-        bool ok = m0 + row < M;
-        const half* src = ok ? A + (size_t)(m0 + row) * K + k0 + cc * 8 : A;
-        cp_async16(&sm.a[st][row][cc * 8], src, ok ? 16 : 0);
+        int src_row = a_row[row];
+        const half* src = src_row >= 0 ? A + (size_t)src_row * K + k0 + cc * 8 : A;
+        cp_async16(&sm.a[st][row][cc * 8], src, src_row >= 0 ? 16 : 0);
     }
     // packed weights: 32 rows x 4 chunks of 4 words
     {
         int row = t >> 2, cc = t & 3;
-        int word = n0 / 8 + cc * 4;
+        int word = gemm_chunk_col<MODE>(n0, cc, N) / 8;
         bool ok = word < N / 8;
         const u32* src = ok ? qw + (size_t)(k0 + row) * (N / 8) + word : qw;
         cp_async16(&sm.w[st][row][cc * 4], src, ok ? 16 : 0);
     }
     const int gi = k0 / group;
     if (t < 16) {  // scales: 128 halves
-        int col = n0 + t * 8;
+        int col = gemm_chunk_col<MODE>(n0, t >> 2, N) + (t & 3) * 8;
         bool ok = col < N;
         cp_async16(&sm.s[st][t * 8], ok ? sc + (size_t)gi * N + col : sc, ok ? 16 : 0);
     } else if (t < 20) {  // zeros: 16 words
-        int word = n0 / 8 + (t - 16) * 4;
+        int word = gemm_chunk_col<MODE>(n0, t - 16, N) / 8;
         bool ok = word < N / 8;
         cp_async16(&sm.z[st][(t - 16) * 4], ok ? qz + (size_t)gi * (N / 8) + word : qz, ok ? 16 : 0);
     }
 }
 
-__global__ void __launch_bounds__(128)
-gemm_w4a16(const half* __restrict__ A,   // [M, K]
-           const u32* __restrict__ qw,   // [K, N/8]
-           const u32* __restrict__ qz,   // [K/g, N/8]
-           const half* __restrict__ sc,  // [K/g, N]
-           half* __restrict__ C,         // [M, N]
-           int M, int N, int K, int group) {
-    __shared__ __align__(16) GemmSmem sm;
+// The main loop and epilogue of one BM x BN tile. a_row / c_row (shared, BM entries) give each
+// tile row's source row in A and destination row in C, -1 for rows past the end.
+template <int MODE>
+__device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const int* c_row, const half* A,
+                                          const u32* qw, const u32* qz, const half* sc, half* C, int N, int K,
+                                          int group, int n0) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int wm = warp >> 1, wn = warp & 1;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int KT = K / BK;
 
     float acc[2][8][4];
@@ -81,7 +102,7 @@ gemm_w4a16(const half* __restrict__ A,   // [M, K]
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) gemm_load_tile(sm, s, s, A, qw, qz, sc, M, N, K, group, m0, n0);
+        if (s < KT) gemm_load_tile<MODE>(sm, s, s, A, a_row, qw, qz, sc, N, K, group, n0);
         cp_async_commit();
     }
 
@@ -90,7 +111,7 @@ gemm_w4a16(const half* __restrict__ A,   // [M, K]
         __syncthreads();  // tile kt visible to all; everyone is done reading the stage refilled next
         {
             int nk = kt + STAGES - 1;
-            if (nk < KT) gemm_load_tile(sm, nk % STAGES, nk, A, qw, qz, sc, M, N, K, group, m0, n0);
+            if (nk < KT) gemm_load_tile<MODE>(sm, nk % STAGES, nk, A, a_row, qw, qz, sc, N, K, group, n0);
             cp_async_commit();
         }
         const int st = kt % STAGES;
@@ -126,19 +147,112 @@ gemm_w4a16(const half* __restrict__ A,   // [M, K]
     cp_async_wait<0>();
 
     const int g = lane >> 2, tq = lane & 3;
+    if (MODE == GEMM_GATHER_SWIGLU) {
+        // nt < 4: gate columns n0 + wn*32 + nt*8 + 2tq (+1); nt + 4: the same up columns
+        const int I = N / 2;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                int col = n0 + wn * 32 + nt * 8 + tq * 2;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    int r = c_row[wm * 32 + mt * 16 + g + hh * 8];
+                    if (r < 0) continue;
+                    float g0 = acc[mt][nt][2 * hh], g1 = acc[mt][nt][2 * hh + 1];
+                    float u0 = acc[mt][nt + 4][2 * hh], u1 = acc[mt][nt + 4][2 * hh + 1];
+                    *reinterpret_cast<half2*>(&C[(size_t)r * I + col]) = __floats2half2_rn(
+                        g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+                }
+            }
+        return;
+    }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             int col = n0 + wn * 64 + nt * 8 + tq * 2;
             if (col >= N) continue;
-            int row = m0 + wm * 32 + mt * 16 + g;
-            if (row < M)
-                *reinterpret_cast<half2*>(&C[(size_t)row * N + col]) = __floats2half2_rn(acc[mt][nt][0], acc[mt][nt][1]);
-            if (row + 8 < M)
-                *reinterpret_cast<half2*>(&C[(size_t)(row + 8) * N + col]) =
-                    __floats2half2_rn(acc[mt][nt][2], acc[mt][nt][3]);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                int r = c_row[wm * 32 + mt * 16 + g + hh * 8];
+                if (r >= 0)
+                    *reinterpret_cast<half2*>(&C[(size_t)r * N + col]) =
+                        __floats2half2_rn(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
+            }
         }
+}
+
+__global__ void __launch_bounds__(128)
+gemm_w4a16(const half* __restrict__ A,   // [M, K]
+           const u32* __restrict__ qw,   // [K, N/8]
+           const u32* __restrict__ qz,   // [K/g, N/8]
+           const half* __restrict__ sc,  // [K/g, N]
+           half* __restrict__ C,         // [M, N]
+           int M, int N, int K, int group) {
+    __shared__ __align__(16) GemmSmem sm;
+    __shared__ int rows[BM];
+    const int m0 = blockIdx.y * BM;
+    if (threadIdx.x < BM) rows[threadIdx.x] = m0 + (int)threadIdx.x < M ? m0 + (int)threadIdx.x : -1;
+    __syncthreads();
+    gemm_tile<GEMM_DENSE>(sm, rows, rows, A, qw, qz, sc, C, N, K, group, blockIdx.x * BN);
+}
+
+// MoE grouped GEMMs over the expert stacks (weights [E, K, N/8], [E, K/g, N/8], [E, K/g, N]).
+// blockIdx.y enumerates the row tiles of all experts (tile_offsets from moe_expert_maps; blocks
+// past the last tile exit), blockIdx.x the column tiles (64 output columns in the SwiGLU mode).
+//   gather_swiglu: A = x [T, K] read through perm_to_unperm / k; C = act [T*k, N/2] (permuted).
+//   grouped:       A = act [T*k, K] (permuted); C = y [T*k, N] (permuted).
+template <int MODE>
+__device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32* qz, const half* sc, half* C,
+                                         const int* offsets, const int* tile_offsets,
+                                         const int* perm_to_unperm, int top_k, int E, int N, int K, int group) {
+    __shared__ __align__(16) GemmSmem sm;
+    __shared__ int a_row[BM], c_row[BM];
+    const int tile = blockIdx.y;
+    if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case
+    int lo = 0, hi = E;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (tile_offsets[mid] <= tile) lo = mid; else hi = mid;
+    }
+    const int e = lo;
+    const int r0 = offsets[e] + (tile - tile_offsets[e]) * BM, r1 = offsets[e + 1];
+    if (threadIdx.x < BM) {
+        int r = r0 + (int)threadIdx.x;
+        bool ok = r < r1;
+        c_row[threadIdx.x] = ok ? r : -1;
+        a_row[threadIdx.x] = !ok ? -1 : (MODE == GEMM_GATHER_SWIGLU ? perm_to_unperm[r] / top_k : r);
+    }
+    __syncthreads();
+    const size_t kw = (size_t)K * (N / 8), gw = (size_t)(K / group) * (N / 8), gs = (size_t)(K / group) * N;
+    const int n0 = blockIdx.x * (MODE == GEMM_GATHER_SWIGLU ? BN / 2 : BN);
+    gemm_tile<MODE>(sm, a_row, c_row, A, qw + e * kw, qz + e * gw, sc + e * gs, C, N, K, group, n0);
+}
+
+__global__ void __launch_bounds__(128)
+gemm_moe_gate_up(const half* __restrict__ x,            // [T, K]
+                 const u32* __restrict__ qw,            // [E, K, 2I/8]
+                 const u32* __restrict__ qz,            // [E, K/g, 2I/8]
+                 const half* __restrict__ sc,           // [E, K/g, 2I]
+                 half* __restrict__ act,                // [T*k, I] permuted rows
+                 const int* __restrict__ offsets,       // [E+1]
+                 const int* __restrict__ tile_offsets,  // [E+1]
+                 const int* __restrict__ perm_to_unperm,  // [T*k]
+                 int top_k, int E, int N, int K, int group) {
+    gemm_moe<GEMM_GATHER_SWIGLU>(x, qw, qz, sc, act, offsets, tile_offsets, perm_to_unperm, top_k, E, N, K, group);
+}
+
+__global__ void __launch_bounds__(128)
+gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
+              const u32* __restrict__ qw,             // [E, K, N/8]
+              const u32* __restrict__ qz,             // [E, K/g, N/8]
+              const half* __restrict__ sc,            // [E, K/g, N]
+              half* __restrict__ y,                   // [T*k, N] permuted rows
+              const int* __restrict__ offsets,        // [E+1]
+              const int* __restrict__ tile_offsets,   // [E+1]
+              int E, int N, int K, int group) {
+    gemm_moe<GEMM_GROUPED>(act, qw, qz, sc, y, offsets, tile_offsets, nullptr, 1, E, N, K, group);
 }
 
 // SwiGLU for prefill: out[i] = silu(gate[i]) * up[i] over M*I elements (fp16 in, fp32 math).

@@ -38,34 +38,17 @@ __device__ __forceinline__ void gemv_load_group(const AwqMat& m, int gi, int wor
     }
 }
 
-// partial[blockIdx.y][col] = sum over this block's 128-row K slice of x[k] * W[k, col].
-// Matrices come as flat arguments (three AwqMat worth) so any launcher can pass them.
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_w4a16(const half* __restrict__ x,  // [K]
-           const u32* qw0, const u32* qz0, const half* sc0, int N0,
-           const u32* qw1, const u32* qz1, const half* sc1, int N1,
-           const u32* qw2, const u32* qz2, const half* sc2, int N2, int n_mats,
-           float* __restrict__ partial,  // [S, N0+N1+N2]
-           int K, int group) {
-    const AwqMat m0{qw0, qz0, sc0, N0}, m1{qw1, qz1, sc1, N1}, m2{qw2, qz2, sc2, N2};
+// partial[split][col_off + col] = sum over split's 128-row K slice of x[k] * W[k, col], for the
+// 1024 columns of column tile `tile` of m.
+__device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqMat& m, int tile, int col_off,
+                                          int n_total, float* __restrict__ partial, int split, int K, int group) {
     // per-warp column sums, reduced across warps; one pad word per 32 columns keeps the
     // lane-strided writes below off a single bank
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-    // which matrix and column tile this block serves
-    int tile = blockIdx.x, col_off = 0;
-    AwqMat m = m0;
-    int t0 = (m0.N + GEMV_COLS - 1) / GEMV_COLS;
-    if (tile >= t0 && n_mats > 1) {
-        tile -= t0; col_off = m0.N; m = m1;
-        int t1 = (m1.N + GEMV_COLS - 1) / GEMV_COLS;
-        if (tile >= t1 && n_mats > 2) { tile -= t1; col_off += m1.N; m = m2; }
-    }
-    const int n_total = m0.N + (n_mats > 1 ? m1.N : 0) + (n_mats > 2 ? m2.N : 0);
     const int nwords = m.N / 8;
     const int word0 = tile * (GEMV_COLS / 8) + lane * 4;
-    const int k0 = blockIdx.y * (GEMV_WARPS * GEMV_ROWS) + warp * GEMV_ROWS;
+    const int k0 = split * (GEMV_WARPS * GEMV_ROWS) + warp * GEMV_ROWS;
 
     float acc[4][8];
 #pragma unroll
@@ -141,8 +124,48 @@ gemv_w4a16(const half* __restrict__ x,  // [K]
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; ++w) s += red[w][c + c / 32];
-        partial[(size_t)blockIdx.y * n_total + col_off + col] = s;
+        partial[(size_t)split * n_total + col_off + col] = s;
     }
+}
+
+
+// Split-K GEMV of up to three matrices sharing x. Matrices come as flat arguments (three AwqMat
+// worth) so any launcher can pass them. grid (column tiles of all matrices, S), block 256.
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_w4a16(const half* __restrict__ x,  // [K]
+           const u32* qw0, const u32* qz0, const half* sc0, int N0,
+           const u32* qw1, const u32* qz1, const half* sc1, int N1,
+           const u32* qw2, const u32* qz2, const half* sc2, int N2, int n_mats,
+           float* __restrict__ partial,  // [S, N0+N1+N2]
+           int K, int group) {
+    const AwqMat m0{qw0, qz0, sc0, N0}, m1{qw1, qz1, sc1, N1}, m2{qw2, qz2, sc2, N2};
+    // which matrix and column tile this block serves
+    int tile = blockIdx.x, col_off = 0;
+    AwqMat m = m0;
+    int t0 = (m0.N + GEMV_COLS - 1) / GEMV_COLS;
+    if (tile >= t0 && n_mats > 1) {
+        tile -= t0; col_off = m0.N; m = m1;
+        int t1 = (m1.N + GEMV_COLS - 1) / GEMV_COLS;
+        if (tile >= t1 && n_mats > 2) { tile -= t1; col_off += m1.N; m = m2; }
+    }
+    const int n_total = m0.N + (n_mats > 1 ? m1.N : 0) + (n_mats > 2 ? m2.N : 0);
+    gemv_tile(x, m, tile, col_off, n_total, partial, blockIdx.y, K, group);
+}
+
+// MoE decode: the same GEMV over the experts picked for the token, their ids read from device
+// memory (so the step replays as a graph). Weights are expert stacks [E, K, N/8], [E, K/g, N/8],
+// [E, K/g, N]; slot j = blockIdx.z uses x + j*x_slot_stride (0: all slots share x) and writes
+// partial [k, S, N]. grid (ceil(N / 1024), S, k), block 256.
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_w4a16_experts(const half* __restrict__ x, int x_slot_stride,
+                   const u32* qw, const u32* qz, const half* sc, int N,
+                   const int* __restrict__ ids,  // [k] expert of each slot
+                   float* __restrict__ partial,  // [k, S, N]
+                   int K, int group) {
+    const size_t e = (size_t)ids[blockIdx.z];
+    const AwqMat m{qw + e * K * (N / 8), qz + e * (K / group) * (N / 8), sc + e * (K / group) * N, N};
+    gemv_tile(x + (size_t)blockIdx.z * x_slot_stride, m, blockIdx.x, 0, N,
+              partial + (size_t)blockIdx.z * gridDim.y * N, blockIdx.y, K, group);
 }
 
 // out[n] = sum_s partial[s, n] (fp16), n < N.

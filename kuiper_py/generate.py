@@ -71,9 +71,6 @@ class Engine:
             bad = [i for i in mf.args.eos_token_ids if not 0 <= i < tok.vocab_size]
             if bad:
                 raise KuiperError(f"end-of-sequence ids {bad} are outside the tokenizer's {tok.vocab_size} tokens")
-        if mf.args.num_experts and device in (None, "auto"):
-            log("notice: Qwen3-MoE runs on the CPU for now (--device cpu)")
-            device = "cpu"
         eng = cls(mf, pick_device(device), tok)
         eng.load_seconds = time.perf_counter() - t0
         return eng

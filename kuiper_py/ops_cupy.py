@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .errors import KuiperError, ResourceError
-from .loader import AwqLinear, Layer, Weights
+from .loader import AwqLinear, AwqStack, Layer, Weights
 from .sampling import SamplingParams
 
 try:
@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 GEMV_ROWS_PER_BLOCK = 128  # GEMV_WARPS * GEMV_ROWS in gemv_w4a16.cu
 GEMV_COLS = 1024
 GEMM_BM, GEMM_BN = 64, 128
+MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
@@ -68,8 +69,10 @@ def gpu_memory_used_mib() -> float:
 
 _MODULES: dict[str, object] = {}
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16", "splitk_reduce", "splitk_reduce_swiglu"]),
-    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16", "silu_mul"]),
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16", "splitk_reduce", "splitk_reduce_swiglu", "gemv_w4a16_experts"]),
+    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize", "moe_reduce_swiglu",
+                       "moe_reduce_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
                               "attn_decode_split<128>", "attn_decode_combine"]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
@@ -187,14 +190,100 @@ def lm_head(x, W, out):
     return out
 
 
+# ---------------------------------------------------------------------------------------------- MoE stages
+def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None):
+    """Router logits in fp32, softmax, top-k, optional renormalisation.
+    x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]."""
+    T, D = x.shape
+    E = router.shape[0]
+    logits = cp.empty((T, E), cp.float32) if logits is None else logits
+    ids = cp.empty((T, k), cp.int32) if ids is None else ids
+    weights = cp.empty((T, k), cp.float32) if weights is None else weights
+    kernel("moe", "moe_router_logits")((math.ceil(E / 8), T), (256,), (x, router, logits, _i(D), _i(E)))
+    kernel("moe", "moe_topk")((math.ceil(T / 8),), (256,), (logits, ids, weights, _i(T), _i(E), _i(k),
+                                                           _i(int(norm_topk))))
+    return ids, weights
+
+
+def moe_maps(ids, n_experts: int, out=None):
+    """counts [E], expert_first_token_offset [E+1], tile offsets [E+1] (grouped-GEMM row tiles),
+    permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
+    n, E = ids.size, n_experts
+    if out is None:
+        out = tuple(cp.empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
+    counts, offsets, tiles, p2u, u2p = out
+    kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), counts, offsets, tiles, p2u, u2p))
+    return counts, offsets, tiles, p2u, u2p
+
+
+def _moe_grid_rows(n: int, E: int) -> int:
+    """Row tiles the grouped GEMM launches: sum_e ceil(count_e / BM) <= ceil(n / BM) + min(E, n)."""
+    return math.ceil(n / GEMM_BM) + min(E, n)
+
+
+def moe_gemm_gate_up(x, w13: AwqStack, offsets, tiles, p2u, k: int, out=None):
+    """Grouped GEMM1: x [T, D] gathered per expert through p2u, times each expert's [gate | up], SwiGLU
+    in the epilogue -> act [T*k, I] in permuted row order."""
+    T, K = x.shape
+    N = w13.scales.shape[-1]
+    n = T * k
+    out = cp.empty((n, N // 2), cp.float16) if out is None else out
+    kernel("gemm", "gemm_moe_gate_up")((N // 2 // (GEMM_BN // 2), _moe_grid_rows(n, w13.E)), (128,), (
+        x, w13.qweight, w13.qzeros, w13.scales, out, offsets, tiles, p2u, _i(k), _i(w13.E), _i(N), _i(K),
+        _i(w13.group_size)))
+    return out
+
+
+def moe_gemm_down(act, w2: AwqStack, offsets, tiles, out=None):
+    """Grouped GEMM2: act [T*k, I] (permuted) times each expert's down weights -> y [T*k, D] (permuted)."""
+    n, K = act.shape
+    N = w2.scales.shape[-1]
+    out = cp.empty((n, N), cp.float16) if out is None else out
+    kernel("gemm", "gemm_moe_down")((math.ceil(N / GEMM_BN), _moe_grid_rows(n, w2.E)), (128,), (
+        act, w2.qweight, w2.qzeros, w2.scales, out, offsets, tiles, _i(w2.E), _i(N), _i(K), _i(w2.group_size)))
+    return out
+
+
+def moe_finalize(y, u2p, weights, out=None):
+    """Un-permute and weight: out [T, D] = sum_j weights[t, j] * y[u2p[t*k + j]]."""
+    T, k = weights.shape
+    D = y.shape[1]
+    out = cp.empty((T, D), cp.float16) if out is None else out
+    kernel("moe", "moe_finalize")((T,), (256,), (y, u2p, weights, out, _i(D), _i(k)))
+    return out
+
+
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
+    """One token through its k selected experts, ids and weights read on the device:
+    expert GEMV gate|up -> SwiGLU reduction -> expert GEMV down -> weighted-sum reduction. out [1, D]."""
+    D = x.shape[-1]
+    k = ids.size
+    N13 = w13.scales.shape[-1]
+    inter = N13 // 2
+    S1, S2 = math.ceil(D / GEMV_ROWS_PER_BLOCK), math.ceil(inter / GEMV_ROWS_PER_BLOCK)
+    assert k * max(S1 * N13, S2 * D) <= partial.size and act.size >= k * inter
+    kernel("gemv", "gemv_w4a16_experts")((math.ceil(N13 / GEMV_COLS), S1, k), (256,), (
+        x, _i(0), w13.qweight, w13.qzeros, w13.scales, _i(N13), ids, partial, _i(D), _i(w13.group_size)))
+    kernel("moe", "moe_reduce_swiglu")((math.ceil(k * inter / 256),), (256,), (partial, _i(S1), _i(inter), _i(k), act))
+    kernel("gemv", "gemv_w4a16_experts")((math.ceil(D / GEMV_COLS), S2, k), (256,), (
+        act, _i(inter), w2.qweight, w2.qzeros, w2.scales, _i(D), ids, partial, _i(inter), _i(w2.group_size)))
+    kernel("moe", "moe_reduce_finalize")((math.ceil(D / 256),), (256,), (partial, _i(S2), _i(D), _i(k), weights, out))
+    return out
+
+
 class CupyOps:
     name = "cuda"
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True):
         self.args = a = args
         if a.num_experts:
-            raise KuiperError("Qwen3-MoE models run on the CPU only for now (--device cpu); the GPU MoE "
-                              "pipeline is not implemented yet")
+            if a.num_experts > MOE_MAX_EXPERTS or not 0 < a.num_experts_per_tok <= min(MOE_MAX_TOPK, a.num_experts):
+                raise KuiperError(f"{a.num_experts} experts with {a.num_experts_per_tok} per token: the GPU MoE "
+                                  f"kernels support up to {MOE_MAX_EXPERTS} experts and {MOE_MAX_TOPK} per token")
+            if a.moe_intermediate_size % 64:
+                raise KuiperError(f"moe_intermediate_size={a.moe_intermediate_size} is not a multiple of 64, which "
+                                  f"the grouped expert GEMM needs")
+        self.routing_log = None  # set to a list to record each prefill MoE layer's expert ids (tests)
         if a.head_dim not in SUPPORTED_HEAD_DIMS:
             raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
         for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),
@@ -250,9 +339,12 @@ class CupyOps:
         arrays = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
         for layer in w.layers:
             arrays += [layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm]
-            for p in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            for p in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "experts_w13", "experts_w2"):
                 lin = getattr(layer, p)
-                arrays += [lin.qweight, lin.qzeros, lin.scales]
+                if lin is not None:
+                    arrays += [lin.qweight, lin.qzeros, lin.scales]
+            if layer.router is not None:
+                arrays.append(layer.router)
         total = sum(x.nbytes for x in arrays)
         chunk = 64 << 20
         pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
@@ -280,11 +372,13 @@ class CupyOps:
             done[id(x)] = d
             return d
 
-        def lin(q: AwqLinear):
-            return AwqLinear(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
+        def lin(q):  # AwqLinear or AwqStack (same fields), or None
+            return None if q is None else type(q)(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
 
         layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
-                        lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3)) for L in w.layers]
+                        lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
+                        None if L.router is None else up(L.router), lin(L.experts_w13), lin(L.experts_w2))
+                  for L in w.layers]
         out = Weights(up(w.embed), up(w.final_norm), up(w.lm_head), layers)
         if bar:
             bar.close()
@@ -294,8 +388,11 @@ class CupyOps:
     def _alloc_decode(self):
         a = self.args
         D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
-        s_max = max(math.ceil(k / GEMV_ROWS_PER_BLOCK) * n for k, n in
-                    ((D, qd + 2 * kvd), (qd, D), (D, 2 * I), (I, D)))
+        shapes = [(D, qd + 2 * kvd), (qd, D), (D, 2 * I), (I, D)]
+        E, k, mI = a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size
+        if E:  # the expert GEMVs write [k, S, N] partials
+            shapes += [(D, k * 2 * mI), (mI, k * D)]
+        s_max = max(math.ceil(kk / GEMV_ROWS_PER_BLOCK) * n for kk, n in shapes)
         self.attn_splits = max(1, math.ceil(2 * self.n_sm / a.num_attention_heads))
         self.d = {
             "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
@@ -308,6 +405,9 @@ class CupyOps:
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
+        if E:
+            self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
+                          moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16))
         self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
 
     # ------------------------------------------------------------------ the ops interface
@@ -393,6 +493,21 @@ class CupyOps:
         out = cp.empty_like(g)
         kernel("gemm", "silu_mul")((math.ceil(g.size / 256),), (256,), (g, u, out, _i(g.size)))
         return out
+
+    def moe(self, x, layer: Layer):
+        """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
+        a, d = self.args, self.d
+        k = a.num_experts_per_tok
+        if x.shape[0] == 1:
+            ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"])
+        ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
+        if self.routing_log is not None:
+            self.routing_log.append(cp.asnumpy(ids))
+        _, offsets, tiles, p2u, u2p = moe_maps(ids, a.num_experts)
+        act = moe_gemm_gate_up(x, layer.experts_w13, offsets, tiles, p2u, k)
+        y = moe_gemm_down(act, layer.experts_w2, offsets, tiles)
+        return moe_finalize(y, u2p, w)
 
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size

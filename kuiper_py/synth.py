@@ -211,10 +211,13 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
             w_t = rng.standard_normal((K, N), dtype=np.float32) * (4.0 / np.sqrt(K))
             q, z, s = _quantize(w_t, g)
         else:
-            q = rng.integers(0, 16, size=(K, N), dtype=np.uint8)
+            # uniform random words are eight uniform random 4-bit codes in any packing order, so the
+            # codes are drawn packed (8x fewer draws, no pack: 30B-A3B shapes in seconds, not minutes)
+            qw = rng.integers(0, 2**32, size=(K, N // 8), dtype=np.uint32).view(np.int32)
             z = rng.integers(6, 10, size=(K // g, N), dtype=np.uint8)
             s = np.full((K // g, N), 1.0 / (6.5 * np.sqrt(K)), dtype=np.float16)
             s *= (0.75 + 0.5 * rng.random((K // g, N), dtype=np.float32)).astype(np.float16)
+            return {"qweight": qw, "qzeros": awq.pack(z), "scales": f16(s)}
         return {"qweight": awq.pack(q), "qzeros": awq.pack(z), "scales": f16(s)}
 
     def norm(n):

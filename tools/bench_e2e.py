@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""End-to-end benchmark (device machine), batch 1, on an ak48 file with the real Qwen3-8B shapes:
+"""End-to-end benchmark (device machine), batch 1, on an ak48 file with real Qwen3 shapes (8B, 30B-A3B):
 decode tok/s at several contexts with the effective bandwidth (bytes read per step / step time) as a
-ratio to a same-run device copy; prefill tok/s; the same through Hugging Face transformers in FP16
+ratio to a same-run device copy (MoE: only the selected experts' bytes count); prefill tok/s; the same through Hugging Face transformers in FP16
 (sdpa, same dequantized weights); peak GPU memory of both.
 
     python tools/bench_e2e.py MODEL.bin [--ctx 512,8192,32768] [--prompts 128,512,2048,8192] [--no-hf] [--json F]
@@ -45,6 +45,10 @@ def step_bytes(mf, ctx):
     weights = h.weights_end - fmt.HEADER_SIZE
     if not h.shared_classifier:
         weights -= (h.vocab_size - 1) * h.dim * 2
+    for L in mf.weights.layers:  # MoE: only the k selected experts of each layer are read
+        if L.experts_w13 is not None:
+            stacks = sum(x.nbytes for st in (L.experts_w13, L.experts_w2) for x in (st.qweight, st.qzeros, st.scales))
+            weights -= stacks * (a.num_experts - a.num_experts_per_tok) // a.num_experts
     return weights + 2 * a.num_hidden_layers * ctx * a.kv_dim * 2
 
 
@@ -130,7 +134,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
     eng.model = None
     cp.get_default_memory_pool().free_all_blocks()
-    if not no_hf:
+    if not no_hf and not mf.args.num_experts:  # the transformers side is the dense Qwen3 model
         import torch
         hf = hf_model(mf)
         cp.get_default_memory_pool().free_all_blocks()

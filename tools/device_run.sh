@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
 # Device call 1 (PART=1): GPU tests, soak on a tiny model, kernel benchmark.
 # Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
+# Device call 3 (PART=moe): every GPU test (the 30B-A3B-shaped checkpoint is drawn and exported on the
+#   CPU meanwhile), then kuiper bench and bench_e2e on the Qwen3-30B-A3B shapes.
 set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "${PART:-1}" = 1 ]; then
+if [ "${PART:-1}" = moe ]; then
+  M=/tmp/q30; B=/tmp/q30.bin
+  ( [ -f $B ] || { python3 tools/make_synthetic.py $M --preset 30b-a3b --shards 8 && python3 -m kuiper_py export $M -o $B -q \
+    && rm -rf $M; } ) > "$OUT/make30.log" 2>&1 &
+  MK=$!
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py tests/test_gpu.py \
+    tests/test_gpu_e2e.py tests/test_hardening.py::test_kv_cache_too_large_for_gpu_memory > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15
+  wait $MK; tail -2 "$OUT/make30.log"; ls -la $B
+  python3 -m kuiper_py bench -m $B -p 512,2048 -n 128 -r 3 --device cuda 2>"$OUT/bench30.err" | tee "$OUT/bench30.md"
+  tail -3 "$OUT/bench30.err"
+  timeout 200 python3 tools/bench_e2e.py $B --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -12
+elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
   python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1

@@ -1,0 +1,215 @@
+// Qwen3-MoE routing, expert maps, finalize and the decode-time reductions over selected experts.
+// The grouped expert GEMMs live in gemm_w4a16.cu and the expert GEMV in gemv_w4a16.cu (same tiles
+// as the dense path); this file holds what sits between them.
+//
+// Stage order (prefill):  router_logits -> topk -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU)
+//                         -> GEMM2 (down) -> finalize.
+// Stage order (decode):   router_logits -> topk -> expert GEMV (gate|up) -> reduce_swiglu
+//                         -> expert GEMV (down) -> reduce_finalize.
+// Everything stays on the device: expert ids are read by later kernels, never by the host, so a
+// decode step still replays as one CUDA graph.
+//
+// Supported (checked on the host): num_experts <= 256, experts per token <= 32, D % 8 == 0.
+#include "common.cuh"
+
+#define MOE_MAX_E 256       // experts held per warp lane: 8 per lane
+#define MOE_MAP_WARPS 32    // warps of the single-block map builder
+#define MOE_TILE_M 64       // rows per grouped-GEMM tile (BM of gemm_w4a16.cu)
+
+// The better of two (probability, expert) candidates: higher probability, ties to the lower id
+// (the reference's stable sort).
+__device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
+    return pa > pb || (pa == pb && ea < eb);
+}
+
+// logits[t, e] = x[t] . router[e] in fp32. grid (ceil(E / 8), T), block 256: one warp per expert,
+// so a decode step spreads the router's E x D read over many SMs.
+__global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
+                                  const half* __restrict__ router,  // [E, D]
+                                  float* __restrict__ logits,       // [T, E]
+                                  int D, int E) {
+    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
+    if (e >= E) return;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)t * D);
+    const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)e * D);
+    float s = 0.f;
+    for (int i = lane; i < D / 8; i += 32) {
+        uint4 a = xr[i], b = __ldg(wr + i);
+        const half2* ah = reinterpret_cast<const half2*>(&a);
+        const half2* bh = reinterpret_cast<const half2*>(&b);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+            s += fa.x * fb.x + fa.y * fb.y;
+        }
+    }
+    s = warp_sum(s);
+    if (lane == 0) logits[(size_t)t * E + e] = s;
+}
+
+// Softmax over the experts, top-k, optional renormalisation. grid ceil(T / 8), block 256: one
+// warp per token, each lane holding experts lane, lane + 32, ...
+__global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
+                         int* __restrict__ ids,             // [T, k]
+                         float* __restrict__ weights,       // [T, k]
+                         int T, int E, int k, int norm_topk) {
+    const int lane = threadIdx.x & 31, t = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (t >= T) return;
+    float p[MOE_MAX_E / 32];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+        int e = lane + 32 * j;
+        p[j] = e < E ? logits[(size_t)t * E + e] : -INFINITY;
+        mx = fmaxf(mx, p[j]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+        p[j] = lane + 32 * j < E ? __expf(p[j] - mx) : 0.f;
+        sum += p[j];
+    }
+    const float inv = 1.f / warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lane + 32 * j < E ? p[j] * inv : -1.f;
+
+    float picked = 0.f, my_w = 0.f;
+    int my_id = 0;
+    for (int r = 0; r < k; ++r) {
+        // this lane's best remaining expert, then the warp's
+        float bp = -2.f;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float op = __shfl_xor_sync(0xffffffffu, bp, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (moe_better(op, oe, bp, be)) { bp = op; be = oe; }
+        }
+        // the owner retires the winner; lane r keeps slot r
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (lane + 32 * j == be) p[j] = -2.f;
+        picked += bp;
+        if (lane == r) { my_w = bp; my_id = be; }
+    }
+    if (lane < k) {
+        ids[(size_t)t * k + lane] = my_id;
+        weights[(size_t)t * k + lane] = norm_topk ? my_w / picked : my_w;
+    }
+}
+
+// The expert maps, in one block of MOE_MAP_WARPS warps. Slots s = t*k + j are ordered by
+// (expert, s) -- a stable counting sort: each warp owns a contiguous slot range, counts it, and
+// then places its slots in order, so the result never depends on scheduling.
+//   counts [E], offsets [E+1] (exclusive prefix sum), tile_offsets [E+1] (prefix sum of
+//   ceil(count / MOE_TILE_M): the grouped GEMM's block -> expert table), perm_to_unperm [n] and
+//   unperm_to_perm [n].
+__global__ void __launch_bounds__(MOE_MAP_WARPS * 32)
+moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
+                int n, int E,
+                int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
+                int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {
+    __shared__ int cnt[MOE_MAP_WARPS][MOE_MAX_E];  // per warp: its count, then its write cursor
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunk = ((n + MOE_MAP_WARPS - 1) / MOE_MAP_WARPS + 31) / 32 * 32;
+    const int s0 = warp * chunk, s1 = min(n, s0 + chunk);
+    for (int i = threadIdx.x; i < MOE_MAP_WARPS * MOE_MAX_E; i += blockDim.x) (&cnt[0][0])[i] = 0;
+    __syncthreads();
+    for (int s = s0 + lane; s < s1; s += 32) atomicAdd(&cnt[warp][ids[s]], 1);
+    __syncthreads();
+    // per expert: total count, and each warp's start inside the expert's segment (still relative)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < MOE_MAP_WARPS; ++w) {
+            int c = cnt[w][e];
+            cnt[w][e] = run;
+            run += c;
+        }
+        counts[e] = run;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // E <= 256 serial steps: cheaper than a scan's synchronisation
+        int off = 0, toff = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = off;
+            tile_offsets[e] = toff;
+            off += counts[e];
+            toff += (counts[e] + MOE_TILE_M - 1) / MOE_TILE_M;
+        }
+        offsets[E] = off;
+        tile_offsets[E] = toff;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int base = offsets[e];
+        for (int w = 0; w < MOE_MAP_WARPS; ++w) cnt[w][e] += base;
+    }
+    __syncthreads();
+    // place this warp's slots in slot order: rank among equal experts in the 32-slot chunk, then
+    // the chunk's group leader advances the cursor
+    for (int c0 = s0; c0 < s1; c0 += 32) {
+        const int s = c0 + lane;
+        const int e = s < s1 ? ids[s] : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int rank = __popc(peers & ((1u << lane) - 1u));
+            const int pos = cnt[warp][e] + rank;
+            perm_to_unperm[pos] = s;
+            unperm_to_perm[s] = pos;
+        }
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp][e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+// out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum, fp16 out; the residual add
+// happens in the next add_rmsnorm). grid T, block 256.
+__global__ void moe_finalize(const half* __restrict__ y,            // [T*k, D] permuted rows
+                             const int* __restrict__ unperm_to_perm,  // [T*k]
+                             const float* __restrict__ weights,     // [T, k]
+                             half* __restrict__ out,                // [T, D]
+                             int D, int k) {
+    const int t = blockIdx.x;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float s = 0.f;
+        for (int j = 0; j < k; ++j)
+            s += weights[(size_t)t * k + j] * __half2float(y[(size_t)unperm_to_perm[(size_t)t * k + j] * D + d]);
+        out[(size_t)t * D + d] = __float2half(s);
+    }
+}
+
+// Decode, after the expert GEMV over gate|up: partial [k, S, 2I] -> act [k, I] = silu(g) * u.
+__global__ void moe_reduce_swiglu(const float* __restrict__ partial, int S, int I, int k,
+                                  half* __restrict__ act) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= k * I) return;
+    const int j = i / I, c = i - j * I;
+    const float* p = partial + (size_t)j * S * 2 * I;
+    float g = 0.f, u = 0.f;
+    for (int s = 0; s < S; ++s) {
+        g += p[(size_t)s * 2 * I + c];
+        u += p[(size_t)s * 2 * I + I + c];
+    }
+    act[i] = __float2half(g / (1.f + __expf(-g)) * u);
+}
+
+// Decode, after the expert GEMV over down: partial [k, S, D] -> out [D] = sum_j w[j] * y_j.
+__global__ void moe_reduce_finalize(const float* __restrict__ partial, int S, int D, int k,
+                                    const float* __restrict__ weights,  // [k]
+                                    half* __restrict__ out) {
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+        const float* p = partial + (size_t)j * S * D;
+        float s = 0.f;
+        for (int i = 0; i < S; ++i) s += p[(size_t)i * D + d];
+        acc += weights[j] * s;
+    }
+    out[d] = __float2half(acc);
+}
