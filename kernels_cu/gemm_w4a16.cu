@@ -147,7 +147,7 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
     cp_async_wait<0>();
 
     const int g = lane >> 2, tq = lane & 3;
-    if (MODE == GEMM_GATHER_SWIGLU) {
+    if constexpr (MODE == GEMM_GATHER_SWIGLU) {
         // nt < 4: gate columns n0 + wn*32 + nt*8 + 2tq (+1); nt + 4: the same up columns
         const int I = N / 2;
 #pragma unroll
@@ -165,22 +165,22 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
                         g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
                 }
             }
-        return;
-    }
+    } else {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            int col = n0 + wn * 64 + nt * 8 + tq * 2;
-            if (col >= N) continue;
+            for (int nt = 0; nt < 8; ++nt) {
+                int col = n0 + wn * 64 + nt * 8 + tq * 2;
+                if (col >= N) continue;
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                int r = c_row[wm * 32 + mt * 16 + g + hh * 8];
-                if (r >= 0)
-                    *reinterpret_cast<half2*>(&C[(size_t)r * N + col]) =
-                        __floats2half2_rn(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
+                for (int hh = 0; hh < 2; ++hh) {
+                    int r = c_row[wm * 32 + mt * 16 + g + hh * 8];
+                    if (r >= 0)
+                        *reinterpret_cast<half2*>(&C[(size_t)r * N + col]) =
+                            __floats2half2_rn(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
+                }
             }
-        }
+    }
 }
 
 __global__ void __launch_bounds__(128)

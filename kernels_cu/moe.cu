@@ -1,11 +1,11 @@
-// Qwen3-MoE routing, expert maps, finalize and the decode-time reductions over selected experts.
-// The grouped expert GEMMs live in gemm_w4a16.cu and the expert GEMV in gemv_w4a16.cu (same tiles
-// as the dense path); this file holds what sits between them.
+// Qwen3-MoE routing, expert maps and finalize. The grouped expert GEMMs live in gemm_w4a16.cu and
+// the expert GEMV (with its SwiGLU and weighted-sum epilogues) in gemv_w4a16.cu, on the same tiles
+// as the dense path; this file holds what sits between them.
 //
 // Stage order (prefill):  router_logits -> topk -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU)
 //                         -> GEMM2 (down) -> finalize.
-// Stage order (decode):   router_logits -> topk -> expert GEMV (gate|up) -> reduce_swiglu
-//                         -> expert GEMV (down) -> reduce_finalize.
+// Stage order (decode):   router_logits -> topk -> expert GEMV gate|up (+SwiGLU)
+//                         -> expert GEMV down (+weighted sum over the k experts).
 // Everything stays on the device: expert ids are read by later kernels, never by the host, so a
 // decode step still replays as one CUDA graph.
 //
@@ -181,35 +181,4 @@ __global__ void moe_finalize(const half* __restrict__ y,            // [T*k, D] 
             s += weights[(size_t)t * k + j] * __half2float(y[(size_t)unperm_to_perm[(size_t)t * k + j] * D + d]);
         out[(size_t)t * D + d] = __float2half(s);
     }
-}
-
-// Decode, after the expert GEMV over gate|up: partial [k, S, 2I] -> act [k, I] = silu(g) * u.
-__global__ void moe_reduce_swiglu(const float* __restrict__ partial, int S, int I, int k,
-                                  half* __restrict__ act) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= k * I) return;
-    const int j = i / I, c = i - j * I;
-    const float* p = partial + (size_t)j * S * 2 * I;
-    float g = 0.f, u = 0.f;
-    for (int s = 0; s < S; ++s) {
-        g += p[(size_t)s * 2 * I + c];
-        u += p[(size_t)s * 2 * I + I + c];
-    }
-    act[i] = __float2half(g / (1.f + __expf(-g)) * u);
-}
-
-// Decode, after the expert GEMV over down: partial [k, S, D] -> out [D] = sum_j w[j] * y_j.
-__global__ void moe_reduce_finalize(const float* __restrict__ partial, int S, int D, int k,
-                                    const float* __restrict__ weights,  // [k]
-                                    half* __restrict__ out) {
-    const int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= D) return;
-    float acc = 0.f;
-    for (int j = 0; j < k; ++j) {
-        const float* p = partial + (size_t)j * S * D;
-        float s = 0.f;
-        for (int i = 0; i < S; ++i) s += p[(size_t)i * D + d];
-        acc += weights[j] * s;
-    }
-    out[d] = __float2half(acc);
 }

@@ -22,8 +22,11 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
-GEMV_ROWS_PER_BLOCK = 128  # GEMV_WARPS * GEMV_ROWS in gemv_w4a16.cu
-GEMV_COLS = 1024
+GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "8"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
+GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
+GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
+GEMV_COLS = 256
+GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
 GEMM_BM, GEMM_BN = 64, 128
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -69,10 +72,9 @@ def gpu_memory_used_mib() -> float:
 
 _MODULES: dict[str, object] = {}
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16", "splitk_reduce", "splitk_reduce_swiglu", "gemv_w4a16_experts"]),
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize", "moe_reduce_swiglu",
-                       "moe_reduce_finalize"]),
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
                               "attn_decode_split<128>", "attn_decode_combine"]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
@@ -89,8 +91,11 @@ def kernel(family: str, name: str):
         fname, names = _FILES[family]
         d = kernel_dir()
         src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text()
+        opts = ("--std=c++17", f"-I{d}")
+        if family == "gemv":
+            opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}")
         try:
-            mod = cp.RawModule(code=src, options=("--std=c++17", f"-I{d}"), name_expressions=names)
+            mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
         except cp.cuda.compiler.CompileException as e:
             raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
@@ -109,24 +114,51 @@ def _f(v):
     return np.float32(v)
 
 
-def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial):
-    """Decode projections sharing the input x [1, K]: split-K GEMV over up to three matrices, then
-    the reduction epilogue ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1)."""
-    K = mats[0].K
-    S = math.ceil(K / GEMV_ROWS_PER_BLOCK)
-    n_total = sum(m.N for m in mats)
-    assert S * n_total <= partial.size and all(m.K == K for m in mats)
+_COUNTERS: dict[int, object] = {}
+
+
+def gemv_counters():
+    """The GEMV's arrival counters (zero between launches; each launch leaves them zero), per device."""
+    dev = cp.cuda.Device().id
+    if dev not in _COUNTERS:
+        _COUNTERS[dev] = cp.zeros((1 << 16,), cp.int32)
+    return _COUNTERS[dev]
+
+
+def gemv_split(K: int, tiles: int) -> tuple[int, int]:
+    """(splits S, rows per split): about four blocks per SM in one wave, rows a multiple of GEMV_STEP."""
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    want = max(1, round(GEMV_MIN_BLOCKS * n_sm / tiles))
+    rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
+    return math.ceil(K / rps), rps
+
+
+def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
+    """Floats of partial sums a gemv over matrices of widths ns needs."""
+    S, _ = gemv_split(K, slots * sum(math.ceil(n / GEMV_COLS) for n in ns))
+    return slots * S * sum(ns)
+
+
+def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
+         x_slot_stride: int = 0):
+    """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
+    three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
+    "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
+    experts (or column views of them, row length ld) and slot j uses expert ids[j]."""
+    K, g = mats[0].K, mats[0].group_size
+    slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
+    S, rps = gemv_split(K, slots * tiles)
+    n_total = sum(m.N for m in mats)
+    assert slots * S * n_total <= partial.size and all(m.K == K for m in mats) and slots * tiles <= 1 << 16
+    assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
-    kernel("gemv", "gemv_w4a16")((tiles, S), (256,), (x, *flat, _i(len(mats)), partial, _i(K),
-                                                     _i(mats[0].group_size)))
-    if out_kind == "swiglu":
-        I = mats[0].N
-        kernel("gemv", "splitk_reduce_swiglu")((math.ceil(I / 256),), (256,), (partial, _i(S), _i(I), out))
-    else:
-        kernel("gemv", "splitk_reduce")((math.ceil(n_total / 256),), (256,), (partial, _i(S), _i(n_total), out))
+    kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
+        x, _i(x_slot_stride), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0), partial,
+        gemv_counters(), out, slot_w if slot_w is not None else np.uint64(0), _i(K), _i(rps), _i(g),
+        _i(GEMV_EPI[out_kind])))
     return out
 
 
@@ -254,22 +286,16 @@ def moe_finalize(y, u2p, weights, out=None):
 
 
 def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
-    """One token through its k selected experts, ids and weights read on the device:
-    expert GEMV gate|up -> SwiGLU reduction -> expert GEMV down -> weighted-sum reduction. out [1, D]."""
-    D = x.shape[-1]
-    k = ids.size
-    N13 = w13.scales.shape[-1]
-    inter = N13 // 2
-    S1, S2 = math.ceil(D / GEMV_ROWS_PER_BLOCK), math.ceil(inter / GEMV_ROWS_PER_BLOCK)
-    assert k * max(S1 * N13, S2 * D) <= partial.size and act.size >= k * inter
-    kernel("gemv", "gemv_w4a16_experts")((math.ceil(N13 / GEMV_COLS), S1, k), (256,), (
-        x, _i(0), w13.qweight, w13.qzeros, w13.scales, _i(N13), ids, partial, _i(D), _i(w13.group_size)))
-    kernel("moe", "moe_reduce_swiglu")((math.ceil(k * inter / 256),), (256,), (partial, _i(S1), _i(inter), _i(k), act))
-    kernel("gemv", "gemv_w4a16_experts")((math.ceil(D / GEMV_COLS), S2, k), (256,), (
-        act, _i(inter), w2.qweight, w2.qzeros, w2.scales, _i(D), ids, partial, _i(inter), _i(w2.group_size)))
-    kernel("moe", "moe_reduce_finalize")((math.ceil(D / 256),), (256,), (partial, _i(S2), _i(D), _i(k), weights, out))
+    """One token through its k selected experts, ids and weights read on the device: the expert GEMV
+    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D]."""
+    inter = w13.scales.shape[-1] // 2
+    gate = AwqLinear(w13.qweight[0][:, :inter // 8], w13.qzeros[0][:, :inter // 8], w13.scales[0][:, :inter],
+                     w13.group_size)
+    up = AwqLinear(w13.qweight[0][:, inter // 8:], w13.qzeros[0][:, inter // 8:], w13.scales[0][:, inter:],
+                   w13.group_size)
+    gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * inter)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=inter)
     return out
-
 
 class CupyOps:
     name = "cuda"
@@ -306,6 +332,7 @@ class CupyOps:
             self._alloc_decode()
         except cp.cuda.memory.OutOfMemoryError as e:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
+        gemv_counters()  # allocated (zeroed) before any graph capture
         self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
@@ -388,11 +415,11 @@ class CupyOps:
     def _alloc_decode(self):
         a = self.args
         D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
-        shapes = [(D, qd + 2 * kvd), (qd, D), (D, 2 * I), (I, D)]
         E, k, mI = a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size
-        if E:  # the expert GEMVs write [k, S, N] partials
-            shapes += [(D, k * 2 * mI), (mI, k * D)]
-        s_max = max(math.ceil(kk / GEMV_ROWS_PER_BLOCK) * n for kk, n in shapes)
+        s_max = max(gemv_partial_size(D, [qd, kvd, kvd]), gemv_partial_size(qd, [D]),
+                    gemv_partial_size(D, [I, I]), gemv_partial_size(I, [D]))
+        if E:  # the expert GEMVs: k slots each
+            s_max = max(s_max, gemv_partial_size(D, [mI, mI], k), gemv_partial_size(mI, [D], k))
         self.attn_splits = max(1, math.ceil(2 * self.n_sm / a.num_attention_heads))
         self.d = {
             "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),

@@ -37,12 +37,16 @@ def rand_stack(rng, n_exp, K, N):
     return AwqStack(qw, qz, sc, G), AwqStack(cp.asarray(qw), cp.asarray(qz), cp.asarray(sc), G)
 
 
+DEAD = np.arange(5, E, 9)  # experts whose router row makes them lose against inputs with x >= 0
+
+
 @pytest.fixture(scope="module")
 def layer():
     rng = np.random.default_rng()
     w13, w13_d = rand_stack(rng, E, D, 2 * INTER)
     w2, w2_d = rand_stack(rng, E, INTER, D)
     router = (rng.standard_normal((E, D)) / math.sqrt(D)).astype(np.float16)
+    router[DEAD] = -1 / math.sqrt(D)  # logit ~ -36 for |N(0,1)| inputs: these experts receive no tokens
     return dict(w13=w13, w13_d=w13_d, w2=w2, w2_d=w2_d, router=router, router_d=cp.asarray(router))
 
 
@@ -54,7 +58,7 @@ def poisoned(shape, dtype):
 @pytest.mark.parametrize("T", [1, 7, 2048])
 def test_moe_stages_match_reference(layer, T, norm_topk):
     rng = np.random.default_rng()
-    x = rng.standard_normal((T, D)).astype(np.float16)
+    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
     xd = cp.asarray(x)
     n = T * K_TOP
 
@@ -72,7 +76,7 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
     ids_d = cp.asarray(ids_ref)
     maps = tuple(poisoned((m,), np.int32) for m in (E, E + 1, E + 1, n, n))
     counts, offsets, tiles, p2u, u2p = oc.moe_maps(ids_d, E, out=maps)
-    assert (counts_ref == 0).any()  # experts that receive no tokens are part of every case
+    assert (counts_ref[DEAD] == 0).all()  # experts that receive no tokens are part of every case
     np.testing.assert_array_equal(cp.asnumpy(counts), counts_ref)
     np.testing.assert_array_equal(cp.asnumpy(offsets), offsets_ref)
     np.testing.assert_array_equal(cp.asnumpy(p2u), p2u_ref)
@@ -101,7 +105,7 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
     # decode path: the expert GEMVs over the selected experts, ids and weights from device memory
     if T == 1:
         full_ref = moe_ref.finalize(moe_ref.grouped_gemm2(act_ref, offsets_ref, layer["w2"]), u2p_ref, w_ref)
-        S = max(math.ceil(D / 128) * 2 * INTER, math.ceil(INTER / 128) * D) * K_TOP
+        S = max(oc.gemv_partial_size(D, [INTER, INTER], K_TOP), oc.gemv_partial_size(INTER, [D], K_TOP))
         got = oc.moe_decode(xd, layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref),
                             poisoned((S,), np.float32), poisoned((K_TOP, INTER), np.float16),
                             poisoned((1, D), np.float16))
@@ -130,8 +134,8 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
     assert rel(got, ref) < 1e-2
     assert len(gpu.ops.routing_log) == len(cpu.ops.routing_log) > 0
     np.testing.assert_array_equal(gpu.ops.routing_log[0], cpu.ops.routing_log[0])
-    for g, c in zip(gpu.ops.routing_log, cpu.ops.routing_log):
-        np.testing.assert_array_equal(g, c)
+    for g, c in zip(gpu.ops.routing_log, cpu.ops.routing_log):  # the same experts for every token and layer
+        np.testing.assert_array_equal(np.sort(g, axis=1), np.sort(c, axis=1))  # (order within top-k: near ties)
     # greedy continuation, decode steps replayed as a CUDA graph on the GPU
     toks = {}
     for name, m in (("cpu", cpu), ("gpu", gpu)):

@@ -7,6 +7,7 @@ rotated so their total is several times the L2 cache: these are DRAM numbers.
 """
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
-from kuiper_py.loader import AwqLinear  # noqa: E402
+from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
 from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head  # noqa: E402
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
@@ -76,7 +77,7 @@ def main():
     copy_bw = 2 * n * 4 / ms / 1e6  # GB/s, read + write
     out["copy_GBps"] = copy_bw
     src = dst = None  # free before the weight copies
-    partial = cp.empty((96 * 4096 + 32 * 24576,), cp.float32)
+    partial = cp.empty((1 << 23,), cp.float32)
     for name, mats in DEC.items():
         per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
         copies = max(2, math.ceil(6 * l2 / per))
@@ -99,6 +100,41 @@ def main():
     out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
                           "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
     W = None
+    # Qwen3-30B-A3B decode: the 8 selected experts of one layer (of 128) in one launch each
+    E, k, D3, I3 = 128, 8, 2048, 768
+    for name, K, N in (("30B-A3B experts gate|up 8x(2048->2x768)", D3, 2 * I3), ("30B-A3B experts down 8x(768->2048)", I3, D3)):
+        per_exp = K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2
+        copies = max(2, math.ceil(6 * l2 / (per_exp * E)))
+        stacks = []
+        for _ in range(copies):
+            qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, K, N // 8), dtype=cp.int64).astype(cp.int32)
+            qz = cp.random.randint(-2**31, 2**31 - 1, size=(E, K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
+            sc = (cp.random.random((E, K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
+            stacks.append(AwqStack(qw, qz, sc, 128))
+        ids = cp.asarray(np.random.default_rng(0).choice(E, k, replace=False).astype(np.int32))
+        w = cp.full((k,), 1.0 / k, cp.float32)
+        if N == 2 * I3:
+            x = (cp.random.standard_normal((1, K)) * 0.1).astype(cp.float16)
+            o = cp.empty((k, I3), cp.float16)
+
+            def run(i):
+                st = stacks[i % copies]
+                g = AwqLinear(st.qweight[0][:, :I3 // 8], st.qzeros[0][:, :I3 // 8], st.scales[0][:, :I3], 128)
+                u = AwqLinear(st.qweight[0][:, I3 // 8:], st.qzeros[0][:, I3 // 8:], st.scales[0][:, I3:], 128)
+                gemv(x, [g, u], "swiglu", o, partial, ids=ids, ld=N)
+        else:
+            x = (cp.random.standard_normal((k, K)) * 0.1).astype(cp.float16)
+            o = cp.empty((1, N), cp.float16)
+
+            def run(i):
+                gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K)
+        t = time_ms(run)
+        bw = k * per_exp / t / 1e6
+        out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
+                              "weight_bytes": k * per_exp, "rotated_copies": copies})
+    stacks = None
+    if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
+        PRE.clear()
     for name, (K, N) in PRE.items():
         m = rand_awq(K, N)
         Wf = (cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16)
