@@ -15,7 +15,7 @@
 
 #define GEMV_WARPS 8          // warps per block, each on its own rows of the block's K span
 #ifndef GEMV_ROWS
-#define GEMV_ROWS 8           // rows per warp per step: ROWS independent loads in flight per lane
+#define GEMV_ROWS 16          // rows per warp per step: ROWS independent loads in flight per lane
 #endif
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
@@ -109,6 +109,21 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
 }
 
+// sum_i w_i * p[i * stride] over n partials (w == null: weights 1; else w_i = w[i / per_w]), loads
+// issued eight at a time: the reduction runs on one block per tile, so L2 latency, not bandwidth,
+// bounds it.
+__device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t stride, const float* w, int per_w) {
+    float s = 0.f;
+    for (int i = 0; i < n; i += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = i + j < n ? __ldcg(p + (size_t)(i + j) * stride) : 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += (w && i + j < n) ? w[(i + j) / per_w] * v[j] : v[j];
+    }
+    return s;
+}
+
 // The split-K GEMV with its fused reduction. grid (column tiles of all matrices, S, slots), block 256.
 // counters must be zero before the first launch; every launch leaves them zero.
 __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
@@ -163,24 +178,14 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const int col = tile * GEMV_COLS + c;
         if (col >= m.N) continue;
         if (epi == GEMV_EPI_PLAIN) {
-            float s = 0.f;
-            for (int i = 0; i < S; ++i) s += __ldcg(part + (size_t)i * n_total + col_off + col);
+            float s = gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1);
             out[(size_t)slot * n_total + col_off + col] = __float2half(s);
         } else if (epi == GEMV_EPI_SWIGLU) {
-            float g = 0.f, u = 0.f;
-            for (int i = 0; i < S; ++i) {
-                g += __ldcg(part + (size_t)i * n_total + col);
-                u += __ldcg(part + (size_t)i * n_total + N0 + col);
-            }
+            float g = gemv_sum_partials(part + col, S, n_total, nullptr, 1);
+            float u = gemv_sum_partials(part + N0 + col, S, n_total, nullptr, 1);
             out[(size_t)slot * N0 + col] = __float2half(g / (1.f + __expf(-g)) * u);
-        } else {
-            float acc = 0.f;
-            for (int j = 0; j < (int)gridDim.z; ++j) {
-                const float* pj = partial + (size_t)j * S * n_total;
-                float s = 0.f;
-                for (int i = 0; i < S; ++i) s += __ldcg(pj + (size_t)i * n_total + col);
-                acc += slot_w[j] * s;
-            }
+        } else {  // slots' partials are contiguous: [slots * S, n_total], weight of row q is slot_w[q / S]
+            float acc = gemv_sum_partials(partial + col, S * gridDim.z, n_total, slot_w, S);
             out[col] = __float2half(acc);
         }
     }

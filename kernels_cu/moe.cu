@@ -33,6 +33,7 @@ __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)t * D);
     const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)e * D);
     float s = 0.f;
+#pragma unroll 4
     for (int i = lane; i < D / 8; i += 32) {
         uint4 a = xr[i], b = __ldg(wr + i);
         const half2* ah = reinterpret_cast<const half2*>(&a);

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
-GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "8"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
+GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
