@@ -257,9 +257,12 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     half* __restrict__ out, int S, int HD) {
     const int h = blockIdx.x, d = threadIdx.x;
+    // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
     float M = -INFINITY;
+#pragma unroll 8
     for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
     float L = 0.f, od = 0.f;
+#pragma unroll 8
     for (int s = 0; s < S; ++s) {
         float ms = part_ml[((size_t)h * S + s) * 2], ls = part_ml[((size_t)h * S + s) * 2 + 1];
         if (ls == 0.f) continue;  // an empty split contributes nothing

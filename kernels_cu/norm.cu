@@ -11,7 +11,9 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
     for (int d = threadIdx.x; d < D; d += blockDim.x) h[(size_t)blockIdx.x * D + d] = __half2float(table[row + d]);
 }
 
-// h += r (when r is not null); x = h / rms(h) * w. grid T, block 256.
+// h += r (when r is not null); x = h / rms(h) * w. grid T, block up to 1024 (a multiple of 32): a
+// decode step has one row, so the block must be wide and its loads unrolled, or the two passes
+// become a chain of dependent memory round trips.
 __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
                             const half* __restrict__ r,   // [T, D] or null
                             const half* __restrict__ w,   // [D]
@@ -21,12 +23,14 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
     float* hr = h + (size_t)blockIdx.x * D;
     const half* rr = r ? r + (size_t)blockIdx.x * D : nullptr;
     float ss = 0.f;
+#pragma unroll 4
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float v = hr[d];
         if (rr) { v += __half2float(rr[d]); hr[d] = v; }
         ss += v * v;
     }
     const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+#pragma unroll 4
     for (int d = threadIdx.x; d < D; d += blockDim.x)
         x[(size_t)blockIdx.x * D + d] = __float2half(hr[d] * inv * __half2float(w[d]));
 }

@@ -211,7 +211,8 @@ def add_rmsnorm(h, r, w, eps: float, out=None):
     """h [T, D] fp32 += r (fp16, or None); returns rmsnorm(h) * w in fp16."""
     T, D = h.shape
     out = cp.empty((T, D), cp.float16) if out is None else out
-    kernel("norm", "add_rmsnorm")((T,), (256,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
+    threads = min(1024, math.ceil(D / 4 / 32) * 32)  # about four elements a thread
+    kernel("norm", "add_rmsnorm")((T,), (threads,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
     return out
 
 
