@@ -34,6 +34,20 @@ elif [ "${PART:-1}" = prof ]; then
   for p in 30b-a3b 8b; do timeout 60 python3 tools/profile_decode.py /tmp/$p.bin 2>/dev/null | head -24; done
   timeout 100 python3 tools/bench_e2e.py /tmp/30b-a3b.bin --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
   timeout 200 python3 tools/bench_e2e.py /tmp/8b.bin --json "$OUT/bench_e2e_8b.json" 2>&1 | grep -v upload | tail -12
+elif [ "${PART:-1}" = final ]; then
+  ( for p in 30b-a3b 8b; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
+      python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done ) > "$OUT/make.log" 2>&1 &
+  MK=$!
+  timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py tests/test_gpu.py \
+    tests/test_gpu_e2e.py tests/test_hardening.py::test_kv_cache_too_large_for_gpu_memory > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error|SKIPPED" "$OUT/gpu_tests.log" | tail -12
+  wait $MK; grep exported "$OUT/make.log"
+  timeout 100 python3 tools/bench_e2e.py /tmp/30b-a3b.bin --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
+  timeout 200 python3 tools/bench_e2e.py /tmp/8b.bin --json "$OUT/bench_e2e_8b.json" 2>&1 | grep -v upload | tail -12
+  python3 -m kuiper_py generate -m /tmp/30b-a3b.bin -p "The capital of France is" -n 64 --temp 0 --device cuda 2>&1 >/dev/null | tr '\r' '\n' | grep -v upload | tail -1
+  python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
+  timeout 120 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
+  timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
 elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
