@@ -17,25 +17,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
+from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py.ops_cupy import gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
-
-
-def copy_bandwidth():
-    n = 1 << 28
-    a, b = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
-    cp.copyto(b, a)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record()
-    for _ in range(10):
-        cp.copyto(b, a)
-    e1.record()
-    e1.synchronize()
-    return 2 * n * 4 * 10 / (cp.cuda.get_elapsed_time(e0, e1) / 1e3) / 1e9
 
 
 def step_bytes(mf, ctx):
@@ -99,7 +87,8 @@ def hf_model(mf):
 @click.option("--json", "json_out", default=None)
 def main(model, ctx, prompts, steps, no_hf, json_out):
     ctxs, pls = [int(x) for x in ctx.split(",")], [int(x) for x in prompts.split(",")]
-    res = {"gpu": gpu_name(), "copy_GBps": copy_bandwidth(), "decode": [], "prefill": []}
+    copies = copy_bandwidth()
+    res = {"gpu": gpu_name(), "copy_GBps": copies["best"], "copy_detail_GBps": copies, "decode": [], "prefill": []}
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     rng = np.random.default_rng(0)
     mf = eng.file

@@ -16,6 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
+from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
 from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head  # noqa: E402
 
@@ -71,12 +72,9 @@ def rand_awq(K, N):
 def main():
     out = {"gpu": gpu_name(), "decode": [], "prefill": []}
     l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
-    n = 1 << 28
-    src, dst = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
-    ms = time_ms(lambda i: cp.copyto(dst, src), iters=10)
-    copy_bw = 2 * n * 4 / ms / 1e6  # GB/s, read + write
-    out["copy_GBps"] = copy_bw
-    src = dst = None  # free before the weight copies
+    copies = copy_bandwidth()
+    copy_bw = copies["best"]  # GB/s, read + write
+    out["copy_GBps"], out["copy_detail_GBps"] = copy_bw, copies
     partial = cp.empty((1 << 23,), cp.float32)
     for name, mats in DEC.items():
         per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
@@ -146,7 +144,7 @@ def main():
             fl = 2 * M * K * N
             out["prefill"].append({"shape": name, "M": M, "ours_TFLOPs": fl / t_ours / 1e9,
                                    "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours})
-    print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write)")
+    print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write; memcpy {copies['memcpy']:.0f}, kernel {copies['kernel']:.0f})")
     print("| decode GEMV | us | GB/s | / copy |\n| --- | ---: | ---: | ---: |")
     for r in out["decode"]:
         print(f"| {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['ratio_to_copy']:.2f} |")
