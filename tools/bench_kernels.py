@@ -72,9 +72,9 @@ def rand_awq(K, N):
 def main():
     out = {"gpu": gpu_name(), "decode": [], "prefill": []}
     l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
-    copies = copy_bandwidth()
-    copy_bw = copies["best"]  # GB/s, read + write
-    out["copy_GBps"], out["copy_detail_GBps"] = copy_bw, copies
+    copy_res = copy_bandwidth()
+    copy_bw = copy_res["best"]  # GB/s, read + write
+    out["copy_GBps"], out["copy_detail_GBps"] = copy_bw, copy_res
     partial = cp.empty((1 << 23,), cp.float32)
     for name, mats in DEC.items():
         per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
@@ -144,7 +144,7 @@ def main():
             fl = 2 * M * K * N
             out["prefill"].append({"shape": name, "M": M, "ours_TFLOPs": fl / t_ours / 1e9,
                                    "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours})
-    print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write; memcpy {copies['memcpy']:.0f}, kernel {copies['kernel']:.0f})")
+    print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write; memcpy {copy_res['memcpy']:.0f}, kernel {copy_res['kernel']:.0f})")
     print("| decode GEMV | us | GB/s | / copy |\n| --- | ---: | ---: | ---: |")
     for r in out["decode"]:
         print(f"| {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['ratio_to_copy']:.2f} |")
