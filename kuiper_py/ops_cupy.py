@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
+GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))  # grid size the split aims at
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
@@ -128,7 +129,7 @@ def gemv_counters():
 def gemv_split(K: int, tiles: int) -> tuple[int, int]:
     """(splits S, rows per split): about four blocks per SM in one wave, rows a multiple of GEMV_STEP."""
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    want = max(1, round(GEMV_MIN_BLOCKS * n_sm / tiles))
+    want = max(1, round(GEMV_BLOCKS_PER_SM * n_sm / tiles))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
