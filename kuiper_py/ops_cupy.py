@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
-GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))  # grid size the split aims at
+# the grid size the split aims at: 3 blocks per SM measured best on H100 (2-8 tried); the MoE
+# weighted-sum epilogue reduces slots x splits partials in one block, so it aims at 1
+GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "3"))
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
@@ -126,10 +128,11 @@ def gemv_counters():
     return _COUNTERS[dev]
 
 
-def gemv_split(K: int, tiles: int) -> tuple[int, int]:
-    """(splits S, rows per split): about four blocks per SM in one wave, rows a multiple of GEMV_STEP."""
+def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
+    """(splits S, rows per split): about per_sm blocks per SM in one wave, rows a multiple of GEMV_STEP.
+    A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    want = max(1, round(GEMV_BLOCKS_PER_SM * n_sm / tiles))
+    want = max(1, round((per_sm or GEMV_BLOCKS_PER_SM) * n_sm / tiles))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
@@ -149,7 +152,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
-    S, rps = gemv_split(K, slots * tiles)
+    S, rps = gemv_split(K, slots * tiles, 1.0 if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats) and slots * tiles <= 1 << 16
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
