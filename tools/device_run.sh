@@ -22,18 +22,6 @@ if [ "${PART:-1}" = moe ]; then
   done
   wait $MK; tail -1 "$OUT/make30.log"
   timeout 150 python3 tools/bench_e2e.py $B --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
-elif [ "${PART:-1}" = prof ]; then
-  ( for p in 30b-a3b 8b; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
-      python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done ) > "$OUT/make.log" 2>&1 &
-  MK=$!
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py "tests/test_gpu.py" -k "gemv or moe" \
-    > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -8
-  KUIPER_BENCH_GEMV_ONLY=1 timeout 100 python3 tools/bench_kernels.py --json "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
-  grep -E "^\| [^-]" "$OUT/gemv.log" | grep -v "GB/s"
-  wait $MK; cat "$OUT/make.log" | grep exported
-  for p in 30b-a3b 8b; do timeout 60 python3 tools/profile_decode.py /tmp/$p.bin 2>/dev/null | head -24; done
-  timeout 100 python3 tools/bench_e2e.py /tmp/30b-a3b.bin --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
-  timeout 200 python3 tools/bench_e2e.py /tmp/8b.bin --json "$OUT/bench_e2e_8b.json" 2>&1 | grep -v upload | tail -12
 elif [ "${PART:-1}" = final ]; then
   ( for p in 30b-a3b 8b; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
       python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done ) > "$OUT/make.log" 2>&1 &
