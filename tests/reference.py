@@ -3,6 +3,11 @@ import json
 
 import numpy as np
 
+from kuiper_py.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
+
 # AutoAWQ packs column AWQ_PACK_ORDER[i] of each group of eight into nibble i
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -92,3 +97,33 @@ def hf_moe_model(ckpt_dir):
     if cfg.get("tie_word_embeddings"):
         model.tie_weights()
     return model.float().eval()
+
+
+def rel(a, b):
+    """Relative L2 error of a against b, in float64; a must be finite (poisoned outputs are NaN)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), "non-finite output (unwritten or overflow)"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def greedy_tokens(model, prompt, n, n_vocab=151669):
+    """n greedy tokens from a fresh Qwen3 session (prefill, then decode each token but the last)."""
+    rng = np.random.default_rng(0)
+    lg, toks = model.prefill(prompt), []
+    for _ in range(n):
+        toks.append(model.ops.sample(lg, GREEDY, rng, prompt + toks, n_vocab))
+        if len(toks) < n:
+            lg = model.decode(toks[-1])
+    return toks
+
+
+def decode_logits(mf, ids, n_prefill, max_context, graphs):
+    """GPU logits [len(ids) - n_prefill, V] of decoding ids[n_prefill:] one by one after a prefill,
+    with the step replayed as a CUDA graph or launched eagerly."""
+    import cupy as cp
+    from kuiper_py.model import Qwen3
+    from kuiper_py.ops_cupy import CupyOps
+    m = Qwen3(mf, CupyOps, max_context)
+    m.ops.graphs = graphs
+    m.prefill(ids[:n_prefill])
+    return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])

@@ -10,7 +10,7 @@ import pytest
 
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear
-from reference import dequant_reference
+from reference import dequant_reference, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -22,12 +22,6 @@ SHAPES = {
     "8b": dict(D=4096, q=4096, kv=1024, I=12288),
     "32b": dict(D=5120, q=8192, kv=1024, I=25600),
 }
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "non-finite output (unwritten or overflow)"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def nan_like(shape, dtype):

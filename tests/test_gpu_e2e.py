@@ -8,20 +8,11 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from kuiper_py.sampling import SamplingParams
+from reference import PROMPT, decode_logits, greedy_tokens, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 oc = pytest.importorskip("kuiper_py.ops_cupy")
-
-PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
-GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all()
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(params=["tiny", "untied"])
@@ -46,17 +37,8 @@ def test_prefill_logits_match_reference_and_transformers(model_bin):
 def test_greedy_64_tokens_identical_to_reference(model_bin):
     binf, _ = model_bin
     mf = load(binf)
-    out = {}
-    for name, ops in (("cpu", NumpyOps), ("gpu", oc.CupyOps)):
-        m = Qwen3(mf, ops, len(PROMPT) + 64)
-        rng = np.random.default_rng(0)
-        lg, toks = m.prefill(PROMPT), []
-        for _ in range(64):
-            t = m.ops.sample(lg, GREEDY, rng, PROMPT + toks, 151669)
-            toks.append(t)
-            if len(toks) < 64:
-                lg = m.decode(t)
-        out[name] = toks
+    out = {name: greedy_tokens(Qwen3(mf, ops, len(PROMPT) + 64), PROMPT, 64)
+           for name, ops in (("cpu", NumpyOps), ("gpu", oc.CupyOps))}
     assert out["gpu"] == out["cpu"]
     assert len(set(out["gpu"])) > 8
 
@@ -88,10 +70,5 @@ def test_graph_decode_equals_eager_decode(untied_bin):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(untied_bin)
-    runs = []
-    for graphs in (False, True):
-        m = Qwen3(mf, oc.CupyOps, 64)
-        m.ops.graphs = graphs
-        m.prefill(ids[:10])
-        runs.append(np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]]))
+    runs = [decode_logits(mf, ids, 10, 64, graphs) for graphs in (False, True)]
     assert rel(runs[1], runs[0]) < 1e-3  # same kernels; only the split count of attention differs

@@ -15,19 +15,13 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from kuiper_py.sampling import SamplingParams
+from reference import PROMPT, decode_logits, greedy_tokens, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 oc = pytest.importorskip("kuiper_py.ops_cupy")
 
 D, E, K_TOP, INTER, G = 2048, 128, 8, 768, 128
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "non-finite output (unwritten or overflow)"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def rand_stack(rng, n_exp, K, N):
@@ -112,10 +106,6 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
         assert rel(cp.asnumpy(got), full_ref) < 1e-2
 
 
-GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
-PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
-
-
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
@@ -140,13 +130,7 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
     toks = {}
     for name, m in (("cpu", cpu), ("gpu", gpu)):
         m.reset()
-        rng = np.random.default_rng(0)
-        lg, out = m.prefill(PROMPT), []
-        for _ in range(32):
-            t = m.ops.sample(lg, GREEDY, rng, PROMPT + out, 151669)
-            out.append(t)
-            lg = m.decode(t)
-        toks[name] = out
+        toks[name] = greedy_tokens(m, PROMPT, 32)
     assert toks["gpu"] == toks["cpu"]
     assert len(set(toks["gpu"])) > 4
 
@@ -156,11 +140,6 @@ def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(moe_bin)
     full = cp.asnumpy(Qwen3(mf, oc.CupyOps, 64).prefill(ids, all_logits=True))
-    runs = []
-    for graphs in (False, True):
-        m = Qwen3(mf, oc.CupyOps, 64)
-        m.ops.graphs = graphs
-        m.prefill(ids[:10])
-        runs.append(np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]]))
+    runs = [decode_logits(mf, ids, 10, 64, graphs) for graphs in (False, True)]
     assert rel(runs[1], runs[0]) < 1e-3
     assert rel(runs[1], full[10:]) < 1e-2
