@@ -118,6 +118,16 @@ def _f(v):
 
 
 _COUNTERS: dict[int, object] = {}
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device, queried once (Device.attributes reads every
+    attribute, too slow for a per-launch call)."""
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = cp.cuda.Device(dev).attributes["MultiProcessorCount"]
+    return _SM_COUNT[dev]
 
 
 def gemv_counters():
@@ -131,8 +141,7 @@ def gemv_counters():
 def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
     """(splits S, rows per split): about per_sm blocks per SM in one wave, rows a multiple of GEMV_STEP.
     A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
-    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    want = max(1, round((per_sm or GEMV_BLOCKS_PER_SM) * n_sm / tiles))
+    want = max(1, round((per_sm or GEMV_BLOCKS_PER_SM) * sm_count() / tiles))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
@@ -154,7 +163,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
     S, rps = gemv_split(K, slots * tiles, 1.0 if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
-    assert slots * S * n_total <= partial.size and all(m.K == K for m in mats) and slots * tiles <= 1 << 16
+    assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
+    assert slots * tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
@@ -290,16 +300,21 @@ def moe_finalize(y, u2p, weights, out=None):
     return out
 
 
+def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
+    """Expert 0's gate and up halves of a [gate | up] stack as column views (row length 2I): the
+    expert GEMV offsets them to the selected experts itself."""
+    e0 = w13.expert(0)
+    h = e0.N // 2
+    return (AwqLinear(e0.qweight[:, :h // 8], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
+            AwqLinear(e0.qweight[:, h // 8:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
+
+
 def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
     over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D]."""
-    inter = w13.scales.shape[-1] // 2
-    gate = AwqLinear(w13.qweight[0][:, :inter // 8], w13.qzeros[0][:, :inter // 8], w13.scales[0][:, :inter],
-                     w13.group_size)
-    up = AwqLinear(w13.qweight[0][:, inter // 8:], w13.qzeros[0][:, inter // 8:], w13.scales[0][:, inter:],
-                   w13.group_size)
-    gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * inter)
-    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=inter)
+    gate, up = moe_gate_up_views(w13)
+    gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N)
     return out
 
 class CupyOps:
@@ -326,7 +341,7 @@ class CupyOps:
         if a.hidden_size > 8192:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
-        self.n_sm = self.dev.attributes["MultiProcessorCount"]
+        self.n_sm = sm_count()
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None

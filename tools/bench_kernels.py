@@ -18,7 +18,7 @@ import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head  # noqa: E402
+from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head, moe_gate_up_views  # noqa: E402
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
@@ -116,10 +116,7 @@ def main():
             o = cp.empty((k, I3), cp.float16)
 
             def run(i):
-                st = stacks[i % copies]
-                g = AwqLinear(st.qweight[0][:, :I3 // 8], st.qzeros[0][:, :I3 // 8], st.scales[0][:, :I3], 128)
-                u = AwqLinear(st.qweight[0][:, I3 // 8:], st.qzeros[0][:, I3 // 8:], st.scales[0][:, I3:], 128)
-                gemv(x, [g, u], "swiglu", o, partial, ids=ids, ld=N)
+                gemv(x, list(moe_gate_up_views(stacks[i % copies])), "swiglu", o, partial, ids=ids, ld=N)
         else:
             x = (cp.random.standard_normal((k, K)) * 0.1).astype(cp.float16)
             o = cp.empty((1, N), cp.float16)

@@ -1,28 +1,13 @@
 #!/usr/bin/env bash
 # Device call 1 (PART=1): GPU tests, soak on a tiny model, kernel benchmark.
 # Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
-# Device call 3 (PART=moe): every GPU test (the 30B-A3B-shaped checkpoint is drawn and exported on the
-#   CPU meanwhile), then kuiper bench and bench_e2e on the Qwen3-30B-A3B shapes.
+# Device call 3 (PART=final): every GPU test (8B and 30B-A3B checkpoints drawn and exported on the CPU
+#   meanwhile), bench_e2e on both, a 30B-A3B generate, the soak and bench_kernels.
 set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "${PART:-1}" = moe ]; then
-  M=/tmp/q30; B=/tmp/q30.bin
-  ( [ -f $B ] || { python3 tools/make_synthetic.py $M --preset 30b-a3b --shards 8 && python3 -m kuiper_py export $M -o $B -q \
-    && rm -rf $M; } ) > "$OUT/make30.log" 2>&1 &
-  MK=$!
-  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py tests/test_gpu.py \
-    tests/test_gpu_e2e.py tests/test_hardening.py::test_kv_cache_too_large_for_gpu_memory > "$OUT/gpu_tests.log" 2>&1
-  echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15
-  for v in ${GEMV_VARIANTS:-8:4}; do
-    KUIPER_GEMV_ROWS=${v%%:*} KUIPER_GEMV_MIN_BLOCKS=${v##*:} KUIPER_BENCH_GEMV_ONLY=1 timeout 100 \
-      python3 tools/bench_kernels.py --json "$OUT/gemv_${v/:/_}.json" > "$OUT/gemv_${v/:/_}.log" 2>&1
-    echo "GEMV rows:min_blocks $v"; grep -E "^\| [^-]" "$OUT/gemv_${v/:/_}.log" | grep -v "GB/s"
-  done
-  wait $MK; tail -1 "$OUT/make30.log"
-  timeout 150 python3 tools/bench_e2e.py $B --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
-elif [ "${PART:-1}" = final ]; then
+if [ "${PART:-1}" = final ]; then
   ( for p in 30b-a3b 8b; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
       python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done ) > "$OUT/make.log" 2>&1 &
   MK=$!
