@@ -161,6 +161,8 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
                   float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
                   int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
                   int H, int KV, float scale_log2) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int NC = HD / 32;  // 16-byte chunks per lane
     __shared__ float sm_o[32][HD + 4];
     __shared__ float sm_m[32], sm_l[32];
@@ -256,6 +258,8 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
 // out[h, :] = merged softmax(V) over the S splits. One block of HD threads per head.
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     half* __restrict__ out, int S, int HD) {
+    pdl_wait();
+    pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;
     // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
     float M = -INFINITY;

@@ -63,6 +63,29 @@ __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start
+// while the kernel before it still runs. Before pdl_wait() it may only read weights; pdl_wait()
+// returns once the predecessor has finished and its writes are visible. Every PDL kernel waits in
+// every block before it ends, so "finished" is transitive down the stream. pdl_trigger() lets the
+// next kernel's blocks start (and prefetch its weights) while this one works. Both are no-ops on
+// sm_80 and in plain launches.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// Start pulling a weight line into L2 (no register, no wait): used before pdl_wait().
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Async copies, ldmatrix and mma (sm_80+).
 // ---------------------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ lm_head_gemv(const half* __restrict__ x,   // [D]
              const half* __restrict__ W,   // [V, D]
              float* __restrict__ logits,   // [V]
              int V, int D) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ __align__(16) half xs[8192];
     for (int i = threadIdx.x * 8; i < D; i += blockDim.x * 8)
         *reinterpret_cast<uint4*>(&xs[i]) = *reinterpret_cast<const uint4*>(&x[i]);

@@ -28,6 +28,8 @@ __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
                                   const half* __restrict__ router,  // [E, D]
                                   float* __restrict__ logits,       // [T, E]
                                   int D, int E) {
+    pdl_wait();
+    pdl_trigger();
     const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (e >= E) return;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)t * D);
@@ -54,6 +56,8 @@ __global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
                          int* __restrict__ ids,             // [T, k]
                          float* __restrict__ weights,       // [T, k]
                          int T, int E, int k, int norm_topk) {
+    pdl_wait();
+    pdl_trigger();
     const int lane = threadIdx.x & 31, t = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (t >= T) return;
     float p[MOE_MAX_E / 32];

@@ -7,6 +7,8 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
                              const half* __restrict__ table,  // [V, D]
                              float* __restrict__ h,           // [T, D]
                              int D) {
+    pdl_wait();
+    pdl_trigger();
     const size_t row = (size_t)ids[blockIdx.x] * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) h[(size_t)blockIdx.x * D + d] = __half2float(table[row + d]);
 }
@@ -19,6 +21,8 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
                             const half* __restrict__ w,   // [D]
                             half* __restrict__ x,         // [T, D]
                             int D, float eps) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float red[32];
     float* hr = h + (size_t)blockIdx.x * D;
     const half* rr = r ? r + (size_t)blockIdx.x * D : nullptr;

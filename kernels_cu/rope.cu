@@ -19,6 +19,8 @@ qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride
                    int H, int KV, int pos0,
                    const int* __restrict__ pos_dev,  // when set, pos0 is read here (graph replay)
                    float eps) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int P = HD / 64;
     const int tok = blockIdx.x, lane = threadIdx.x & 31;
     const int head = blockIdx.y * 4 + (threadIdx.x >> 5);
@@ -57,4 +59,7 @@ qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride
 }
 
 // The decode graph's last node: the next replay works one position further on.
-__global__ void advance_position(int* pos) { *pos += 1; }
+__global__ void advance_position(int* pos) {
+    pdl_wait();
+    *pos += 1;
+}

@@ -5,6 +5,7 @@ in the file. Decode (T = 1) runs on preallocated buffers and allocates nothing p
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import sys
@@ -22,12 +23,13 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
-GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
-GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
-# the grid size the split aims at: 3 blocks per SM measured best on H100 (2-8 tried); the MoE
-# weighted-sum epilogue reduces slots x splits partials in one block, so it aims at 1
-GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "3"))
-GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
+GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "4"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
+GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "2"))
+# the grid size the split aims at (blocks per SM); the MoE weighted-sum epilogue reduces
+# slots x splits partials in one block, so it aims at 1
+GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "2"))
+GEMV_PREFETCH = int(os.environ.get("KUIPER_GEMV_PREFETCH", "0"))  # measured slower on H100 (PERFORMANCE.md)
+GEMV_STEP = 32 * GEMV_ROWS  # rows a warp takes per step (one per lane, GEMV_ROWS deep): the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
 GEMM_BM, GEMM_BN = 64, 128
@@ -87,7 +89,97 @@ _FILES = {
 }
 
 
+# Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
+# launched with programmatic dependent launch: on sm_90 the next kernel's blocks start, and the
+# GEMV's prefetch its weights, while the current kernel drains. These are the decode step's kernels.
+PDL_KERNELS = {"gemv_w4a16", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
+               "advance_position", "attn_decode_split<64>", "attn_decode_split<128>", "attn_decode_combine",
+               "lm_head_gemv", "moe_router_logits", "moe_topk"}
+_PDL: dict[int, bool] = {}
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch: Hopper or newer, unless KUIPER_PDL=0."""
+    dev = cp.cuda.Device().id
+    if dev not in _PDL:
+        _PDL[dev] = (os.environ.get("KUIPER_PDL", "1") != "0"
+                     and int(cp.cuda.Device(dev).compute_capability) >= 90 and _cu_launch_ex() is not None)
+    return _PDL[dev]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+_CU_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_LAUNCH_EX: list = []
+
+
+def _cu_launch_ex():
+    """The driver's cuLaunchKernelEx (CuPy's launcher takes no launch attributes), or None."""
+    if not _LAUNCH_EX:
+        try:
+            f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                          ctypes.c_void_p]
+            f.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            f = None
+        _LAUNCH_EX.append(f)
+    return _LAUNCH_EX[0]
+
+
+def _c_arg(a):
+    if isinstance(a, cp.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, np.int32):
+        return ctypes.c_int32(int(a))
+    if isinstance(a, np.float32):
+        return ctypes.c_float(float(a))
+    if isinstance(a, np.uint64):
+        return ctypes.c_uint64(int(a))
+    raise TypeError(f"kernel argument of type {type(a).__name__}")
+
+
+class _PdlKernel:
+    """A kernel launched through cuLaunchKernelEx with the programmatic-stream-serialization
+    attribute (captured into CUDA graphs as a programmatic edge); same call form as CuPy's."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction
+        self.attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+        self.attr.value[0] = 1
+
+    def __call__(self, grid, block, args):
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        vals = [_c_arg(a) for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0,
+                            cp.cuda.get_current_stream().ptr, ctypes.pointer(self.attr), 1)
+        err = _cu_launch_ex()(ctypes.byref(cfg), self.ptr, params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
 def kernel(family: str, name: str):
+    """A compiled kernel, launched with PDL where that is safe and available (PDL_KERNELS)."""
+    key = (cp.cuda.Device().id, family, name)
+    if key not in _KERNELS:
+        fn = _compiled(family, name)
+        _KERNELS[key] = _PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
+    return _KERNELS[key]
+
+
+def _compiled(family: str, name: str):
     """A compiled kernel. The source gets a #line so NVRTC errors name the real .cu file; CuPy
     caches the binary on disk, so a second start does not recompile."""
     if family not in _MODULES:
@@ -96,7 +188,8 @@ def kernel(family: str, name: str):
         src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text()
         opts = ("--std=c++17", f"-I{d}")
         if family == "gemv":
-            opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}")
+            opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
+                     f"-DGEMV_PREFETCH={GEMV_PREFETCH}")
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
@@ -305,8 +398,24 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
     expert GEMV offsets them to the selected experts itself."""
     e0 = w13.expert(0)
     h = e0.N // 2
-    return (AwqLinear(e0.qweight[:, :h // 8], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
-            AwqLinear(e0.qweight[:, h // 8:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
+    return (AwqLinear(e0.qweight[:h // 32], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
+            AwqLinear(e0.qweight[h // 32:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
+
+
+def device_layout(qweight):
+    """The file's packed words [..., K, N/8] regrouped on the GPU into 32-column chunks
+    [..., N/32, K, 4]: each chunk's rows are contiguous, so the decode GEMV streams 512-byte runs
+    per warp load and the GEMM's 16-byte tile loads stay whole. Done once, at load."""
+    q = cp.asarray(qweight)
+    *lead, K, W = q.shape
+    out = cp.empty((*lead, W // 4, K, 4), dtype=q.dtype)
+    out[...] = q.reshape(*lead, K, W // 4, 4).swapaxes(-3, -2)
+    return out
+
+
+def to_device(lin):
+    """An AwqLinear or AwqStack (file layout, host or device) on the GPU in the kernels' layout."""
+    return type(lin)(device_layout(lin.qweight), cp.asarray(lin.qzeros), cp.asarray(lin.scales), lin.group_size)
 
 
 def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
@@ -402,8 +511,8 @@ class CupyOps:
                        dynamic_ncols=True, leave=False)
         done: dict[int, object] = {}
 
-        def up(x):
-            if id(x) in done:
+        def up(x, share=True):
+            if share and id(x) in done:
                 return done[id(x)]
             d = cp.empty(x.shape, dtype=x.dtype)
             src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
@@ -416,11 +525,15 @@ class CupyOps:
                 stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
             if bar:
                 bar.update(x.nbytes)
-            done[id(x)] = d
+            if share:  # tied tensors (embedding and lm_head) are uploaded once
+                done[id(x)] = d
             return d
 
-        def lin(q):  # AwqLinear or AwqStack (same fields), or None
-            return None if q is None else type(q)(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
+        def lin(q):  # AwqLinear or AwqStack (same fields), or None; packed words in the device layout
+            if q is None:
+                return None
+            qw_dev = device_layout(up(q.qweight, share=False))  # the file-layout copy is freed at once
+            return type(q)(qw_dev, up(q.qzeros), up(q.scales), q.group_size)
 
         layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
                         lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),

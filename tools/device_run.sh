@@ -21,6 +21,21 @@ if [ "${PART:-1}" = final ]; then
   python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
   timeout 120 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
   timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
+elif [ "${PART:-1}" = ab ]; then  # A/B runs: GEMV variants (ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL), GPU tests, 8B e2e
+  ( [ -f /tmp/8b.bin ] || { python3 tools/make_synthetic.py /tmp/8b --preset 8b --shards 8 && \
+      python3 -m kuiper_py export /tmp/8b -o /tmp/8b.bin -q && rm -rf /tmp/8b; } ) > "$OUT/make.log" 2>&1 &
+  MK=$!
+  for v in ${KVARIANTS:-4,2,2,1}; do IFS=, read R MB BPS P <<< "$v"; echo "== GEMV ROWS=$R MIN_BLOCKS=$MB BLOCKS_PER_SM=$BPS PDL=$P"
+    KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P KUIPER_BENCH_GEMV_ONLY=1 \
+      timeout 90 python3 tools/bench_kernels.py --json "$OUT/kern_$R$MB$BPS$P.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill
+  done
+  [ "${TESTS:-all}" = none ] || { timeout ${TEST_S:-280} python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
+    $([ "${TESTS:-all}" = all ] && echo tests/test_gpu.py tests/test_gpu_e2e.py tests/test_gpu_moe.py || echo $TESTS) \
+    > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15; }
+  wait $MK; grep exported "$OUT/make.log"
+  timeout 120 python3 tools/bench_e2e.py /tmp/8b.bin --ctx ${CTX:-512,8192} --prompts ${PROMPTS:-512,2048} --no-hf \
+    --json "$OUT/e2e.json" 2>&1 | grep -v upload | tail -8
+  [ -z "${KFULL:-}" ] || timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -22
 elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
