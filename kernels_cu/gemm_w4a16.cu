@@ -1,7 +1,7 @@
 // Prefill (M > 1) W4A16 GEMM: C[M, N] fp16 = A[M, K] fp16 x dequant(W)[K, N].
 //
-// Multi-stage cp.async pipeline brings A tiles and *packed* weight tiles (device layout [N/32, K, 4],
-// with that K tile's group of scales and zeros) into shared memory; each K tile is dequantized once with LOP3 into
+// Multi-stage cp.async pipeline brings A tiles and *packed* weight tiles (with that K tile's
+// group of scales and zeros) into shared memory; each K tile is dequantized once with LOP3 into
 // an fp16 tile, which warps read with ldmatrix.trans into mma.sync.m16n8k16 (fp32 accumulate).
 //
 // Supported tile configurations (anything else is rejected on the host):
@@ -67,7 +67,7 @@ __device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, con
         int row = t >> 2, cc = t & 3;
         int word = gemm_chunk_col<MODE>(n0, cc, N) / 8;
         bool ok = word < N / 8;
-        const u32* src = ok ? qw + ((size_t)(word / 4) * K + k0 + row) * 4 : qw;  // chunk word/4, row k0+row
+        const u32* src = ok ? qw + (size_t)(k0 + row) * (N / 8) + word : qw;
         cp_async16(&sm.w[st][row][cc * 4], src, ok ? 16 : 0);
     }
     const int gi = k0 / group;
@@ -185,7 +185,7 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
 
 __global__ void __launch_bounds__(128)
 gemm_w4a16(const half* __restrict__ A,   // [M, K]
-           const u32* __restrict__ qw,   // [N/32, K, 4] device layout
+           const u32* __restrict__ qw,   // [K, N/8]
            const u32* __restrict__ qz,   // [K/g, N/8]
            const half* __restrict__ sc,  // [K/g, N]
            half* __restrict__ C,         // [M, N]
@@ -198,8 +198,7 @@ gemm_w4a16(const half* __restrict__ A,   // [M, K]
     gemm_tile<GEMM_DENSE>(sm, rows, rows, A, qw, qz, sc, C, N, K, group, blockIdx.x * BN);
 }
 
-// MoE grouped GEMMs over the expert stacks (packed weights [E, N/32, K, 4] in the device layout,
-// zeros [E, K/g, N/8], scales [E, K/g, N]).
+// MoE grouped GEMMs over the expert stacks (weights [E, K, N/8], [E, K/g, N/8], [E, K/g, N]).
 // blockIdx.y enumerates the row tiles of all experts (tile_offsets from moe_expert_maps; blocks
 // past the last tile exit), blockIdx.x the column tiles (64 output columns in the SwiGLU mode).
 //   gather_swiglu: A = x [T, K] read through perm_to_unperm / k; C = act [T*k, N/2] (permuted).
@@ -233,7 +232,7 @@ __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32
 
 __global__ void __launch_bounds__(128)
 gemm_moe_gate_up(const half* __restrict__ x,            // [T, K]
-                 const u32* __restrict__ qw,            // [E, 2I/32, K, 4]
+                 const u32* __restrict__ qw,            // [E, K, 2I/8]
                  const u32* __restrict__ qz,            // [E, K/g, 2I/8]
                  const half* __restrict__ sc,           // [E, K/g, 2I]
                  half* __restrict__ act,                // [T*k, I] permuted rows
@@ -246,7 +245,7 @@ gemm_moe_gate_up(const half* __restrict__ x,            // [T, K]
 
 __global__ void __launch_bounds__(128)
 gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
-              const u32* __restrict__ qw,             // [E, N/32, K, 4]
+              const u32* __restrict__ qw,             // [E, K, N/8]
               const u32* __restrict__ qz,             // [E, K/g, N/8]
               const half* __restrict__ sc,            // [E, K/g, N]
               half* __restrict__ y,                   // [T*k, N] permuted rows

@@ -19,14 +19,14 @@ from .errors import KuiperError
 
 @dataclass
 class AwqLinear:
-    qweight: Any  # int32 [K, N/8] (on the GPU: [N/32, K, 4], ops_cupy.device_layout)
+    qweight: Any  # int32 [K, N/8]
     qzeros: Any  # int32 [K/g, N/8]
     scales: Any  # fp16 [K/g, N]
     group_size: int
 
     @property
     def K(self) -> int:
-        return self.scales.shape[0] * self.group_size
+        return self.qweight.shape[0]
 
     @property
     def N(self) -> int:
@@ -36,7 +36,7 @@ class AwqLinear:
 @dataclass
 class AwqStack:
     """All experts of one MoE layer: AWQ tensors with a leading expert axis."""
-    qweight: Any  # int32 [E, K, N/8] (on the GPU: [E, N/32, K, 4])
+    qweight: Any  # int32 [E, K, N/8]
     qzeros: Any  # int32 [E, K/g, N/8]
     scales: Any  # fp16 [E, K/g, N]
     group_size: int

@@ -23,13 +23,13 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
-GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "4"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
-GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "2"))
-# the grid size the split aims at (blocks per SM); the MoE weighted-sum epilogue reduces
-# slots x splits partials in one block, so it aims at 1
-GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "2"))
+GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
+GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
+# the grid size the split aims at: 3 blocks per SM measured best on H100 (2-8 tried); the MoE
+# weighted-sum epilogue reduces slots x splits partials in one block, so it aims at 1
+GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "3"))
 GEMV_PREFETCH = int(os.environ.get("KUIPER_GEMV_PREFETCH", "0"))  # measured slower on H100 (PERFORMANCE.md)
-GEMV_STEP = 32 * GEMV_ROWS  # rows a warp takes per step (one per lane, GEMV_ROWS deep): the split granularity
+GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
 GEMM_BM, GEMM_BN = 64, 128
@@ -246,26 +246,30 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0):
+         x_slot_stride: int = 0, norm=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
-    experts (or column views of them, row length ld) and slot j uses expert ids[j]."""
+    experts (or column views of them, row length ld) and slot j uses expert ids[j].
+    norm = (h, w, xn, eps) fuses the next residual add + RMSNorm ("plain" with one matrix and one slot,
+    or "moe_sum"): h [1, N] fp32 += out; xn = rmsnorm(h) * w."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
     S, rps = gemv_split(K, slots * tiles, 1.0 if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
-    assert slots * tiles <= gemv_counters().size
+    assert slots * tiles < gemv_counters().size - 1  # the last counter is the fused norm's
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
+    assert norm is None or (out_kind == "moe_sum" or (out_kind == "plain" and len(mats) == 1 and slots == 1))
+    h, nw, xn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), np.uint64(0), 0.0)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0), partial,
         gemv_counters(), out, slot_w if slot_w is not None else np.uint64(0), _i(K), _i(rps), _i(g),
-        _i(GEMV_EPI[out_kind])))
+        _i(GEMV_EPI[out_kind]), h, nw, xn, _f(eps)))
     return out
 
 
@@ -289,16 +293,19 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None):
+                     pos_dev=None, counters=None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
-    With pos_dev (graph replay) the length is read on the device and all max_splits splits run."""
+    With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
+    With counters (int32 [H], zero; left zero) the last split of each head combines (one launch)."""
     _, H, hd = q.shape
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
-    assert H * S * hd <= part_o.size
+    assert H * S * hd <= part_o.size and (counters is None or counters.size >= H)
     kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_dev if pos_dev is not None else np.uint64(0), _i(H),
-        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
-    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
+        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)), counters if counters is not None else np.uint64(0),
+        out))
+    if counters is None:
+        kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
     return out
 
 
@@ -398,32 +405,18 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
     expert GEMV offsets them to the selected experts itself."""
     e0 = w13.expert(0)
     h = e0.N // 2
-    return (AwqLinear(e0.qweight[:h // 32], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
-            AwqLinear(e0.qweight[h // 32:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
+    return (AwqLinear(e0.qweight[:, :h // 8], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
+            AwqLinear(e0.qweight[:, h // 8:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
 
 
-def device_layout(qweight):
-    """The file's packed words [..., K, N/8] regrouped on the GPU into 32-column chunks
-    [..., N/32, K, 4]: each chunk's rows are contiguous, so the decode GEMV streams 512-byte runs
-    per warp load and the GEMM's 16-byte tile loads stay whole. Done once, at load."""
-    q = cp.asarray(qweight)
-    *lead, K, W = q.shape
-    out = cp.empty((*lead, W // 4, K, 4), dtype=q.dtype)
-    out[...] = q.reshape(*lead, K, W // 4, 4).swapaxes(-3, -2)
-    return out
 
-
-def to_device(lin):
-    """An AwqLinear or AwqStack (file layout, host or device) on the GPU in the kernels' layout."""
-    return type(lin)(device_layout(lin.qweight), cp.asarray(lin.qzeros), cp.asarray(lin.scales), lin.group_size)
-
-
-def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, norm=None):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
-    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D]."""
+    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D];
+    norm as in gemv."""
     gate, up = moe_gate_up_views(w13)
     gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
-    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, norm=norm)
     return out
 
 class CupyOps:
@@ -454,6 +447,7 @@ class CupyOps:
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
+        self._pending = None  # a deferred decode projection (see _defer)
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -511,8 +505,8 @@ class CupyOps:
                        dynamic_ncols=True, leave=False)
         done: dict[int, object] = {}
 
-        def up(x, share=True):
-            if share and id(x) in done:
+        def up(x):
+            if id(x) in done:
                 return done[id(x)]
             d = cp.empty(x.shape, dtype=x.dtype)
             src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
@@ -525,15 +519,11 @@ class CupyOps:
                 stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
             if bar:
                 bar.update(x.nbytes)
-            if share:  # tied tensors (embedding and lm_head) are uploaded once
-                done[id(x)] = d
+            done[id(x)] = d
             return d
 
-        def lin(q):  # AwqLinear or AwqStack (same fields), or None; packed words in the device layout
-            if q is None:
-                return None
-            qw_dev = device_layout(up(q.qweight, share=False))  # the file-layout copy is freed at once
-            return type(q)(qw_dev, up(q.qzeros), up(q.scales), q.group_size)
+        def lin(q):  # AwqLinear or AwqStack (same fields), or None
+            return None if q is None else type(q)(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
 
         layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
                         lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
@@ -563,7 +553,7 @@ class CupyOps:
             "part_o": cp.empty((a.num_attention_heads * self.attn_splits * a.head_dim,), cp.float32),
             "part_ml": cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32),
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
-            "hist": cp.zeros((1024,), cp.int32),
+            "hist": cp.zeros((1024,), cp.int32), "attn_counters": cp.zeros((a.num_attention_heads,), cp.int32),
         }
         if E:
             self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
@@ -572,6 +562,7 @@ class CupyOps:
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, ids: list[int]):
+        self._flush()
         T, D = len(ids), self.args.hidden_size
         if T == 1:
             dev_ids = self.d["token"] if self._sampled is not None and ids[0] == self._sampled else None
@@ -585,11 +576,32 @@ class CupyOps:
         kernel("norm", "embed_gather")((T,), (256,), (dev_ids, self.weights.embed, h, _i(D)))
         return h
 
+    # A decode projection whose output only feeds the next residual add + RMSNorm (o_proj, down_proj,
+    # the MoE weighted sum) is held back until that add_rmsnorm call and launched with the norm fused
+    # into its epilogue: one launch fewer per norm. Any other op launches it first, unfused.
+    def _defer(self, out, launch):
+        self._flush()
+        self._pending = (out, launch)
+        return out
+
+    def _flush(self):
+        if self._pending is not None:
+            _, launch = self._pending
+            self._pending = None
+            launch(None)
+
     def add_rmsnorm(self, h, r, w):
+        if h.shape[0] == 1 and self._pending is not None and r is self._pending[0]:
+            _, launch = self._pending
+            self._pending = None
+            launch((h, w, self.d["x"], self.args.rms_norm_eps))
+            return h, self.d["x"]
+        self._flush()
         out = self.d["x"] if h.shape[0] == 1 else None
         return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
 
     def qkv(self, x, layer: Layer):
+        self._flush()
         a = self.args
         if x.shape[0] == 1:
             buf = gemv(x, [layer.wq, layer.wk, layer.wv], "plain", self.d["qkv"], self.d["partial"])
@@ -598,6 +610,7 @@ class CupyOps:
         return gemm(x, layer.wq), gemm(x, layer.wk), gemm(x, layer.wv)
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
+        self._flush()
         a = self.args
         one = q.shape[0] == 1
         return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
@@ -605,11 +618,12 @@ class CupyOps:
                                   self.d["qrot"] if one else None, self.d["pos"] if one else None)
 
     def attention(self, q, i: int, pos0: int):
+        self._flush()
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                     self.d["part_o"], self.d["part_ml"], self.d["attn"],
-                                    self.d["pos"] if self.graphs else None)
+                                    self.d["pos"] if self.graphs else None, self.d["attn_counters"])
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
@@ -631,6 +645,7 @@ class CupyOps:
                 stream.begin_capture()
                 try:
                     out = body()
+                    self._flush()
                     kernel("rope", "advance_position")((1,), (1,), (self.d["pos"],))
                 finally:
                     graph = stream.end_capture()
@@ -641,12 +656,16 @@ class CupyOps:
         return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
+        self._flush()
         if x.shape[0] == 1:
-            out = self.d["proj"] if lin.N == self.args.hidden_size else cp.empty((1, lin.N), cp.float16)
-            return gemv(x, [lin], "plain", out, self.d["partial"])
+            if lin.N == self.args.hidden_size:  # o_proj / down_proj: the residual branch
+                out = self.d["proj"]
+                return self._defer(out, lambda norm: gemv(x, [lin], "plain", out, self.d["partial"], norm=norm))
+            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
         return gemm(x, lin)
 
     def gate_up_silu(self, x, layer: Layer):
+        self._flush()
         if x.shape[0] == 1:
             return gemv(x, [layer.w1, layer.w3], "swiglu", self.d["act"], self.d["partial"])
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)
@@ -658,9 +677,12 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
+        self._flush()
         if x.shape[0] == 1:
             ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
-            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"])
+            out = d["proj"]
+            return self._defer(out, lambda norm: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w,
+                                                            d["partial"], d["moe_act"], out, norm))
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
@@ -670,6 +692,7 @@ class CupyOps:
         return moe_finalize(y, u2p, w)
 
     def logits(self, x, all_positions: bool = False):
+        self._flush()
         V = self.args.vocab_size
         if not all_positions:
             return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"])

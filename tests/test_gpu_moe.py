@@ -28,8 +28,7 @@ def rand_stack(rng, n_exp, K, N):
     qw = np.stack([awq.pack(rng.integers(0, 16, size=(K, N), dtype=np.uint8)) for _ in range(n_exp)])
     qz = np.stack([awq.pack(rng.integers(0, 16, size=(K // G, N), dtype=np.uint8)) for _ in range(n_exp)])
     sc = (rng.random((n_exp, K // G, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
-    host = AwqStack(qw, qz, sc, G)
-    return host, oc.to_device(host)
+    return AwqStack(qw, qz, sc, G), AwqStack(cp.asarray(qw), cp.asarray(qz), cp.asarray(sc), G)
 
 
 DEAD = np.arange(5, E, 9)  # experts whose router row makes them lose against inputs with x >= 0

@@ -63,7 +63,7 @@ def time_ms(fn, iters=50, reps=5):
 
 
 def rand_awq(K, N):
-    qw = cp.random.randint(-2**31, 2**31 - 1, size=(N // 32, K, 4), dtype=cp.int64).astype(cp.int32)  # device layout
+    qw = cp.random.randint(-2**31, 2**31 - 1, size=(K, N // 8), dtype=cp.int64).astype(cp.int32)
     qz = cp.random.randint(-2**31, 2**31 - 1, size=(K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
     sc = (cp.random.random((K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
     return AwqLinear(qw, qz, sc, 128)
@@ -105,7 +105,7 @@ def main():
         copies = max(2, math.ceil(6 * l2 / (per_exp * E)))
         stacks = []
         for _ in range(copies):
-            qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, N // 32, K, 4), dtype=cp.int64).astype(cp.int32)
+            qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, K, N // 8), dtype=cp.int64).astype(cp.int32)
             qz = cp.random.randint(-2**31, 2**31 - 1, size=(E, K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
             sc = (cp.random.random((E, K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
             stacks.append(AwqStack(qw, qz, sc, 128))
