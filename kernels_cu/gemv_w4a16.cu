@@ -28,6 +28,7 @@
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
 
 #define GEMV_ROW_COUNTER 65535  // the fused norm's arrival counter (tile counters stay below it)
+#define GEMV_NORM_PER 16        // row elements per thread per pass of the fused norm
 
 #define GEMV_EPI_PLAIN 0
 #define GEMV_EPI_SWIGLU 1
@@ -239,13 +240,31 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     __syncthreads();
     if (!row_last) return;
     __threadfence();
+    // 16 loads per thread in flight per pass: one block does the row, so round trips, not bytes, cost
     float ss = 0.f;
-#pragma unroll 4
-    for (int d = threadIdx.x; d < N0; d += blockDim.x) {
-        const float v = __ldcg(h + d);  // other blocks wrote it: read through L2
-        ss += v * v;
+    for (int d0 = 0; d0 < N0; d0 += GEMV_NORM_PER * blockDim.x) {
+        float v[GEMV_NORM_PER];
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PER; ++i) {
+            const int d = d0 + i * blockDim.x + threadIdx.x;
+            v[i] = d < N0 ? __ldcg(h + d) : 0.f;  // other blocks wrote h: read through L2
+        }
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PER; ++i) ss += v[i] * v[i];
     }
     const float inv = rsqrtf(block_sum(ss, red) / N0 + eps);
-#pragma unroll 4
-    for (int d = threadIdx.x; d < N0; d += blockDim.x) xn[d] = __float2half(__ldcg(h + d) * inv * __half2float(norm_w[d]));
+    for (int d0 = 0; d0 < N0; d0 += GEMV_NORM_PER * blockDim.x) {
+        float v[GEMV_NORM_PER], wv[GEMV_NORM_PER];
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PER; ++i) {
+            const int d = d0 + i * blockDim.x + threadIdx.x;
+            v[i] = d < N0 ? __ldcg(h + d) : 0.f;
+            wv[i] = d < N0 ? __half2float(norm_w[d]) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < GEMV_NORM_PER; ++i) {
+            const int d = d0 + i * blockDim.x + threadIdx.x;
+            if (d < N0) xn[d] = __float2half(v[i] * inv * wv[i]);
+        }
+    }
 }

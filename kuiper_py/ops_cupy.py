@@ -448,6 +448,10 @@ class CupyOps:
         self._graph = None
         self._dev_pos = None
         self._pending = None  # a deferred decode projection (see _defer)
+        # decode fusions (A/B switches for benchmarks): the add + RMSNorm in the GEMV epilogue, the
+        # flash-decoding combine in the split kernel's last block
+        self.fuse_norm = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
+        self.fuse_combine = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -581,6 +585,8 @@ class CupyOps:
     # into its epilogue: one launch fewer per norm. Any other op launches it first, unfused.
     def _defer(self, out, launch):
         self._flush()
+        if not self.fuse_norm:
+            return launch(None)
         self._pending = (out, launch)
         return out
 
@@ -623,7 +629,8 @@ class CupyOps:
         if q.shape[0] == 1:
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                     self.d["part_o"], self.d["part_ml"], self.d["attn"],
-                                    self.d["pos"] if self.graphs else None, self.d["attn_counters"])
+                                    self.d["pos"] if self.graphs else None,
+                                    self.d["attn_counters"] if self.fuse_combine else None)
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
     # ------------------------------------------------------------------ decode as one CUDA graph

@@ -48,6 +48,20 @@ def poisoned(shape, dtype):
     return cp.full(shape, -1 if np.dtype(dtype).kind == "i" else np.nan, dtype=dtype)
 
 
+def assert_same_topk(ids, ids_ref, logits64, tie=1e-5):
+    """ids equal to the reference's, except that experts whose exact (float64) logits are within `tie`
+    of each other may trade places: fp32 sums in another order can flip such a near tie. A flipped
+    row must still be a valid top-k in the exact logits, and flips must stay rare (< 1% of tokens)."""
+    bad = np.flatnonzero((ids != ids_ref).any(axis=1))
+    assert len(bad) <= max(1, len(ids) // 100), f"{len(bad)} of {len(ids)} tokens routed differently"
+    k = ids.shape[1]
+    for t in bad:
+        lg = logits64[t]
+        kth = np.sort(lg)[::-1][k - 1]
+        assert len(set(ids[t])) == k and (lg[ids[t]] >= kth - tie).all(), (t, ids[t], ids_ref[t])
+        assert (np.diff(lg[ids[t]]) <= tie).all(), (t, ids[t], ids_ref[t])  # still in descending order
+
+
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("T", [1, 7, 2048])
 def test_moe_stages_match_reference(layer, T, norm_topk):
@@ -60,7 +74,7 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
     ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, norm_topk)
     ids, w = oc.moe_route(xd, layer["router_d"], K_TOP, norm_topk, poisoned((T, E), np.float32),
                           poisoned((T, K_TOP), np.int32), poisoned((T, K_TOP), np.float32))
-    assert (cp.asnumpy(ids) == ids_ref).all()
+    assert_same_topk(cp.asnumpy(ids), ids_ref, x.astype(np.float64) @ layer["router"].T.astype(np.float64))
     assert rel(cp.asnumpy(w), w_ref) < 1e-5
     if norm_topk:
         assert np.allclose(cp.asnumpy(w).sum(axis=1), 1.0, atol=1e-5)

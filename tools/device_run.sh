@@ -36,6 +36,18 @@ elif [ "${PART:-1}" = ab ]; then  # A/B runs: GEMV variants (ROWS,MIN_BLOCKS,BLO
   timeout 120 python3 tools/bench_e2e.py /tmp/8b.bin --ctx ${CTX:-512,8192} --prompts ${PROMPTS:-512,2048} --no-hf \
     --json "$OUT/e2e.json" 2>&1 | grep -v upload | tail -8
   [ -z "${KFULL:-}" ] || timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -22
+elif [ "${PART:-1}" = fuse ]; then  # A/B of the decode fusions (KUIPER_FUSE_NORM, KUIPER_FUSE_COMBINE, KUIPER_PDL)
+  ( [ -f /tmp/8b.bin ] || { python3 tools/make_synthetic.py /tmp/8b --preset 8b --shards 8 && \
+      python3 -m kuiper_py export /tmp/8b -o /tmp/8b.bin -q && rm -rf /tmp/8b; } ) > "$OUT/make.log" 2>&1 &
+  MK=$!
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py \
+    "tests/test_gpu.py::test_pdl_chain_of_dependent_kernels_in_a_graph" "tests/test_gpu.py::test_flash_decoding" \
+    tests/test_gpu_e2e.py > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/gpu_tests.log"
+  wait $MK
+  for v in ${FVARIANTS:-0,0,1 1,0,1 0,1,1 1,1,1}; do IFS=, read FN FC P <<< "$v"; echo "== FUSE_NORM=$FN FUSE_COMBINE=$FC PDL=$P"
+    KUIPER_FUSE_NORM=$FN KUIPER_FUSE_COMBINE=$FC KUIPER_PDL=$P timeout 90 python3 tools/bench_e2e.py /tmp/8b.bin \
+      --ctx 512,8192 --prompts 128 --no-hf 2>&1 | grep -E "^\| (512|8192) "
+  done
 elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
