@@ -148,25 +148,6 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
     }
 }
 
-// Dimension d of head h merged over the S splits' partial results. Loads go through L2 (other blocks
-// wrote them) and are unrolled so they are in flight together: this is latency, not bandwidth, bound.
-__device__ __forceinline__ void attn_combine_dim(const float* part_o, const float* part_ml, half* out, int h, int S,
-                                                 int HD, int d) {
-    float M = -INFINITY;
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(part_ml + ((size_t)h * S + s) * 2));
-    float L = 0.f, od = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < S; ++s) {
-        const float ms = __ldcg(part_ml + ((size_t)h * S + s) * 2), ls = __ldcg(part_ml + ((size_t)h * S + s) * 2 + 1);
-        if (ls == 0.f) continue;  // an empty split contributes nothing
-        const float w = exp2f(ms - M);
-        L += ls * w;
-        od += __ldcg(part_o + ((size_t)h * S + s) * HD + d) * w;
-    }
-    out[(size_t)h * HD + d] = __float2half(L > 0.f ? od / L : 0.f);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Flash-decoding. Block (h, split) of 128 threads = 32 quads; a quad owns one key at a time, each
 // lane HD/4 dimensions in 16-byte chunks interleaved so a quad reads 64 contiguous bytes per load.
@@ -179,9 +160,7 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
                   float* __restrict__ part_o,   // [H, S, HD] unnormalised
                   float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
                   int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
-                  int H, int KV, float scale_log2,
-                  int* __restrict__ counters,   // [H] zero, or null: attn_decode_combine runs separately
-                  half* __restrict__ out) {     // [H, HD] (with counters)
+                  int H, int KV, float scale_log2) {
     pdl_wait();
     pdl_trigger();
     constexpr int NC = HD / 32;  // 16-byte chunks per lane
@@ -274,19 +253,6 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
         part_ml[((size_t)h * S + s) * 2] = M;
         part_ml[((size_t)h * S + s) * 2 + 1] = L;
     }
-    if (!counters) return;
-    // fused combine: the last split of head h to finish merges all of them (one launch fewer)
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&counters[h], 1) == S - 1;
-        if (last) counters[h] = 0;  // ready for the next launch
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) attn_combine_dim(part_o, part_ml, out, h, S, HD, d);
 }
 
 // out[h, :] = merged softmax(V) over the S splits. One block of HD threads per head.
@@ -294,5 +260,19 @@ __global__ void attn_decode_combine(const float* __restrict__ part_o, const floa
                                     half* __restrict__ out, int S, int HD) {
     pdl_wait();
     pdl_trigger();
-    attn_combine_dim(part_o, part_ml, out, blockIdx.x, S, HD, threadIdx.x);
+    const int h = blockIdx.x, d = threadIdx.x;
+    // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
+    float M = -INFINITY;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
+    float L = 0.f, od = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) {
+        float ms = part_ml[((size_t)h * S + s) * 2], ls = part_ml[((size_t)h * S + s) * 2 + 1];
+        if (ls == 0.f) continue;  // an empty split contributes nothing
+        float w = exp2f(ms - M);
+        L += ls * w;
+        od += part_o[((size_t)h * S + s) * HD + d] * w;
+    }
+    out[(size_t)h * HD + d] = __float2half(L > 0.f ? od / L : 0.f);
 }

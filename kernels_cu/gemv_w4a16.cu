@@ -8,8 +8,7 @@
 // slot reading its expert id from device memory (so the step still replays as a CUDA graph).
 //
 // Epilogues: PLAIN out = [y0 | y1 | y2]; SWIGLU out = silu(y0) * y1 (gate, up; N0 == N1);
-// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize). PLAIN (one matrix, one slot)
-// and MOE_SUM can also fuse the next residual add + RMSNorm: h += out; xn = rmsnorm(h) * norm_w.
+// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize).
 //
 // Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0.
 #include "common.cuh"
@@ -26,9 +25,6 @@
 #endif
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
-
-#define GEMV_ROW_COUNTER 65535  // the fused norm's arrival counter (tile counters stay below it)
-#define GEMV_NORM_PER 16        // row elements per thread per pass of the fused norm
 
 #define GEMV_EPI_PLAIN 0
 #define GEMV_EPI_SWIGLU 1
@@ -162,11 +158,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            half* __restrict__ out,               // PLAIN [slots, N0+N1+N2]; SWIGLU [slots, N0]; MOE_SUM [N0]
            const float* __restrict__ slot_w,     // [slots] (MOE_SUM)
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
-           int group, int epi,
-           float* __restrict__ h,                // [N0] residual stream, or null: no fused norm
-           const half* __restrict__ norm_w,      // [N0] the next RMSNorm's weight
-           half* __restrict__ xn,                // [N0] normed output
-           float eps) {
+           int group, int epi) {
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0;
@@ -212,59 +204,14 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         if (col >= m.N) continue;
         if (epi == GEMV_EPI_PLAIN) {
             float s = gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1);
-            const half r = __float2half(s);
-            out[(size_t)slot * n_total + col_off + col] = r;
-            if (h) h[col] += __half2float(r);  // the residual add, with the same fp16 r as unfused
+            out[(size_t)slot * n_total + col_off + col] = __float2half(s);
         } else if (epi == GEMV_EPI_SWIGLU) {
             float g = gemv_sum_partials(part + col, S, n_total, nullptr, 1);
             float u = gemv_sum_partials(part + N0 + col, S, n_total, nullptr, 1);
             out[(size_t)slot * N0 + col] = __float2half(g / (1.f + __expf(-g)) * u);
         } else {  // slots' partials are contiguous: [slots * S, n_total], weight of row q is slot_w[q / S]
             float acc = gemv_sum_partials(partial + col, S * gridDim.z, n_total, slot_w, S);
-            const half r = __float2half(acc);
-            out[col] = r;
-            if (h) h[col] += __half2float(r);
-        }
-    }
-    if (!h) return;
-    // Fused residual add + RMSNorm (add_rmsnorm of norm.cu, one launch fewer): every tile has added
-    // its columns to h above; the last tile to arrive normalises the whole row.
-    __shared__ int row_last;
-    __shared__ float red[32];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        row_last = atomicAdd(&counters[GEMV_ROW_COUNTER], 1) == (int)gridDim.x - 1;
-        if (row_last) counters[GEMV_ROW_COUNTER] = 0;
-    }
-    __syncthreads();
-    if (!row_last) return;
-    __threadfence();
-    // 16 loads per thread in flight per pass: one block does the row, so round trips, not bytes, cost
-    float ss = 0.f;
-    for (int d0 = 0; d0 < N0; d0 += GEMV_NORM_PER * blockDim.x) {
-        float v[GEMV_NORM_PER];
-#pragma unroll
-        for (int i = 0; i < GEMV_NORM_PER; ++i) {
-            const int d = d0 + i * blockDim.x + threadIdx.x;
-            v[i] = d < N0 ? __ldcg(h + d) : 0.f;  // other blocks wrote h: read through L2
-        }
-#pragma unroll
-        for (int i = 0; i < GEMV_NORM_PER; ++i) ss += v[i] * v[i];
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / N0 + eps);
-    for (int d0 = 0; d0 < N0; d0 += GEMV_NORM_PER * blockDim.x) {
-        float v[GEMV_NORM_PER], wv[GEMV_NORM_PER];
-#pragma unroll
-        for (int i = 0; i < GEMV_NORM_PER; ++i) {
-            const int d = d0 + i * blockDim.x + threadIdx.x;
-            v[i] = d < N0 ? __ldcg(h + d) : 0.f;
-            wv[i] = d < N0 ? __half2float(norm_w[d]) : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < GEMV_NORM_PER; ++i) {
-            const int d = d0 + i * blockDim.x + threadIdx.x;
-            if (d < N0) xn[d] = __float2half(v[i] * inv * wv[i]);
+            out[col] = __float2half(acc);
         }
     }
 }

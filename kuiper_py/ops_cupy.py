@@ -246,30 +246,26 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0, norm=None):
+         x_slot_stride: int = 0):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
-    experts (or column views of them, row length ld) and slot j uses expert ids[j].
-    norm = (h, w, xn, eps) fuses the next residual add + RMSNorm ("plain" with one matrix and one slot,
-    or "moe_sum"): h [1, N] fp32 += out; xn = rmsnorm(h) * w."""
+    experts (or column views of them, row length ld) and slot j uses expert ids[j]."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
     S, rps = gemv_split(K, slots * tiles, 1.0 if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
-    assert slots * tiles < gemv_counters().size - 1  # the last counter is the fused norm's
+    assert slots * tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
-    assert norm is None or (out_kind == "moe_sum" or (out_kind == "plain" and len(mats) == 1 and slots == 1))
-    h, nw, xn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), np.uint64(0), 0.0)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0), partial,
         gemv_counters(), out, slot_w if slot_w is not None else np.uint64(0), _i(K), _i(rps), _i(g),
-        _i(GEMV_EPI[out_kind]), h, nw, xn, _f(eps)))
+        _i(GEMV_EPI[out_kind])))
     return out
 
 
@@ -293,19 +289,16 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, counters=None):
+                     pos_dev=None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
-    With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
-    With counters (int32 [H], zero; left zero) the last split of each head combines (one launch)."""
+    With pos_dev (graph replay) the length is read on the device and all max_splits splits run."""
     _, H, hd = q.shape
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
-    assert H * S * hd <= part_o.size and (counters is None or counters.size >= H)
+    assert H * S * hd <= part_o.size
     kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_dev if pos_dev is not None else np.uint64(0), _i(H),
-        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)), counters if counters is not None else np.uint64(0),
-        out))
-    if counters is None:
-        kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
+        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
+    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
     return out
 
 
@@ -410,13 +403,12 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
 
 
 
-def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, norm=None):
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
-    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D];
-    norm as in gemv."""
+    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D]."""
     gate, up = moe_gate_up_views(w13)
     gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
-    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, norm=norm)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N)
     return out
 
 class CupyOps:
@@ -447,11 +439,6 @@ class CupyOps:
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
-        self._pending = None  # a deferred decode projection (see _defer)
-        # decode fusions (A/B switches for benchmarks): the add + RMSNorm in the GEMV epilogue, the
-        # flash-decoding combine in the split kernel's last block
-        self.fuse_norm = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
-        self.fuse_combine = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -557,7 +544,7 @@ class CupyOps:
             "part_o": cp.empty((a.num_attention_heads * self.attn_splits * a.head_dim,), cp.float32),
             "part_ml": cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32),
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
-            "hist": cp.zeros((1024,), cp.int32), "attn_counters": cp.zeros((a.num_attention_heads,), cp.int32),
+            "hist": cp.zeros((1024,), cp.int32),
         }
         if E:
             self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
@@ -566,7 +553,6 @@ class CupyOps:
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, ids: list[int]):
-        self._flush()
         T, D = len(ids), self.args.hidden_size
         if T == 1:
             dev_ids = self.d["token"] if self._sampled is not None and ids[0] == self._sampled else None
@@ -580,34 +566,11 @@ class CupyOps:
         kernel("norm", "embed_gather")((T,), (256,), (dev_ids, self.weights.embed, h, _i(D)))
         return h
 
-    # A decode projection whose output only feeds the next residual add + RMSNorm (o_proj, down_proj,
-    # the MoE weighted sum) is held back until that add_rmsnorm call and launched with the norm fused
-    # into its epilogue: one launch fewer per norm. Any other op launches it first, unfused.
-    def _defer(self, out, launch):
-        self._flush()
-        if not self.fuse_norm:
-            return launch(None)
-        self._pending = (out, launch)
-        return out
-
-    def _flush(self):
-        if self._pending is not None:
-            _, launch = self._pending
-            self._pending = None
-            launch(None)
-
     def add_rmsnorm(self, h, r, w):
-        if h.shape[0] == 1 and self._pending is not None and r is self._pending[0]:
-            _, launch = self._pending
-            self._pending = None
-            launch((h, w, self.d["x"], self.args.rms_norm_eps))
-            return h, self.d["x"]
-        self._flush()
         out = self.d["x"] if h.shape[0] == 1 else None
         return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
 
     def qkv(self, x, layer: Layer):
-        self._flush()
         a = self.args
         if x.shape[0] == 1:
             buf = gemv(x, [layer.wq, layer.wk, layer.wv], "plain", self.d["qkv"], self.d["partial"])
@@ -616,7 +579,6 @@ class CupyOps:
         return gemm(x, layer.wq), gemm(x, layer.wk), gemm(x, layer.wv)
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
-        self._flush()
         a = self.args
         one = q.shape[0] == 1
         return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
@@ -624,13 +586,11 @@ class CupyOps:
                                   self.d["qrot"] if one else None, self.d["pos"] if one else None)
 
     def attention(self, q, i: int, pos0: int):
-        self._flush()
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                     self.d["part_o"], self.d["part_ml"], self.d["attn"],
-                                    self.d["pos"] if self.graphs else None,
-                                    self.d["attn_counters"] if self.fuse_combine else None)
+                                    self.d["pos"] if self.graphs else None)
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
@@ -652,7 +612,6 @@ class CupyOps:
                 stream.begin_capture()
                 try:
                     out = body()
-                    self._flush()
                     kernel("rope", "advance_position")((1,), (1,), (self.d["pos"],))
                 finally:
                     graph = stream.end_capture()
@@ -663,16 +622,12 @@ class CupyOps:
         return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
-        self._flush()
         if x.shape[0] == 1:
-            if lin.N == self.args.hidden_size:  # o_proj / down_proj: the residual branch
-                out = self.d["proj"]
-                return self._defer(out, lambda norm: gemv(x, [lin], "plain", out, self.d["partial"], norm=norm))
-            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
+            out = self.d["proj"] if lin.N == self.args.hidden_size else cp.empty((1, lin.N), cp.float16)
+            return gemv(x, [lin], "plain", out, self.d["partial"])
         return gemm(x, lin)
 
     def gate_up_silu(self, x, layer: Layer):
-        self._flush()
         if x.shape[0] == 1:
             return gemv(x, [layer.w1, layer.w3], "swiglu", self.d["act"], self.d["partial"])
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)
@@ -684,12 +639,9 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
-        self._flush()
         if x.shape[0] == 1:
             ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
-            out = d["proj"]
-            return self._defer(out, lambda norm: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w,
-                                                            d["partial"], d["moe_act"], out, norm))
+            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"])
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
@@ -699,7 +651,6 @@ class CupyOps:
         return moe_finalize(y, u2p, w)
 
     def logits(self, x, all_positions: bool = False):
-        self._flush()
         V = self.args.vocab_size
         if not all_positions:
             return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"])
