@@ -2,14 +2,22 @@
 # Device call 1 (PART=1): GPU tests, soak on a tiny model, kernel benchmark.
 # Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
 # Device call 3 (PART=final): every GPU test (8B and 30B-A3B checkpoints drawn and exported on the CPU
-#   meanwhile), bench_e2e on both, a 30B-A3B generate, the soak and bench_kernels.
+#   meanwhile), bench_e2e on both, a 30B-A3B generate, the soak and bench_kernels (TESTS=none skips the tests).
+# A/B call (PART=ab): GEMV variants KVARIANTS="ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL ...", GPU tests, 8B bench_e2e.
 set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# synthetic checkpoints of the given presets exported to /tmp/PRESET.bin (kept between calls on a warm machine)
+make_models() {
+  for p in "$@"; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
+    python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done
+}
+make_soak() {  # the small preset for tools/soak.py
+  python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
+}
 if [ "${PART:-1}" = final ]; then
-  ( for p in 30b-a3b 8b; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
-      python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done ) > "$OUT/make.log" 2>&1 &
+  make_models 30b-a3b 8b > "$OUT/make.log" 2>&1 &
   MK=$!
   [ "${TESTS:-all}" = none ] || { timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
     tests/test_gpu_moe.py tests/test_gpu.py tests/test_gpu_e2e.py tests/test_hardening.py::test_kv_cache_too_large_for_gpu_memory \
@@ -18,14 +26,13 @@ if [ "${PART:-1}" = final ]; then
   timeout 100 python3 tools/bench_e2e.py /tmp/30b-a3b.bin --ctx 512,8192 --prompts 512,2048 --no-hf --json "$OUT/bench_e2e_30b.json" 2>&1 | grep -v upload | tail -9
   timeout 200 python3 tools/bench_e2e.py /tmp/8b.bin --json "$OUT/bench_e2e_8b.json" 2>&1 | grep -v upload | tail -12
   python3 -m kuiper_py generate -m /tmp/30b-a3b.bin -p "The capital of France is" -n 64 --temp 0 --device cuda 2>&1 >/dev/null | tr '\r' '\n' | grep -v upload | tail -1
-  python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
+  make_soak
   timeout 120 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
   timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
-elif [ "${PART:-1}" = ab ]; then  # A/B runs: GEMV variants (ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL), GPU tests, 8B e2e
-  ( [ -f /tmp/8b.bin ] || { python3 tools/make_synthetic.py /tmp/8b --preset 8b --shards 8 && \
-      python3 -m kuiper_py export /tmp/8b -o /tmp/8b.bin -q && rm -rf /tmp/8b; } ) > "$OUT/make.log" 2>&1 &
+elif [ "${PART:-1}" = ab ]; then
+  make_models 8b > "$OUT/make.log" 2>&1 &
   MK=$!
-  for v in ${KVARIANTS:-4,2,2,1}; do IFS=, read R MB BPS P <<< "$v"; echo "== GEMV ROWS=$R MIN_BLOCKS=$MB BLOCKS_PER_SM=$BPS PDL=$P"
+  for v in ${KVARIANTS:-16,4,3,1}; do IFS=, read R MB BPS P <<< "$v"; echo "== GEMV ROWS=$R MIN_BLOCKS=$MB BLOCKS_PER_SM=$BPS PDL=$P"
     KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P KUIPER_BENCH_GEMV_ONLY=1 \
       timeout 90 python3 tools/bench_kernels.py --json "$OUT/kern_$R$MB$BPS$P.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill
   done
@@ -36,28 +43,15 @@ elif [ "${PART:-1}" = ab ]; then  # A/B runs: GEMV variants (ROWS,MIN_BLOCKS,BLO
   timeout 120 python3 tools/bench_e2e.py /tmp/8b.bin --ctx ${CTX:-512,8192} --prompts ${PROMPTS:-512,2048} --no-hf \
     --json "$OUT/e2e.json" 2>&1 | grep -v upload | tail -8
   [ -z "${KFULL:-}" ] || timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -22
-elif [ "${PART:-1}" = fuse ]; then  # A/B of the decode fusions (KUIPER_FUSE_NORM, KUIPER_FUSE_COMBINE, KUIPER_PDL)
-  ( [ -f /tmp/8b.bin ] || { python3 tools/make_synthetic.py /tmp/8b --preset 8b --shards 8 && \
-      python3 -m kuiper_py export /tmp/8b -o /tmp/8b.bin -q && rm -rf /tmp/8b; } ) > "$OUT/make.log" 2>&1 &
-  MK=$!
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu_moe.py \
-    "tests/test_gpu.py::test_pdl_chain_of_dependent_kernels_in_a_graph" "tests/test_gpu.py::test_flash_decoding" \
-    tests/test_gpu_e2e.py > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; tail -3 "$OUT/gpu_tests.log"
-  wait $MK
-  for v in ${FVARIANTS:-0,0,1 1,0,1 0,1,1 1,1,1}; do IFS=, read FN FC P <<< "$v"; echo "== FUSE_NORM=$FN FUSE_COMBINE=$FC PDL=$P"
-    KUIPER_FUSE_NORM=$FN KUIPER_FUSE_COMBINE=$FC KUIPER_PDL=$P timeout 90 python3 tools/bench_e2e.py /tmp/8b.bin \
-      --ctx 512,8192 --prompts 128 --no-hf 2>&1 | grep -E "^\| (512|8192) "
-  done
 elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
-  python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
+  make_soak
   timeout 200 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
   timeout 200 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
 else
-  M=/tmp/q8b; B=/tmp/q8b.bin
-  python3 tools/make_synthetic.py $M --preset 8b --shards 4 2>&1 | tail -1
-  python3 -m kuiper_py export $M -o $B -q 2>&1 | tail -1
+  B=/tmp/8b.bin
+  make_models 8b 2>&1 | tail -2
   python3 -m kuiper_py generate -m $B -p "The capital of France is" -n 64 --temp 0 --device cuda 2>&1 >/dev/null | tr '\r' '\n' | grep -v upload | tail -1
   python3 -m kuiper_py bench -m $B -p 512,2048 -n 128 -r 3 --device cuda 2>/dev/null | tee "$OUT/bench8b.md"
   timeout 330 python3 tools/bench_e2e.py $B ${E2E_ARGS:-} --json "$OUT/bench_e2e.json" 2>&1 | grep -v upload | tail -20
