@@ -67,7 +67,7 @@ __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
 // while the kernel before it still runs. Before pdl_wait() it may only read weights; pdl_wait()
 // returns once the predecessor has finished and its writes are visible. Every PDL kernel waits in
 // every block before it ends, so "finished" is transitive down the stream. pdl_trigger() lets the
-// next kernel's blocks start (and prefetch its weights) while this one works. Both are no-ops on
+// next kernel's blocks start (and wait there) while this one works. Both are no-ops on
 // sm_80 and in plain launches.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void pdl_wait() {

@@ -90,8 +90,8 @@ _FILES = {
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
-# launched with programmatic dependent launch: on sm_90 the next kernel's blocks start, and the
-# GEMV's prefetch its weights, while the current kernel drains. These are the decode step's kernels.
+# launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
+# while the current kernel drains. These are the decode step's kernels.
 PDL_KERNELS = {"gemv_w4a16", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_split<64>", "attn_decode_split<128>", "attn_decode_combine",
                "lm_head_gemv", "moe_router_logits", "moe_topk"}
@@ -151,8 +151,7 @@ class _PdlKernel:
     attribute (captured into CUDA graphs as a programmatic edge); same call form as CuPy's."""
 
     def __init__(self, fn):
-        self.fn = fn
-        self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction
+        self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction (its module stays in _MODULES)
         self.attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
         self.attr.value[0] = 1
 
@@ -400,7 +399,6 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
     h = e0.N // 2
     return (AwqLinear(e0.qweight[:, :h // 8], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
             AwqLinear(e0.qweight[:, h // 8:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
-
 
 
 def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):

@@ -4,6 +4,7 @@ Every output is poisoned with NaN before the kernel runs, so an element the kern
 fails the comparison; inputs are fresh random draws on every run.
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
     """The decode pattern (GEMV -> residual add + RMSNorm -> GEMV ...) captured in one graph and replayed:
     with programmatic dependent launch each kernel starts before its predecessor ends, so a missing
     wait would read stale activations. Checked against NumPy on every replay."""
-    if int(cp.cuda.Device().compute_capability) >= 90 and oc.os.environ.get("KUIPER_PDL", "1") != "0":
+    if int(cp.cuda.Device().compute_capability) >= 90 and os.environ.get("KUIPER_PDL", "1") != "0":
         assert isinstance(oc.kernel("gemv", "gemv_w4a16"), oc._PdlKernel)
         assert isinstance(oc.kernel("norm", "add_rmsnorm"), oc._PdlKernel)
     rng = np.random.default_rng()
