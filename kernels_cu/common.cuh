@@ -63,6 +63,19 @@ __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The GPU's tiled qweight layout (made once at load, ops_cupy.tile_qweight). A [K, W]-word AWQ
+// matrix is cut into 32-word (256-column) column tiles stored one after another, each as
+// [K/4][tile width][4 rows]: one 16-byte load brings a lane 4 rows of its 8 columns, and a warp's
+// 32 lanes read 512 contiguous bytes, so a GEMV block streams whole DRAM pages instead of 128-byte
+// pieces of rows 12 KB apart. The nibble order inside a word is AutoAWQ's, unchanged.
+// ---------------------------------------------------------------------------------------------
+// Word offset of packed word w of row k (k % 4 == 0 gives the start of a 16-byte row quad).
+__device__ __forceinline__ size_t awq_tiled_offset(int k, int w, int W, int K) {
+    const int t = w >> 5, tw = min(32, W - (t << 5));  // the last tile may be narrower
+    return (size_t)t * 32 * K + ((size_t)(k >> 2) * tw + (w & 31)) * 4 + (k & 3);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start
 // while the kernel before it still runs. Before pdl_wait() it may only read weights; pdl_wait()
 // returns once the predecessor has finished and its writes are visible. Every PDL kernel waits in
@@ -80,11 +93,6 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-// Start pulling a weight line into L2 (no register, no wait): used before pdl_wait().
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 // ---------------------------------------------------------------------------------------------
 // Async copies, ldmatrix and mma (sm_80+).
 // ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@
 
 struct GemmSmem {
     half a[STAGES][BM][BK + A_PAD];
-    u32 w[STAGES][BK][BN / 8];
+    u32 w[STAGES][BK / 4 * BN / 8][4];  // [row quad][word][row in quad]
     half s[STAGES][BN];
     u32 z[STAGES][BN / 8];
     half b[BK][BN + B_PAD];
@@ -62,13 +62,18 @@ __device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, con
         const half* src = src_row >= 0 ? A + (size_t)src_row * K + k0 + cc * 8 : A;
         cp_async16(&sm.a[st][row][cc * 8], src, src_row >= 0 ? 16 : 0);
     }
-    // packed weights: 32 rows x 4 chunks of 4 words
+    // packed weights, tiled layout (common.cuh): 8 row quads x 16 words, 16 bytes (4 rows of one
+    // word) each, kept as [quad][word][4] in shared memory. The SwiGLU stacks hold gate and up as
+    // two matrices of N/2 columns, one after the other.
     {
-        int row = t >> 2, cc = t & 3;
-        int word = gemm_chunk_col<MODE>(n0, cc, N) / 8;
-        bool ok = word < N / 8;
-        const u32* src = ok ? qw + (size_t)(k0 + row) * (N / 8) + word : qw;
-        cp_async16(&sm.w[st][row][cc * 4], src, ok ? 16 : 0);
+        const int quad = t >> 4, cw = t & 15;
+        int word = gemm_chunk_col<MODE>(n0, cw >> 2, N) / 8 + (cw & 3), W = N / 8;
+        const u32* base = qw;
+        if (MODE == GEMM_GATHER_SWIGLU && word >= N / 16) { base += (size_t)K * (N / 16); word -= N / 16; }
+        if (MODE == GEMM_GATHER_SWIGLU) W = N / 16;
+        const bool ok = word < W;
+        const u32* src = ok ? base + awq_tiled_offset(k0 + quad * 4, word, W, K) : qw;
+        cp_async16(&sm.w[st][quad * 16 + cw][0], src, ok ? 16 : 0);
     }
     const int gi = k0 / group;
     if (t < 16) {  // scales: 128 halves
@@ -115,14 +120,17 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
             cp_async_commit();
         }
         const int st = kt % STAGES;
-        // dequantize the packed tile: 32 rows x 16 words, 4 words per thread, 8 halves each
+        // dequantize the packed tile: 32 rows x 16 words, 4 words per thread, 8 halves each. A warp
+        // takes one row quad x 8 words, lane = (row in quad) * 8 + word: its 4-byte reads of sm.w hit
+        // 32 distinct banks, and each 8-lane phase of its 16-byte sm.b stores covers one row's 128 bytes
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            int w = t + i * 128, row = w >> 4, cw = w & 15;
+            const int wi = (t >> 5) + i * 4, lane = t & 31;
+            const int row = (wi >> 1) * 4 + (lane >> 3), cw = (wi & 1) * 8 + (lane & 7);
             half2 zb[4], s2[4], out[4];
             awq_zero_bias(sm.z[st][cw], zb);
             awq_scales8(*reinterpret_cast<const uint4*>(&sm.s[st][cw * 8]), s2);
-            awq_dequant8(sm.w[st][row][cw], zb, s2, out);
+            awq_dequant8(sm.w[st][(row >> 2) * 16 + cw][row & 3], zb, s2, out);
             *reinterpret_cast<uint4*>(&sm.b[row][cw * 8]) = *reinterpret_cast<uint4*>(out);
         }
         __syncthreads();
@@ -185,7 +193,7 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
 
 __global__ void __launch_bounds__(128)
 gemm_w4a16(const half* __restrict__ A,   // [M, K]
-           const u32* __restrict__ qw,   // [K, N/8]
+           const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
            const u32* __restrict__ qz,   // [K/g, N/8]
            const half* __restrict__ sc,  // [K/g, N]
            half* __restrict__ C,         // [M, N]
@@ -232,7 +240,7 @@ __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32
 
 __global__ void __launch_bounds__(128)
 gemm_moe_gate_up(const half* __restrict__ x,            // [T, K]
-                 const u32* __restrict__ qw,            // [E, K, 2I/8]
+                 const u32* __restrict__ qw,            // [E, 2, K, I/8]: gate, up, each tiled
                  const u32* __restrict__ qz,            // [E, K/g, 2I/8]
                  const half* __restrict__ sc,           // [E, K/g, 2I]
                  half* __restrict__ act,                // [T*k, I] permuted rows
@@ -245,7 +253,7 @@ gemm_moe_gate_up(const half* __restrict__ x,            // [T, K]
 
 __global__ void __launch_bounds__(128)
 gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
-              const u32* __restrict__ qw,             // [E, K, N/8]
+              const u32* __restrict__ qw,             // [E, K, N/8], each expert tiled
               const u32* __restrict__ qz,             // [E, K/g, N/8]
               const half* __restrict__ sc,            // [E, K/g, N]
               half* __restrict__ y,                   // [T*k, N] permuted rows

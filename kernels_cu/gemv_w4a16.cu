@@ -8,9 +8,11 @@
 // slot reading its expert id from device memory (so the step still replays as a CUDA graph).
 //
 // Epilogues: PLAIN out = [y0 | y1 | y2]; SWIGLU out = silu(y0) * y1 (gate, up; N0 == N1);
-// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize).
+// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize). PLAIN and MOE_SUM can add
+// into the fp32 residual stream instead (the residual add of the layer), and the input can be
+// rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel.
 //
-// Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0.
+// Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0, ROWS % 4 == 0.
 #include "common.cuh"
 
 #define GEMV_WARPS 8          // warps per block, each on its own rows of the block's K span
@@ -20,8 +22,8 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
-#ifndef GEMV_PREFETCH
-#define GEMV_PREFETCH 0       // L2-prefetch the block's weights before waiting on the previous kernel
+#ifndef GEMV_PIPE
+#define GEMV_PIPE 0           // 1: software-pipelined, the next step's loads fly during this step's math
 #endif
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
@@ -31,12 +33,26 @@
 #define GEMV_EPI_MOE_SUM 2
 
 struct AwqMat {
-    const u32* qw;    // [K, ld/8]
+    const u32* qw;    // [K, N/8] in the tiled layout (common.cuh): a column view is its own matrix
     const u32* qz;    // [K/g, ld/8]
     const half* sc;   // [K/g, ld]
     int N;            // columns used (N <= ld: a column view of a wider matrix)
     int ld;           // row length in columns
 };
+
+// One step's loads for one lane: ROWS rows of its packed word (ROWS/4 16-byte row quads of the
+// tiled layout), and the zero word and 8 scales of the group the rows share (group % ROWS == 0).
+__device__ __forceinline__ void gemv_load_step(const AwqMat& m, int k0, int word, int K, int group,
+                                               u32 (&wv)[GEMV_ROWS], u32& zw, uint4& sv) {
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r += 4) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(m.qw + awq_tiled_offset(k0 + r, word, m.N / 8, K)));
+        wv[r] = v.x; wv[r + 1] = v.y; wv[r + 2] = v.z; wv[r + 3] = v.w;
+    }
+    const int gi = k0 / group;
+    zw = __ldg(m.qz + (size_t)gi * (m.ld / 8) + word);
+    sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
+}
 
 // partial[split][col_off + col] = sum over rows [split*rps, (split+1)*rps) of x[k] * W[k, col] for
 // the 256 columns of column tile `tile` of m. Lane l owns packed word tile*32 + l of every row;
@@ -44,11 +60,10 @@ struct AwqMat {
 // the fused reduction's reads) small while the grid still fills the GPU.
 __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqMat& m, int tile, int col_off,
                                           int n_total, float* __restrict__ partial, int split, int rps, int K,
-                                          int group) {
+                                          int group, bool wait, const float* hn, const half* wn, float eps) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
-    const int ldw = m.ld / 8;
     const int k_end = min(K, (split + 1) * rps);
 
     float acc[8];
@@ -56,18 +71,51 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     for (int i = 0; i < 8; ++i) acc[i] = 0.f;
     const half2 sixteenth = __float2half2_rn(0.0625f);
 
-    if (word < m.N / 8) {
-        for (int k0 = split * rps + warp * GEMV_ROWS; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
-            // issue every load of the step before the first use
-            u32 wv[GEMV_ROWS];
+    // The first step's weight loads go out before pdl_wait(): weights never change, so under PDL
+    // their DRAM latency overlaps the previous kernel's tail instead of starting after it.
+    const int k_first = split * rps + warp * GEMV_ROWS;
+    const bool active = word < m.N / 8;
+    u32 wv[GEMV_ROWS], zw = 0;
+    uint4 sv = make_uint4(0, 0, 0, 0);
+    if (active && k_first < k_end) gemv_load_step(m, k_first, word, K, group, wv, zw, sv);
+    if (wait) {
+        pdl_wait();  // x, partials and counters belong to the kernels before us
+        pdl_trigger();
+    }
+    // The RMSNorm prologue (hn != null): x = h / rms(h) * w, rounded to fp16 as add_rmsnorm does.
+    // Every block needs the whole row's sum of squares, so each computes it (K floats from L2)
+    // while its first weight loads are in flight: no norm kernel and no serial tail.
+    float inv = 0.f;
+    if (hn) {
+        __shared__ float nred[32];
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+            const float4 v = reinterpret_cast<const float4*>(hn)[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        inv = rsqrtf(block_sum(ss, nred) / K + eps);
+    }
+
+    if (active) {
+#if GEMV_PIPE
+        u32 wn[GEMV_ROWS], zn = 0;
+        uint4 sn = make_uint4(0, 0, 0, 0);
+#endif
+        for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
+#if GEMV_PIPE
+            if (k0 != k_first) {
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = __ldg(m.qw + (size_t)(k0 + r) * ldw + word);
-            const int gi = k0 / group;  // the ROWS rows share one group (group % ROWS == 0)
-            const u32 zw = __ldg(m.qz + (size_t)gi * ldw + word);
-            const uint4 sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
+                for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = wn[r];
+                zw = zn; sv = sn;
+            }
+            if (k0 + GEMV_WARPS * GEMV_ROWS < k_end) gemv_load_step(m, k0 + GEMV_WARPS * GEMV_ROWS, word, K, group, wn, zn, sn);
+#else
+            if (k0 != k_first) gemv_load_step(m, k0, word, K, group, wv, zw, sv);
+#endif
             half xs[GEMV_ROWS];
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) xs[r] = x[k0 + r];
+            for (int r = 0; r < GEMV_ROWS; ++r)
+                xs[r] = hn ? __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r])) : x[k0 + r];
             half2 zb[4];
             awq_zero_bias(zw, zb);
             // raw scales: the x/16 below already undoes the 16 of pairs 1 and 3
@@ -112,23 +160,6 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
 }
 
-// Pull the block's weight span (packed rows, then its groups' zeros and scales) toward L2, before
-// pdl_wait(): under programmatic dependent launch the block could stream its weights while the
-// previous kernel finishes. Off by default: it measured slower on H100 (docs/PERFORMANCE.md).
-__device__ __forceinline__ void gemv_prefetch(const AwqMat& m, int tile, int split, int rps, int K, int group) {
-    const int k0 = split * rps, k1 = min(K, k0 + rps);
-    const int ldw = m.ld / 8, w0 = tile * (GEMV_COLS / 8);
-    if (w0 >= m.N / 8) return;
-    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) prefetch_l2(m.qw + (size_t)k * ldw + w0);
-    const int g0 = k0 / group, g1 = (k1 + group - 1) / group;
-    for (int i = threadIdx.x; i < (g1 - g0) * 5; i += blockDim.x) {  // 1 zero line + 4 scale lines a group
-        const int g = g0 + i / 5, j = i % 5;
-        if (j > 0 && tile * GEMV_COLS + (j - 1) * 64 >= m.N) continue;  // a ragged last tile
-        prefetch_l2(j == 0 ? (const void*)(m.qz + (size_t)g * ldw + w0)
-                           : (const void*)(m.sc + (size_t)g * m.ld + tile * GEMV_COLS + (j - 1) * 64));
-    }
-}
-
 // sum_i w_i * p[i * stride] over n partials (w == null: weights 1; else w_i = w[i / per_w]), loads
 // issued eight at a time: the reduction runs on one block per tile, so L2 latency, not bandwidth,
 // bounds it.
@@ -148,6 +179,8 @@ __device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t
 // counters must be zero before the first launch; every launch leaves them zero.
 __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
 gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_stride] or [K] (stride 0)
+           const float* __restrict__ hn,         // [K] fp32 residual stream or null: x = rmsnorm(hn) * wn
+           const half* __restrict__ wn, float eps,  // [K] the norm's weight
            const u32* qw0, const u32* qz0, const half* sc0, int N0,
            const u32* qw1, const u32* qz1, const half* sc1, int N1,
            const u32* qw2, const u32* qz2, const half* sc2, int N2, int n_mats,
@@ -157,6 +190,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            int* __restrict__ counters,           // arrival counts, one per output tile
            half* __restrict__ out,               // PLAIN [slots, N0+N1+N2]; SWIGLU [slots, N0]; MOE_SUM [N0]
            const float* __restrict__ slot_w,     // [slots] (MOE_SUM)
+           float* __restrict__ resid,            // [N0] or null: PLAIN (one matrix) and MOE_SUM add
+                                                 // fp16(y) into this fp32 residual stream, not out
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi) {
     const int slot = blockIdx.z, S = gridDim.y;
@@ -169,12 +204,9 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         int t1 = (N1 + GEMV_COLS - 1) / GEMV_COLS;
         if (tile >= t1 && n_mats > 2) { tile -= t1; col_off += N1; m = AwqMat{qw2, qz2, sc2, N2, ld ? ld : N2}; }
     }
-#if GEMV_PREFETCH
-    if (!expert_ids) gemv_prefetch(m, tile, blockIdx.y, rps, K, group);  // expert ids come from the predecessor
-#endif
-    pdl_wait();  // from here on: x, the ids, partials and counters belong to the kernels before us
-    pdl_trigger();
     if (expert_ids) {  // expert e of a stack: whole [K, ld] matrices one after another
+        pdl_wait();  // the ids come from the kernel before us: no weight load can go ahead of it
+        pdl_trigger();
         const size_t e = (size_t)expert_ids[slot];
         m.qw += e * K * (m.ld / 8);
         m.qz += e * (K / group) * (m.ld / 8);
@@ -182,7 +214,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     }
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
-    gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group);
+    gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
+              !expert_ids, hn, wn, eps);
 
     // arrival: the last of the tile's blocks reduces it (partials published by the fence first)
     int cidx, arrivals;
@@ -204,14 +237,16 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         if (col >= m.N) continue;
         if (epi == GEMV_EPI_PLAIN) {
             float s = gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1);
-            out[(size_t)slot * n_total + col_off + col] = __float2half(s);
+            if (resid) resid[col] += __half2float(__float2half(s));
+            else out[(size_t)slot * n_total + col_off + col] = __float2half(s);
         } else if (epi == GEMV_EPI_SWIGLU) {
             float g = gemv_sum_partials(part + col, S, n_total, nullptr, 1);
             float u = gemv_sum_partials(part + N0 + col, S, n_total, nullptr, 1);
             out[(size_t)slot * N0 + col] = __float2half(g / (1.f + __expf(-g)) * u);
         } else {  // slots' partials are contiguous: [slots * S, n_total], weight of row q is slot_w[q / S]
             float acc = gemv_sum_partials(partial + col, S * gridDim.z, n_total, slot_w, S);
-            out[col] = __float2half(acc);
+            if (resid) resid[col] += __half2float(__float2half(acc));
+            else out[col] = __float2half(acc);
         }
     }
 }

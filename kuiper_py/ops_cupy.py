@@ -1,7 +1,9 @@
 """CuPy backend: the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/.
 
-Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed on the GPU exactly as
-in the file. Decode (T = 1) runs on preallocated buffers and allocates nothing per token.
+Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed (4-bit) on the GPU.
+Their qweight is rearranged once at load into the tiled layout of common.cuh (tile_qweight): the
+same words, ordered so the decode GEMV reads whole contiguous spans. Decode (T = 1) runs on
+preallocated buffers and allocates nothing per token.
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
-# the grid size the split aims at: 3 blocks per SM measured best on H100 (2-8 tried); the MoE
-# weighted-sum epilogue reduces slots x splits partials in one block, so it aims at 1
-GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "3"))
-GEMV_PREFETCH = int(os.environ.get("KUIPER_GEMV_PREFETCH", "0"))  # measured slower on H100 (PERFORMANCE.md)
+# the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
+# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before); the MoE weighted-sum
+# epilogue reduces slots x splits partials in one block, so it aims at 1
+GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
+GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
@@ -188,7 +191,7 @@ def _compiled(family: str, name: str):
         opts = ("--std=c++17", f"-I{d}")
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                     f"-DGEMV_PREFETCH={GEMV_PREFETCH}")
+                     f"-DGEMV_PIPE={GEMV_PIPE}")
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
@@ -196,6 +199,32 @@ def _compiled(family: str, name: str):
             raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
         _MODULES[family] = mod
     return _MODULES[family].get_function(name)
+
+
+def tile_qweight(q, segments: int = 1):
+    """AWQ qweight [..., K, W] (int32, NumPy or CuPy) -> the tiled layout of common.cuh, same shape and
+    words: 32-word column tiles one after another, each [K/4][tile width][4]. segments > 1 splits
+    the columns into that many matrices first ([gate | up] expert stacks), each tiled on its own."""
+    xp = cp.get_array_module(q) if cp is not None else np
+    *lead, K, W = q.shape
+    if segments > 1:
+        q = xp.moveaxis(q.reshape(*lead, K, segments, W // segments), -2, -3)  # [..., seg, K, W/seg]
+        return tile_qweight(q).reshape(*lead, K, W)
+    assert K % 4 == 0
+    Wf = W // 32 * 32
+    n = len(lead)
+    full = q[..., :Wf].reshape(*lead, K // 4, 4, Wf // 32, 32)
+    parts = [xp.ascontiguousarray(full.transpose(*range(n), n + 2, n, n + 3, n + 1)).reshape(*lead, -1)]
+    if W > Wf:  # a narrower last tile
+        tail = q[..., Wf:].reshape(*lead, K // 4, 4, W - Wf)
+        parts.append(xp.ascontiguousarray(tail.transpose(*range(n), n, n + 2, n + 1)).reshape(*lead, -1))
+    return xp.concatenate(parts, axis=-1).reshape(*lead, K, W)
+
+
+def device_linear(lin, segments: int = 1):
+    """An AwqLinear or AwqStack copied to the GPU with its qweight tiled (what the kernels read)."""
+    return type(lin)(tile_qweight(cp.asarray(lin.qweight), segments), cp.asarray(lin.qzeros),
+                     cp.asarray(lin.scales), lin.group_size)
 
 
 def _i(v):
@@ -245,11 +274,13 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0):
+         x_slot_stride: int = 0, norm=None, resid=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
-    experts (or column views of them, row length ld) and slot j uses expert ids[j]."""
+    experts (or column views of them, row length ld) and slot j uses expert ids[j].
+    norm=(h, w, eps): the input is rmsnorm(h) * w (h fp32 [1, K]), computed in the kernel (x unused).
+    resid=h: "plain" (one matrix) and "moe_sum" add fp16(y) into h (fp32 [1, N]) instead of writing out."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
@@ -258,13 +289,17 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
     assert slots * tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
+    assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
+    assert norm is None or (norm[0].size == K and x_slot_stride == 0)
+    hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
+    x = hn if x is None else x
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
-        x, _i(x_slot_stride), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0), partial,
-        gemv_counters(), out, slot_w if slot_w is not None else np.uint64(0), _i(K), _i(rps), _i(g),
-        _i(GEMV_EPI[out_kind])))
+        x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
+        partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
+        resid if resid is not None else np.uint64(0), _i(K), _i(rps), _i(g), _i(GEMV_EPI[out_kind])))
     return out
 
 
@@ -393,21 +428,46 @@ def moe_finalize(y, u2p, weights, out=None):
 
 
 def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
-    """Expert 0's gate and up halves of a [gate | up] stack as column views (row length 2I): the
-    expert GEMV offsets them to the selected experts itself."""
+    """Expert 0's gate and up halves of a [gate | up] stack (tiled as two matrices) as views: zeros
+    and scales are column views (row length 2I), the tiled qweights the two halves of the expert's
+    words. The expert GEMV offsets them to the selected experts itself."""
     e0 = w13.expert(0)
-    h = e0.N // 2
-    return (AwqLinear(e0.qweight[:, :h // 8], e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
-            AwqLinear(e0.qweight[:, h // 8:], e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
+    h, K = e0.N // 2, e0.K
+    q = e0.qweight.reshape(-1)
+    return (AwqLinear(q[:K * h // 8].reshape(K, h // 8), e0.qzeros[:, :h // 8], e0.scales[:, :h], w13.group_size),
+            AwqLinear(q[K * h // 8:].reshape(K, h // 8), e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
 
 
-def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out):
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, resid=None):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
-    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D]."""
+    over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D];
+    with resid (fp32 [1, D]) the sum is added into it instead."""
     gate, up = moe_gate_up_views(w13)
     gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
-    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, resid=resid)
     return out
+
+# Decode without add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32
+# residual stream in its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue.
+# KUIPER_FUSE_NORM=0 runs the separate add_rmsnorm kernel instead (A/B).
+FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
+
+
+class _Deferred:
+    """A decode projection not yet launched: add_rmsnorm launches it with the residual add fused
+    (run(h)); any other consumer gets its fp16 output (run(None))."""
+
+    def __init__(self, run):
+        self.run = run
+
+
+class _Normed:
+    """Decode's x = rmsnorm(h) * w not yet computed: a GEMV computes it in its prologue; any other
+    consumer gets it from the add_rmsnorm kernel (CupyOps._x)."""
+
+    def __init__(self, h, w):
+        self.h, self.w, self.shape = h, w, h.shape
+
 
 class CupyOps:
     name = "cuda"
@@ -494,8 +554,8 @@ class CupyOps:
                        dynamic_ncols=True, leave=False)
         done: dict[int, object] = {}
 
-        def up(x):
-            if id(x) in done:
+        def up(x, share=True):  # share: reuse the copy of an array met before (a tied lm_head)
+            if share and id(x) in done:
                 return done[id(x)]
             d = cp.empty(x.shape, dtype=x.dtype)
             src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
@@ -508,15 +568,17 @@ class CupyOps:
                 stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
             if bar:
                 bar.update(x.nbytes)
-            done[id(x)] = d
+            if share:
+                done[id(x)] = d
             return d
 
-        def lin(q):  # AwqLinear or AwqStack (same fields), or None
-            return None if q is None else type(q)(up(q.qweight), up(q.qzeros), up(q.scales), q.group_size)
+        def lin(q, segments=1):  # AwqLinear or AwqStack (same fields), or None; qweight tiled on the GPU
+            return None if q is None else type(q)(tile_qweight(up(q.qweight, False), segments), up(q.qzeros),
+                                                  up(q.scales), q.group_size)
 
         layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
                         lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
-                        None if L.router is None else up(L.router), lin(L.experts_w13), lin(L.experts_w2))
+                        None if L.router is None else up(L.router), lin(L.experts_w13, 2), lin(L.experts_w2))
                   for L in w.layers]
         out = Weights(up(w.embed), up(w.final_norm), up(w.lm_head), layers)
         if bar:
@@ -565,13 +627,34 @@ class CupyOps:
         return h
 
     def add_rmsnorm(self, h, r, w):
+        if isinstance(r, _Deferred):
+            if FUSE_NORM:
+                r.run(h)  # h += r in the projection's epilogue
+                r = None
+            else:
+                r = r.run(None)
+        if h.shape[0] == 1 and FUSE_NORM and r is None:
+            return h, _Normed(h, w)
         out = self.d["x"] if h.shape[0] == 1 else None
         return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
+
+    def _x(self, x):
+        """A _Normed input made concrete (the add_rmsnorm kernel without the add)."""
+        if isinstance(x, _Normed):
+            return add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"])
+        return x
+
+    def _gemv_in(self, x) -> dict:
+        """gemv()'s input arguments for x: the array, or the fused RMSNorm prologue of a _Normed."""
+        if isinstance(x, _Normed):
+            return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps)}
+        return {"x": x}
 
     def qkv(self, x, layer: Layer):
         a = self.args
         if x.shape[0] == 1:
-            buf = gemv(x, [layer.wq, layer.wk, layer.wv], "plain", self.d["qkv"], self.d["partial"])
+            buf = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
+                       partial=self.d["partial"], **self._gemv_in(x))
             qd, kvd = a.q_dim, a.kv_dim
             return buf[:, :qd], buf[:, qd:qd + kvd], buf[:, qd + kvd:]
         return gemm(x, layer.wq), gemm(x, layer.wk), gemm(x, layer.wv)
@@ -620,14 +703,18 @@ class CupyOps:
         return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
+        x = self._x(x)
         if x.shape[0] == 1:
-            out = self.d["proj"] if lin.N == self.args.hidden_size else cp.empty((1, lin.N), cp.float16)
-            return gemv(x, [lin], "plain", out, self.d["partial"])
+            if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
+                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h)
+                                 if h is not None else gemv(x, [lin], "plain", self.d["proj"], self.d["partial"]))
+            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
         return gemm(x, lin)
 
     def gate_up_silu(self, x, layer: Layer):
         if x.shape[0] == 1:
-            return gemv(x, [layer.w1, layer.w3], "swiglu", self.d["act"], self.d["partial"])
+            return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
+                        **self._gemv_in(x))
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)
         out = cp.empty_like(g)
         kernel("gemm", "silu_mul")((math.ceil(g.size / 256),), (256,), (g, u, out, _i(g.size)))
@@ -637,9 +724,11 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
+        x = self._x(x)
         if x.shape[0] == 1:
             ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
-            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"])
+            return _Deferred(lambda h: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"],
+                                                  d["moe_act"], d["proj"], resid=h))
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
@@ -650,6 +739,7 @@ class CupyOps:
 
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size
+        x = self._x(x)
         if not all_positions:
             return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"])
         out = cp.empty((x.shape[0], V), cp.float32)

@@ -35,7 +35,7 @@ def rand_awq(rng, K, N, g=128):
     qz = awq.pack(rng.integers(0, 16, size=(K // g, N), dtype=np.uint8))
     sc = (rng.random((K // g, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
     ref = dequant_reference(qw, qz, sc, g)
-    return AwqLinear(cp.asarray(qw), cp.asarray(qz), cp.asarray(sc), g), ref
+    return oc.device_linear(AwqLinear(qw, qz, sc, g)), ref  # qweight tiled, as the loader uploads it
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
@@ -134,6 +134,40 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
             h = h + (x @ r).astype(np.float16)
             x = rms(h)
         assert rel(cp.asnumpy(x_dev)[0], x) < 1e-2
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+
+
+def test_gemv_rmsnorm_prologue_and_residual_epilogue_in_a_graph():
+    """The fused decode pattern: a GEMV whose input is rmsnorm(h) * w computed in its prologue, then
+    a GEMV that adds fp16(y) into the fp32 residual h in its epilogue, three layers in one graph
+    (PDL on sm_90), replayed with fresh h against NumPy; y is poisoned before every replay."""
+    rng = np.random.default_rng()
+    D, N, eps = 2048, 6144, 1e-6
+    layers = [(rand_awq(rng, D, N), rand_awq(rng, N, D)) for _ in range(3)]
+    w = rng.random(D).astype(np.float16) + np.float16(0.5)
+    h_dev, y_dev, w_dev = cp.empty((1, D), cp.float32), cp.empty((1, N), cp.float16), cp.asarray(w)
+    h0_dev = cp.empty((1, D), cp.float32)
+    partial = cp.empty((max(oc.gemv_partial_size(D, [N]), oc.gemv_partial_size(N, [D])),), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=False)
+    with stream:
+        stream.begin_capture()
+        h_dev[...] = h0_dev
+        for (m1, _), (m2, _) in layers:
+            oc.gemv(None, [m1], "plain", y_dev, partial, norm=(h_dev, w_dev, eps))
+            oc.gemv(y_dev, [m2], "plain", None, partial, resid=h_dev)
+        graph = stream.end_capture()
+    for _ in range(3):
+        h0 = rng.standard_normal(D).astype(np.float32)
+        h0_dev.set(h0[None])
+        y_dev.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        h = h0.astype(np.float64)
+        for (_, r1), (_, r2) in layers:
+            x = (h / np.sqrt(np.mean(h * h) + eps) * w).astype(np.float16).astype(np.float64)
+            y = (x @ r1).astype(np.float16).astype(np.float64)
+            h = h + (y @ r2).astype(np.float16)
+        assert rel(cp.asnumpy(h_dev)[0], h) < 1e-2
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 

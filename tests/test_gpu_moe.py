@@ -24,11 +24,11 @@ oc = pytest.importorskip("kuiper_py.ops_cupy")
 D, E, K_TOP, INTER, G = 2048, 128, 8, 768, 128
 
 
-def rand_stack(rng, n_exp, K, N):
+def rand_stack(rng, n_exp, K, N, segments=1):
     qw = np.stack([awq.pack(rng.integers(0, 16, size=(K, N), dtype=np.uint8)) for _ in range(n_exp)])
     qz = np.stack([awq.pack(rng.integers(0, 16, size=(K // G, N), dtype=np.uint8)) for _ in range(n_exp)])
     sc = (rng.random((n_exp, K // G, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
-    return AwqStack(qw, qz, sc, G), AwqStack(cp.asarray(qw), cp.asarray(qz), cp.asarray(sc), G)
+    return AwqStack(qw, qz, sc, G), oc.device_linear(AwqStack(qw, qz, sc, G), segments)  # as the loader uploads
 
 
 DEAD = np.arange(5, E, 9)  # experts whose router row makes them lose against inputs with x >= 0
@@ -37,7 +37,7 @@ DEAD = np.arange(5, E, 9)  # experts whose router row makes them lose against in
 @pytest.fixture(scope="module")
 def layer():
     rng = np.random.default_rng()
-    w13, w13_d = rand_stack(rng, E, D, 2 * INTER)
+    w13, w13_d = rand_stack(rng, E, D, 2 * INTER, segments=2)  # [gate | up]: two tiled matrices
     w2, w2_d = rand_stack(rng, E, INTER, D)
     router = (rng.standard_normal((E, D)) / math.sqrt(D)).astype(np.float16)
     router[DEAD] = -1 / math.sqrt(D)  # logit ~ -36 for |N(0,1)| inputs: these experts receive no tokens

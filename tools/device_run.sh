@@ -3,7 +3,8 @@
 # Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
 # Device call 3 (PART=final): every GPU test (8B and 30B-A3B checkpoints drawn and exported on the CPU
 #   meanwhile), bench_e2e on both, a 30B-A3B generate, the soak and bench_kernels (TESTS=none skips the tests).
-# A/B call (PART=ab): GEMV variants KVARIANTS="ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL ...", GPU tests, 8B bench_e2e.
+# A/B call (PART=ab): GEMV variants KVARIANTS="ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM ...", GPU tests, 8B
+#   bench_e2e for each of E2E_VARIANTS (same form); an untracked earlier tree in _old/ is measured first.
 set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
@@ -32,16 +33,27 @@ if [ "${PART:-1}" = final ]; then
 elif [ "${PART:-1}" = ab ]; then
   make_models 8b > "$OUT/make.log" 2>&1 &
   MK=$!
-  for v in ${KVARIANTS:-16,4,3,1}; do IFS=, read R MB BPS P <<< "$v"; echo "== GEMV ROWS=$R MIN_BLOCKS=$MB BLOCKS_PER_SM=$BPS PDL=$P"
-    KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P KUIPER_BENCH_GEMV_ONLY=1 \
-      timeout 90 python3 tools/bench_kernels.py --json "$OUT/kern_$R$MB$BPS$P.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill
+  # an untracked copy of an earlier tree in _old/ (kuiper_py, kernels_cu, tools) is benchmarked first
+  [ ! -d _old ] || { echo "== _old"; KUIPER_BENCH_GEMV_ONLY=1 timeout 90 python3 _old/tools/bench_kernels.py \
+    --json "$OUT/kern_old.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill; }
+  variant() {  # ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM -> the environment of one variant
+    IFS=, read R MB BPS P PP FN <<< "$1"
+    echo "KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P KUIPER_GEMV_PIPE=${PP:-0} KUIPER_FUSE_NORM=${FN:-1}"
+  }
+  for v in ${KVARIANTS:-16,4,4,1,0}; do echo "== GEMV $(variant $v)"
+    env $(variant $v) KUIPER_BENCH_GEMV_ONLY=1 \
+      timeout 90 python3 tools/bench_kernels.py --json "$OUT/kern_${v//,/}.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill
   done
   [ "${TESTS:-all}" = none ] || { timeout ${TEST_S:-280} python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
     $([ "${TESTS:-all}" = all ] && echo tests/test_gpu.py tests/test_gpu_e2e.py tests/test_gpu_moe.py || echo $TESTS) \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15; }
   wait $MK; grep exported "$OUT/make.log"
-  timeout 120 python3 tools/bench_e2e.py /tmp/8b.bin --ctx ${CTX:-512,8192} --prompts ${PROMPTS:-512,2048} --no-hf \
-    --json "$OUT/e2e.json" 2>&1 | grep -v upload | tail -8
+  [ ! -d _old ] || { echo "== _old"; timeout 90 python3 _old/tools/bench_e2e.py /tmp/8b.bin --ctx 512 --prompts 512 --no-hf \
+    2>&1 | grep -v upload | tail -4; }
+  for v in ${E2E_VARIANTS:-16,4,4,1,0}; do echo "== e2e $(variant $v)"
+    env $(variant $v) timeout 120 python3 tools/bench_e2e.py /tmp/8b.bin --ctx ${CTX:-512,8192} --prompts ${PROMPTS:-512,2048} \
+      --no-hf --json "$OUT/e2e_${v//,/}.json" 2>&1 | grep -v upload | grep -E "^\| [0-9]"
+  done
   [ -z "${KFULL:-}" ] || timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -22
 elif [ "${PART:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
