@@ -8,7 +8,8 @@
 // slot reading its expert id from device memory (so the step still replays as a CUDA graph).
 //
 // Epilogues: PLAIN out = [y0 | y1 | y2]; SWIGLU out = silu(y0) * y1 (gate, up; N0 == N1);
-// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize). PLAIN and MOE_SUM can add
+// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize); QKV_ROPE: q/k norm, RoPE and
+// the KV-cache write of a decode step (gemv_qkv_rope_epilogue). PLAIN and MOE_SUM can add
 // into the fp32 residual stream instead (the residual add of the layer), and the input can be
 // rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel.
 //
@@ -31,6 +32,7 @@
 #define GEMV_EPI_PLAIN 0
 #define GEMV_EPI_SWIGLU 1
 #define GEMV_EPI_MOE_SUM 2
+#define GEMV_EPI_QKV_ROPE 3
 
 struct AwqMat {
     const u32* qw;    // [K, N/8] in the tiled layout (common.cuh): a column view is its own matrix
@@ -175,6 +177,43 @@ __device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t
     return s;
 }
 
+// The QKV epilogue: a tile's 256 columns are whole heads (every matrix starts a new tile and
+// 256 % hd == 0), so the block holding the tile's sums also does Qwen3's per-head q/k RMSNorm,
+// the RoPE rotation and the KV-cache write (rope.cu's qk_norm_rope_store, same rounding points):
+// decode needs no separate kernel for them. One column per thread (blockDim == GEMV_COLS).
+__device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int tile, int col_off, int mat, int N,
+                                                       int n_total, int S, float eps, const half* qn,
+                                                       const half* kn, const float* cosb, const float* sinb,
+                                                       half* qout, half* Kc, half* Vc, int KV, int hd, int pos) {
+    __shared__ float yv[GEMV_COLS];
+    __shared__ float wss[GEMV_WARPS];
+    const int c = threadIdx.x, col = tile * GEMV_COLS + c;
+    const bool valid = col < N;
+    // the unfused path stores q, k, v in fp16 before normalising: round the same way
+    const float y = valid ? __half2float(__float2half(gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1)))
+                          : 0.f;
+    const int head = col / hd, d = col % hd;
+    if (mat == 2) {  // v: the whole block is value columns
+        if (valid) Vc[((size_t)pos * KV + head) * hd + d] = __float2half(y);
+        return;
+    }
+    yv[c] = y;
+    const float sq = warp_sum(y * y);
+    if ((c & 31) == 0) wss[c >> 5] = sq;
+    __syncthreads();
+    float ss = 0.f;
+    for (int i = 0; i < hd / 32; ++i) ss += wss[(c / hd) * (hd / 32) + i];  // the warps of this head
+    if (!valid) return;
+    const float inv = rsqrtf(ss / hd + eps);
+    const half* nw = mat == 0 ? qn : kn;
+    const int hh = hd / 2, dp = d < hh ? d + hh : d - hh;  // the rotation partner
+    const float xs = y * inv * __half2float(nw[d]), xp = yv[c - d + dp] * inv * __half2float(nw[dp]);
+    const float cs = cosb[(size_t)pos * hh + d % hh], sn = sinb[(size_t)pos * hh + d % hh];
+    const half r = __float2half(d < hh ? xs * cs - xp * sn : xs * cs + xp * sn);
+    if (mat == 0) qout[(size_t)head * hd + d] = r;
+    else Kc[((size_t)pos * KV + head) * hd + d] = r;
+}
+
 // The split-K GEMV with its fused reduction. grid (column tiles of all matrices, S, slots), block 256.
 // counters must be zero before the first launch; every launch leaves them zero.
 __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
@@ -192,17 +231,25 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            const float* __restrict__ slot_w,     // [slots] (MOE_SUM)
            float* __restrict__ resid,            // [N0] or null: PLAIN (one matrix) and MOE_SUM add
                                                  // fp16(y) into this fp32 residual stream, not out
+           // QKV_ROPE (matrices q, k, v): per-head norm weights, RoPE tables, rotated q out, the cache
+           const half* __restrict__ qn, const half* __restrict__ kn,     // [hd]
+           const float* __restrict__ cosb, const float* __restrict__ sinb,  // [ctx, hd/2]
+           half* __restrict__ qout,              // [H, hd]
+           half* __restrict__ Kc, half* __restrict__ Vc,  // [ctx, KV, hd] this layer
+           int KV, int hd, int pos0, const int* __restrict__ pos_dev,  // pos_dev set: position read there
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi) {
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
-    int tile = blockIdx.x, col_off = 0;
+    int tile = blockIdx.x, col_off = 0, mat = 0;
     AwqMat m{qw0, qz0, sc0, N0, ld ? ld : N0};
     const int t0 = (N0 + GEMV_COLS - 1) / GEMV_COLS;
     if (tile >= t0 && n_mats > 1) {
-        tile -= t0; col_off = N0; m = AwqMat{qw1, qz1, sc1, N1, ld ? ld : N1};
+        tile -= t0; col_off = N0; mat = 1; m = AwqMat{qw1, qz1, sc1, N1, ld ? ld : N1};
         int t1 = (N1 + GEMV_COLS - 1) / GEMV_COLS;
-        if (tile >= t1 && n_mats > 2) { tile -= t1; col_off += N1; m = AwqMat{qw2, qz2, sc2, N2, ld ? ld : N2}; }
+        if (tile >= t1 && n_mats > 2) {
+            tile -= t1; col_off += N1; mat = 2; m = AwqMat{qw2, qz2, sc2, N2, ld ? ld : N2};
+        }
     }
     if (expert_ids) {  // expert e of a stack: whole [K, ld] matrices one after another
         pdl_wait();  // the ids come from the kernel before us: no weight load can go ahead of it
@@ -232,6 +279,11 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     __syncthreads();
     if (!is_last) return;
     __threadfence();
+    if (epi == GEMV_EPI_QKV_ROPE) {
+        gemv_qkv_rope_epilogue(part, tile, col_off, mat, m.N, n_total, S, eps, qn, kn, cosb, sinb, qout, Kc, Vc, KV,
+                               hd, pos_dev ? *pos_dev : pos0);
+        return;
+    }
     for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
         const int col = tile * GEMV_COLS + c;
         if (col >= m.N) continue;

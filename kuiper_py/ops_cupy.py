@@ -34,7 +34,7 @@ GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
-GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2}
+GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
 GEMM_BM, GEMM_BN = 64, 128
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -274,13 +274,15 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0, norm=None, resid=None):
+         x_slot_stride: int = 0, norm=None, resid=None, rope=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
     experts (or column views of them, row length ld) and slot j uses expert ids[j].
     norm=(h, w, eps): the input is rmsnorm(h) * w (h fp32 [1, K]), computed in the kernel (x unused).
-    resid=h: "plain" (one matrix) and "moe_sum" add fp16(y) into h (fp32 [1, N]) instead of writing out."""
+    resid=h: "plain" (one matrix) and "moe_sum" add fp16(y) into h (fp32 [1, N]) instead of writing out.
+    "qkv_rope" (mats q, k, v; rope = dict(q_norm, k_norm, cos, sin, qout, kc, vc, pos0, pos_dev)): the
+    per-head q/k RMSNorm, RoPE and KV-cache write of qk_norm_rope_store in the epilogue; out unused."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
@@ -293,13 +295,24 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
     x = hn if x is None else x
+    null = np.uint64(0)
+    if out_kind == "qkv_rope":
+        r = rope
+        KV, hd = r["kc"].shape[1], r["kc"].shape[2]
+        assert len(mats) == 3 and slots == 1 and GEMV_COLS % hd == 0 and r["qout"].size == mats[0].N
+        assert mats[1].N == mats[2].N == KV * hd and mats[0].N % hd == 0
+        eps = r["eps"]
+        rope_args = (r["q_norm"], r["k_norm"], r["cos"], r["sin"], r["qout"], r["kc"], r["vc"], _i(KV), _i(hd),
+                     _i(r["pos0"]), r["pos_dev"] if r["pos_dev"] is not None else null)
+    else:
+        rope_args = (null,) * 7 + (_i(0), _i(0), _i(0), null)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
-        resid if resid is not None else np.uint64(0), _i(K), _i(rps), _i(g), _i(GEMV_EPI[out_kind])))
+        resid if resid is not None else np.uint64(0), *rope_args, _i(K), _i(rps), _i(g), _i(GEMV_EPI[out_kind])))
     return out
 
 
@@ -451,6 +464,17 @@ def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, 
 # residual stream in its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue.
 # KUIPER_FUSE_NORM=0 runs the separate add_rmsnorm kernel instead (A/B).
 FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
+# Decode's q/k RMSNorm, RoPE and KV-cache write in the QKV GEMV's epilogue; KUIPER_FUSE_ROPE=0: the
+# separate qk_norm_rope_store kernel (A/B).
+FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
+
+
+class _QkvInput:
+    """Decode's QKV projection not yet launched (ops.qkv's q): qk_norm_rope_store launches it with the
+    norm, RoPE and cache write in its epilogue."""
+
+    def __init__(self, x):
+        self.x = x
 
 
 class _Deferred:
@@ -481,7 +505,7 @@ class CupyOps:
             if a.moe_intermediate_size % 64:
                 raise KuiperError(f"moe_intermediate_size={a.moe_intermediate_size} is not a multiple of 64, which "
                                   f"the grouped expert GEMM needs")
-        self.routing_log = None  # set to a list to record each prefill MoE layer's expert ids (tests)
+        self.routing_log = None  # a list: record each MoE layer's expert ids, prefill and eager decode (tests)
         if a.head_dim not in SUPPORTED_HEAD_DIMS:
             raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
         for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),
@@ -652,6 +676,8 @@ class CupyOps:
 
     def qkv(self, x, layer: Layer):
         a = self.args
+        if x.shape[0] == 1 and FUSE_ROPE:
+            return _QkvInput(x), None, None
         if x.shape[0] == 1:
             buf = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
                        partial=self.d["partial"], **self._gemv_in(x))
@@ -661,6 +687,13 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
+        if isinstance(q, _QkvInput):
+            rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
+                        kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=self.d["pos"],
+                        eps=a.rms_norm_eps)
+            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="qkv_rope", out=None, partial=self.d["partial"],
+                 rope=rope, **self._gemv_in(q.x))
+            return self.d["qrot"]
         one = q.shape[0] == 1
         return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
                                   self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
@@ -727,6 +760,8 @@ class CupyOps:
         x = self._x(x)
         if x.shape[0] == 1:
             ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+            if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
+                self.routing_log.append(cp.asnumpy(ids))
             return _Deferred(lambda h: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"],
                                                   d["moe_act"], d["proj"], resid=h))
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)

@@ -272,6 +272,46 @@ def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
     assert np.isnan(cp.asnumpy(kc)[:pos0]).all()  # nothing else in the cache was touched
 
 
+@pytest.mark.parametrize("D,H,KV,hd,pos0,dev_pos", [(4096, 32, 8, 128, 0, False), (4096, 32, 8, 128, 777, True),
+                                                    (1024, 16, 8, 64, 5, True), (512, 4, 2, 64, 3, False)])
+def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, dev_pos):
+    """Decode's fused QKV: rmsnorm(h) * w in the prologue, the q/k RMSNorm, RoPE and KV-cache write in
+    the epilogue, against NumPy (dequantized weights, ops_numpy's rmsnorm and rope)."""
+    from kuiper_py.config import ModelArgs, rope_tables
+    from kuiper_py.ops_numpy import rmsnorm, rope
+    rng = np.random.default_rng()
+    ctx, eps = pos0 + 4, 1e-6
+    a = ModelArgs(hidden_size=D, intermediate_size=1, num_hidden_layers=1, num_attention_heads=H,
+                  num_key_value_heads=KV, head_dim=hd, vocab_size=1, max_position_embeddings=ctx,
+                  tie_word_embeddings=True)
+    cos, sin = rope_tables(a, ctx)
+    mats = [rand_awq(rng, D, n) for n in (H * hd, KV * hd, KV * hd)]
+    h = rng.standard_normal(D).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float16)
+    qn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
+    kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
+    kc, vc = nan_like((ctx, KV, hd), cp.float16), nan_like((ctx, KV, hd), cp.float16)
+    qout = nan_like((1, H, hd), cp.float16)
+    pos_dev = cp.full((1,), pos0, cp.int32) if dev_pos else None
+    rope_args = dict(q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos), sin=cp.asarray(sin),
+                     qout=qout, kc=kc, vc=vc, pos0=-1 if dev_pos else pos0, pos_dev=pos_dev, eps=eps)
+    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
+    hd_dev = cp.asarray(h[None])
+    oc.gemv(None, [m for m, _ in mats], "qkv_rope", None, partial, norm=(hd_dev, cp.asarray(w), eps), rope=rope_args)
+    x = (h / np.sqrt(np.mean(h.astype(np.float64) ** 2) + eps) * w).astype(np.float16).astype(np.float64)
+    q, k, v = [(x @ r).astype(np.float16).astype(np.float32) for _, r in mats]
+    c, s = cos[pos0:pos0 + 1], sin[pos0:pos0 + 1]
+    q_ref = rope(rmsnorm(q.reshape(1, H, hd), qn, eps), c, s)
+    k_ref = rope(rmsnorm(k.reshape(1, KV, hd), kn, eps), c, s)
+    assert rel(cp.asnumpy(qout), q_ref) < 1e-2
+    assert rel(cp.asnumpy(kc)[pos0:pos0 + 1], k_ref) < 1e-2
+    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v.reshape(1, KV, hd)) < 1e-2
+    others = np.delete(np.arange(ctx), pos0)
+    assert np.isnan(cp.asnumpy(kc)[others]).all() and np.isnan(cp.asnumpy(vc)[others]).all()
+    np.testing.assert_array_equal(cp.asnumpy(hd_dev)[0], h)  # the prologue only reads the residual
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+
+
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])
 def test_add_rmsnorm_and_embed(T, D):
     from kuiper_py.ops_numpy import rmsnorm

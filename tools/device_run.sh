@@ -3,7 +3,7 @@
 # Device call 2 (PART=2): Qwen3-8B-shaped file, kuiper bench, end-to-end benchmark with transformers.
 # Device call 3 (PART=final): every GPU test (8B and 30B-A3B checkpoints drawn and exported on the CPU
 #   meanwhile), bench_e2e on both, a 30B-A3B generate, the soak and bench_kernels (TESTS=none skips the tests).
-# A/B call (PART=ab): GEMV variants KVARIANTS="ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM ...", GPU tests, 8B
+# A/B call (PART=ab): GEMV variants KVARIANTS="ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM,FUSE_ROPE ...", GPU tests, 8B
 #   bench_e2e for each of E2E_VARIANTS (same form); an untracked earlier tree in _old/ is measured first.
 set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
@@ -36,9 +36,10 @@ elif [ "${PART:-1}" = ab ]; then
   # an untracked copy of an earlier tree in _old/ (kuiper_py, kernels_cu, tools) is benchmarked first
   [ ! -d _old ] || { echo "== _old"; KUIPER_BENCH_GEMV_ONLY=1 timeout 90 python3 _old/tools/bench_kernels.py \
     --json "$OUT/kern_old.json" 2>&1 | grep -E "^\| [a-z0-9]" | grep -v prefill; }
-  variant() {  # ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM -> the environment of one variant
-    IFS=, read R MB BPS P PP FN <<< "$1"
-    echo "KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P KUIPER_GEMV_PIPE=${PP:-0} KUIPER_FUSE_NORM=${FN:-1}"
+  variant() {  # ROWS,MIN_BLOCKS,BLOCKS_PER_SM,PDL,PIPE,FUSE_NORM,FUSE_ROPE -> the environment of one variant
+    IFS=, read R MB BPS P PP FN FR <<< "$1"
+    echo "KUIPER_GEMV_ROWS=$R KUIPER_GEMV_MIN_BLOCKS=$MB KUIPER_GEMV_BLOCKS_PER_SM=$BPS KUIPER_PDL=$P" \
+         "KUIPER_GEMV_PIPE=${PP:-0} KUIPER_FUSE_NORM=${FN:-1} KUIPER_FUSE_ROPE=${FR:-1}"
   }
   for v in ${KVARIANTS:-16,4,4,1,0}; do echo "== GEMV $(variant $v)"
     env $(variant $v) KUIPER_BENCH_GEMV_ONLY=1 \
