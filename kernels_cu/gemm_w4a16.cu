@@ -5,8 +5,11 @@
 // an fp16 tile, which warps read with ldmatrix.trans into mma.sync.m16n8k16 (fp32 accumulate).
 //
 // Supported tile configurations (anything else is rejected on the host):
-//   BM x BN x BK = 64 x 128 x 32, 4 warps as 2 x 2 (warp tile 32 x 64), 3 stages;
+//   BM x BN x BK = 128 x 128 x 32, 8 warps as 4 x 2 (warp tile 32 x 64), 3 stages: dense, M > 64;
+//   BM x BN x BK =  64 x 128 x 32, 4 warps as 2 x 2 (warp tile 32 x 64), 3 stages: dense M <= 64, MoE;
 //   requires K % 32 == 0, group % 32 == 0, N % 32 == 0; any M >= 1 (rows past M are zero-filled).
+// The larger tile halves the dequantization work per MMA (the packed K tile is dequantized once per
+// block whatever BM is).
 //
 // Three modes share the tile code (template parameter MODE):
 //   GEMM_DENSE   C = A W for one matrix;
@@ -18,7 +21,6 @@
 //   GEMM_GROUPED MoE GEMM2: like the dense mode per expert, A and C in permuted row order.
 #include "common.cuh"
 
-#define BM 64
 #define BN 128
 #define BK 32
 #define STAGES 3
@@ -29,6 +31,7 @@
 #define GEMM_GATHER_SWIGLU 1
 #define GEMM_GROUPED 2
 
+template <int BM>
 struct GemmSmem {
     half a[STAGES][BM][BK + A_PAD];
     u32 w[STAGES][BK / 4 * BN / 8][4];  // [row quad][word][row in quad]
@@ -46,26 +49,26 @@ __device__ __forceinline__ int gemm_chunk_col(int n0, int cc, int N) {
     return n0 + cc * 32;
 }
 
-// Issue the async copies of K tile kt into stage st. 128 threads. a_row[r] is the source row of
+// Issue the async copies of K tile kt into stage st. 2 * BM threads. a_row[r] is the source row of
 // tile row r in A, or -1 (zero-filled).
-template <int MODE>
-__device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, const half* A, const int* a_row,
+template <int MODE, int BM>
+__device__ __forceinline__ void gemm_load_tile(GemmSmem<BM>& sm, int st, int kt, const half* A, const int* a_row,
                                                const u32* qw, const u32* qz, const half* sc, int N, int K,
                                                int group, int n0) {
     const int t = threadIdx.x;
     const int k0 = kt * BK;
-    // A: 64 rows x 4 chunks of 8 halves
+    // A: BM rows x 4 chunks of 8 halves, two per thread
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        int c = t + i * 128, row = c >> 2, cc = c & 3;
+        int c = t + i * 2 * BM, row = c >> 2, cc = c & 3;
         int src_row = a_row[row];
         const half* src = src_row >= 0 ? A + (size_t)src_row * K + k0 + cc * 8 : A;
         cp_async16(&sm.a[st][row][cc * 8], src, src_row >= 0 ? 16 : 0);
     }
     // packed weights, tiled layout (common.cuh): 8 row quads x 16 words, 16 bytes (4 rows of one
     // word) each, kept as [quad][word][4] in shared memory. The SwiGLU stacks hold gate and up as
-    // two matrices of N/2 columns, one after the other.
-    {
+    // two matrices of N/2 columns, one after the other. Threads 0-127.
+    if (t < 128) {
         const int quad = t >> 4, cw = t & 15;
         int word = gemm_chunk_col<MODE>(n0, cw >> 2, N) / 8 + (cw & 3), W = N / 8;
         const u32* base = qw;
@@ -75,22 +78,22 @@ __device__ __forceinline__ void gemm_load_tile(GemmSmem& sm, int st, int kt, con
         const u32* src = ok ? base + awq_tiled_offset(k0 + quad * 4, word, W, K) : qw;
         cp_async16(&sm.w[st][quad * 16 + cw][0], src, ok ? 16 : 0);
     }
-    const int gi = k0 / group;
-    if (t < 16) {  // scales: 128 halves
-        int col = gemm_chunk_col<MODE>(n0, t >> 2, N) + (t & 3) * 8;
+    const int gi = k0 / group, u = t - (2 * BM - 32);  // the last warp loads scales and zeros
+    if (u >= 0 && u < 16) {  // scales: 128 halves
+        int col = gemm_chunk_col<MODE>(n0, u >> 2, N) + (u & 3) * 8;
         bool ok = col < N;
-        cp_async16(&sm.s[st][t * 8], ok ? sc + (size_t)gi * N + col : sc, ok ? 16 : 0);
-    } else if (t < 20) {  // zeros: 16 words
-        int word = gemm_chunk_col<MODE>(n0, t - 16, N) / 8;
+        cp_async16(&sm.s[st][u * 8], ok ? sc + (size_t)gi * N + col : sc, ok ? 16 : 0);
+    } else if (u >= 16 && u < 20) {  // zeros: 16 words
+        int word = gemm_chunk_col<MODE>(n0, u - 16, N) / 8;
         bool ok = word < N / 8;
-        cp_async16(&sm.z[st][(t - 16) * 4], ok ? qz + (size_t)gi * (N / 8) + word : qz, ok ? 16 : 0);
+        cp_async16(&sm.z[st][(u - 16) * 4], ok ? qz + (size_t)gi * (N / 8) + word : qz, ok ? 16 : 0);
     }
 }
 
 // The main loop and epilogue of one BM x BN tile. a_row / c_row (shared, BM entries) give each
 // tile row's source row in A and destination row in C, -1 for rows past the end.
-template <int MODE>
-__device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const int* c_row, const half* A,
+template <int MODE, int BM>
+__device__ __forceinline__ void gemm_tile(GemmSmem<BM>& sm, const int* a_row, const int* c_row, const half* A,
                                           const u32* qw, const u32* qz, const half* sc, half* C, int N, int K,
                                           int group, int n0) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -107,7 +110,7 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) gemm_load_tile<MODE>(sm, s, s, A, a_row, qw, qz, sc, N, K, group, n0);
+        if (s < KT) gemm_load_tile<MODE, BM>(sm, s, s, A, a_row, qw, qz, sc, N, K, group, n0);
         cp_async_commit();
     }
 
@@ -116,7 +119,7 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
         __syncthreads();  // tile kt visible to all; everyone is done reading the stage refilled next
         {
             int nk = kt + STAGES - 1;
-            if (nk < KT) gemm_load_tile<MODE>(sm, nk % STAGES, nk, A, a_row, qw, qz, sc, N, K, group, n0);
+            if (nk < KT) gemm_load_tile<MODE, BM>(sm, nk % STAGES, nk, A, a_row, qw, qz, sc, N, K, group, n0);
             cp_async_commit();
         }
         const int st = kt % STAGES;
@@ -124,8 +127,8 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
         // takes one row quad x 8 words, lane = (row in quad) * 8 + word: its 4-byte reads of sm.w hit
         // 32 distinct banks, and each 8-lane phase of its 16-byte sm.b stores covers one row's 128 bytes
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int wi = (t >> 5) + i * 4, lane = t & 31;
+        for (int i = 0; i < 512 / (2 * BM); ++i) {
+            const int wi = (t >> 5) + i * (BM / 16), lane = t & 31;
             const int row = (wi >> 1) * 4 + (lane >> 3), cw = (wi & 1) * 8 + (lane & 7);
             half2 zb[4], s2[4], out[4];
             awq_zero_bias(sm.z[st][cw], zb);
@@ -191,19 +194,20 @@ __device__ __forceinline__ void gemm_tile(GemmSmem& sm, const int* a_row, const 
     }
 }
 
-__global__ void __launch_bounds__(128)
+template <int BM>
+__global__ void __launch_bounds__(2 * BM)
 gemm_w4a16(const half* __restrict__ A,   // [M, K]
            const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
            const u32* __restrict__ qz,   // [K/g, N/8]
            const half* __restrict__ sc,  // [K/g, N]
            half* __restrict__ C,         // [M, N]
            int M, int N, int K, int group) {
-    __shared__ __align__(16) GemmSmem sm;
+    __shared__ __align__(16) GemmSmem<BM> sm;
     __shared__ int rows[BM];
     const int m0 = blockIdx.y * BM;
     if (threadIdx.x < BM) rows[threadIdx.x] = m0 + (int)threadIdx.x < M ? m0 + (int)threadIdx.x : -1;
     __syncthreads();
-    gemm_tile<GEMM_DENSE>(sm, rows, rows, A, qw, qz, sc, C, N, K, group, blockIdx.x * BN);
+    gemm_tile<GEMM_DENSE, BM>(sm, rows, rows, A, qw, qz, sc, C, N, K, group, blockIdx.x * BN);
 }
 
 // MoE grouped GEMMs over the expert stacks (weights [E, K, N/8], [E, K/g, N/8], [E, K/g, N]).
@@ -215,7 +219,8 @@ template <int MODE>
 __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32* qz, const half* sc, half* C,
                                          const int* offsets, const int* tile_offsets,
                                          const int* perm_to_unperm, int top_k, int E, int N, int K, int group) {
-    __shared__ __align__(16) GemmSmem sm;
+    constexpr int BM = 64;  // MOE_TILE_M of moe.cu: the expert maps count row tiles of this size
+    __shared__ __align__(16) GemmSmem<BM> sm;
     __shared__ int a_row[BM], c_row[BM];
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case
@@ -235,7 +240,7 @@ __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32
     __syncthreads();
     const size_t kw = (size_t)K * (N / 8), gw = (size_t)(K / group) * (N / 8), gs = (size_t)(K / group) * N;
     const int n0 = blockIdx.x * (MODE == GEMM_GATHER_SWIGLU ? BN / 2 : BN);
-    gemm_tile<MODE>(sm, a_row, c_row, A, qw + e * kw, qz + e * gw, sc + e * gs, C, N, K, group, n0);
+    gemm_tile<MODE, BM>(sm, a_row, c_row, A, qw + e * kw, qz + e * gw, sc + e * gs, C, N, K, group, n0);
 }
 
 __global__ void __launch_bounds__(128)

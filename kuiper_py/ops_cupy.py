@@ -32,10 +32,12 @@ GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # epilogue reduces slots x splits partials in one block, so it aims at 1
 GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
+GEMM_FORCE_BM = int(os.environ.get("KUIPER_GEMM_BM", "0"))  # 64 or 128: one dense GEMM tile for every M (A/B)
+assert GEMM_FORCE_BM in (0, 64, 128), "KUIPER_GEMM_BM must be 64 or 128"
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
-GEMM_BM, GEMM_BN = 64, 128
+GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe.cu MOE_TILE_M); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -81,7 +83,7 @@ def gpu_memory_used_mib() -> float:
 _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
-    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
+    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
                               "attn_decode_split<128>", "attn_decode_combine"]),
@@ -320,8 +322,9 @@ def gemm(x, m: AwqLinear, out=None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16 through the tensor-core W4A16 GEMM."""
     T = x.shape[0]
     out = cp.empty((T, m.N), cp.float16) if out is None else out
-    grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / GEMM_BM))
-    kernel("gemm", "gemm_w4a16")(grid, (128,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
+    bm = GEMM_FORCE_BM or (128 if T > 64 else 64)  # gemm_w4a16.cu's two dense tile configurations
+    grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / bm))
+    kernel("gemm", f"gemm_w4a16<{bm}>")(grid, (2 * bm,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
                                                 _i(m.group_size)))
     return out
 

@@ -112,14 +112,17 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         ids = rng.integers(0, 151643, p).tolist()
         ts = []
         for rep in range(4):
-            m.set_context(p)
+            m.set_context(p)  # frees the pool's cached blocks and allocates a KV cache for p positions
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
             m.prefill(ids)
             cp.cuda.Device().synchronize()
             if rep:
                 ts.append(time.perf_counter() - t0)
-        res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts))})
+        # the pool keeps every block the prefill used: its size now is this prompt's peak footprint
+        # (weights, a KV cache for p positions, the prefill's activations)
+        res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)),
+                               "gpu_mib": cp.get_default_memory_pool().total_bytes() / 2**20})
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
     eng.model = None
     cp.get_default_memory_pool().free_all_blocks()
@@ -133,6 +136,8 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         with torch.no_grad():
             for p in pls:
                 x = torch.randint(0, 151643, (1, p), device="cuda")
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 ts = []
                 for rep in range(3):
                     torch.cuda.synchronize()
@@ -141,7 +146,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
                     torch.cuda.synchronize()
                     if rep:
                         ts.append(time.perf_counter() - t0)
-                hf_pre[p] = p / float(np.median(ts))
+                hf_pre[p] = (p / float(np.median(ts)), torch.cuda.max_memory_allocated() / 2**20)
             hf_dec = {}
             for c in ctxs[:1]:
                 x = torch.randint(0, 151643, (1, c), device="cuda")
@@ -155,10 +160,11 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
                     pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
                 torch.cuda.synchronize()
                 hf_dec[c] = steps / (time.perf_counter() - t0)
-        res["hf_peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        res["hf_peak_gpu_mib"] = max([torch.cuda.max_memory_allocated() / 2**20] + [v[1] for v in hf_pre.values()])
         for r in res["prefill"]:
-            r["hf_tok_s"] = hf_pre[r["prompt"]]
+            r["hf_tok_s"], r["hf_gpu_mib"] = hf_pre[r["prompt"]]
             r["ratio_to_hf"] = r["tok_s"] / r["hf_tok_s"]
+            r["mem_ratio_to_hf"] = r["gpu_mib"] / r["hf_gpu_mib"]
         for r in res["decode"]:
             if r["context"] in hf_dec:
                 r["hf_tok_s"] = hf_dec[r["context"]]
@@ -169,9 +175,10 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
     for r in res["decode"]:
         print(f"| {r['context']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['eff_GBps']:.0f} | "
               f"{r['ratio_to_copy']:.2f} | {r.get('hf_tok_s', float('nan')):.1f} | {r.get('ratio_to_hf', float('nan')):.2f} |")
-    print("| prefill tokens | tok/s | HF fp16 tok/s | x HF |\n|---:|---:|---:|---:|")
+    print("| prefill tokens | tok/s | HF fp16 tok/s | x HF | GPU MiB | HF GPU MiB | mem / HF |\n|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["prefill"]:
-        print(f"| {r['prompt']} | {r['tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | {r.get('ratio_to_hf', float('nan')):.2f} |")
+        print(f"| {r['prompt']} | {r['tok_s']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | {r.get('ratio_to_hf', float('nan')):.2f} "
+              f"| {r['gpu_mib']:.0f} | {r.get('hf_gpu_mib', float('nan')):.0f} | {r.get('mem_ratio_to_hf', float('nan')):.2f} |")
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
 
