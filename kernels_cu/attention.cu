@@ -151,7 +151,17 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 // ---------------------------------------------------------------------------------------------
 // Flash-decoding. Block (h, split) of 128 threads = 32 quads; a quad owns one key at a time, each
 // lane HD/4 dimensions in 16-byte chunks interleaved so a quad reads 64 contiguous bytes per load.
+// The grid has S splits per head, sized on the host for the cache's capacity (a graph is captured
+// once); the keys present now are cut into chunks of at least DECODE_MIN_CHUNK, so at a short
+// context only the first few splits work and the rest exit, while a long context gets all S.
 // ---------------------------------------------------------------------------------------------
+#define DECODE_MIN_CHUNK 64
+
+// Keys per split for n_keys keys over S splits (the split kernel and the combine agree on it).
+__device__ __forceinline__ int decode_chunk(int n_keys, int S) {
+    return max((n_keys + S - 1) / S, DECODE_MIN_CHUNK);
+}
+
 template <int HD>
 __global__ void __launch_bounds__(128)
 attn_decode_split(const half* __restrict__ q,   // [H, HD]
@@ -189,7 +199,7 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
         for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
     float m = -INFINITY, l = 0.f;
     if (pos_dev) n_keys = *pos_dev + 1;
-    const int chunk = (n_keys + S - 1) / S;  // in-kernel, so a captured graph serves every length
+    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
     const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
     // the trip count is uniform across the block so every lane reaches the quad shuffles
     for (int base = k_begin; base < k_end; base += 32) {
@@ -255,19 +265,22 @@ attn_decode_split(const half* __restrict__ q,   // [H, HD]
     }
 }
 
-// out[h, :] = merged softmax(V) over the S splits. One block of HD threads per head.
+// out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                    half* __restrict__ out, int S, int HD) {
+                                    half* __restrict__ out, int S, int HD,
+                                    int n_keys, const int* __restrict__ pos_dev) {  // as the split kernel's
     pdl_wait();
     pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;
+    if (pos_dev) n_keys = *pos_dev + 1;
+    const int used = min(S, (n_keys + decode_chunk(n_keys, S) - 1) / decode_chunk(n_keys, S));
     // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
     float M = -INFINITY;
 #pragma unroll 8
-    for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
+    for (int s = 0; s < used; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
     float L = 0.f, od = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < used; ++s) {
         float ms = part_ml[((size_t)h * S + s) * 2], ls = part_ml[((size_t)h * S + s) * 2 + 1];
         if (ls == 0.f) continue;  // an empty split contributes nothing
         float w = exp2f(ms - M);

@@ -5,8 +5,8 @@
 // an fp16 tile, which warps read with ldmatrix.trans into mma.sync.m16n8k16 (fp32 accumulate).
 //
 // Supported tile configurations (anything else is rejected on the host):
-//   BM x BN x BK = 128 x 128 x 32, 8 warps as 4 x 2 (warp tile 32 x 64), 3 stages: dense, M > 64;
-//   BM x BN x BK =  64 x 128 x 32, 4 warps as 2 x 2 (warp tile 32 x 64), 3 stages: dense M <= 64, MoE;
+//   BM x BN x BK = 128 x 128 x 32, 8 warps as 4 x 2 (warp tile 32 x 64), 3 stages: dense, M >= 1024;
+//   BM x BN x BK =  64 x 128 x 32, 4 warps as 2 x 2 (warp tile 32 x 64), 3 stages: dense M < 1024, MoE;
 //   requires K % 32 == 0, group % 32 == 0, N % 32 == 0; any M >= 1 (rows past M are zero-filled).
 // The larger tile halves the dequantization work per MMA (the packed K tile is dequantized once per
 // block whatever BM is).

@@ -40,6 +40,7 @@ GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
 GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe.cu MOE_TILE_M); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
+ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 
 def kernel_dir() -> Path:
@@ -322,7 +323,9 @@ def gemm(x, m: AwqLinear, out=None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16 through the tensor-core W4A16 GEMM."""
     T = x.shape[0]
     out = cp.empty((T, m.N), cp.float16) if out is None else out
-    bm = GEMM_FORCE_BM or (128 if T > 64 else 64)  # gemm_w4a16.cu's two dense tile configurations
+    # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
+    # slower at 128-512 (fewer blocks than SMs x 2)
+    bm = GEMM_FORCE_BM or (128 if T >= 1024 else 64)
     grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / bm))
     kernel("gemm", f"gemm_w4a16<{bm}>")(grid, (2 * bm,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
                                                 _i(m.group_size)))
@@ -348,7 +351,8 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_dev if pos_dev is not None else np.uint64(0), _i(H),
         _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
-    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd)))
+    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd), _i(n_keys),
+                                                        pos_dev if pos_dev is not None else np.uint64(0)))
     return out
 
 
@@ -552,6 +556,13 @@ class CupyOps:
                                 f"{max_context}; try a smaller --max-context") from None
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        # flash-decoding splits per head: at least two blocks per SM over all heads, and enough that
+        # a full cache gives each split about ATTN_KEYS_PER_SPLIT keys (the kernel leaves splits idle
+        # while the context is short: attention.cu decode_chunk)
+        self.attn_splits = max(1, math.ceil(2 * self.n_sm / a.num_attention_heads),
+                               math.ceil(max_context / ATTN_KEYS_PER_SPLIT))
+        self.d["part_o"] = cp.empty((a.num_attention_heads * self.attn_splits * hd,), cp.float32)
+        self.d["part_ml"] = cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph = None  # it holds the old cache's addresses
 
@@ -621,15 +632,12 @@ class CupyOps:
                     gemv_partial_size(D, [I, I]), gemv_partial_size(I, [D]))
         if E:  # the expert GEMVs: k slots each
             s_max = max(s_max, gemv_partial_size(D, [mI, mI], k), gemv_partial_size(mI, [D], k))
-        self.attn_splits = max(1, math.ceil(2 * self.n_sm / a.num_attention_heads))
         self.d = {
             "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
             "partial": cp.empty((s_max,), cp.float32), "qkv": cp.empty((1, qd + 2 * kvd), cp.float16),
             "qrot": cp.empty((1, a.num_attention_heads, a.head_dim), cp.float16),
             "attn": cp.empty((1, qd), cp.float16), "proj": cp.empty((1, D), cp.float16),
             "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
-            "part_o": cp.empty((a.num_attention_heads * self.attn_splits * a.head_dim,), cp.float32),
-            "part_ml": cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32),
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
