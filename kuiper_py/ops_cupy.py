@@ -32,8 +32,8 @@ GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # epilogue reduces slots x splits partials in one block, so it aims at 1
 GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
-GEMM_FORCE_BM = int(os.environ.get("KUIPER_GEMM_BM", "0"))  # 64 or 128: one dense GEMM tile for every M (A/B)
-assert GEMM_FORCE_BM in (0, 64, 128), "KUIPER_GEMM_BM must be 64 or 128"
+# KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
+GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""), 0)
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
@@ -676,9 +676,12 @@ class CupyOps:
         return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
 
     def _x(self, x):
-        """A _Normed input made concrete (the add_rmsnorm kernel without the add)."""
+        """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel
+        without the add, a _Deferred projection launched with its plain fp16 output."""
         if isinstance(x, _Normed):
             return add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"])
+        if isinstance(x, _Deferred):
+            return x.run(None)
         return x
 
     def _gemv_in(self, x) -> dict:
