@@ -150,25 +150,31 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
 
 
 def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
-    """Graph replay equals eager decode closely; decode equals prefill token by token, except where
-    the two (different kernels, different rounding) picked a different expert for that token in some
-    layer: a near-tied router then changes the token's logits legitimately. Such tokens must be few."""
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=40).tolist()
+    """Graph replay equals eager decode closely; decode equals prefill up to the first token whose
+    experts differ between the two in some layer. Decode and prefill use different kernels, so a
+    near-tied router may pick another expert there; that token's keys and values then differ, and
+    every later token legitimately differs too. A draw rerouted within the first 10 decode tokens
+    compares too little and is redrawn (three draws at most); a wrong kernel fails with or without
+    rerouting."""
     mf = load(moe_bin)
-    pre = Qwen3(mf, oc.CupyOps, 64)
-    pre.ops.routing_log = []
-    full = cp.asnumpy(pre.prefill(ids, all_logits=True))
-    graph = decode_logits(mf, ids, 10, 64, True)
-    m = Qwen3(mf, oc.CupyOps, 64)
-    m.ops.graphs = False
-    m.prefill(ids[:10])
-    m.ops.routing_log = []
-    eager = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
-    assert rel(graph, eager) < 1e-3
-    n_moe = len(pre.ops.routing_log)
-    assert n_moe > 0 and len(m.ops.routing_log) == 30 * n_moe
-    same = np.array([all(set(pre.ops.routing_log[layer][10 + t]) == set(m.ops.routing_log[t * n_moe + layer][0])
-                         for layer in range(n_moe)) for t in range(30)])
-    assert (~same).sum() <= 3
-    assert rel(eager[same], full[10:][same]) < 1e-2
+    for _ in range(3):
+        ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
+        pre = Qwen3(mf, oc.CupyOps, 64)
+        pre.ops.routing_log = []
+        full = cp.asnumpy(pre.prefill(ids, all_logits=True))
+        graph = decode_logits(mf, ids, 10, 64, True)
+        m = Qwen3(mf, oc.CupyOps, 64)
+        m.ops.graphs = False
+        m.prefill(ids[:10])
+        m.ops.routing_log = []
+        eager = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
+        assert rel(graph, eager) < 1e-3
+        n_moe = len(pre.ops.routing_log)
+        assert n_moe > 0 and len(m.ops.routing_log) == 30 * n_moe
+        same = [all(set(pre.ops.routing_log[layer][10 + t]) == set(m.ops.routing_log[t * n_moe + layer][0])
+                    for layer in range(n_moe)) for t in range(30)]
+        first = same.index(False) if False in same else 30
+        if first >= 10:
+            assert rel(eager[:first], full[10:10 + first]) < 1e-2
+            return
+    pytest.fail("decode and prefill chose different experts within the first 10 decode tokens in 3 draws")
