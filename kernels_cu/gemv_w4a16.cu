@@ -18,7 +18,7 @@
 
 #define GEMV_WARPS 8          // warps per block, each on its own rows of the block's K span
 #ifndef GEMV_ROWS
-#define GEMV_ROWS 16          // rows per warp per step: ROWS independent loads in flight per lane
+#define GEMV_ROWS 16          // rows per warp per step: ROWS/4 independent 16-byte loads in flight per lane
 #endif
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
