@@ -99,18 +99,19 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
 
     if (active) {
-#if GEMV_PIPE
-        u32 wn[GEMV_ROWS], zn = 0;
-        uint4 sn = make_uint4(0, 0, 0, 0);
+#if GEMV_PIPE  // the next step's registers (not named wn: that is the norm weight)
+        u32 w_next[GEMV_ROWS], z_next = 0;
+        uint4 s_next = make_uint4(0, 0, 0, 0);
 #endif
         for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
 #if GEMV_PIPE
             if (k0 != k_first) {
 #pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = wn[r];
-                zw = zn; sv = sn;
+                for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = w_next[r];
+                zw = z_next; sv = s_next;
             }
-            if (k0 + GEMV_WARPS * GEMV_ROWS < k_end) gemv_load_step(m, k0 + GEMV_WARPS * GEMV_ROWS, word, K, group, wn, zn, sn);
+            if (k0 + GEMV_WARPS * GEMV_ROWS < k_end)
+                gemv_load_step(m, k0 + GEMV_WARPS * GEMV_ROWS, word, K, group, w_next, z_next, s_next);
 #else
             if (k0 != k_first) gemv_load_step(m, k0, word, K, group, wv, zw, sv);
 #endif
