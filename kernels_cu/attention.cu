@@ -273,7 +273,7 @@ __global__ void attn_decode_combine(const float* __restrict__ part_o, const floa
     pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;
     if (pos_dev) n_keys = *pos_dev + 1;
-    const int used = min(S, (n_keys + decode_chunk(n_keys, S) - 1) / decode_chunk(n_keys, S));
+    const int chunk = decode_chunk(n_keys, S), used = min(S, (n_keys + chunk - 1) / chunk);
     // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
     float M = -INFINITY;
 #pragma unroll 8

@@ -563,8 +563,8 @@ class CupyOps:
         H = a.num_attention_heads
         self.attn_splits = max(1, math.ceil(2 * self.n_sm / H),
                                min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT), math.ceil(8 * self.n_sm / H)))
-        self.d["part_o"] = cp.empty((a.num_attention_heads * self.attn_splits * hd,), cp.float32)
-        self.d["part_ml"] = cp.empty((a.num_attention_heads * self.attn_splits * 2,), cp.float32)
+        self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
+        self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph = None  # it holds the old cache's addresses
 
@@ -755,8 +755,7 @@ class CupyOps:
         x = self._x(x)
         if x.shape[0] == 1:
             if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
-                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h)
-                                 if h is not None else gemv(x, [lin], "plain", self.d["proj"], self.d["partial"]))
+                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h))
             return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
         return gemm(x, lin)
 
