@@ -95,6 +95,22 @@ def test_gemv_fused_reduction_is_deterministic_and_leaves_counters_zero():
     assert rel(outs[0][0], cp.asnumpy(x)[0].astype(np.float64) @ r) < 1e-2
 
 
+def rmsnorm_ref(h, w, eps):
+    """float64 h -> rmsnorm(h) * w rounded to fp16 (as the kernels store it), back in float64."""
+    return (h / np.sqrt(np.mean(h * h) + eps) * w).astype(np.float16).astype(np.float64)
+
+
+def replay_with_fresh_residual(rng, graph, stream, h0_dev, poisoned):
+    """Draw a fresh residual row into h0_dev (the graph copies it in first), poison the graph's output
+    buffer, replay and wait; returns the residual in float64 for the reference."""
+    h0 = rng.standard_normal(h0_dev.shape[1]).astype(np.float32)
+    h0_dev.set(h0[None])
+    poisoned.fill(np.nan)
+    graph.launch(stream)
+    stream.synchronize()
+    return h0.astype(np.float64)
+
+
 def test_pdl_chain_of_dependent_kernels_in_a_graph():
     """The decode pattern (GEMV -> residual add + RMSNorm -> GEMV ...) captured in one graph and replayed:
     with programmatic dependent launch each kernel starts before its predecessor ends, so a missing
@@ -119,20 +135,12 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
             oc.add_rmsnorm(h_dev, y_dev, w_dev, eps, x_dev)
         graph = stream.end_capture()
 
-    def rms(v):
-        return (v / np.sqrt(np.mean(v * v) + eps) * w).astype(np.float16).astype(np.float64)
-
     for _ in range(3):
-        h0 = rng.standard_normal(D).astype(np.float32)
-        h0_dev.set(h0[None])
-        x_dev.fill(np.nan)
-        graph.launch(stream)
-        stream.synchronize()
-        h = h0.astype(np.float64)
-        x = rms(h)
+        h = replay_with_fresh_residual(rng, graph, stream, h0_dev, x_dev)
+        x = rmsnorm_ref(h, w, eps)
         for _, r in mats:
             h = h + (x @ r).astype(np.float16)
-            x = rms(h)
+            x = rmsnorm_ref(h, w, eps)
         assert rel(cp.asnumpy(x_dev)[0], x) < 1e-2
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
@@ -157,14 +165,9 @@ def test_gemv_rmsnorm_prologue_and_residual_epilogue_in_a_graph():
             oc.gemv(y_dev, [m2], "plain", None, partial, resid=h_dev)
         graph = stream.end_capture()
     for _ in range(3):
-        h0 = rng.standard_normal(D).astype(np.float32)
-        h0_dev.set(h0[None])
-        y_dev.fill(np.nan)
-        graph.launch(stream)
-        stream.synchronize()
-        h = h0.astype(np.float64)
+        h = replay_with_fresh_residual(rng, graph, stream, h0_dev, y_dev)
         for (_, r1), (_, r2) in layers:
-            x = (h / np.sqrt(np.mean(h * h) + eps) * w).astype(np.float16).astype(np.float64)
+            x = rmsnorm_ref(h, w, eps)
             y = (x @ r1).astype(np.float16).astype(np.float64)
             h = h + (y @ r2).astype(np.float16)
         assert rel(cp.asnumpy(h_dev)[0], h) < 1e-2
