@@ -3,8 +3,9 @@
 // flash_attn_prefill: causal flash attention for a chunk of T queries at positions pos0..pos0+T-1,
 //   tensor cores for QK^T and PV, online softmax in registers, GQA by indexing the shared KV head.
 //   64 queries x one head per block (4 warps x 16 rows), 32-key tiles. HD in {64, 128}.
-// attn_decode_split + attn_decode_combine: flash-decoding for one query token, the KV length split
-//   across blocks so that long contexts fill the GPU; a second pass merges the partial softmaxes.
+// attn_decode_gqa + attn_decode_combine: flash-decoding for one query token, the KV length split
+//   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
+//   a second pass merges the partial softmaxes.
 #include "common.cuh"
 
 #define FA_BQ 64
@@ -149,123 +150,152 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Flash-decoding. Block (h, split) of 128 threads = 32 quads; a quad owns one key at a time, each
-// lane HD/4 dimensions in 16-byte chunks interleaved so a quad reads 64 contiguous bytes per load.
-// The grid has S splits per head, sized on the host for the cache's capacity (a graph is captured
-// once); the keys present now are cut into chunks of at least DECODE_MIN_CHUNK, so at a short
-// context only the first few splits work and the rest exit, while a long context gets all S.
+// Flash-decoding with the GQA group shared. Block (kv head, head subgroup, split) of 128 threads
+// runs HB query heads of one KV head over one chunk of keys, so each K/V row leaves memory once per
+// group: a block per query head re-read it H/KV times through L2, which bound long contexts
+// (~1.3 TB/s of KV at 8k on H100). LPK = HD/8 lanes own a key (16 bytes of its K and V each); a
+// warp holds 32/LPK keys per step and issues U steps of loads before it uses any, so each lane has
+// 2U 16-byte loads in flight. The grid has S splits sized on the host for the cache's capacity (a
+// graph is captured once); the keys present now are cut into chunks of at least DECODE_MIN_CHUNK
+// (common.cuh decode_chunk), so at a short context only the first splits work and the rest exit.
 // ---------------------------------------------------------------------------------------------
-#define DECODE_MIN_CHUNK 64
-
-// Keys per split for n_keys keys over S splits (the split kernel and the combine agree on it).
-__device__ __forceinline__ int decode_chunk(int n_keys, int S) {
-    return max((n_keys + S - 1) / S, DECODE_MIN_CHUNK);
+// 8 fp16 -> fp32 (one 16-byte load's worth)
+__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
+    const half2* hp = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 t = __half22float2(hp[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
 }
 
-template <int HD>
+template <int HD, int HB>
 __global__ void __launch_bounds__(128)
-attn_decode_split(const half* __restrict__ q,   // [H, HD]
-                  const half* __restrict__ Kc,  // [ctx, KV, HD]
-                  const half* __restrict__ Vc,
-                  float* __restrict__ part_o,   // [H, S, HD] unnormalised
-                  float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
-                  int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
-                  int H, int KV, float scale_log2) {
-    pdl_wait();
+attn_decode_gqa(const half* __restrict__ q,   // [H, HD] rotated
+                const half* __restrict__ Kc,  // [ctx, KV, HD] this layer
+                const half* __restrict__ Vc,
+                float* __restrict__ part_o,   // [H, S, HD] unnormalised
+                float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
+                int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
+                int H, int KV, float scale_log2) {
+    constexpr int LPK = HD / 8, KPW = 32 / LPK;  // lanes per key, keys per warp step
+    constexpr int U = HB <= 4 ? 4 : 2;           // warp steps whose loads fly together (registers)
+    constexpr int NG = 4 * KPW;                  // key slots per block, each with its own softmax state
+    constexpr int KPB = NG * U;                  // keys per block iteration
+    __shared__ float sm_o[NG][HB][HD];
+    __shared__ float sm_ml[NG][HB][2];
+    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z;
+    const int h0 = kvh * (H / KV) + blockIdx.y * HB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
+    pdl_wait();  // q and the new key come from the kernel before
     pdl_trigger();
-    constexpr int NC = HD / 32;  // 16-byte chunks per lane
-    __shared__ float sm_o[32][HD + 4];
-    __shared__ float sm_m[32], sm_l[32];
-    const int h = blockIdx.x, s = blockIdx.y, S = gridDim.y;
-    const int kvh = h / (H / KV);
-    const int quad = threadIdx.x >> 2, ql = threadIdx.x & 3;
-
-    float qv[NC][8];
+    float qv[HB][8];
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        uint4 raw = *reinterpret_cast<const uint4*>(q + (size_t)h * HD + (ql + 4 * c) * 8);
-        const half2* hp = reinterpret_cast<const half2*>(&raw);
+    for (int j = 0; j < HB; ++j) {
+        unpack8(*reinterpret_cast<const uint4*>(q + (size_t)(h0 + j) * HD + dl * 8), qv[j]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float2 f = __half22float2(hp[i]);
-            qv[c][2 * i] = f.x * scale_log2;
-            qv[c][2 * i + 1] = f.y * scale_log2;
-        }
+        for (int i = 0; i < 8; ++i) qv[j][i] *= scale_log2;
     }
-    float acc[NC][8];
+    float acc[HB][8], m[HB], l[HB];
 #pragma unroll
-    for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < HB; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
-    float m = -INFINITY, l = 0.f;
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+    }
     if (pos_dev) n_keys = *pos_dev + 1;
     const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
     const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
-    // the trip count is uniform across the block so every lane reaches the quad shuffles
-    for (int base = k_begin; base < k_end; base += 32) {
-        const int key = base + quad;
-        const bool valid = key < k_end;
-        const int kk = valid ? key : k_begin;  // clamp: invalid quads load a real row and drop it
-        const half* kr = Kc + ((size_t)kk * KV + kvh) * HD;
-        const half* vr = Vc + ((size_t)kk * KV + kvh) * HD;
-        uint4 kraw[NC], vraw[NC];
+    const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
+    const half* kb = Kc + (size_t)kvh * HD + dl * 8;
+    const half* vb = Vc + (size_t)kvh * HD + dl * 8;
+    // the trip count is uniform across the block so every lane reaches the shuffles
+    for (int base = k_begin; base < k_end; base += KPB) {
+        uint4 kraw[U], vraw[U];
+        bool valid[U];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            kraw[c] = *reinterpret_cast<const uint4*>(kr + (ql + 4 * c) * 8);
-            vraw[c] = *reinterpret_cast<const uint4*>(vr + (ql + 4 * c) * 8);
+        for (int u = 0; u < U; ++u) {
+            const int key = base + u * NG + slot;
+            valid[u] = key < k_end;
+            const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
+            kraw[u] = *reinterpret_cast<const uint4*>(kb + off);
+            vraw[u] = *reinterpret_cast<const uint4*>(vb + off);
         }
-        float dot = 0.f;
+        float dot[U][HB];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const half2* hp = reinterpret_cast<const half2*>(&kraw[c]);
+        for (int u = 0; u < U; ++u) {
+            float kf[8];
+            unpack8(kraw[u], kf);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float2 f = __half22float2(hp[i]);
-                dot += qv[c][2 * i] * f.x + qv[c][2 * i + 1] * f.y;
+            for (int j = 0; j < HB; ++j) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d += qv[j][i] * kf[i];
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                dot[u][j] = valid[u] ? d : -INFINITY;
             }
         }
-        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-        if (!valid) continue;
-        float mn = fmaxf(m, dot);
-        float corr = exp2f(m - mn), p = exp2f(dot - mn);
-        m = mn;
-        l = l * corr + p;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const half2* hp = reinterpret_cast<const half2*>(&vraw[c]);
+        for (int j = 0; j < HB; ++j) {
+            float mn = m[j];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float2 f = __half22float2(hp[i]);
-                acc[c][2 * i] = acc[c][2 * i] * corr + p * f.x;
-                acc[c][2 * i + 1] = acc[c][2 * i + 1] * corr + p * f.y;
+            for (int u = 0; u < U; ++u) mn = fmaxf(mn, dot[u][j]);
+            if (mn == -INFINITY) continue;  // no valid key yet in this slot
+            const float corr = exp2f(m[j] - mn);
+            m[j] = mn;
+            l[j] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < U; ++u) dot[u][j] = exp2f(dot[u][j] - mn);  // p; 0 for invalid keys
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float vf[8];
+            unpack8(vraw[u], vf);
+#pragma unroll
+            for (int j = 0; j < HB; ++j) {
+                if (m[j] == -INFINITY) continue;
+                const float p = dot[u][j];
+                l[j] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
             }
         }
     }
-    // merge the 32 quads of this block
-    if (ql == 0) { sm_m[quad] = m; sm_l[quad] = l; }
+    // merge the block's NG key slots
 #pragma unroll
-    for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < HB; ++j) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sm_o[quad][(ql + 4 * c) * 8 + i] = acc[c][i];
+        for (int i = 0; i < 8; ++i) sm_o[slot][j][dl * 8 + i] = acc[j][i];
+        if (dl == 0) { sm_ml[slot][j][0] = m[j]; sm_ml[slot][j][1] = l[j]; }
+    }
     __syncthreads();
-    float M = -INFINITY;
-    for (int i = 0; i < 32; ++i) M = fmaxf(M, sm_m[i]);
-    float L = 0.f;
-    for (int i = 0; i < 32; ++i) L += M == -INFINITY ? 0.f : sm_l[i] * exp2f(sm_m[i] - M);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float od = 0.f;
+    for (int e = threadIdx.x; e < HB * HD; e += blockDim.x) {
+        const int j = e / HD, d = e % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) M = fmaxf(M, sm_ml[g][j][0]);
+        float L = 0.f, od = 0.f;
         if (M != -INFINITY)
-            for (int i = 0; i < 32; ++i) od += sm_o[i][d] * exp2f(sm_m[i] - M);
-        part_o[((size_t)h * S + s) * HD + d] = od;
-    }
-    if (threadIdx.x == 0) {
-        part_ml[((size_t)h * S + s) * 2] = M;
-        part_ml[((size_t)h * S + s) * 2 + 1] = L;
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const float w = exp2f(sm_ml[g][j][0] - M);  // 0 for a slot that saw no key
+                L += sm_ml[g][j][1] * w;
+                od += sm_o[g][j][d] * w;
+            }
+        const size_t ps = (size_t)(h0 + j) * S + s;
+        part_o[ps * HD + d] = od;
+        if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = L; }
     }
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.
+// (Decode normally merges in the o-projection GEMV's prologue instead: gemv_w4a16.cu.)
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     half* __restrict__ out, int S, int HD,
                                     int n_keys, const int* __restrict__ pos_dev) {  // as the split kernel's
@@ -273,19 +303,5 @@ __global__ void attn_decode_combine(const float* __restrict__ part_o, const floa
     pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;
     if (pos_dev) n_keys = *pos_dev + 1;
-    const int chunk = decode_chunk(n_keys, S), used = min(S, (n_keys + chunk - 1) / chunk);
-    // unrolled so the splits' loads are in flight together: this kernel is latency, not bandwidth, bound
-    float M = -INFINITY;
-#pragma unroll 8
-    for (int s = 0; s < used; ++s) M = fmaxf(M, part_ml[((size_t)h * S + s) * 2]);
-    float L = 0.f, od = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < used; ++s) {
-        float ms = part_ml[((size_t)h * S + s) * 2], ls = part_ml[((size_t)h * S + s) * 2 + 1];
-        if (ls == 0.f) continue;  // an empty split contributes nothing
-        float w = exp2f(ms - M);
-        L += ls * w;
-        od += part_o[((size_t)h * S + s) * HD + d] * w;
-    }
-    out[(size_t)h * HD + d] = __float2half(L > 0.f ? od / L : 0.f);
+    out[(size_t)h * HD + d] = decode_merge(part_o, part_ml, h, d, S, HD, n_keys);
 }

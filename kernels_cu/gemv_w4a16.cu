@@ -11,7 +11,8 @@
 // MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize); QKV_ROPE: q/k norm, RoPE and
 // the KV-cache write of a decode step (gemv_qkv_rope_epilogue). PLAIN and MOE_SUM can add
 // into the fp32 residual stream instead (the residual add of the layer), and the input can be
-// rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel.
+// rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel. The
+// o projection's input can be the flash-decoding partials, merged in the prologue.
 //
 // Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0, ROWS % 4 == 0.
 #include "common.cuh"
@@ -28,6 +29,7 @@
 #endif
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
+#define GEMV_ATT_ROWS 4096    // most rows per split the flash-decoding merge prologue can hold
 
 #define GEMV_EPI_PLAIN 0
 #define GEMV_EPI_SWIGLU 1
@@ -62,7 +64,9 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, int k0, int word
 // the fused reduction's reads) small while the grid still fills the GPU.
 __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqMat& m, int tile, int col_off,
                                           int n_total, float* __restrict__ partial, int split, int rps, int K,
-                                          int group, bool wait, const float* hn, const half* wn, float eps) {
+                                          int group, bool wait, const float* hn, const half* wn, float eps,
+                                          const float* att_o, const float* att_ml, int att_S, int hd,
+                                          int pos0, const int* pos_dev) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
@@ -97,6 +101,18 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         }
         inv = rsqrtf(block_sum(ss, nred) / K + eps);
     }
+    // The flash-decoding merge prologue (att_o != null, the o projection): this block's rows of x
+    // are the attention output, merged here from the splits' partials while the first weight loads
+    // fly, so decode needs no combine kernel. Splits hold whole heads' rows; each column tile's
+    // block repeats the merge of its rows (L2 reads, no extra launch or serial step).
+    __shared__ half xatt[GEMV_ATT_ROWS];
+    const int k_lo = split * rps;
+    if (att_o) {
+        const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
+        for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x)
+            xatt[e] = decode_merge(att_o, att_ml, (k_lo + e) / hd, (k_lo + e) % hd, att_S, hd, n_keys);
+        __syncthreads();
+    }
 
     if (active) {
 #if GEMV_PIPE  // the next step's registers (not named wn: that is the norm weight)
@@ -118,7 +134,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             half xs[GEMV_ROWS];
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r)
-                xs[r] = hn ? __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r])) : x[k0 + r];
+                xs[r] = hn ? __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r]))
+                           : att_o ? xatt[k0 + r - k_lo] : x[k0 + r];
             half2 zb[4];
             awq_zero_bias(zw, zb);
             // raw scales: the x/16 below already undoes the 16 of pairs 1 and 3
@@ -238,6 +255,9 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            half* __restrict__ qout,              // [H, hd]
            half* __restrict__ Kc, half* __restrict__ Vc,  // [ctx, KV, hd] this layer
            int KV, int hd, int pos0, const int* __restrict__ pos_dev,  // pos_dev set: position read there
+           // the flash-decoding merge prologue (x unused): attention partials [H, att_S, hd] and [H, att_S, 2]
+           // of a decode at position pos_dev / pos0 (as QKV_ROPE's), merged into x
+           const float* __restrict__ att_o, const float* __restrict__ att_ml, int att_S,
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi) {
     const int slot = blockIdx.z, S = gridDim.y;
@@ -263,7 +283,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids, hn, wn, eps);
+              !expert_ids, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev);
 
     // arrival: the last of the tile's blocks reduces it (partials published by the fence first)
     int cidx, arrivals;

@@ -86,8 +86,8 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize"]),
-    "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_split<64>",
-                              "attn_decode_split<128>", "attn_decode_combine"]),
+    "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
+                      + [f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
     "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
@@ -99,8 +99,8 @@ _FILES = {
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
 PDL_KERNELS = {"gemv_w4a16", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_split<64>", "attn_decode_split<128>", "attn_decode_combine",
-               "lm_head_gemv", "moe_router_logits", "moe_topk"}
+               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk"} | {
+               f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
 _PDL: dict[int, bool] = {}
 
 
@@ -276,8 +276,11 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
     return slots * S * sum(ns)
 
 
+GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split the attention-merge prologue holds
+
+
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0, norm=None, resid=None, rope=None):
+         x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
@@ -285,7 +288,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     norm=(h, w, eps): the input is rmsnorm(h) * w (h fp32 [1, K]), computed in the kernel (x unused).
     resid=h: "plain" (one matrix) and "moe_sum" add fp16(y) into h (fp32 [1, N]) instead of writing out.
     "qkv_rope" (mats q, k, v; rope = dict(q_norm, k_norm, cos, sin, qout, kc, vc, pos0, pos_dev)): the
-    per-head q/k RMSNorm, RoPE and KV-cache write of qk_norm_rope_store in the epilogue; out unused."""
+    per-head q/k RMSNorm, RoPE and KV-cache write of qk_norm_rope_store in the epilogue; out unused.
+    att=_AttnParts (x None): the input is the flash-decoding merge of its partials, done in the prologue."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
@@ -297,8 +301,14 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
-    x = hn if x is None else x
     null = np.uint64(0)
+    att_args = (null, null, _i(0))
+    if att is not None:
+        assert x is None and norm is None and slots == 1 and out_kind == "plain" and K == att.heads * att.hd
+        assert rps <= GEMV_ATT_ROWS
+        att_args = (att.part_o, att.part_ml, _i(att.splits))
+        x = att.part_o
+    x = hn if x is None else x
     if out_kind == "qkv_rope":
         r = rope
         KV, hd = r["kc"].shape[1], r["kc"].shape[2]
@@ -307,6 +317,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         eps = r["eps"]
         rope_args = (r["q_norm"], r["k_norm"], r["cos"], r["sin"], r["qout"], r["kc"], r["vc"], _i(KV), _i(hd),
                      _i(r["pos0"]), r["pos_dev"] if r["pos_dev"] is not None else null)
+    elif att is not None:  # the merge prologue reads the head size and the position from the same slots
+        rope_args = (null,) * 7 + (_i(0), _i(att.hd), _i(att.n_keys - 1), att.pos_dev if att.pos_dev is not None else null)
     else:
         rope_args = (null,) * 7 + (_i(0), _i(0), _i(0), null)
     flat = []
@@ -315,7 +327,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
-        resid if resid is not None else np.uint64(0), *rope_args, _i(K), _i(rps), _i(g), _i(GEMV_EPI[out_kind])))
+        resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
+        _i(GEMV_EPI[out_kind])))
     return out
 
 
@@ -341,19 +354,46 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
     return out
 
 
+def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
+    """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the whole GQA
+    group up to 8 (registers), else the largest divisor of the group that is at most 8."""
+    G = n_heads // n_kv_heads
+    return max(d for d in range(1, 9) if G % d == 0)
+
+
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
                      pos_dev=None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
-    With pos_dev (graph replay) the length is read on the device and all max_splits splits run."""
+    With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
+    out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue)."""
     _, H, hd = q.shape
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
     assert H * S * hd <= part_o.size
-    kernel("attn", f"attn_decode_split<{hd}>")((H, S), (128,), (
-        q, kc, vc, part_o, part_ml, _i(n_keys), pos_dev if pos_dev is not None else np.uint64(0), _i(H),
-        _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
-    kernel("attn", "attn_decode_combine")((H,), (hd,), (part_o, part_ml, out, _i(S), _i(hd), _i(n_keys),
-                                                        pos_dev if pos_dev is not None else np.uint64(0)))
+    hb = decode_heads_per_block(H, n_kv_heads)
+    pos_arg = pos_dev if pos_dev is not None else np.uint64(0)
+    kernel("attn", f"attn_decode_gqa<{hd},{hb}>")((n_kv_heads, H // n_kv_heads // hb, S), (128,), (
+        q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
+    parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev)
+    return parts if out is None else attention_combine(parts, out)
+
+
+def attention_combine(parts, out):
+    """Merge flash-decoding partials (_AttnParts) into out [1, H*hd] fp16 (attn_decode_combine)."""
+    p = parts
+    kernel("attn", "attn_decode_combine")((p.heads,), (p.hd,), (p.part_o, p.part_ml, out, _i(p.splits), _i(p.hd),
+                                                                _i(p.n_keys),
+                                                                p.pos_dev if p.pos_dev is not None else np.uint64(0)))
     return out
+
+
+class _AttnParts:
+    """A decode step's flash-decoding partials, not yet merged: the o projection merges them in its
+    GEMV prologue (gemv(att=...)); any other consumer gets attn_decode_combine's output (CupyOps._x)."""
+
+    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev):
+        self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
+        self.n_keys, self.pos_dev = n_keys, pos_dev
+        self.shape = (1, heads * hd)
 
 
 def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_heads: int, eps: float,
@@ -474,6 +514,8 @@ FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
 # Decode's q/k RMSNorm, RoPE and KV-cache write in the QKV GEMV's epilogue; KUIPER_FUSE_ROPE=0: the
 # separate qk_norm_rope_store kernel (A/B).
 FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
+# Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
+FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
 
 
 class _QkvInput:
@@ -556,13 +598,14 @@ class CupyOps:
                                 f"{max_context}; try a smaller --max-context") from None
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
-        # flash-decoding splits per head: at least two blocks per SM over all heads; for a larger
-        # cache about ATTN_KEYS_PER_SPLIT keys per split when full, capped at eight blocks per SM (on
-        # H100 at 8B: 8k context best at 17 splits, 32k at 33; 129 splits lost 8%). The kernel
-        # leaves splits idle while the context is short (attention.cu decode_chunk).
+        # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
+        # at least two blocks per SM over all groups; for a larger cache about ATTN_KEYS_PER_SPLIT
+        # keys per split when full, capped at eight blocks per SM. The kernel leaves splits idle
+        # while the context is short (attention.cu decode_chunk).
         H = a.num_attention_heads
-        self.attn_splits = max(1, math.ceil(2 * self.n_sm / H),
-                               min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT), math.ceil(8 * self.n_sm / H)))
+        groups = H // decode_heads_per_block(H, a.num_key_value_heads)
+        self.attn_splits = max(1, math.ceil(2 * self.n_sm / groups),
+                               min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT), math.ceil(8 * self.n_sm / groups)))
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
@@ -682,6 +725,8 @@ class CupyOps:
             return add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"])
         if isinstance(x, _Deferred):
             return x.run(None)
+        if isinstance(x, _AttnParts):
+            return attention_combine(x, self.d["attn"])
         return x
 
     def _gemv_in(self, x) -> dict:
@@ -719,7 +764,7 @@ class CupyOps:
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
-                                    self.d["part_o"], self.d["part_ml"], self.d["attn"],
+                                    self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                     self.d["pos"] if self.graphs else None)
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
@@ -752,6 +797,10 @@ class CupyOps:
         return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
+        if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
+            if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+                return _Deferred(lambda h: gemv(None, [lin], "plain", self.d["proj"], self.d["partial"], resid=h,
+                                                att=x))
         x = self._x(x)
         if x.shape[0] == 1:
             if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
@@ -799,6 +848,8 @@ class CupyOps:
 
     def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
         """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
+        if logits.data.ptr % 16 or not logits.flags.c_contiguous:  # the kernel reads 16-byte vectors
+            logits = cp.ascontiguousarray(logits).copy()
         hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
         hist = hist[-1024:]
         if hist:

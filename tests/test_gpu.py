@@ -230,7 +230,8 @@ def test_flash_attention_prefill_long():
     assert rel(cp.asnumpy(out)[sel], ref) < 1e-2
 
 
-@pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (4, 2, 64)])
+# GQA groups of 4 (8B), 8 (32B, 30B-A3B), 16 (235B: two blocks per KV head), 5 (14B), 2 and 1
+@pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (64, 4, 128), (40, 8, 128), (4, 2, 64), (8, 8, 64)])
 @pytest.mark.parametrize("n", [1, 31, 1000, 4097, 32768])
 @pytest.mark.parametrize("splits,on_device", [(16, False), (70, True)])
 def test_flash_decoding(H, KV, hd, n, splits, on_device):
@@ -248,6 +249,31 @@ def test_flash_decoding(H, KV, hd, n, splits, on_device):
     oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
                         part_o, part_ml, out, pos_dev)
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
+
+
+@pytest.mark.parametrize("H,KV,hd,D", [(32, 8, 128, 4096), (64, 4, 128, 4096), (16, 8, 64, 1024), (40, 8, 128, 5120)])
+@pytest.mark.parametrize("n,on_device", [(1, True), (700, False), (9000, True)])
+def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
+    """The o projection with the flash-decoding merge in its prologue (x = attention output never
+    materialised) and the residual add in its epilogue, against float64 attention @ W_o + h."""
+    rng = np.random.default_rng()
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    m, r = rand_awq(rng, H * hd, D)
+    splits = 40
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
+    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
+                                part_o, part_ml, None, pos_dev)
+    h0 = rng.standard_normal((1, D)).astype(np.float32)
+    h = cp.asarray(h0)
+    partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)
+    oc.gemv(None, [m], "plain", None, partial, resid=h, att=parts)
+    att = attention_ref(q, Kc, Vc, n - 1).reshape(-1).astype(np.float16).astype(np.float64)
+    ref = h0[0] + (att @ r).astype(np.float16)
+    assert rel(cp.asnumpy(h)[0] - h0[0], ref - h0[0]) < 1e-2
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
 @pytest.mark.parametrize("H,KV,hd,T,pos0", [(32, 8, 128, 1, 9), (64, 8, 128, 37, 0), (4, 2, 64, 5, 3)])
@@ -367,6 +393,57 @@ def test_gpu_greedy_ties_padding_and_penalty():
     hist = [1234, 5, 1234, 99999]
     pen = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repeat_penalty=30.0)
     assert _gpu_sample(x, pen, 151669, hist) == [sample(x, pen, rng, hist, 151669)]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0, top_k=50, top_p=1.0)])
+def test_gpu_topk_candidates_full_vocabulary(kw):
+    """Top-k over the real vocabulary size, where the kernel keeps its candidates in shared memory
+    (sampling.cu): frequencies match the exact filtered softmax of the NumPy code."""
+    from kuiper_py.sampling import SamplingParams, filter_logits
+    p = SamplingParams(**kw).validate()
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(151936) * 2.0).astype(np.float32)
+    top = rng.choice(151669, 40, replace=False)
+    x[top] = 9.0 + rng.standard_normal(40).astype(np.float32)  # plausible tokens anywhere in the vocabulary
+    x[151700] = 40.0  # padding id: never chosen
+    ref = filter_logits(x[:151669].astype(np.float64), p)
+    prob = np.exp(ref - ref.max())
+    prob /= prob.sum()
+    n = 3000
+    draws = _gpu_sample(x, p, 151669, seed=int(rng.integers(1 << 30)), n=n)
+    freq = np.bincount(draws, minlength=151669) / n
+    assert set(np.nonzero(freq)[0]) <= set(np.nonzero(prob)[0])
+    assert np.abs(freq - prob).max() < 0.035
+
+
+def test_gpu_topk_many_ties_scan_everything():
+    """5000 tied maxima with top-k 20: more candidates than shared memory holds, so the filters scan
+    every logit; ties at the k-th value are all kept (as NumPy's filter), so draws spread over them."""
+    from kuiper_py.sampling import SamplingParams
+    rng = np.random.default_rng()
+    x = np.full(151936, -5.0, dtype=np.float32)
+    tied = rng.choice(151669, 5000, replace=False)
+    x[tied] = 3.0
+    draws = _gpu_sample(x, SamplingParams(temperature=1.0, top_k=20, top_p=1.0), 151669,
+                        seed=int(rng.integers(1 << 30)), n=200)
+    assert set(draws) <= set(tied.tolist())
+    assert len(set(draws)) > 150  # uniform over 5000: ~196 distinct expected; 20 if ties were cut
+
+
+@pytest.mark.parametrize("n_valid", [1, 3, 4097, 151669])
+def test_gpu_greedy_every_position(n_valid):
+    """The vectorised scan (16-byte loads, a scalar tail when n_valid % 4) finds the maximum wherever it
+    lies, and the lower index of a tie, as numpy.argmax."""
+    from kuiper_py.sampling import SamplingParams
+    rng = np.random.default_rng()
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+    for pos in sorted({0, n_valid - 1, int(rng.integers(n_valid)), n_valid // 2}):
+        x = rng.standard_normal(n_valid + 7).astype(np.float32)
+        x[n_valid:] = 99.0  # past n_valid: never chosen
+        x[pos] = 10.0
+        twin = int(rng.integers(n_valid))
+        x[twin] = 10.0
+        assert _gpu_sample(x, greedy, n_valid) == [int(np.argmax(x[:n_valid]))]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=5, top_p=1.0),

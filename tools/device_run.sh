@@ -30,6 +30,20 @@ if [ "${PART:-1}" = final ]; then
   make_soak
   timeout 120 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
   timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -30
+elif [ "${PART:-1}" = prof ]; then  # GPU tests (TESTS=none skips), then a kernel-by-kernel decode profile
+  make_models ${PROF_MODELS:-8b} > "$OUT/make.log" 2>&1 &
+  MK=$!
+  [ "${TESTS:-all}" = none ] || { timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
+    $([ "${TESTS:-all}" = all ] && echo tests/test_gpu_moe.py tests/test_gpu.py tests/test_gpu_e2e.py || echo $TESTS) \
+    > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -12; }
+  wait $MK; grep exported "$OUT/make.log"
+  for c in ${CTX:-512}; do for mdl in ${PROF_MODELS:-8b}; do
+    timeout 120 python3 tools/profile_decode.py /tmp/$mdl.bin --ctx $c --timeline ${TIMELINE:-8} \
+      --json "$OUT/prof_${mdl}_$c.json" 2>&1 | grep -v -e upload -e _warn_once -e "warnings.warn"
+  done; done
+  [ -z "${E2E:-}" ] || [ ! -d _old ] || { echo "== _old"; timeout 150 python3 _old/tools/bench_e2e.py /tmp/8b.bin --no-hf $E2E \
+    2>&1 | grep -E "^\| [0-9]"; echo "== new"; }
+  [ -z "${E2E:-}" ] || timeout 150 python3 tools/bench_e2e.py /tmp/8b.bin --no-hf $E2E --json "$OUT/e2e.json" 2>&1 | grep -E "^\| [0-9]|^#"
 elif [ "${PART:-1}" = ab ]; then
   make_models 8b > "$OUT/make.log" 2>&1 &
   MK=$!
