@@ -2,15 +2,35 @@
 // that 36-64 layers of additions do not round away the small updates; normed outputs are fp16.
 #include "common.cuh"
 
-// h[t, :] = float(table[ids[t], :]). grid T, block 256.
+// h[t, :] = float(table[ids[t], :]). grid T, block 256, D % 8 == 0. The table may be pinned host
+// memory read over the bus: every 16-byte load of the row is issued before any is used, so a row
+// costs one bus round trip, not one per 256 elements.
+#define EMBED_MAX_VEC 4  // 16-byte loads per thread: D <= 256 * 8 * EMBED_MAX_VEC = 8192
 __global__ void embed_gather(const int* __restrict__ ids,     // [T]
-                             const half* __restrict__ table,  // [V, D]
+                             const half* __restrict__ table,  // [V, D] device or pinned host memory
                              float* __restrict__ h,           // [T, D]
                              int D) {
     pdl_wait();
     pdl_trigger();
-    const size_t row = (size_t)ids[blockIdx.x] * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) h[(size_t)blockIdx.x * D + d] = __half2float(table[row + d]);
+    const uint4* row = reinterpret_cast<const uint4*>(table + (size_t)ids[blockIdx.x] * D);
+    float4* out = reinterpret_cast<float4*>(h + (size_t)blockIdx.x * D);
+    const int nv = D / 8;
+    uint4 v[EMBED_MAX_VEC];
+#pragma unroll
+    for (int j = 0; j < EMBED_MAX_VEC; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < nv) v[j] = row[i];
+    }
+#pragma unroll
+    for (int j = 0; j < EMBED_MAX_VEC; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i >= nv) continue;
+        const half2* hp = reinterpret_cast<const half2*>(&v[j]);
+        const float2 a = __half22float2(hp[0]), b = __half22float2(hp[1]);
+        const float2 c = __half22float2(hp[2]), d = __half22float2(hp[3]);
+        out[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+        out[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+    }
 }
 
 // h += r (when r is not null); x = h / rms(h) * w. grid T, block up to 1024 (a multiple of 32): a

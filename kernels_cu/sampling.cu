@@ -95,15 +95,38 @@ __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mas
                 atomicAdd(&hist[(k >> shift) & 0xFF], by_mass ? __expf(v - mx) : 1.f);
         });
         __syncthreads();
-        if (threadIdx.x == 0) {
-            float cum = above;
-            int b = 255;
-            for (; b > 0; --b) {
-                if (cum + hist[b] >= target) break;
-                cum += hist[b];
+        if (threadIdx.x < 32) {
+            // the highest bin b with above + weight(bins >= b) >= target (else 0), and the weight above
+            // it: one warp scans from the top (lane l owns bins 8l..8l+7); a serial walk over the 256
+            // bins by one thread cost ~5 µs a round
+            const int l = threadIdx.x;
+            float h8[8], t = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) { h8[i] = hist[8 * l + i]; t += h8[i]; }
+            float incl = t;  // weight of lanes l..31
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const float v = __shfl_down_sync(0xffffffffu, incl, o);
+                if (l + o < 32) incl += v;
             }
-            red[0] = __uint_as_float(prefix | ((u32)b << shift));
-            red[1] = cum;
+            float c = above + incl - t, cum = 0.f;
+            int b = -1;
+#pragma unroll
+            for (int i = 7; i >= 0; --i) {
+                if (b < 0 && c + h8[i] >= target) { b = 8 * l + i; cum = c; }
+                c += h8[i];
+            }
+            if (b < 0 && l == 0) { b = 0; cum = c - h8[0]; }  // nothing reaches the target: bin 0
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const int ob = __shfl_xor_sync(0xffffffffu, b, o);
+                const float oc = __shfl_xor_sync(0xffffffffu, cum, o);
+                if (ob > b) { b = ob; cum = oc; }
+            }
+            if (l == 0) {
+                red[0] = __uint_as_float(prefix | ((u32)b << shift));
+                red[1] = cum;
+            }
         }
         __syncthreads();
         prefix = __float_as_uint(red[0]);

@@ -663,7 +663,18 @@ class CupyOps:
                         lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
                         None if L.router is None else up(L.router), lin(L.experts_w13, 2), lin(L.experts_w2))
                   for L in w.layers]
-        out = Weights(up(w.embed), up(w.final_norm), up(w.lm_head), layers)
+        # An untied token-embedding table (151936 x 4096 fp16 = 1.2 GB at 8B) is read one row per token,
+        # so it stays in pinned host memory, which kernels read directly over the bus (unified
+        # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
+        # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
+        if w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1":
+            embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
+            embed[...] = w.embed
+            if bar:
+                bar.update(w.embed.nbytes)
+        else:
+            embed = up(w.embed)
+        out = Weights(embed, up(w.final_norm), up(w.lm_head), layers)
         if bar:
             bar.close()
         cp.cuda.Device().synchronize()
@@ -703,7 +714,10 @@ class CupyOps:
         else:
             dev_ids = cp.asarray(np.asarray(ids, dtype=np.int32))
             h = cp.empty((T, D), cp.float32)
-        kernel("norm", "embed_gather")((T,), (256,), (dev_ids, self.weights.embed, h, _i(D)))
+        table = self.weights.embed
+        if isinstance(table, np.ndarray):  # pinned host memory: its address is valid on the device
+            table = np.uint64(table.ctypes.data)
+        kernel("norm", "embed_gather")((T,), (256,), (dev_ids, table, h, _i(D)))
         return h
 
     def add_rmsnorm(self, h, r, w):
