@@ -8,6 +8,10 @@
 //   a second pass merges the partial softmaxes.
 #include "common.cuh"
 
+#ifndef ATTN_DECODE_U
+#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
+#endif
+
 #define FA_BQ 64
 #define FA_BKV 32
 #define FA_PAD 8
@@ -180,7 +184,7 @@ attn_decode_gqa(const half* __restrict__ q,   // [H, HD] rotated
                 int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
                 int H, int KV, float scale_log2) {
     constexpr int LPK = HD / 8, KPW = 32 / LPK;  // lanes per key, keys per warp step
-    constexpr int U = HB <= 4 ? 4 : 2;           // warp steps whose loads fly together (registers)
+    constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;  // warp steps whose loads fly together (registers)
     constexpr int NG = 4 * KPW;                  // key slots per block, each with its own softmax state
     constexpr int KPB = NG * U;                  // keys per block iteration
     __shared__ float sm_o[NG][HB][HD];

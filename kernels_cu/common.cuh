@@ -171,23 +171,23 @@ __device__ __forceinline__ int decode_chunk(int n_keys, int S) {
 
 // Element d of head h of the attention output: the splits' partial softmaxes (part_o [H, S, HD]
 // unnormalised, part_ml [H, S, 2] max in the log2 domain and sum) merged over the splits that held
-// keys, rounded to fp16. Loads unrolled so the splits' reads are in flight together: a merge is
-// L2-latency bound, not bandwidth bound.
+// keys, rounded to fp16. One pass with a running max, so a split's three loads do not wait for a
+// max over all splits, unrolled so the splits' loads are in flight together: a merge is L2-latency
+// bound, not bandwidth bound.
 __device__ __forceinline__ half decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              int h, int d, int S, int HD, int n_keys) {
     const int chunk = decode_chunk(n_keys, S), used = min(S, (n_keys + chunk - 1) / chunk);
     const float* ml = part_ml + (size_t)h * S * 2;
-    float M = -INFINITY;
-#pragma unroll 8
-    for (int s = 0; s < used; ++s) M = fmaxf(M, __ldcg(ml + 2 * s));
-    float L = 0.f, od = 0.f;
+    const float* po = part_o + (size_t)h * S * HD + d;
+    float M = -INFINITY, L = 0.f, od = 0.f;
 #pragma unroll 8
     for (int s = 0; s < used; ++s) {
-        const float ms = __ldcg(ml + 2 * s), ls = __ldcg(ml + 2 * s + 1);
+        const float ms = __ldcg(ml + 2 * s), ls = __ldcg(ml + 2 * s + 1), os = __ldcg(po + (size_t)s * HD);
         if (ls == 0.f) continue;  // an empty split contributes nothing
-        const float w = exp2f(ms - M);
-        L += ls * w;
-        od += __ldcg(part_o + ((size_t)h * S + s) * HD + d) * w;
+        const float mn = fmaxf(M, ms), a = exp2f(M - mn), b = exp2f(ms - mn);  // a = 0 while M is -inf
+        L = L * a + ls * b;
+        od = od * a + os * b;
+        M = mn;
     }
     return __float2half(L > 0.f ? od / L : 0.f);
 }

@@ -40,6 +40,7 @@ GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
 GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe.cu MOE_TILE_M); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
+ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 
@@ -192,6 +193,8 @@ def _compiled(family: str, name: str):
         d = kernel_dir()
         src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text()
         opts = ("--std=c++17", f"-I{d}")
+        if family == "attn":
+            opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
                      f"-DGEMV_PIPE={GEMV_PIPE}")

@@ -87,13 +87,21 @@ def main(model, ctx, steps, timeline, json_out):
             tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
         cp.cuda.Device().synchronize()
         wall = (time.perf_counter() - t0) / steps
+        lg = ops.d["logits"].copy()
+        for _ in range(5):  # the sampler alone with the default parameters (t 0.6, top-k 20, top-p 0.95)
+            ops.d["logits"][...] = lg
+            ops.sample(ops.d["logits"], SamplingParams(), rng, [], 151669)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
     ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
                 if e.get("cat") == "kernel" and e.get("ph") == "X")
-    # steps start at each sample_token's end: split the timeline there
-    ends = [e for s, e, n in ks if n.startswith("sample_token")]
+    smp_k = [e - s for s, e, n in ks if n.startswith("sample_token")]
+    smp_default_us = float(np.mean(smp_k[-5:]))
+    # steps start at each sample_token's end: split the timeline there (the 5 default-parameter
+    # samples at the end are left out)
+    ends = [e for s, e, n in ks if n.startswith("sample_token")][:-5]
+    ks = [k for k in ks if k[1] <= ends[-1]]
     per = defaultdict(lambda: [0, 0.0])
     for s, e, n in ks:
         short = n.split("(")[0].split("<")[0]
@@ -104,10 +112,12 @@ def main(model, ctx, steps, timeline, json_out):
     union = busy(inside) / max(len(ends) - 1, 1)
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])
     res = {"gpu": gpu_name(), "context": ctx, "wall_ms": wall * 1e3, "loop_ms": loop * 1e3,
-           "replay_ms": replay * 1e3, "sample_us": smp, "span_us": span, "busy_us": union,
+           "replay_ms": replay * 1e3, "sample_us": smp, "sample_kernel_default_us": smp_default_us,
+           "span_us": span, "busy_us": union,
            "kernels": {k: {"per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in rows}}
     print(f"# {res['gpu']}: decode at context {ctx}, {steps} steps; wall {wall * 1e3:.3f} ms/step, "
-          f"GPU timeline {span:.0f} µs/step, busy (union) {union:.0f} µs, idle {span - union:.0f} µs")
+          f"GPU timeline {span:.0f} µs/step, busy (union) {union:.0f} µs, idle {span - union:.0f} µs; "
+          f"sample_token with t 0.6 / top-k 20 / top-p 0.95: {smp_default_us:.1f} µs")
     print("| kernel | per step | µs/step | µs each |\n|---|---:|---:|---:|")
     for k, (c, t) in rows:
         print(f"| {k} | {c / steps:.0f} | {t / steps:.1f} | {t / c:.2f} |")
