@@ -148,6 +148,8 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
     __shared__ __align__(16) float tmax[SMP_THREADS];  // each thread's largest scaled logit
     __shared__ __align__(16) float cand_v[SMP_CAND];    // top-k candidates: scaled logit, vocabulary index
     __shared__ int cand_i[SMP_CAND];
+    __shared__ u32 sorted_k[SMP_THREADS];               // ranked candidates' keys, descending
+    __shared__ float wmax[32];                          // each warp's largest scaled logit
     // repetition penalty: every read happens before any write, so duplicate ids apply once
     if (penalty != 1.f) {
         float pv = 0.f;
@@ -181,19 +183,40 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
     const float my_max = mx;
     tmax[threadIdx.x] = mx;
     {
+        float wm = mx;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+        if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = wm;
+    }
+    {
         int dummy = 0;
         block_argmax(mx, dummy, sv, si);
     }
-    // Top-k candidates: the k-th largest of the threads' maxima is a lower bound of the k-th largest
-    // logit (k distinct elements are at least it), so every element the filters can keep is at or
-    // above it and only threads whose maximum reaches it rescan. The candidates (a few dozen for
-    // k = 20) go to shared memory and every later pass runs on them: radix passes over the whole
-    // vocabulary had all 1024 threads adding into the same few histogram bins (~0.3 ms a round).
+    // Top-k candidates: the k-th largest of the warps' maxima (k <= 32) or of the threads' maxima is
+    // a lower bound of the k-th largest logit (k distinct elements are at least it), so every element
+    // the filters can keep is at or above it and only threads whose maximum reaches it rescan. The
+    // candidates (a few dozen for k = 20) go to shared memory and every later pass runs on them:
+    // radix passes over the whole vocabulary had all 1024 threads adding into the same few
+    // histogram bins (~0.3 ms a round).
     const float* vals = logits;  // what the filters and the draw scan: all logits, or the candidates
     const int* ids = nullptr;    // candidate -> vocabulary index (nullptr: the identity)
     int n = n_valid;
     if (top_k > 0 && top_k < n_valid && top_k <= SMP_THREADS) {
-        const u32 floor_key = radix_threshold(tmax, SMP_THREADS, 0u, false, (float)top_k, mx, hist, red);
+        u32 floor_key;
+        if (top_k <= 32) {  // every warp ranks the 32 warp maxima itself: no barrier, no histogram
+            const int lane = threadIdx.x & 31;
+            const u32 kv = fkey(wmax[lane]);
+            int r = 0;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const u32 kj = fkey(wmax[j]);
+                r += kj > kv || (kj == kv && j < lane);
+            }
+            const unsigned b = __ballot_sync(0xffffffffu, r == top_k - 1);
+            floor_key = __shfl_sync(0xffffffffu, kv, __ffs(b) - 1);
+        } else {
+            floor_key = radix_threshold(tmax, SMP_THREADS, 0u, false, (float)top_k, mx, hist, red);
+        }
         if (threadIdx.x == 0) n_cand = 0;
         __syncthreads();
         if (fkey(my_max) >= floor_key)
@@ -206,17 +229,63 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
         if (n_cand <= SMP_CAND) { vals = cand_v; ids = cand_i; n = n_cand; }  // else: many ties, scan all
     }
     u32 thr = 0;  // keep keys >= thr
-    if (top_k > 0 && top_k < n)
-        thr = radix_threshold(vals, n, 0u, false, (float)top_k, mx, hist, red);
-    if (top_p < 1.f) {
-        float z = 0.f;
-        scan_logits(vals, n, [&](int, float x) {
-            if (fkey(x) >= thr) z += __expf(x - mx);
-        });
-        z = block_sum(z, red);
+    if (ids && n <= SMP_THREADS) {
+        // Few candidates: rank them (by key, ties by slot) into descending order; top-k is then the
+        // k-th key and top-p the first prefix whose mass reaches top_p, the thresholds the radix
+        // passes would find. tmax (no longer needed) holds the sorted values.
+        const int t = threadIdx.x;
+        float* sorted_v = tmax;
+        __syncthreads();  // every warp is past its last read of tmax
+        if (t < n) {
+            const u32 kv = fkey(cand_v[t]);
+            int r = 0;
+            for (int j = 0; j < n; ++j) {
+                const u32 kj = fkey(cand_v[j]);
+                r += kj > kv || (kj == kv && j < t);
+            }
+            sorted_k[r] = kv;
+            sorted_v[r] = cand_v[t];
+        }
         __syncthreads();
-        u32 tp = radix_threshold(vals, n, thr, true, top_p * z, mx, hist, red);
-        thr = max(thr, tp);
+        if (top_k < n) thr = sorted_k[top_k - 1];
+        if (top_p < 1.f) {
+            if (t < 32) {
+                float z = 0.f;
+                for (int i = t; i < n && sorted_k[i] >= thr; i += 32) z += __expf(sorted_v[i] - mx);
+                const float target = top_p * warp_sum(z);
+                float carry = 0.f;
+                u32 tp = thr;  // nothing reaches the target (rounding): keep all, as the radix pass does
+                for (int base = 0; base < n; base += 32) {
+                    const int i = base + t;
+                    const bool in = i < n && sorted_k[i] >= thr;
+                    float incl = in ? __expf(sorted_v[i] - mx) : 0.f;
+#pragma unroll
+                    for (int o = 1; o < 32; o <<= 1) {
+                        const float v = __shfl_up_sync(0xffffffffu, incl, o);
+                        if (t >= o) incl += v;
+                    }
+                    const unsigned hit = __ballot_sync(0xffffffffu, in && carry + incl >= target);
+                    if (hit) { tp = sorted_k[base + __ffs(hit) - 1]; break; }
+                    carry += __shfl_sync(0xffffffffu, incl, 31);
+                }
+                if (t == 0) red[0] = __uint_as_float(tp);
+            }
+            __syncthreads();
+            thr = max(thr, __float_as_uint(red[0]));
+        }
+    } else {
+        if (top_k > 0 && top_k < n)
+            thr = radix_threshold(vals, n, 0u, false, (float)top_k, mx, hist, red);
+        if (top_p < 1.f) {
+            float z = 0.f;
+            scan_logits(vals, n, [&](int, float x) {
+                if (fkey(x) >= thr) z += __expf(x - mx);
+            });
+            z = block_sum(z, red);
+            __syncthreads();
+            u32 tp = radix_threshold(vals, n, thr, true, top_p * z, mx, hist, red);
+            thr = max(thr, tp);
+        }
     }
     if (min_p > 0.f) thr = max(thr, fkey(mx + __logf(min_p)));
     const unsigned long long st = *step;
