@@ -41,6 +41,7 @@ GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe.cu MOE_TILE_M); d
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
 ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
+ATTN_MAX_HEADS_PER_BLOCK = int(os.environ.get("KUIPER_ATTN_MAX_HB", "4"))  # query heads per decode block (A/B; 8 measured slower)
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 
@@ -358,10 +359,12 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
 
 
 def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
-    """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the whole GQA
-    group up to 8 (registers), else the largest divisor of the group that is at most 8."""
+    """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the largest
+    divisor of the GQA group up to ATTN_MAX_HEADS_PER_BLOCK (registers), or the whole group when it
+    is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
     G = n_heads // n_kv_heads
-    return max(d for d in range(1, 9) if G % d == 0)
+    best = max(d for d in range(1, min(G, ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
+    return G if best == 1 and G <= 8 else best
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
