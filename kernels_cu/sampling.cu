@@ -137,7 +137,7 @@ __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mas
 }
 
 __global__ void __launch_bounds__(SMP_THREADS)
-sample_token(float* __restrict__ logits,       // [V] scratch: penalised and scaled in place
+sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and scaled when top-k is off) in place
              int n_valid,                       // ids >= n_valid (vocabulary padding) never chosen
              const int* __restrict__ hist_ids,  // [n_hist] recent tokens for the repetition penalty
              int n_hist, float penalty, float temperature, int top_k, float top_p, float min_p,
@@ -175,11 +175,7 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
     }
     const float invt = 1.f / temperature;
     float mx = -INFINITY;
-    scan_logits(logits, n_valid, [&](int i, float x) {
-        x *= invt;
-        logits[i] = x;  // each element is read and written by the same thread
-        mx = fmaxf(mx, x);
-    });  // block_argmax's barrier orders these writes before later passes read them
+    scan_logits(logits, n_valid, [&](int, float x) { mx = fmaxf(mx, x * invt); });
     const float my_max = mx;
     tmax[threadIdx.x] = mx;
     {
@@ -221,12 +217,17 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised and sca
         __syncthreads();
         if (fkey(my_max) >= floor_key)
             scan_logits(logits, n_valid, [&](int i, float x) {
+                x *= invt;
                 if (fkey(x) < floor_key) return;
                 const int c = atomicAdd(&n_cand, 1);
                 if (c < SMP_CAND) { cand_v[c] = x; cand_i[c] = i; }
             });
         __syncthreads();
         if (n_cand <= SMP_CAND) { vals = cand_v; ids = cand_i; n = n_cand; }  // else: many ties, scan all
+    }
+    if (!ids) {  // the filters scan every logit: scale them in place once (each thread its own elements)
+        scan_logits(logits, n_valid, [&](int i, float x) { logits[i] = x * invt; });
+        __syncthreads();
     }
     u32 thr = 0;  // keep keys >= thr
     if (ids && n <= SMP_THREADS) {
