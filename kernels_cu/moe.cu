@@ -4,7 +4,7 @@
 //
 // Stage order (prefill):  router_logits -> topk -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU)
 //                         -> GEMM2 (down) -> finalize.
-// Stage order (decode):   router_logits -> topk -> expert GEMV gate|up (+SwiGLU)
+// Stage order (decode):   route_decode (rmsnorm + router + topk) -> expert GEMV gate|up (+SwiGLU)
 //                         -> expert GEMV down (+weighted sum over the k experts).
 // Everything stays on the device: expert ids are read by later kernels, never by the host, so a
 // decode step still replays as one CUDA graph.
@@ -50,22 +50,18 @@ __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
     if (lane == 0) logits[(size_t)t * E + e] = s;
 }
 
-// Softmax over the experts, top-k, optional renormalisation. grid ceil(T / 8), block 256: one
-// warp per token, each lane holding experts lane, lane + 32, ...
-__global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
-                         int* __restrict__ ids,             // [T, k]
-                         float* __restrict__ weights,       // [T, k]
-                         int T, int E, int k, int norm_topk) {
-    pdl_wait();
-    pdl_trigger();
-    const int lane = threadIdx.x & 31, t = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (t >= T) return;
+// Softmax over one token's E logits, top-k, optional renormalisation, by one warp (each lane
+// holding experts lane, lane + 32, ...). Logits are read through L2 (__ldcg): in the fused decode
+// router other blocks wrote them moments ago.
+__device__ __forceinline__ void moe_topk_warp(const float* __restrict__ row, int E, int k, int norm_topk,
+                                              int* __restrict__ ids, float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31;
     float p[MOE_MAX_E / 32];
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < MOE_MAX_E / 32; ++j) {
         int e = lane + 32 * j;
-        p[j] = e < E ? logits[(size_t)t * E + e] : -INFINITY;
+        p[j] = e < E ? __ldcg(row + e) : -INFINITY;
         mx = fmaxf(mx, p[j]);
     }
     mx = warp_max(mx);
@@ -102,9 +98,85 @@ __global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
         if (lane == r) { my_w = bp; my_id = be; }
     }
     if (lane < k) {
-        ids[(size_t)t * k + lane] = my_id;
-        weights[(size_t)t * k + lane] = norm_topk ? my_w / picked : my_w;
+        ids[lane] = my_id;
+        weights[lane] = norm_topk ? my_w / picked : my_w;
     }
+}
+
+// moe_topk_warp for T tokens. grid ceil(T / 8), block 256: one warp per token.
+__global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
+                         int* __restrict__ ids,             // [T, k]
+                         float* __restrict__ weights,       // [T, k]
+                         int T, int E, int k, int norm_topk) {
+    pdl_wait();
+    pdl_trigger();
+    const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (t >= T) return;
+    moe_topk_warp(logits + (size_t)t * E, E, k, norm_topk, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+// Decode routing in one launch (T = 1), replacing add_rmsnorm + moe_router_logits + moe_topk:
+// x = rmsnorm(h) * w in fp16 (every block sums the row's squares from L2 itself, the rounding of
+// add_rmsnorm), logits = x . router[e] in fp32 (one warp per expert), and the last block to arrive
+// (an atomic counter, left at zero) runs the softmax and top-k. Block 0 stores x for the experts'
+// GEMV. grid ceil(E / 8), block 256; D % 8 == 0, D <= MOE_ROUTE_MAX_D.
+#define MOE_ROUTE_MAX_D 8192
+__global__ void __launch_bounds__(256)
+moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
+                 const half* __restrict__ nw,       // [D] the norm's weight
+                 float eps,
+                 const half* __restrict__ router,   // [E, D]
+                 float* __restrict__ logits,        // [E]
+                 half* __restrict__ xout,           // [D]
+                 int* __restrict__ ids,             // [k]
+                 float* __restrict__ weights,       // [k]
+                 int* __restrict__ counter,         // zero before and after
+                 int D, int E, int k, int norm_topk) {
+    __shared__ __align__(16) half xs[MOE_ROUTE_MAX_D];
+    __shared__ float red[32];
+    __shared__ int is_last;
+    pdl_wait();
+    pdl_trigger();
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(h)[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        xs[i] = __float2half(h[i] * inv * __half2float(nw[i]));
+        if (blockIdx.x == 0) xout[i] = xs[i];
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (e < E) {
+        const uint4* xr = reinterpret_cast<const uint4*>(xs);
+        const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)e * D);
+        float s = 0.f;
+#pragma unroll 4
+        for (int i = lane; i < D / 8; i += 32) {
+            uint4 a = xr[i], b = __ldg(wr + i);
+            const half2* ah = reinterpret_cast<const half2*>(&a);
+            const half2* bh = reinterpret_cast<const half2*>(&b);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+                s += fa.x * fb.x + fa.y * fb.y;
+            }
+        }
+        s = warp_sum(s);
+        if (lane == 0) logits[e] = s;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+        if (is_last) *counter = 0;  // every arrival is in: ready for the next launch
+    }
+    __syncthreads();
+    if (!is_last || threadIdx.x >= 32) return;
+    __threadfence();
+    moe_topk_warp(logits, E, k, norm_topk, ids, weights);
 }
 
 // The expert maps, in one block of MOE_MAP_WARPS warps. Slots s = t*k + j are ordered by

@@ -87,7 +87,7 @@ _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_expert_maps", "moe_finalize"]),
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
@@ -101,7 +101,7 @@ _FILES = {
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
 PDL_KERNELS = {"gemv_w4a16", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk"} | {
+               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
 _PDL: dict[int, bool] = {}
 
@@ -445,6 +445,17 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     return ids, weights
 
 
+def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, logits, xout, ids, weights, counter):
+    """One decode token's routing in one kernel: xout = rmsnorm(h) * norm_w (fp16 [1, D], h fp32), the
+    router logits (fp32 [E]), softmax, top-k -> ids int32 [1, k], weights fp32 [1, k]. counter: one
+    int32, zero before (left zero)."""
+    D, E = h.shape[1], router.shape[0]
+    assert D % 8 == 0 and D <= 8192 and xout.size == D and logits.size >= E
+    kernel("moe", "moe_route_decode")((math.ceil(E / 8),), (256,), (
+        h, norm_w, _f(eps), router, logits, xout, ids, weights, counter, _i(D), _i(E), _i(k), _i(int(norm_topk))))
+    return ids, weights
+
+
 def moe_maps(ids, n_experts: int, out=None):
     """counts [E], expert_first_token_offset [E+1], tile offsets [E+1] (grouped-GEMM row tiles),
     permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
@@ -705,7 +716,8 @@ class CupyOps:
         }
         if E:
             self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
-                          moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16))
+                          moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
+                          moe_counter=cp.zeros((1,), cp.int32))
         self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
 
     # ------------------------------------------------------------------ the ops interface
@@ -841,9 +853,16 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
-        x = self._x(x)
+        if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
+            ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
+                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"])
+            x = d["x"]
+        else:
+            x = self._x(x)
+            ids = w = None
         if x.shape[0] == 1:
-            ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+            if ids is None:
+                ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
             if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
                 self.routing_log.append(cp.asnumpy(ids))
             return _Deferred(lambda h: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"],

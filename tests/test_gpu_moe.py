@@ -120,6 +120,30 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
         assert rel(cp.asnumpy(got), full_ref) < 1e-2
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_route_decode_fuses_norm_router_topk(layer, norm_topk):
+    """Decode's one-kernel routing: x = rmsnorm(h) * w (fp16) stored for the experts, then the same
+    experts and weights as the reference routes for that x; launched twice on fresh inputs (the
+    arrival counter must be left at zero), outputs poisoned each time."""
+    rng = np.random.default_rng()
+    counter = cp.zeros((1,), cp.int32)
+    for _ in range(2):
+        h = (rng.standard_normal((1, D)) * 3).astype(np.float32)
+        w = (rng.random(D) + 0.5).astype(np.float16)
+        xout, logits = poisoned((1, D), np.float16), poisoned((E,), np.float32)
+        ids, wts = oc.moe_route_decode(cp.asarray(h), cp.asarray(w), 1e-6, layer["router_d"], K_TOP, norm_topk,
+                                       logits, xout, poisoned((1, K_TOP), np.int32),
+                                       poisoned((1, K_TOP), np.float32), counter)
+        h64 = h.astype(np.float64)
+        x_ref = (h64 / np.sqrt(np.mean(h64 * h64) + 1e-6) * w).astype(np.float16)
+        x = cp.asnumpy(xout)
+        assert rel(x, x_ref) < 2e-3
+        ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, norm_topk)
+        assert_same_topk(cp.asnumpy(ids), ids_ref, x.astype(np.float64) @ layer["router"].T.astype(np.float64))
+        assert rel(cp.asnumpy(wts), w_ref) < 1e-5
+        assert int(counter[0]) == 0
+
+
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
