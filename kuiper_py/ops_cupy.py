@@ -684,12 +684,18 @@ class CupyOps:
         # so it stays in pinned host memory, which kernels read directly over the bus (unified
         # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
         # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
+        embed = None
         if w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1":
-            embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
-            embed[...] = w.embed
-            if bar:
-                bar.update(w.embed.nbytes)
-        else:
+            try:
+                embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
+                embed[...] = w.embed
+                if bar:
+                    bar.update(w.embed.nbytes)
+            except (cp.cuda.runtime.CUDARuntimeError, MemoryError):  # page-locked memory refused: GPU copy
+                print(f"kuiper: could not pin {w.embed.nbytes / 2**20:.0f} MiB of host memory for the token "
+                      f"embeddings; keeping them on the GPU", file=sys.stderr)
+                embed = None
+        if embed is None:
             embed = up(w.embed)
         out = Weights(embed, up(w.final_norm), up(w.lm_head), layers)
         if bar:
