@@ -158,6 +158,17 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(v);
 }
 
+// 1 / rms(h) for one fp32 row of D (D % 4 == 0) with the whole block: the prologues that normalise
+// a decode row in the kernel that consumes it (each block reads the row from L2 itself).
+__device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(h)[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    return rsqrtf(block_sum(ss, red) / D + eps);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Flash-decoding's split rule and merge (attention.cu writes the partials; the merge runs in
 // attn_decode_combine or in the o-projection GEMV's prologue).

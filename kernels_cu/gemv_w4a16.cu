@@ -94,17 +94,12 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     float inv = 0.f;
     if (hn) {
         __shared__ float nred[32];
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-            const float4 v = reinterpret_cast<const float4*>(hn)[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        inv = rsqrtf(block_sum(ss, nred) / K + eps);
+        inv = row_rms_inv(hn, K, eps, nred);
     }
     // The flash-decoding merge prologue (att_o != null, the o projection): this block's rows of x
-    // are the attention output, merged here from the splits' partials while the first weight loads
-    // fly, so decode needs no combine kernel. Splits hold whole heads' rows; each column tile's
-    // block repeats the merge of its rows (L2 reads, no extra launch or serial step).
+    // are the attention output, merged here element by element from the splits' partials while the
+    // first weight loads fly, so decode needs no combine kernel. Each column tile's block repeats
+    // the merge of its rows (L2 reads, no extra launch or serial step).
     __shared__ half xatt[GEMV_ATT_ROWS];
     const int k_lo = split * rps;
     if (att_o) {

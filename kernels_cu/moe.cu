@@ -22,6 +22,26 @@ __device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
     return pa > pb || (pa == pb && ea < eb);
 }
 
+// x . w in fp32 over D fp16 elements (D % 8 == 0) by one warp, the result in every lane: the
+// router logit of one expert. x may be in shared memory, w (a router row) is read through L1.
+__device__ __forceinline__ float router_dot(const half* x, const half* __restrict__ w, int D) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+    float s = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x & 31; i < D / 8; i += 32) {
+        uint4 a = xr[i], b = __ldg(wr + i);
+        const half2* ah = reinterpret_cast<const half2*>(&a);
+        const half2* bh = reinterpret_cast<const half2*>(&b);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+            s += fa.x * fb.x + fa.y * fb.y;
+        }
+    }
+    return warp_sum(s);
+}
+
 // logits[t, e] = x[t] . router[e] in fp32. grid (ceil(E / 8), T), block 256: one warp per expert,
 // so a decode step spreads the router's E x D read over many SMs.
 __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
@@ -32,21 +52,7 @@ __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
     pdl_trigger();
     const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
     if (e >= E) return;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)t * D);
-    const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)e * D);
-    float s = 0.f;
-#pragma unroll 4
-    for (int i = lane; i < D / 8; i += 32) {
-        uint4 a = xr[i], b = __ldg(wr + i);
-        const half2* ah = reinterpret_cast<const half2*>(&a);
-        const half2* bh = reinterpret_cast<const half2*>(&b);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-            s += fa.x * fb.x + fa.y * fb.y;
-        }
-    }
-    s = warp_sum(s);
+    const float s = router_dot(x + (size_t)t * D, router + (size_t)e * D, D);
     if (lane == 0) logits[(size_t)t * E + e] = s;
 }
 
@@ -137,12 +143,7 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
     __shared__ int is_last;
     pdl_wait();
     pdl_trigger();
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(h)[i];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+    const float inv = row_rms_inv(h, D, eps, red);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         xs[i] = __float2half(h[i] * inv * __half2float(nw[i]));
         if (blockIdx.x == 0) xout[i] = xs[i];
@@ -150,21 +151,7 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
     __syncthreads();
     const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (e < E) {
-        const uint4* xr = reinterpret_cast<const uint4*>(xs);
-        const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)e * D);
-        float s = 0.f;
-#pragma unroll 4
-        for (int i = lane; i < D / 8; i += 32) {
-            uint4 a = xr[i], b = __ldg(wr + i);
-            const half2* ah = reinterpret_cast<const half2*>(&a);
-            const half2* bh = reinterpret_cast<const half2*>(&b);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-                s += fa.x * fb.x + fa.y * fb.y;
-            }
-        }
-        s = warp_sum(s);
+        const float s = router_dot(xs, router + (size_t)e * D, D);
         if (lane == 0) logits[e] = s;
     }
     __threadfence();

@@ -383,9 +383,8 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     return parts if out is None else attention_combine(parts, out)
 
 
-def attention_combine(parts, out):
-    """Merge flash-decoding partials (_AttnParts) into out [1, H*hd] fp16 (attn_decode_combine)."""
-    p = parts
+def attention_combine(p, out):
+    """Merge flash-decoding partials p (_AttnParts) into out [1, H*hd] fp16 (attn_decode_combine)."""
     kernel("attn", "attn_decode_combine")((p.heads,), (p.hd,), (p.part_o, p.part_ml, out, _i(p.splits), _i(p.hd),
                                                                 _i(p.n_keys),
                                                                 p.pos_dev if p.pos_dev is not None else np.uint64(0)))

@@ -382,6 +382,19 @@ def _gpu_sample(logits, params, n_valid, history=(), seed=0, n=1):
     return out
 
 
+def assert_draws_follow_filtered_softmax(x, p, n_valid, rng, n=3000):
+    """3000 GPU draws from logits x: only tokens the NumPy filters keep, at frequencies within 0.035
+    of the exact filtered softmax."""
+    from kuiper_py.sampling import filter_logits
+    ref = filter_logits(x[:n_valid].astype(np.float64), p)
+    prob = np.exp(ref - ref.max())
+    prob /= prob.sum()
+    draws = _gpu_sample(x, p, n_valid, seed=int(rng.integers(1 << 30)), n=n)
+    freq = np.bincount(draws, minlength=n_valid) / n
+    assert set(np.nonzero(freq)[0]) <= set(np.nonzero(prob)[0])
+    assert np.abs(freq - prob).max() < 0.035
+
+
 def test_gpu_greedy_ties_padding_and_penalty():
     from kuiper_py.sampling import SamplingParams, sample
     rng = np.random.default_rng()
@@ -399,21 +412,14 @@ def test_gpu_greedy_ties_padding_and_penalty():
 def test_gpu_topk_candidates_full_vocabulary(kw):
     """Top-k over the real vocabulary size, where the kernel keeps its candidates in shared memory
     (sampling.cu): frequencies match the exact filtered softmax of the NumPy code."""
-    from kuiper_py.sampling import SamplingParams, filter_logits
+    from kuiper_py.sampling import SamplingParams
     p = SamplingParams(**kw).validate()
     rng = np.random.default_rng()
     x = (rng.standard_normal(151936) * 2.0).astype(np.float32)
     top = rng.choice(151669, 40, replace=False)
     x[top] = 9.0 + rng.standard_normal(40).astype(np.float32)  # plausible tokens anywhere in the vocabulary
     x[151700] = 40.0  # padding id: never chosen
-    ref = filter_logits(x[:151669].astype(np.float64), p)
-    prob = np.exp(ref - ref.max())
-    prob /= prob.sum()
-    n = 3000
-    draws = _gpu_sample(x, p, 151669, seed=int(rng.integers(1 << 30)), n=n)
-    freq = np.bincount(draws, minlength=151669) / n
-    assert set(np.nonzero(freq)[0]) <= set(np.nonzero(prob)[0])
-    assert np.abs(freq - prob).max() < 0.035
+    assert_draws_follow_filtered_softmax(x, p, 151669, rng)
 
 
 def test_gpu_topk_many_ties_scan_everything():
@@ -451,16 +457,9 @@ def test_gpu_greedy_every_position(n_valid):
                                 dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2)])
 def test_gpu_sampling_distribution(kw):
     """Empirical frequencies of the GPU sampler match the exact filtered softmax of the NumPy code."""
-    from kuiper_py.sampling import SamplingParams, filter_logits
+    from kuiper_py.sampling import SamplingParams
     p = SamplingParams(**kw).validate()
     rng = np.random.default_rng()
     x = np.full(2000, -30.0, dtype=np.float32)
     x[:12] = rng.standard_normal(12) * 1.5  # a few plausible tokens over a long flat tail
-    ref = filter_logits(x.astype(np.float64), p)
-    prob = np.exp(ref - ref.max())
-    prob /= prob.sum()
-    n = 3000
-    draws = _gpu_sample(x, p, 2000, seed=int(rng.integers(1 << 30)), n=n)
-    freq = np.bincount(draws, minlength=2000) / n
-    assert set(np.nonzero(freq)[0]) <= set(np.nonzero(prob)[0])
-    assert np.abs(freq - prob).max() < 0.035
+    assert_draws_follow_filtered_softmax(x, p, 2000, rng)

@@ -68,7 +68,6 @@ def main(model, ctx, steps, timeline, json_out):
     ops._stream.synchronize()
     replay = (time.perf_counter() - t0) / steps
     ops._dev_pos = None  # the replays advanced the device position; the next step refills it
-    ops.d["pos"].fill(m.pos)
     smp = {}
     for name, sp in (("greedy", GREEDY), ("t0.6 k20 p0.95", SamplingParams())):
         lg = ops.d["logits"].copy()
