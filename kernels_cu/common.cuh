@@ -24,7 +24,7 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
 }
 
 // Four half2 with the biased codes of columns (0,1),(2,3),(4,5),(6,7): pairs 0 and 2 hold
-// 1024+q, pairs 1 and 3 hold 1024+16q (subtract and rescale with awq_bias below).
+// 1024+q, pairs 1 and 3 hold 1024+16q (awq_zero_bias / awq_dequant8 below undo the bias).
 __device__ __forceinline__ void awq_magic(u32 w, half2 (&h)[4]) {
     const u32 lo = 0x000f000fu, hi = 0x00f000f0u, ex = 0x64006400u;
     u32 r0 = lop3_and_or(w, lo, ex);
@@ -38,28 +38,35 @@ __device__ __forceinline__ void awq_magic(u32 w, half2 (&h)[4]) {
     h[3] = *reinterpret_cast<half2*>(&r3);
 }
 
-// The biased zero points matching awq_magic's pairs: subtracting them leaves the exact small
-// integer (q - z) or 16(q - z), so no precision is lost before the scale multiplies it.
+// The zero points matching awq_magic's pairs: pairs 0 and 2 hold 1024+z, pairs 1 and 3 hold
+// -(64+z), so awq_dequant8 recovers q - z exactly in both (see there).
 __device__ __forceinline__ void awq_zero_bias(u32 zword, half2 (&zb)[4]) {
+    const half2 minus_sixteenth = __float2half2_rn(-0.0625f);
     awq_magic(zword, zb);
+    zb[1] = __hmul2(zb[1], minus_sixteenth);  // exact: (1024 + 16z) / 16 = 64 + z
+    zb[3] = __hmul2(zb[3], minus_sixteenth);
 }
 
-// w = (q - z) * s for 8 columns: s2[i] holds the scales of pair i (pairs 1 and 3 pre-divided by 16).
+// w = (q - z) * s for 8 columns, s2[i] the raw scales of pair i. q - z is exact before the one
+// rounding of the product: h - (1024+z) for pairs 0 and 2, h/16 - (64+z) in one fma for pairs 1 and
+// 3. (Pre-dividing those scales by 16 instead would push small scales into fp16's subnormal range.)
 __device__ __forceinline__ void awq_dequant8(u32 w, const half2 (&zb)[4], const half2 (&s2)[4],
                                              half2 (&out)[4]) {
+    const half2 sixteenth = __float2half2_rn(0.0625f);
     half2 h[4];
     awq_magic(w, h);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out[i] = __hmul2(__hsub2(h[i], zb[i]), s2[i]);
+    out[0] = __hmul2(__hsub2(h[0], zb[0]), s2[0]);
+    out[1] = __hmul2(__hfma2(h[1], sixteenth, zb[1]), s2[1]);
+    out[2] = __hmul2(__hsub2(h[2], zb[2]), s2[2]);
+    out[3] = __hmul2(__hfma2(h[3], sixteenth, zb[3]), s2[3]);
 }
 
 // Scales of 8 consecutive columns (one 16-byte load) as awq_dequant8 wants them.
 __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
-    const half2 sixteenth = __float2half2_rn(0.0625f);
     s2[0] = *reinterpret_cast<half2*>(&raw.x);
-    s2[1] = __hmul2(*reinterpret_cast<half2*>(&raw.y), sixteenth);
+    s2[1] = *reinterpret_cast<half2*>(&raw.y);
     s2[2] = *reinterpret_cast<half2*>(&raw.z);
-    s2[3] = __hmul2(*reinterpret_cast<half2*>(&raw.w), sixteenth);
+    s2[3] = *reinterpret_cast<half2*>(&raw.w);
 }
 
 // ---------------------------------------------------------------------------------------------

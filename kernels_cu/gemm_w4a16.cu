@@ -268,11 +268,54 @@ gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
     gemm_moe<GEMM_GROUPED>(act, qw, qz, sc, y, offsets, tile_offsets, nullptr, 1, E, N, K, group);
 }
 
-// SwiGLU for prefill: out[i] = silu(gate[i]) * up[i] over M*I elements (fp16 in, fp32 math).
+// Large-M prefill dequantizes the weights once per call into an fp16 scratch matrix and hands
+// the product to cuBLAS (ops_cupy.gemm, the path vLLM and llama.cpp take for big batches): at
+// M >= a few hundred the tensor-core FP16 GEMM outruns this file's mma.sync tile by ~3x, and
+// writing K x N halves costs about one extra weight pass. A thread owns one 16-byte tiled load
+// (4 rows of one packed word) and writes those rows' 8 columns with 16-byte stores, so a warp
+// reads 512 contiguous bytes and writes four 512-byte row spans.
+__global__ void __launch_bounds__(256)
+awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
+            const u32* __restrict__ qz,   // [K/g, N/8]
+            const half* __restrict__ sc,  // [K/g, N]
+            half* __restrict__ W,         // [K, N] row-major
+            int N, int K, int group) {
+    // grid: ceil(N/256) tiles x (K/4) quads x 32 words of threads; consecutive threads take
+    // consecutive words of one row quad inside a 32-word tile
+    const int Wd = N / 8;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = (int)(i / ((size_t)(K / 4) * 32)), r = (int)(i % ((size_t)(K / 4) * 32));
+    if (t * 32 >= Wd) return;
+    const int tw = min(32, Wd - t * 32);
+    if (r >= (K / 4) * tw) return;  // a narrower last tile has fewer words per quad
+    const int k = (r / tw) * 4, w = t * 32 + r % tw;
+    const uint4 q = *reinterpret_cast<const uint4*>(qw + awq_tiled_offset(k, w, Wd, K));
+    const int gi = k / group;  // group % 4 == 0: the quad's four rows share a group
+    half2 zb[4], s2[4], o[4];
+    awq_zero_bias(qz[(size_t)gi * Wd + w], zb);
+    awq_scales8(*reinterpret_cast<const uint4*>(sc + (size_t)gi * N + w * 8), s2);
+    const u32 rows[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        awq_dequant8(rows[j], zb, s2, o);
+        *reinterpret_cast<uint4*>(W + (size_t)(k + j) * N + w * 8) = *reinterpret_cast<uint4*>(o);
+    }
+}
+
+// SwiGLU for prefill: out[i] = silu(gate[i]) * up[i] over n = M*I elements (fp16 in, fp32 math),
+// 8 per thread with 16-byte accesses (n % 8 == 0; the arrays come from the pool, 256-byte aligned).
 __global__ void silu_mul(const half* __restrict__ gate, const half* __restrict__ up, half* __restrict__ out,
                          int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
-    float g = __half2float(gate[i]);
-    out[i] = __float2half(g / (1.f + __expf(-g)) * __half2float(up[i]));
+    uint4 gv = *reinterpret_cast<const uint4*>(gate + i), uv = *reinterpret_cast<const uint4*>(up + i), ov;
+    const half2* g2 = reinterpret_cast<const half2*>(&gv);
+    const half2* u2 = reinterpret_cast<const half2*>(&uv);
+    half2* o2 = reinterpret_cast<half2*>(&ov);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 g = __half22float2(g2[j]), u = __half22float2(u2[j]);
+        o2[j] = __floats2half2_rn(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y);
+    }
+    *reinterpret_cast<uint4*>(out + i) = ov;
 }

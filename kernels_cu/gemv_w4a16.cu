@@ -132,7 +132,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                 xs[r] = hn ? __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r]))
                            : att_o ? xatt[k0 + r - k_lo] : x[k0 + r];
             half2 zb[4];
-            awq_zero_bias(zw, zb);
+            awq_magic(zw, zb);  // biased zero codes: h - zb is q - z, or 16(q - z) in pairs 1 and 3
             // raw scales: the x/16 below already undoes the 16 of pairs 1 and 3
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};

@@ -34,6 +34,10 @@ GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
 # KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
 GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""), 0)
+# prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
+# on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
+# so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
+GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
@@ -86,7 +90,7 @@ def gpu_memory_used_mib() -> float:
 _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
-    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "gemm_moe_gate_up", "gemm_moe_down"]),
+    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)]),
@@ -336,10 +340,36 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     return out
 
 
-def gemm(x, m: AwqLinear, out=None):
-    """Prefill projection: x [T, K] fp16 -> [T, N] fp16 through the tensor-core W4A16 GEMM."""
+_DEQ: dict[int, object] = {}
+
+
+def _dequant_scratch(n: int):
+    """The fp16 matrix the large-M path dequantizes into: one per device, grown to the largest
+    projection met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
+    dev = cp.cuda.Device().id
+    if dev not in _DEQ or _DEQ[dev].size < n:
+        _DEQ.pop(dev, None)
+        _DEQ[dev] = cp.empty((n,), cp.float16)
+    return _DEQ[dev][:n]
+
+
+def awq_dequant(m: AwqLinear, out=None):
+    """The fp16 matrix [K, N] of a device AwqLinear (qweight tiled), (q - z) * s per element."""
+    out = _dequant_scratch(m.K * m.N).reshape(m.K, m.N) if out is None else out
+    threads = math.ceil(m.N / GEMV_COLS) * (m.K // 4) * 32
+    kernel("gemm", "awq_dequant")((math.ceil(threads / 256),), (256,), (m.qweight, m.qzeros, m.scales, out,
+                                                                          _i(m.N), _i(m.K), _i(m.group_size)))
+    return out
+
+
+def gemm(x, m: AwqLinear, out=None, path: str | None = None):
+    """Prefill projection: x [T, K] fp16 -> [T, N] fp16. From GEMM_DEQUANT_MIN_M rows the weights are
+    dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32
+    accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     T = x.shape[0]
     out = cp.empty((T, m.N), cp.float16) if out is None else out
+    if (path or ("dequant" if T >= GEMM_DEQUANT_MIN_M else "mma")) == "dequant":
+        return cp.matmul(x, awq_dequant(m), out=out)
     # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
     # slower at 128-512 (fewer blocks than SMs x 2)
     bm = GEMM_FORCE_BM or (128 if T >= 1024 else 64)
@@ -851,7 +881,7 @@ class CupyOps:
                         **self._gemv_in(x))
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)
         out = cp.empty_like(g)
-        kernel("gemm", "silu_mul")((math.ceil(g.size / 256),), (256,), (g, u, out, _i(g.size)))
+        kernel("gemm", "silu_mul")((math.ceil(g.size / 2048),), (256,), (g, u, out, _i(g.size)))
         return out
 
     def moe(self, x, layer: Layer):

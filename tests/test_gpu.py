@@ -178,15 +178,43 @@ def test_gemv_rmsnorm_prologue_and_residual_epilogue_in_a_graph():
 @pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 6144), (12288, 4096), (1024, 3072), (5120, 1024),
                                  (5120, 8192), (8192, 5120), (5120, 25600), (25600, 5120)])
 def test_gemm_shapes(M, K, N):
+    """The fused W4A16 MMA GEMM (its tile code is also the MoE grouped GEMMs')."""
     if M == 2047 and K * N > 4096 * 6144:
         pytest.skip("reference too slow on the host for this combination")
     rng = np.random.default_rng()
     m, r = rand_awq(rng, K, N)
     x = rng.standard_normal((M, K)).astype(np.float16)
     out = nan_like((M, N), cp.float16)
-    oc.gemm(cp.asarray(x), m, out)
+    oc.gemm(cp.asarray(x), m, out, path="mma")
     ref = x.astype(np.float32) @ r.astype(np.float32)
     assert rel(cp.asnumpy(out), ref) < 1e-2
+
+
+@pytest.mark.parametrize("K,N,g", [(4096, 6144, 128), (12288, 4096, 128), (384, 96, 32), (256, 416, 64)])
+def test_awq_dequant(K, N, g):
+    """The large-M prefill path's fp16 matrix: every element (q - z) * s rounded once, also in a
+    narrower last column tile and with small groups."""
+    rng = np.random.default_rng()
+    m, r = rand_awq(rng, K, N, g)
+    out = nan_like((K, N), cp.float16)
+    oc.awq_dequant(m, out)
+    got = cp.asnumpy(out).astype(np.float64)
+    # q - z is exact, so one fp16 rounding of the exact product: half an ulp, or 2^-25 if subnormal
+    assert np.all(np.abs(got - r) <= 2.0**-11 * np.abs(r) + 2.0**-25)
+
+
+@pytest.mark.parametrize("M", [2, 17, 300, 1030])
+@pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096), (5120, 25600), (1024, 3072), (384, 96)])
+def test_gemm_dequant_path(M, K, N):
+    """gemm()'s default prefill path, dequantize + cuBLAS, against the float64 dequantized reference;
+    the scratch matrix is poisoned first, so a dequantization that skips elements shows."""
+    rng = np.random.default_rng()
+    m, r = rand_awq(rng, K, N, 32 if K == 384 else 128)
+    oc._dequant_scratch(K * N).fill(np.nan)
+    x = rng.standard_normal((M, K)).astype(np.float16)
+    out = nan_like((M, N), cp.float16)
+    oc.gemm(cp.asarray(x), m, out, path=None if M >= oc.GEMM_DEQUANT_MIN_M else "dequant")  # None: the dispatch
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
 def attention_ref(q, K, V, pos0):

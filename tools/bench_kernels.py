@@ -4,6 +4,8 @@ throughput vs cuBLAS FP16 (cupy.matmul), at the Qwen3-8B projection shapes. Weig
 rotated so their total is several times the L2 cache: these are DRAM numbers.
 
     python tools/bench_kernels.py [--json OUT.json]
+
+KUIPER_BENCH_GEMV_ONLY=1 / KUIPER_BENCH_GEMM_ONLY=1 run one of the two tables.
 """
 import json
 import math
@@ -18,7 +20,7 @@ import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import gemm, gemv, gpu_name, lm_head, moe_gate_up_views  # noqa: E402
+from kuiper_py.ops_cupy import GEMM_DEQUANT_MIN_M, awq_dequant, gemm, gemv, gpu_name, lm_head, moe_gate_up_views  # noqa: E402
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
@@ -75,79 +77,92 @@ def main():
     copy_res = copy_bandwidth()
     copy_bw = copy_res["best"]  # GB/s, read + write
     out["copy_GBps"], out["copy_detail_GBps"] = copy_bw, copy_res
-    partial = cp.empty((1 << 23,), cp.float32)
-    for name, mats in DEC.items():
-        per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
-        copies = max(2, math.ceil(6 * l2 / per))
-        sets = [[rand_awq(K, N) for K, N in mats] for _ in range(copies)]
-        K = mats[0][0]
-        x = (cp.random.standard_normal((1, K)) * 0.1).astype(cp.float16)
-        nout = sum(N for _, N in mats) if "gate" not in name else mats[0][1]
-        o = cp.empty((1, nout), cp.float16)
-        kind = "swiglu" if "gate" in name else "plain"
-        t = time_ms(lambda i: gemv(x, sets[i % copies], kind, o, partial))
-        bw = per / t / 1e6
-        out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
-                              "weight_bytes": per, "rotated_copies": copies})
-    V, D = 151936, 4096
-    W = [(cp.random.standard_normal((V, D), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(2)]
-    x = cp.random.standard_normal(D, dtype=cp.float32).astype(cp.float16)
-    lo = cp.empty(V, cp.float32)
-    t = time_ms(lambda i: lm_head(x, W[i % 2], lo))
-    bw = V * D * 2 / t / 1e6
-    out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
-                          "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
-    W = None
-    # Qwen3-30B-A3B decode: the 8 selected experts of one layer (of 128) in one launch each
-    E, k, D3, I3 = 128, 8, 2048, 768
-    for name, K, N in (("30B-A3B experts gate|up 8x(2048->2x768)", D3, 2 * I3), ("30B-A3B experts down 8x(768->2048)", I3, D3)):
-        per_exp = K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2
-        copies = max(2, math.ceil(6 * l2 / (per_exp * E)))
-        stacks = []
-        for _ in range(copies):
-            qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, K, N // 8), dtype=cp.int64).astype(cp.int32)
-            qz = cp.random.randint(-2**31, 2**31 - 1, size=(E, K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
-            sc = (cp.random.random((E, K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
-            stacks.append(AwqStack(qw, qz, sc, 128))
-        ids = cp.asarray(np.random.default_rng(0).choice(E, k, replace=False).astype(np.int32))
-        w = cp.full((k,), 1.0 / k, cp.float32)
-        if N == 2 * I3:
+    if os.environ.get("KUIPER_BENCH_GEMM_ONLY") != "1":  # KUIPER_BENCH_GEMM_ONLY=1: the prefill table alone
+        partial = cp.empty((1 << 23,), cp.float32)
+        for name, mats in DEC.items():
+            per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
+            copies = max(2, math.ceil(6 * l2 / per))
+            sets = [[rand_awq(K, N) for K, N in mats] for _ in range(copies)]
+            K = mats[0][0]
             x = (cp.random.standard_normal((1, K)) * 0.1).astype(cp.float16)
-            o = cp.empty((k, I3), cp.float16)
+            nout = sum(N for _, N in mats) if "gate" not in name else mats[0][1]
+            o = cp.empty((1, nout), cp.float16)
+            kind = "swiglu" if "gate" in name else "plain"
+            t = time_ms(lambda i: gemv(x, sets[i % copies], kind, o, partial))
+            bw = per / t / 1e6
+            out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
+                                  "weight_bytes": per, "rotated_copies": copies})
+        V, D = 151936, 4096
+        W = [(cp.random.standard_normal((V, D), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(2)]
+        x = cp.random.standard_normal(D, dtype=cp.float32).astype(cp.float16)
+        lo = cp.empty(V, cp.float32)
+        t = time_ms(lambda i: lm_head(x, W[i % 2], lo))
+        bw = V * D * 2 / t / 1e6
+        out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
+                              "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
+        W = None
+        # Qwen3-30B-A3B decode: the 8 selected experts of one layer (of 128) in one launch each
+        E, k, D3, I3 = 128, 8, 2048, 768
+        for name, K, N in (("30B-A3B experts gate|up 8x(2048->2x768)", D3, 2 * I3), ("30B-A3B experts down 8x(768->2048)", I3, D3)):
+            per_exp = K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2
+            copies = max(2, math.ceil(6 * l2 / (per_exp * E)))
+            stacks = []
+            for _ in range(copies):
+                qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, K, N // 8), dtype=cp.int64).astype(cp.int32)
+                qz = cp.random.randint(-2**31, 2**31 - 1, size=(E, K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
+                sc = (cp.random.random((E, K // 128, N), dtype=cp.float32) * 1e-3).astype(cp.float16)
+                stacks.append(AwqStack(qw, qz, sc, 128))
+            ids = cp.asarray(np.random.default_rng(0).choice(E, k, replace=False).astype(np.int32))
+            w = cp.full((k,), 1.0 / k, cp.float32)
+            if N == 2 * I3:
+                x = (cp.random.standard_normal((1, K)) * 0.1).astype(cp.float16)
+                o = cp.empty((k, I3), cp.float16)
 
-            def run(i):
-                gemv(x, list(moe_gate_up_views(stacks[i % copies])), "swiglu", o, partial, ids=ids, ld=N)
-        else:
-            x = (cp.random.standard_normal((k, K)) * 0.1).astype(cp.float16)
-            o = cp.empty((1, N), cp.float16)
+                def run(i):
+                    gemv(x, list(moe_gate_up_views(stacks[i % copies])), "swiglu", o, partial, ids=ids, ld=N)
+            else:
+                x = (cp.random.standard_normal((k, K)) * 0.1).astype(cp.float16)
+                o = cp.empty((1, N), cp.float16)
 
-            def run(i):
-                gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K)
-        t = time_ms(run)
-        bw = k * per_exp / t / 1e6
-        out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
-                              "weight_bytes": k * per_exp, "rotated_copies": copies})
-    stacks = None
+                def run(i):
+                    gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K)
+            t = time_ms(run)
+            bw = k * per_exp / t / 1e6
+            out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
+                                  "weight_bytes": k * per_exp, "rotated_copies": copies})
+        stacks = None
     if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
         PRE.clear()
     for name, (K, N) in PRE.items():
-        m = rand_awq(K, N)
-        Wf = (cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16)
-        for M in (16, 128, 512, 2048):
+        # weights rotated over > 6x L2 on both sides, as for the GEMV: each layer's weights come from DRAM
+        nq, nf = max(2, math.ceil(6 * l2 / (K * N // 2))), max(2, math.ceil(6 * l2 / (K * N * 2)))
+        ms = [rand_awq(K, N) for _ in range(nq)]
+        Wf = [(cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(nf)]
+        for M in (4, 16, 128, 256, 512, 2048):
             a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
             c = cp.empty((M, N), cp.float16)
-            t_ours = time_ms(lambda i: gemm(a, m, c), iters=20)
-            t_cublas = time_ms(lambda i: cp.matmul(a, Wf, out=c), iters=20)
+            t_mma = time_ms(lambda i: gemm(a, ms[i % nq], c, path="mma"), iters=20)
+            t_deq = time_ms(lambda i: gemm(a, ms[i % nq], c, path="dequant"), iters=20)
+            t_cublas = time_ms(lambda i: cp.matmul(a, Wf[i % nf], out=c), iters=20)
+            t_dq = time_ms(lambda i: awq_dequant(ms[i % nq]), iters=20)  # the dequant path's first half alone
+            path = "dequant" if M >= GEMM_DEQUANT_MIN_M else "mma"  # what gemm() picks
+            t_ours = t_deq if path == "dequant" else t_mma
             fl = 2 * M * K * N
-            out["prefill"].append({"shape": name, "M": M, "ours_TFLOPs": fl / t_ours / 1e9,
-                                   "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours})
+            out["prefill"].append({"shape": name, "M": M, "path": path, "ours_TFLOPs": fl / t_ours / 1e9,
+                                   "mma_TFLOPs": fl / t_mma / 1e9, "dequant_cublas_TFLOPs": fl / t_deq / 1e9,
+                                   "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours,
+                                   "dequant_us": t_dq * 1e3, "dequant_GBps": K * N * 2.5 / t_dq / 1e6,
+                                   "rotated_copies": [nq, nf]})
+        ms = Wf = None
     print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write; memcpy {copy_res['memcpy']:.0f}, kernel {copy_res['kernel']:.0f})")
     print("| decode GEMV | us | GB/s | / copy |\n| --- | ---: | ---: | ---: |")
     for r in out["decode"]:
         print(f"| {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['ratio_to_copy']:.2f} |")
-    print("| prefill GEMM | M | ours TFLOP/s | cuBLAS fp16 TFLOP/s | ratio |\n| --- | ---: | ---: | ---: | ---: |")
+    print("| prefill GEMM | M | path taken | MMA TFLOP/s | dequant+cuBLAS TFLOP/s | cuBLAS fp16 TFLOP/s | ours / cuBLAS "
+          "| dequant alone µs (GB/s) |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in out["prefill"]:
-        print(f"| {r['shape']} | {r['M']} | {r['ours_TFLOPs']:.1f} | {r['cublas_TFLOPs']:.1f} | {r['ratio']:.2f} |")
+        print(f"| {r['shape']} | {r['M']} | {r['path']} | {r['mma_TFLOPs']:.1f} | {r['dequant_cublas_TFLOPs']:.1f} | "
+              f"{r['cublas_TFLOPs']:.1f} | {r['ratio']:.2f} | {r['dequant_us']:.1f} ({r['dequant_GBps']:.0f}) |")
     if len(sys.argv) > 2 and sys.argv[1] == "--json":
         Path(sys.argv[2]).write_text(json.dumps(out, indent=1))
 
