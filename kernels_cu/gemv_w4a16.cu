@@ -176,16 +176,36 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
 }
 
 // sum_i w_i * p[i * stride] over n partials (w == null: weights 1; else w_i = w[i / per_w]), loads
-// issued eight at a time: the reduction runs on one block per tile, so L2 latency, not bandwidth,
-// bounds it.
+// issued GEMV_SUM_BATCH at a time: the reduction runs on one block per tile after every split has
+// arrived, so each batch is one L2 round trip on the step's critical path (32 splits: 2 round trips,
+// not 4 as with batches of 8; 32 at a time spills under the 64-register bound).
+#ifndef GEMV_SUM_BATCH
+#define GEMV_SUM_BATCH 16
+#endif
 __device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t stride, const float* w, int per_w) {
     float s = 0.f;
-    for (int i = 0; i < n; i += 8) {
-        float v[8];
+    for (int i = 0; i < n; i += GEMV_SUM_BATCH) {
+        float v[GEMV_SUM_BATCH];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = i + j < n ? __ldcg(p + (size_t)(i + j) * stride) : 0.f;
+        for (int j = 0; j < GEMV_SUM_BATCH; ++j) v[j] = i + j < n ? __ldcg(p + (size_t)(i + j) * stride) : 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s += (w && i + j < n) ? w[(i + j) / per_w] * v[j] : v[j];
+        for (int j = 0; j < GEMV_SUM_BATCH; ++j) s += (w && i + j < n) ? w[(i + j) / per_w] * v[j] : v[j];
+    }
+    return s;
+}
+
+// Two columns' sums at once (SwiGLU's gate and up), their loads in the same batches.
+__device__ __forceinline__ float2 gemv_sum_partials2(const float* p, const float* q, int n, size_t stride) {
+    float2 s = make_float2(0.f, 0.f);
+    for (int i = 0; i < n; i += GEMV_SUM_BATCH / 2) {
+        float a[GEMV_SUM_BATCH / 2], b[GEMV_SUM_BATCH / 2];
+#pragma unroll
+        for (int j = 0; j < GEMV_SUM_BATCH / 2; ++j) {
+            a[j] = i + j < n ? __ldcg(p + (size_t)(i + j) * stride) : 0.f;
+            b[j] = i + j < n ? __ldcg(q + (size_t)(i + j) * stride) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_SUM_BATCH / 2; ++j) { s.x += a[j]; s.y += b[j]; }
     }
     return s;
 }
@@ -308,8 +328,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
             if (resid) resid[col] += __half2float(__float2half(s));
             else out[(size_t)slot * n_total + col_off + col] = __float2half(s);
         } else if (epi == GEMV_EPI_SWIGLU) {
-            float g = gemv_sum_partials(part + col, S, n_total, nullptr, 1);
-            float u = gemv_sum_partials(part + N0 + col, S, n_total, nullptr, 1);
+            const float2 gu = gemv_sum_partials2(part + col, part + N0 + col, S, n_total);
+            const float g = gu.x, u = gu.y;
             out[(size_t)slot * N0 + col] = __float2half(g / (1.f + __expf(-g)) * u);
         } else {  // slots' partials are contiguous: [slots * S, n_total], weight of row q is slot_w[q / S]
             float acc = gemv_sum_partials(partial + col, S * gridDim.z, n_total, slot_w, S);

@@ -32,6 +32,7 @@ GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # epilogue reduces slots x splits partials in one block, so it aims at 1
 GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
+GEMV_SUM_BATCH = int(os.environ.get("KUIPER_GEMV_SUM_BATCH", "16"))  # partials the fused reduction loads at once (A/B)
 # KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
 GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""), 0)
 # prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
@@ -202,7 +203,7 @@ def _compiled(family: str, name: str):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                     f"-DGEMV_PIPE={GEMV_PIPE}")
+                     f"-DGEMV_PIPE={GEMV_PIPE}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
