@@ -1,4 +1,6 @@
 // Prefill (M > 1) W4A16 GEMM: C[M, N] fp16 = A[M, K] fp16 x dequant(W)[K, N].
+// (Dense prefill takes awq_dequant + cuBLAS by default, see there; this fused GEMM serves the MoE
+// grouped GEMMs and ops_cupy.gemm(path="mma").)
 //
 // Multi-stage cp.async pipeline brings A tiles and *packed* weight tiles (with that K tile's
 // group of scales and zeros) into shared memory; each K tile is dequantized once with LOP3 into

@@ -628,6 +628,8 @@ class CupyOps:
         self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
+        # the prefill projections go through cuBLAS: create its handle now, not in the first prompt
+        cp.matmul(cp.zeros((2, 64), cp.float16), cp.zeros((64, 64), cp.float16))
 
     def alloc_cache(self, max_context: int) -> None:
         """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
