@@ -270,10 +270,10 @@ gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
     gemm_moe<GEMM_GROUPED>(act, qw, qz, sc, y, offsets, tile_offsets, nullptr, 1, E, N, K, group);
 }
 
-// Large-M prefill dequantizes the weights once per call into an fp16 scratch matrix and hands
-// the product to cuBLAS (ops_cupy.gemm, the path vLLM and llama.cpp take for big batches): at
-// M >= a few hundred the tensor-core FP16 GEMM outruns this file's mma.sync tile by ~3x, and
-// writing K x N halves costs about one extra weight pass. A thread owns one 16-byte tiled load
+// Dense prefill dequantizes the weights once per call into an fp16 scratch matrix and hands the
+// product to cuBLAS (ops_cupy.gemm, the path vLLM and llama.cpp take for big batches): cuBLAS's
+// FP16 GEMM outruns this file's mma.sync tile ~3x at M >= 512, and was faster at every M measured
+// down to 4; writing K x N halves costs about one extra weight pass. A thread owns one 16-byte tiled load
 // (4 rows of one packed word) and writes those rows' 8 columns with 16-byte stores, so a warp
 // reads 512 contiguous bytes and writes four 512-byte row spans.
 __global__ void __launch_bounds__(256)
