@@ -363,13 +363,31 @@ def awq_dequant(m: AwqLinear, out=None):
     return out
 
 
+_CUBLAS: dict[int, bool] = {}
+
+
+def cublas_ready() -> bool:
+    """cuBLAS loaded and its handle made on this device (one tiny fp16 matmul). If the library cannot
+    be loaded, one stderr line, and dense prefill stays on the fused MMA GEMM."""
+    dev = cp.cuda.Device().id
+    if dev not in _CUBLAS:
+        try:
+            cp.matmul(cp.zeros((2, 64), cp.float16), cp.zeros((64, 64), cp.float16))
+            _CUBLAS[dev] = True
+        except Exception as e:  # noqa: BLE001 - a missing or broken libcublas, whatever CuPy raises
+            print(f"kuiper: cuBLAS unavailable ({type(e).__name__}: {e}); prefill uses the W4A16 MMA GEMM",
+                  file=sys.stderr)
+            _CUBLAS[dev] = False
+    return _CUBLAS[dev]
+
+
 def gemm(x, m: AwqLinear, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16. From GEMM_DEQUANT_MIN_M rows the weights are
     dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32
     accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     T = x.shape[0]
     out = cp.empty((T, m.N), cp.float16) if out is None else out
-    if (path or ("dequant" if T >= GEMM_DEQUANT_MIN_M else "mma")) == "dequant":
+    if (path or ("dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma")) == "dequant":
         return cp.matmul(x, awq_dequant(m), out=out)
     # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
     # slower at 128-512 (fewer blocks than SMs x 2)
@@ -628,8 +646,7 @@ class CupyOps:
         self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
-        # the prefill projections go through cuBLAS: create its handle now, not in the first prompt
-        cp.matmul(cp.zeros((2, 64), cp.float16), cp.zeros((64, 64), cp.float16))
+        cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
     def alloc_cache(self, max_context: int) -> None:
         """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""

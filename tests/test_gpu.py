@@ -217,6 +217,23 @@ def test_gemm_dequant_path(M, K, N):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
+def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
+    """A machine whose cuBLAS cannot be loaded: one stderr line, and prefill still runs (MMA GEMM)."""
+    rng = np.random.default_rng()
+    m, r = rand_awq(rng, 1024, 3072)
+    dev = cp.cuda.Device().id
+
+    def no_cublas(*a, **k):
+        raise RuntimeError("libcublas.so: cannot open shared object file")
+    monkeypatch.setattr(oc, "_CUBLAS", {})
+    monkeypatch.setattr(oc.cp, "matmul", no_cublas)
+    x = rng.standard_normal((300, 1024)).astype(np.float16)
+    out = nan_like((300, 3072), cp.float16)
+    oc.gemm(cp.asarray(x), m, out)
+    assert oc._CUBLAS[dev] is False and "cuBLAS unavailable" in capfd.readouterr().err
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+
+
 def attention_ref(q, K, V, pos0):
     """q [T, H, hd] at positions pos0.., K/V [n, KV, hd] -> [T, H*hd], one head at a time in float64."""
     T, H, hd = q.shape
