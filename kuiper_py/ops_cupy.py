@@ -381,13 +381,18 @@ def cublas_ready() -> bool:
     return _CUBLAS[dev]
 
 
+def gemm_path(T: int) -> str:
+    """The prefill path gemm() takes for T rows: "dequant" (cuBLAS) or "mma"."""
+    return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
+
+
 def gemm(x, m: AwqLinear, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16. From GEMM_DEQUANT_MIN_M rows the weights are
     dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32
     accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     T = x.shape[0]
     out = cp.empty((T, m.N), cp.float16) if out is None else out
-    if (path or ("dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma")) == "dequant":
+    if (path or gemm_path(T)) == "dequant":
         return cp.matmul(x, awq_dequant(m), out=out)
     # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
     # slower at 128-512 (fewer blocks than SMs x 2)

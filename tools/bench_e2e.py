@@ -26,6 +26,30 @@ from kuiper_py.sampling import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
+def greedy_step(m, tok, rng):
+    """One greedy decode step of session m after token tok; the next token (one int back to the host)."""
+    return m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
+
+
+def warm_session(eng, ctx, capacity, rng):
+    """A session of `capacity` positions holding a random ctx-token prompt, after 4 greedy decode
+    steps (graph capture and warm-up): (session, last token)."""
+    m = eng.session(capacity)
+    tok = m.ops.sample(m.prefill(rng.integers(0, 151643, ctx).tolist()), GREEDY, rng, [], 151669)
+    for _ in range(4):
+        tok = greedy_step(m, tok, rng)
+    cp.cuda.Device().synchronize()
+    return m, tok
+
+
+def timed_greedy_steps(m, tok, steps, rng):
+    """`steps` greedy decode steps: (last token, wall seconds per step)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = greedy_step(m, tok, rng)
+    return tok, (time.perf_counter() - t0) / steps
+
+
 def step_bytes(mf, ctx):
     """Bytes one decode step must read: every weight region once (a separate embedding table only for
     the one row it gathers), plus the KV cache up to ctx."""
@@ -93,17 +117,8 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
     rng = np.random.default_rng(0)
     mf = eng.file
     for c in ctxs:
-        m = eng.session(c + steps + 8)  # prompt, 4 warm-up steps, timed steps
-        ids = rng.integers(0, 151643, c).tolist()
-        lg = m.prefill(ids)
-        tok = m.ops.sample(lg, GREEDY, rng, [], 151669)
-        for _ in range(4):  # warm-up (graph capture)
-            tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
-        dt = (time.perf_counter() - t0) / steps
+        m, tok = warm_session(eng, c, c + steps + 8, rng)  # prompt, 4 warm-up steps, timed steps
+        _, dt = timed_greedy_steps(m, tok, steps, rng)
         by = step_bytes(mf, c + 4 + steps // 2)
         res["decode"].append({"context": c, "tok_s": 1 / dt, "step_ms": dt * 1e3, "bytes_per_step": by,
                               "eff_GBps": by / dt / 1e9, "ratio_to_copy": by / dt / 1e9 / res["copy_GBps"]})

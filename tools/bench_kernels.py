@@ -20,7 +20,7 @@ import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import GEMM_DEQUANT_MIN_M, awq_dequant, gemm, gemv, gpu_name, lm_head, moe_gate_up_views  # noqa: E402
+from kuiper_py.ops_cupy import awq_dequant, gemm, gemm_path, gemv, gpu_name, lm_head, moe_gate_up_views  # noqa: E402
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
@@ -138,14 +138,14 @@ def main():
         nq, nf = max(2, math.ceil(6 * l2 / (K * N // 2))), max(2, math.ceil(6 * l2 / (K * N * 2)))
         ms = [rand_awq(K, N) for _ in range(nq)]
         Wf = [(cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(nf)]
+        t_dq = time_ms(lambda i: awq_dequant(ms[i % nq]), iters=20)  # the dequant path's first half alone
         for M in (4, 16, 128, 256, 512, 2048):
             a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
             c = cp.empty((M, N), cp.float16)
             t_mma = time_ms(lambda i: gemm(a, ms[i % nq], c, path="mma"), iters=20)
             t_deq = time_ms(lambda i: gemm(a, ms[i % nq], c, path="dequant"), iters=20)
             t_cublas = time_ms(lambda i: cp.matmul(a, Wf[i % nf], out=c), iters=20)
-            t_dq = time_ms(lambda i: awq_dequant(ms[i % nq]), iters=20)  # the dequant path's first half alone
-            path = "dequant" if M >= GEMM_DEQUANT_MIN_M else "mma"  # what gemm() picks
+            path = gemm_path(M)
             t_ours = t_deq if path == "dequant" else t_mma
             fl = 2 * M * K * N
             out["prefill"].append({"shape": name, "M": M, "path": path, "ours_TFLOPs": fl / t_ours / 1e9,

@@ -20,11 +20,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
+from bench_e2e import GREEDY, greedy_step, timed_greedy_steps, warm_session  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py.ops_cupy import gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
-
-GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
 def busy(intervals):
@@ -51,16 +50,9 @@ def main(model, ctx, steps, timeline, json_out):
     from torch.profiler import ProfilerActivity, profile
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     rng = np.random.default_rng(0)
-    m = eng.session(ctx + 3 * steps + 16)
-    tok = m.ops.sample(m.prefill(rng.integers(0, 151643, ctx).tolist()), GREEDY, rng, [], 151669)
-    for _ in range(4):  # graph capture and warm-up
-        tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
-    cp.cuda.Device().synchronize()
+    m, tok = warm_session(eng, ctx, ctx + 3 * steps + 16, rng)
     # without the profiler: the host loop (graph, sample, one int back) against back-to-back replays
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
-    loop = (time.perf_counter() - t0) / steps
+    tok, loop = timed_greedy_steps(m, tok, steps, rng)
     ops = m.ops
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -83,7 +75,7 @@ def main(model, ctx, steps, timeline, json_out):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            tok = m.ops.sample(m.decode(tok), GREEDY, rng, [], 151669)
+            tok = greedy_step(m, tok, rng)
         cp.cuda.Device().synchronize()
         wall = (time.perf_counter() - t0) / steps
         lg = ops.d["logits"].copy()
