@@ -275,13 +275,15 @@ gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
 // FP16 GEMM outruns this file's mma.sync tile ~3x at M >= 512, and was faster at every M measured
 // down to 4; writing K x N halves costs about one extra weight pass. A thread owns one 16-byte tiled load
 // (4 rows of one packed word) and writes those rows' 8 columns with 16-byte stores, so a warp
-// reads 512 contiguous bytes and writes four 512-byte row spans.
+// reads 512 contiguous bytes and writes four 512-byte row spans. The output row stride ldw lets
+// several matrices with the same K (q, k, v) land side by side in one [K, ldw] matrix, so cuBLAS
+// multiplies them in one call.
 __global__ void __launch_bounds__(256)
 awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
             const u32* __restrict__ qz,   // [K/g, N/8]
             const half* __restrict__ sc,  // [K/g, N]
-            half* __restrict__ W,         // [K, N] row-major
-            int N, int K, int group) {
+            half* __restrict__ W,         // [K, ldw] row-major, columns [0, N) written
+            int N, int K, int group, int ldw) {
     // grid: ceil(N/256) tiles x (K/4) quads x 32 words of threads; consecutive threads take
     // consecutive words of one row quad inside a 32-word tile
     const int Wd = N / 8;
@@ -300,7 +302,7 @@ awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         awq_dequant8(rows[j], zb, s2, o);
-        *reinterpret_cast<uint4*>(W + (size_t)(k + j) * N + w * 8) = *reinterpret_cast<uint4*>(o);
+        *reinterpret_cast<uint4*>(W + (size_t)(k + j) * ldw + w * 8) = *reinterpret_cast<uint4*>(o);
     }
 }
 

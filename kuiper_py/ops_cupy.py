@@ -346,7 +346,7 @@ _DEQ: dict[int, object] = {}
 
 def _dequant_scratch(n: int):
     """The fp16 matrix the large-M path dequantizes into: one per device, grown to the largest
-    projection met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
+    projection group met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
     dev = cp.cuda.Device().id
     if dev not in _DEQ or _DEQ[dev].size < n:
         _DEQ.pop(dev, None)
@@ -355,11 +355,14 @@ def _dequant_scratch(n: int):
 
 
 def awq_dequant(m: AwqLinear, out=None):
-    """The fp16 matrix [K, N] of a device AwqLinear (qweight tiled), (q - z) * s per element."""
+    """The fp16 matrix [K, N] of a device AwqLinear (qweight tiled), (q - z) * s per element. out may
+    be a column slice [K, N] of a wider row-major matrix (its row stride is passed on)."""
     out = _dequant_scratch(m.K * m.N).reshape(m.K, m.N) if out is None else out
+    assert out.shape == (m.K, m.N) and out.strides[1] == 2 and out.strides[0] % 16 == 0
     threads = math.ceil(m.N / GEMV_COLS) * (m.K // 4) * 32
     kernel("gemm", "awq_dequant")((math.ceil(threads / 256),), (256,), (m.qweight, m.qzeros, m.scales, out,
-                                                                          _i(m.N), _i(m.K), _i(m.group_size)))
+                                                                          _i(m.N), _i(m.K), _i(m.group_size),
+                                                                          _i(out.strides[0] // 2)))
     return out
 
 
@@ -386,14 +389,30 @@ def gemm_path(T: int) -> str:
     return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
 
 
-def gemm(x, m: AwqLinear, out=None, path: str | None = None):
-    """Prefill projection: x [T, K] fp16 -> [T, N] fp16. From GEMM_DEQUANT_MIN_M rows the weights are
-    dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32
-    accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
+def gemm(x, m, out=None, path: str | None = None):
+    """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
+    same K (q, k, v), multiplied as one matrix [K, sum of N]. From GEMM_DEQUANT_MIN_M rows the
+    weights are dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path
+    "dequant", fp32 accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of
+    gemm_w4a16.cu."""
+    mats = m if isinstance(m, tuple) else (m,)
+    K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]
-    out = cp.empty((T, m.N), cp.float16) if out is None else out
+    out = cp.empty((T, N), cp.float16) if out is None else out
     if (path or gemm_path(T)) == "dequant":
-        return cp.matmul(x, awq_dequant(m), out=out)
+        W = _dequant_scratch(K * N).reshape(K, N)
+        c = 0
+        for w in mats:  # side by side: one cuBLAS call for q, k and v (k and v alone are narrow)
+            awq_dequant(w, W[:, c:c + w.N])
+            c += w.N
+        return cp.matmul(x, W, out=out)
+    if len(mats) > 1:  # the MMA tile writes whole rows: one matrix at a time, then side by side
+        c = 0
+        for w in mats:
+            out[:, c:c + w.N] = gemm(x, w, path="mma")
+            c += w.N
+        return out
+    m = mats[0]
     # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
     # slower at 128-512 (fewer blocks than SMs x 2)
     bm = GEMM_FORCE_BM or (128 if T >= 1024 else 64)
@@ -836,7 +855,9 @@ class CupyOps:
                        partial=self.d["partial"], **self._gemv_in(x))
             qd, kvd = a.q_dim, a.kv_dim
             return buf[:, :qd], buf[:, qd:qd + kvd], buf[:, qd + kvd:]
-        return gemm(x, layer.wq), gemm(x, layer.wk), gemm(x, layer.wv)
+        y = gemm(x, (layer.wq, layer.wk, layer.wv))
+        qd, kvd = a.q_dim, a.kv_dim
+        return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args

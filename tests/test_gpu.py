@@ -217,6 +217,27 @@ def test_gemm_dequant_path(M, K, N):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("path", ["dequant", "mma"])
+@pytest.mark.parametrize("M", [2, 300])
+def test_gemm_group(M, path):
+    """Prefill's q, k, v as one product: three matrices with the same K dequantized side by side into
+    one scratch matrix (poisoned first) for one cuBLAS call, or three MMA GEMMs on the other path;
+    then a plain call, as the next projection makes, whose scratch lines were dropped from L2."""
+    rng = np.random.default_rng()
+    D, kv = 4096, 1024
+    mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
+    ref = np.concatenate([r for _, r in mats], axis=1)
+    oc._dequant_scratch(D * (D + 2 * kv)).fill(np.nan)
+    x = rng.standard_normal((M, D)).astype(np.float16)
+    out = nan_like((M, D + 2 * kv), cp.float16)
+    oc.gemm(cp.asarray(x), tuple(m for m, _ in mats), out, path=path)
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
+    m, r = rand_awq(rng, D, D)
+    out = nan_like((M, D), cp.float16)
+    oc.gemm(cp.asarray(x), m, out, path=path)
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+
+
 def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
     """A machine whose cuBLAS cannot be loaded: one stderr line, and prefill still runs (MMA GEMM)."""
     rng = np.random.default_rng()
