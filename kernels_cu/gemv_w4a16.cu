@@ -45,16 +45,33 @@ struct AwqMat {
     int ld;           // row length in columns
 };
 
+// A lane's addresses, fixed for its whole K loop: its packed word's column in the tiled layout
+// (common.cuh awq_tiled_offset, strength-reduced: row quad q is at base + q * quad), and the group
+// index as a shift when the group size is a power of two. Recomputing them per step (64-bit index
+// math and an integer division) took about a fifth of the loop's instructions.
+struct LaneAddr {
+    const u32* base;  // row quad 0 of the lane's word
+    int quad;         // words from one row quad to the next (4 x the tile's width in words)
+    int gshift;       // log2(group), or -1
+};
+
+__device__ __forceinline__ LaneAddr lane_addr(const AwqMat& m, int word, int K, int group) {
+    const int t = word >> 5, tw = min(32, m.N / 8 - (t << 5));
+    return LaneAddr{m.qw + (size_t)t * 32 * K + (word & 31) * 4, 4 * tw,
+                    (group & (group - 1)) == 0 ? __ffs(group) - 1 : -1};
+}
+
 // One step's loads for one lane: ROWS rows of its packed word (ROWS/4 16-byte row quads of the
 // tiled layout), and the zero word and 8 scales of the group the rows share (group % ROWS == 0).
-__device__ __forceinline__ void gemv_load_step(const AwqMat& m, int k0, int word, int K, int group,
+__device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& a, int k0, int word, int group,
                                                u32 (&wv)[GEMV_ROWS], u32& zw, uint4& sv) {
+    const u32* p = a.base + (size_t)(k0 >> 2) * a.quad;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r += 4) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(m.qw + awq_tiled_offset(k0 + r, word, m.N / 8, K)));
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + (r >> 2) * a.quad));
         wv[r] = v.x; wv[r + 1] = v.y; wv[r + 2] = v.z; wv[r + 3] = v.w;
     }
-    const int gi = k0 / group;
+    const int gi = a.gshift >= 0 ? k0 >> a.gshift : k0 / group;
     zw = __ldg(m.qz + (size_t)gi * (m.ld / 8) + word);
     sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
 }
@@ -84,7 +101,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     const bool active = word < m.N / 8;
     u32 wv[GEMV_ROWS], zw = 0;
     uint4 sv = make_uint4(0, 0, 0, 0);
-    if (active && k_first < k_end) gemv_load_step(m, k_first, word, K, group, wv, zw, sv);
+    const LaneAddr la = lane_addr(m, word, K, group);
+    if (active && k_first < k_end) gemv_load_step(m, la, k_first, word, group, wv, zw, sv);
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
@@ -132,9 +150,9 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                 zw = z_next; sv = s_next;
             }
             if (k0 + GEMV_WARPS * GEMV_ROWS < k_end)
-                gemv_load_step(m, k0 + GEMV_WARPS * GEMV_ROWS, word, K, group, w_next, z_next, s_next);
+                gemv_load_step(m, la, k0 + GEMV_WARPS * GEMV_ROWS, word, group, w_next, z_next, s_next);
 #else
-            if (k0 != k_first) gemv_load_step(m, k0, word, K, group, wv, zw, sv);
+            if (k0 != k_first) gemv_load_step(m, la, k0, word, group, wv, zw, sv);
 #endif
             uint4 xv[GEMV_ROWS / 8];  // the step's x rows, 16-byte loads (k0 % 16 == 0)
             const half* xs = reinterpret_cast<const half*>(xv);
