@@ -30,6 +30,8 @@
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
+#define GEMV_X_BIG 1024.f     // |x| above which a block's x is scaled down: 15 * GEMV_FLUSH * 1092 > 65504
+#define GEMV_X_SCALE 64.f     // that scale: fp16's largest x (65504) / 64 < 1024
 #define GEMV_ATT_ROWS 4096    // most rows per split the flash-decoding merge prologue can hold
 
 #define GEMV_EPI_PLAIN 0
@@ -107,34 +109,44 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
     }
-    // The RMSNorm prologue (hn != null): x = h / rms(h) * w, rounded to fp16 as add_rmsnorm does.
-    // Every block needs the whole row's sum of squares, so each computes it (K floats from L2)
-    // while its first weight loads are in flight: no norm kernel and no serial tail.
-    // The block's span of x goes to shared memory once (xsm) when it is computed, not loaded: the
-    // loop then reads a step's 16 values with two 16-byte loads instead of each lane recomputing
-    // every row's x (2 loads, 2 multiplies and a conversion per row: a fifth of the loop's issue slots).
+    // The block's span of x goes to shared memory once (xsm): the loop then reads a step's 16 values
+    // with two 16-byte loads instead of each lane recomputing or reloading every row's x (2 loads,
+    // 2 multiplies and a conversion per row: a fifth of the loop's issue slots). Its three sources:
+    // - RMSNorm (hn != null): x = h / rms(h) * w, rounded to fp16 as add_rmsnorm does. Every block
+    //   needs the whole row's sum of squares, so each computes it (K floats from L2) while its first
+    //   weight loads are in flight: no norm kernel and no serial tail;
+    // - the flash-decoding merge (att_o != null, the o projection): the attention output merged
+    //   element by element from the splits' partials, so decode needs no combine kernel (each column
+    //   tile's block repeats the merge of its rows: L2 reads, no extra launch or serial step);
+    // - x itself.
+    // The loop sums GEMV_FLUSH rows of (q - z) * x in fp16 before scaling into fp32: 15 * 4 * |x| must
+    // stay under 65504, so a span holding |x| > GEMV_X_BIG (massive activations, which real
+    // checkpoints have in a few channels) is divided by GEMV_X_SCALE (exact: a power of two) and
+    // the block's sums multiplied back. Found out once per block, in the barrier that publishes xsm.
     __shared__ __align__(16) half xsm[GEMV_ATT_ROWS];
     const int k_lo = split * rps;
-    const bool x_in_smem = att_o || (hn && k_end - k_lo <= GEMV_ATT_ROWS);
+    const bool x_in_smem = k_end - k_lo <= GEMV_ATT_ROWS;  // always for att_o (checked on the host)
     float inv = 0.f;
     if (hn) {
         __shared__ float nred[32];
         inv = row_rms_inv(hn, K, eps, nred);
-        if (x_in_smem) {
-            for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x)
-                xsm[e] = __float2half(hn[k_lo + e] * inv * __half2float(wn[k_lo + e]));
+    }
+    bool big = false;
+    if (x_in_smem) {
+        const int n_keys = att_o ? (pos_dev ? *pos_dev : pos0) + 1 : 0;
+        for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
+            const half v = hn ? __float2half(hn[k_lo + e] * inv * __half2float(wn[k_lo + e]))
+                         : att_o ? decode_merge(att_o, att_ml, (k_lo + e) / hd, (k_lo + e) % hd, att_S, hd, n_keys)
+                                 : x[k_lo + e];
+            big |= fabsf(__half2float(v)) > GEMV_X_BIG;
+            xsm[e] = v;
+        }
+        big = __syncthreads_or(big);
+        if (big) {  // rare: rescale the span in place
+            const half down = __float2half(1.f / GEMV_X_SCALE);
+            for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) xsm[e] = __hmul(xsm[e], down);
             __syncthreads();
         }
-    }
-    // The flash-decoding merge prologue (att_o != null, the o projection): this block's rows of x
-    // are the attention output, merged here element by element from the splits' partials while the
-    // first weight loads fly, so decode needs no combine kernel. Each column tile's block repeats
-    // the merge of its rows (L2 reads, no extra launch or serial step).
-    if (att_o) {
-        const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
-        for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x)
-            xsm[e] = decode_merge(att_o, att_ml, (k_lo + e) / hd, (k_lo + e) % hd, att_S, hd, n_keys);
-        __syncthreads();
     }
 
     if (active) {
@@ -156,12 +168,12 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
 #endif
             uint4 xv[GEMV_ROWS / 8];  // the step's x rows, 16-byte loads (k0 % 16 == 0)
             const half* xs = reinterpret_cast<const half*>(xv);
-            if (x_in_smem || !hn) {
+            if (x_in_smem || !hn) {  // (a span longer than xsm: a single split of K > GEMV_ATT_ROWS, unguarded)
                 const uint4* src = x_in_smem ? reinterpret_cast<const uint4*>(xsm + (k0 - k_lo))
                                              : reinterpret_cast<const uint4*>(x + k0);
 #pragma unroll
                 for (int i = 0; i < GEMV_ROWS / 8; ++i) xv[i] = x_in_smem ? src[i] : __ldg(src + i);
-            } else {  // a span longer than xsm (a single split of K > GEMV_ATT_ROWS)
+            } else {
                 half* xw = reinterpret_cast<half*>(xv);
 #pragma unroll
                 for (int r = 0; r < GEMV_ROWS; ++r) xw[r] = __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r]));
@@ -198,7 +210,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
     // per-warp results to shared memory, then each thread sums one column over the warps
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = acc[i];
+    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = big ? acc[i] * GEMV_X_SCALE : acc[i];
     __syncthreads();
     for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
         int col = tile * GEMV_COLS + c;

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kuiper_py import awq
-from kuiper_py.loader import AwqLinear
+from kuiper_py.loader import AwqLinear, AwqStack
 from reference import dequant_reference, rel
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,50 @@ def test_gemv_awkward_sizes(K, N, g):
     out = nan_like((1, N), cp.float16)
     oc.gemv(cp.asarray(x)[None], [m], "plain", out, cp.empty((oc.gemv_partial_size(K, [N]),), cp.float32))
     assert rel(cp.asnumpy(out)[0], x.astype(np.float64) @ r) < 1e-2
+
+
+@pytest.mark.parametrize("source", ["x", "norm", "moe"])
+def test_gemv_massive_activations(source):
+    """Real checkpoints have a few channels with activations in the thousands. The GEMV sums 4 rows of
+    (q - z) * x in fp16 before scaling: four such rows against |q - z| = 15 would pass fp16's 65504
+    (inf, then NaN) unless the kernel scales that input down. x given, from the RMSNorm prologue (a
+    massive residual channel times a large norm weight), and per MoE slot."""
+    rng = np.random.default_rng()
+    K, N, g = 4096, 512, 128
+    big = rng.choice(K // 4, 3, replace=False) * 4  # three aligned 4-row runs of massive values
+    rows = (big[:, None] + np.arange(4)).ravel()
+    q = rng.integers(0, 16, size=(K, N), dtype=np.uint8)
+    z = rng.integers(0, 16, size=(K // g, N), dtype=np.uint8)
+    q[rows] = np.where(z[rows // g] < 8, 15, 0)  # |q - z| >= 8 on those rows, one sign per column and run
+    sc = (rng.random((K // g, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
+    qw, qz = awq.pack(q), awq.pack(z)
+    r = dequant_reference(qw, qz, sc, g)
+    m = oc.device_linear(AwqLinear(qw, qz, sc, g))
+    partial = cp.empty((oc.gemv_partial_size(K, [N], 2),), cp.float32)
+    if source == "norm":
+        h = rng.standard_normal(K).astype(np.float32)
+        h[rows] = 2e4
+        w = np.ones(K, np.float16)
+        w[rows] = 100  # x = h / rms(h) * w: ~3000 on those rows
+        x = rmsnorm_ref(h.astype(np.float64), w.astype(np.float64), 1e-6)
+        out = nan_like((1, N), cp.float16)
+        oc.gemv(None, [m], "plain", out, partial, norm=(cp.asarray(h)[None], cp.asarray(w), 1e-6))
+        got, ref = cp.asnumpy(out)[0], x @ r
+    else:
+        x = rng.standard_normal(K).astype(np.float16)
+        x[rows] = 3000
+        if source == "x":
+            out = nan_like((1, N), cp.float16)
+            oc.gemv(cp.asarray(x)[None], [m], "plain", out, partial)
+            got, ref = cp.asnumpy(out)[0], x.astype(np.float64) @ r
+        else:  # two slots of an expert stack (both expert 0), weights 0.25 and 0.75
+            stack = oc.device_linear(AwqStack(qw[None], qz[None], sc[None], g))
+            xs = np.stack([x, rng.standard_normal(K).astype(np.float16)])
+            out = nan_like((1, N), cp.float16)
+            oc.gemv(cp.asarray(xs), [stack.expert(0)], "moe_sum", out, partial, ids=cp.zeros((2,), cp.int32),
+                    slot_w=cp.asarray(np.array([0.25, 0.75], np.float32)), x_slot_stride=K)
+            got, ref = cp.asnumpy(out)[0], 0.25 * (xs[0].astype(np.float64) @ r) + 0.75 * (xs[1].astype(np.float64) @ r)
+    assert np.all(np.isfinite(got)) and rel(got, ref) < 1e-2
 
 
 def test_gemv_fused_reduction_is_deterministic_and_leaves_counters_zero():
