@@ -163,16 +163,6 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 // graph is captured once); the keys present now are cut into chunks of at least DECODE_MIN_CHUNK
 // (common.cuh decode_chunk), so at a short context only the first splits work and the rest exit.
 // ---------------------------------------------------------------------------------------------
-// 8 fp16 -> fp32 (one 16-byte load's worth)
-__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
-    const half2* hp = reinterpret_cast<const half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float2 t = __half22float2(hp[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
 
 template <int HD, int HB>
 __global__ void __launch_bounds__(128)

@@ -165,6 +165,34 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return warp_sum(v);
 }
 
+// True, in every thread, for the block that arrives last of `arrivals` blocks at *counter, which it
+// resets to zero for the next launch: the fused reductions that need every block's global writes.
+// Each block's writes are published (fence) before it counts; the last one fences again before
+// reading the others'.
+__device__ __forceinline__ bool block_arrives_last(int* counter, int arrivals) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == arrivals - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// 8 fp16 (one 16-byte load's worth) -> fp32
+__device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
+    const half2* hp = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 t = __half22float2(hp[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
 // 1 / rms(h) for one fp32 row of D (D % 4 == 0) with the whole block: the prologues that normalise
 // a decode row in the kernel that consumes it (each block reads the row from L2 itself).
 __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red) {

@@ -32,7 +32,7 @@ static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
 #define GEMV_X_BIG 1024.f     // |x| above which a block's x is scaled down: 15 * GEMV_FLUSH * 1092 > 65504
 #define GEMV_X_SCALE 64.f     // that scale: fp16's largest x (65504) / 64 < 1024
-#define GEMV_ATT_ROWS 4096    // most rows per split the flash-decoding merge prologue can hold
+#define GEMV_ATT_ROWS 4096    // most rows per split staged in shared memory (xsm; the attention merge needs it)
 
 #define GEMV_EPI_PLAIN 0
 #define GEMV_EPI_SWIGLU 1
@@ -352,16 +352,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     if (epi == GEMV_EPI_SWIGLU) { cidx = slot * t0 + tile; arrivals = 2 * S; }
     else if (epi == GEMV_EPI_MOE_SUM) { cidx = blockIdx.x; arrivals = S * gridDim.z; }
     else { cidx = slot * gridDim.x + blockIdx.x; arrivals = S; }
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(&counters[cidx], 1) == arrivals - 1;
-        if (is_last) counters[cidx] = 0;  // every arrival is in: ready for the next launch
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!block_arrives_last(&counters[cidx], arrivals)) return;
     if (epi == GEMV_EPI_QKV_ROPE) {
         gemv_qkv_rope_epilogue(part, tile, col_off, mat, m.N, n_total, S, eps, qn, kn, cosb, sinb, qout, Kc, Vc, KV,
                                hd, pos_dev ? *pos_dev : pos0);

@@ -140,7 +140,6 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
                  int D, int E, int k, int norm_topk) {
     __shared__ __align__(16) half xs[MOE_ROUTE_MAX_D];
     __shared__ float red[32];
-    __shared__ int is_last;
     pdl_wait();
     pdl_trigger();
     const float inv = row_rms_inv(h, D, eps, red);
@@ -154,15 +153,7 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
         const float s = router_dot(xs, router + (size_t)e * D, D);
         if (lane == 0) logits[e] = s;
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-        if (is_last) *counter = 0;  // every arrival is in: ready for the next launch
-    }
-    __syncthreads();
-    if (!is_last || threadIdx.x >= 32) return;
-    __threadfence();
+    if (!block_arrives_last(counter, gridDim.x) || threadIdx.x >= 32) return;
     moe_topk_warp(logits, E, k, norm_topk, ids, weights);
 }
 

@@ -25,11 +25,10 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
     for (int j = 0; j < EMBED_MAX_VEC; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i >= nv) continue;
-        const half2* hp = reinterpret_cast<const half2*>(&v[j]);
-        const float2 a = __half22float2(hp[0]), b = __half22float2(hp[1]);
-        const float2 c = __half22float2(hp[2]), d = __half22float2(hp[3]);
-        out[2 * i] = make_float4(a.x, a.y, b.x, b.y);
-        out[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+        float f[8];
+        unpack8(v[j], f);
+        out[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+        out[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
     }
 }
 

@@ -285,7 +285,7 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
     return slots * S * sum(ns)
 
 
-GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split the attention-merge prologue holds
+GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared memory (the merge prologue needs it)
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
@@ -851,11 +851,10 @@ class CupyOps:
         if x.shape[0] == 1 and FUSE_ROPE:
             return _QkvInput(x), None, None
         if x.shape[0] == 1:
-            buf = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
-                       partial=self.d["partial"], **self._gemv_in(x))
-            qd, kvd = a.q_dim, a.kv_dim
-            return buf[:, :qd], buf[:, qd:qd + kvd], buf[:, qd + kvd:]
-        y = gemm(x, (layer.wq, layer.wk, layer.wv))
+            y = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
+                     partial=self.d["partial"], **self._gemv_in(x))
+        else:  # one matrix for cuBLAS: k and v alone are narrow
+            y = gemm(x, (layer.wq, layer.wk, layer.wv))
         qd, kvd = a.q_dim, a.kv_dim
         return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
 

@@ -96,26 +96,24 @@ def test_gemv_massive_activations(source):
     r = dequant_reference(qw, qz, sc, g)
     m = oc.device_linear(AwqLinear(qw, qz, sc, g))
     partial = cp.empty((oc.gemv_partial_size(K, [N], 2),), cp.float32)
+    out = nan_like((1, N), cp.float16)
     if source == "norm":
         h = rng.standard_normal(K).astype(np.float32)
         h[rows] = 2e4
         w = np.ones(K, np.float16)
         w[rows] = 100  # x = h / rms(h) * w: ~3000 on those rows
         x = rmsnorm_ref(h.astype(np.float64), w.astype(np.float64), 1e-6)
-        out = nan_like((1, N), cp.float16)
         oc.gemv(None, [m], "plain", out, partial, norm=(cp.asarray(h)[None], cp.asarray(w), 1e-6))
         got, ref = cp.asnumpy(out)[0], x @ r
     else:
         x = rng.standard_normal(K).astype(np.float16)
         x[rows] = 3000
         if source == "x":
-            out = nan_like((1, N), cp.float16)
             oc.gemv(cp.asarray(x)[None], [m], "plain", out, partial)
             got, ref = cp.asnumpy(out)[0], x.astype(np.float64) @ r
         else:  # two slots of an expert stack (both expert 0), weights 0.25 and 0.75
             stack = oc.device_linear(AwqStack(qw[None], qz[None], sc[None], g))
             xs = np.stack([x, rng.standard_normal(K).astype(np.float16)])
-            out = nan_like((1, N), cp.float16)
             oc.gemv(cp.asarray(xs), [stack.expert(0)], "moe_sum", out, partial, ids=cp.zeros((2,), cp.int32),
                     slot_w=cp.asarray(np.array([0.25, 0.75], np.float32)), x_slot_stride=K)
             got, ref = cp.asnumpy(out)[0], 0.25 * (xs[0].astype(np.float64) @ r) + 0.75 * (xs[1].astype(np.float64) @ r)

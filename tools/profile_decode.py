@@ -39,6 +39,13 @@ def busy(intervals):
     return tot + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
+def resample(ops, lg, sp, rng, n):
+    """n sampler calls on the same logits lg, restored before each (sample() may rescale them in place)."""
+    for _ in range(n):
+        ops.d["logits"][...] = lg
+        ops.sample(ops.d["logits"], sp, rng, [], 151669)
+
+
 @click.command()
 @click.argument("model", type=click.Path(exists=True))
 @click.option("--ctx", default=512)
@@ -64,9 +71,7 @@ def main(model, ctx, steps, timeline, json_out):
     for name, sp in (("greedy", GREEDY), ("t0.6 k20 p0.95", SamplingParams())):
         lg = ops.d["logits"].copy()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            ops.d["logits"][...] = lg
-            ops.sample(ops.d["logits"], sp, rng, [], 151669)
+        resample(ops, lg, sp, rng, steps)
         smp[name] = (time.perf_counter() - t0) / steps * 1e6
     print(f"# host loop {loop * 1e3:.3f} ms/step, graph replay alone {replay * 1e3:.3f} ms/step "
           f"(host + sampling gap {(loop - replay) * 1e6:.0f} µs); sample() incl. its sync: "
@@ -78,10 +83,8 @@ def main(model, ctx, steps, timeline, json_out):
             tok = greedy_step(m, tok, rng)
         cp.cuda.Device().synchronize()
         wall = (time.perf_counter() - t0) / steps
-        lg = ops.d["logits"].copy()
-        for _ in range(5):  # the sampler alone with the default parameters (t 0.6, top-k 20, top-p 0.95)
-            ops.d["logits"][...] = lg
-            ops.sample(ops.d["logits"], SamplingParams(), rng, [], 151669)
+        # the sampler alone with the default parameters (t 0.6, top-k 20, top-p 0.95)
+        resample(ops, ops.d["logits"].copy(), SamplingParams(), rng, 5)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
