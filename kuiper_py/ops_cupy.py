@@ -39,6 +39,13 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
+# the fused wgmma W4A16 GEMM (gemm_wgmma.cu, sm_90 only) is opt-in: KUIPER_GEMM_WGMMA=1 sends prefill
+# from GEMM_WGMMA_MIN_M rows to it. At 340-370 TFLOP/s it is slower than dequant + cuBLAS from 512 rows
+# and faster only for gate/up at ~128 rows (PERFORMANCE.md change 43), so the default is off;
+# KUIPER_GEMM_WGMMA_BM=64 or 128 forces a tile (A/B)
+GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "128"))
+GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "0") == "1"
+GEMM_WGMMA_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_WGMMA_BM", ""), 0)
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
@@ -91,6 +98,7 @@ def gpu_memory_used_mib() -> float:
 _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
+    "gemm90": ("gemm_wgmma.cu", ["gemm_w4a16_wgmma<64>", "gemm_w4a16_wgmma<128>"]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
@@ -201,6 +209,8 @@ def _compiled(family: str, name: str):
         opts = ("--std=c++17", f"-I{d}")
         if family == "attn":
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
+        if family == "gemm90":  # wgmma exists only in the arch-specific sm_90a target
+            opts += ("-arch=sm_90a",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
                      f"-DGEMV_PIPE={GEMV_PIPE}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
@@ -384,14 +394,50 @@ def cublas_ready() -> bool:
     return _CUBLAS[dev]
 
 
-def gemm_path(T: int) -> str:
-    """The prefill path gemm() takes for T rows: "dequant" (cuBLAS) or "mma"."""
+def wgmma_available() -> bool:
+    """The fused wgmma GEMM can run here: compute capability exactly 9.0 (sm_90a code runs nowhere
+    else)."""
+    return int(cp.cuda.Device().compute_capability) == 90
+
+
+def wgmma_fits(mats) -> bool:
+    """gemm_wgmma.cu's shape table: up to 3 matrices with one K, K % 64, N % 256, group % 64."""
+    return len(mats) <= 3 and all(m.K == mats[0].K and m.K % 64 == 0 and m.N % 256 == 0 and m.group_size % 64 == 0
+                                  and m.group_size == mats[0].group_size for m in mats)
+
+
+def gemm_path(T: int, mats=()) -> str:
+    """The prefill path gemm() takes for T rows of the matrices mats: "wgmma" (fused, sm_90),
+    "dequant" (cuBLAS) or "mma"."""
+    if GEMM_WGMMA and T >= GEMM_WGMMA_MIN_M and mats and wgmma_available() and wgmma_fits(mats):
+        return "wgmma"
     return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
+
+
+def gemm_wgmma(x, mats, out, bm: int | None = None):
+    """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
+    out. bm: the tile's rows (64 or 128); by default 64 when 128-row tiles would leave SMs idle."""
+    assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
+    T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
+    bm = bm or GEMM_WGMMA_FORCE_BM or (128 if (N // 256) * math.ceil(T / 128) >= sm_count() else 64)
+    fn = kernel("gemm90", f"gemm_w4a16_wgmma<{bm}>")
+    smem = 4 * (bm * 128 + 256 * 64 // 2 + 256 * 2 + 128) + 2 * 256 * 128 + 1024  # WgSmem<bm>::bytes
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    flat = []
+    for i in range(3):
+        flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
+            mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
+    fn((N // 256, math.ceil(T / bm)), (256,), (x, *flat, out, _i(T), _i(K), _i(mats[0].group_size),
+                                               _i(x.strides[0] // 2), _i(out.strides[0] // 2)), shared_mem=smem)
+    return out
 
 
 def gemm(x, m, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
-    same K (q, k, v), multiplied as one matrix [K, sum of N]. From GEMM_DEQUANT_MIN_M rows the
+    same K (q, k, v), multiplied as one matrix [K, sum of N]. Path "wgmma" (sm_90, opt-in, see
+    GEMM_WGMMA): the fused wgmma GEMM of gemm_wgmma.cu, the weights dequantized in shared memory and
+    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the
     weights are dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path
     "dequant", fp32 accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of
     gemm_w4a16.cu."""
@@ -399,7 +445,10 @@ def gemm(x, m, out=None, path: str | None = None):
     K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]
     out = cp.empty((T, N), cp.float16) if out is None else out
-    if (path or gemm_path(T)) == "dequant":
+    path = path or gemm_path(T, mats)
+    if path == "wgmma":
+        return gemm_wgmma(x, mats, out)
+    if path == "dequant":
         W = _dequant_scratch(K * N).reshape(K, N)
         c = 0
         for w in mats:  # side by side: one cuBLAS call for q, k and v (k and v alone are narrow)

@@ -280,6 +280,40 @@ def test_gemm_group(M, path):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("M", [1, 17, 300, 1030])
+def test_gemm_wgmma(M, bm):
+    """The fused Hopper GEMM (opt-in prefill path, gemm_wgmma.cu) against the float64 dequantized
+    reference: q, k and v in one launch (the block picks its matrix by column), rows past M and a
+    ragged last row tile, then a lone matrix with 64-row groups and more K tiles than stages."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+    rng = np.random.default_rng()
+    D, kv = 1024, 256
+    mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
+    ref = np.concatenate([r for _, r in mats], axis=1)
+    x = rng.standard_normal((M, D)).astype(np.float16)
+    out = nan_like((M, D + 2 * kv), cp.float16)
+    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, bm=bm)
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
+    m, r = rand_awq(rng, 3072, 512, 64)
+    x = rng.standard_normal((M, 3072)).astype(np.float16)
+    out = nan_like((M, 512), cp.float16)
+    oc.gemm(cp.asarray(x), m, out, path="wgmma")
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+
+
+def test_gemm_wgmma_shape_table():
+    """Shapes outside gemm_wgmma.cu's table (N % 256, group % 64, mixed K) never take that path."""
+    rng = np.random.default_rng()
+    ok, _ = rand_awq(rng, 256, 512)
+    narrow, _ = rand_awq(rng, 256, 384)
+    small_group, _ = rand_awq(rng, 256, 512, 32)
+    other_k, _ = rand_awq(rng, 512, 512)
+    assert oc.wgmma_fits((ok, ok, ok)) and not oc.wgmma_fits((ok, ok, ok, ok))
+    assert not oc.wgmma_fits((narrow,)) and not oc.wgmma_fits((small_group,)) and not oc.wgmma_fits((ok, other_k))
+
+
 def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
     """A machine whose cuBLAS cannot be loaded: one stderr line, and prefill still runs (MMA GEMM)."""
     rng = np.random.default_rng()
