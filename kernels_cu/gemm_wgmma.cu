@@ -9,11 +9,12 @@
 // the other W^T buffer. Nothing but C is written to global memory; the dequant + cuBLAS path
 // writes and rereads 2 bytes per weight.
 //
-// Status (H100, PERFORMANCE.md change 43): correct, 340-370 TFLOP/s at 128-row tiles, against
-// cuBLAS fp16's 650-750; from 512 rows dequant + cuBLAS is faster, so this path is opt-in
-// (KUIPER_GEMM_WGMMA=1). The loop is bound by the dequantization and its two barriers per K tile
-// (without the dequantization it reached ~400-490; more stages changed nothing): the next step
-// is a producer warpgroup that dequantizes ahead of two consumer warpgroups.
+// Status (H100, PERFORMANCE.md change 43): correct, 310-370 TFLOP/s at 128-row tiles, against
+// cuBLAS fp16's 650-750; dequant + cuBLAS is faster at 2048 rows and at 512 for most shapes and
+// runs, so this path is opt-in (KUIPER_GEMM_WGMMA=1). The loop is bound by the dequantization and
+// its two barriers per K tile (without the dequantization it reached 403-418 TFLOP/s, without the
+// wgmma 396-491; more stages changed nothing): the next step is a producer warpgroup that
+// dequantizes ahead of two consumer warpgroups.
 //
 // Supported configurations (the host rejects anything else and takes the dequant + cuBLAS path):
 //   BM x BN x BK = 128 x 256 x 64: warpgroup g takes rows 64g.. and all 256 columns (m64n256k16);

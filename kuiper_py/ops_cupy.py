@@ -40,8 +40,9 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 # the fused wgmma W4A16 GEMM (gemm_wgmma.cu, sm_90 only) is opt-in: KUIPER_GEMM_WGMMA=1 sends prefill
-# from GEMM_WGMMA_MIN_M rows to it. At 340-370 TFLOP/s it is slower than dequant + cuBLAS from 512 rows
-# and faster only for gate/up at ~128 rows (PERFORMANCE.md change 43), so the default is off;
+# from GEMM_WGMMA_MIN_M rows to it. At 310-370 TFLOP/s it is slower than dequant + cuBLAS at 2048 rows and
+# at 512 for most shapes and runs, faster for some shapes at ~128 rows (PERFORMANCE.md change 43), so
+# the default is off;
 # KUIPER_GEMM_WGMMA_BM=64 or 128 forces a tile (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "128"))
 GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "0") == "1"
@@ -406,10 +407,10 @@ def wgmma_fits(mats) -> bool:
                                   and m.group_size == mats[0].group_size for m in mats)
 
 
-def gemm_path(T: int, mats=()) -> str:
+def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "wgmma" (fused, sm_90),
     "dequant" (cuBLAS) or "mma"."""
-    if GEMM_WGMMA and T >= GEMM_WGMMA_MIN_M and mats and wgmma_available() and wgmma_fits(mats):
+    if GEMM_WGMMA and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats):
         return "wgmma"
     return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
 
@@ -437,10 +438,9 @@ def gemm(x, m, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
     same K (q, k, v), multiplied as one matrix [K, sum of N]. Path "wgmma" (sm_90, opt-in, see
     GEMM_WGMMA): the fused wgmma GEMM of gemm_wgmma.cu, the weights dequantized in shared memory and
-    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the
-    weights are dequantized (LOP3) into an fp16 scratch matrix that cuBLAS multiplies (path
-    "dequant", fp32 accumulation); below it, or with path="mma", the fused tensor-core W4A16 GEMM of
-    gemm_w4a16.cu."""
+    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
+    into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32 accumulation); below
+    it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     mats = m if isinstance(m, tuple) else (m,)
     K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]

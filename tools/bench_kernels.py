@@ -149,7 +149,7 @@ def main():
             t_wg = (time_ms(lambda i: gemm(a, ms[i % nq], c, path="wgmma"), iters=20)
                     if wgmma_available() and wgmma_fits((ms[0],)) else None)  # the opt-in Hopper kernel
             path = gemm_path(M, (ms[0],))
-            t_ours = t_deq if path == "dequant" else t_mma
+            t_ours = {"dequant": t_deq, "mma": t_mma, "wgmma": t_wg}[path]
             fl = 2 * M * K * N
             out["prefill"].append({"shape": name, "M": M, "path": path, "ours_TFLOPs": fl / t_ours / 1e9,
                                    "mma_TFLOPs": fl / t_mma / 1e9, "dequant_cublas_TFLOPs": fl / t_deq / 1e9,
