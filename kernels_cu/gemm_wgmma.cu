@@ -2,38 +2,39 @@
 // with -arch=sm_90a and only on compute capability 9.0).
 //
 // C [T, N] = x [T, K] W [K, N], W the tiled AWQ matrix of common.cuh (the decode GEMV's layout,
-// so the weights are not stored twice). Per K tile of 64, the packed words, scales and zeros come
-// into shared memory by cp.async with the x tile; every thread dequantizes (LOP3) a piece of the
-// packed tile *transposed* into an fp16 W^T tile, and two warpgroups issue wgmma on it
-// asynchronously: while the tensor cores work on tile kt, the threads dequantize tile kt+1 into
-// the other W^T buffer. Nothing but C is written to global memory; the dequant + cuBLAS path
-// writes and rereads 2 bytes per weight.
+// so the weights are not stored twice). Warp-specialized, 13 warps:
+//   - the loader warp brings x tiles in by TMA (zero-filled past T, 128B-swizzled by the tensor
+//     map) into their own ring of SX slots, as far ahead as the consumers free them;
+//   - the producer warpgroup brings the packed words, scales and zeros in by cp.async (its own ring
+//     of PS slots, PS - 2 tiles ahead: DRAM latency), dequantizes them (LOP3) *transposed* into
+//     an fp16 W^T tile of a ring of SB slots and arrives on that slot's "full" mbarrier;
+//   - two consumer warpgroups wait for both tiles, run wgmma on them straight from shared memory,
+//     and arrive on the slots' "empty" mbarriers once their wgmma has read them.
+// Nothing but C is written to global memory; the dequant + cuBLAS path writes and rereads 2 bytes
+// per weight, which dominates at short prompts.
 //
-// Status (H100, PERFORMANCE.md change 43): correct, 310-370 TFLOP/s at 128-row tiles, against
-// cuBLAS fp16's 650-750; dequant + cuBLAS is faster at 2048 rows and at 512 for most shapes and
-// runs, so this path is opt-in (KUIPER_GEMM_WGMMA=1). The loop is bound by the dequantization and
-// its two barriers per K tile (without the dequantization it reached 403-418 TFLOP/s, without the
-// wgmma 396-491; more stages changed nothing): the next step is a producer warpgroup that
-// dequantizes ahead of two consumer warpgroups.
+// Status (H100, PERFORMANCE.md change 44): 240-320 TFLOP/s with 128 x 128 tiles, about the same
+// at 2048 rows as change 43's single-role kernel and 30-50% faster at 128-512 rows; cuBLAS fp16
+// reaches 650-750. Diagnosis runs: wgmma alone 766 TFLOP/s, the loads and handshakes alone 630,
+// the dequantization alone 420, and together they add up rather than overlap (shared-memory
+// traffic: x, W^T stores and the wgmma operand reads are ~89 KB per 128 x 128 x 64 step).
 //
-// Supported configurations (the host rejects anything else and takes the dequant + cuBLAS path):
-//   BM x BN x BK = 128 x 256 x 64: warpgroup g takes rows 64g.. and all 256 columns (m64n256k16);
-//   BM x BN x BK =  64 x 256 x 64: warpgroup g takes all 64 rows and columns 128g.. (m64n128k16),
+// Supported configurations (the host's WGMMA_TILES; the host rejects other shapes and takes the
+// dequant + cuBLAS path):
+//   BM x BN x BK = 128 x 128 x 64: consumer g takes rows 64g.. and all 128 columns (m64n128k16);
+//   BM x BN x BK =  64 x 128 x 64: consumer g takes all 64 rows and columns 64g.. (m64n64k16),
 //                  twice the blocks for short prompts, where 128-row tiles leave SMs idle;
-//   STAGES = 4 (two K tiles of load look-ahead), 256 threads, 1 block per SM;
-//   K % 64 == 0, N % 256 == 0 (a block's 32 words are one tile of the tiled layout),
-//   group % 64 == 0 (a K tile lies in one quantization group); any T >= 1.
+//   ring slots as many as fit in 227 KB; 416 threads (at most 128 registers), 1 block per SM;
+//   K % 64 == 0, N % 256 == 0 (a block's columns lie in one 32-word tile of the tiled layout),
+//   group % 64 == 0 (a K tile lies in one quantization group); any T >= 1; x's row stride a
+//   multiple of 16 bytes (TMA).
 //   Up to 3 matrices with the same K (q, k, v) in one launch, side by side in C.
-// BN = 256 halves the rereads of x (one per column tile) against 128, which measured as the limit:
-// x [T, K] is read N / BN times from L2, the 4-bit weights only T / BM times.
 // Both wgmma operands are K-major with the 128-byte swizzle: row r of a tile (64 halves = 128 bytes)
 // keeps its 16-byte chunk c at chunk c ^ (r & 7), and tiles start on 1024-byte boundaries.
 #include "common.cuh"
 
-#define WG_BN 256
 #define WG_BK 64
-#define WG_STAGES 4  // 6 measured the same (the loop is not load-latency bound)
-#define WG_W_BYTES (WG_BK * WG_BN / 2)  // packed words of a K tile: [32 words][16 quads] x 16 bytes
+#define WG_THREADS 416  // producer warpgroup, 2 consumer warpgroups, the x loader warp
 
 // Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled K-major tile.
 __device__ __forceinline__ u32 swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
@@ -76,143 +77,213 @@ __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], unsigned long lon
         : "l"(da), "l"(db), "r"(acc));
 }
 template <>
-__device__ __forceinline__ void wgmma_f16<256>(float (&d)[128], unsigned long long da, unsigned long long db, int acc) {
+__device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48), WG_D16(64), WG_D16(80), WG_D16(96), WG_D16(112)
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : WG_D16(0), WG_D16(16)
         : "l"(da), "l"(db), "r"(acc));
 }
 
-template <int BM>
-struct WgSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory
-    static constexpr int x_tile = BM * 128;                       // [BM rows][64 halves]
-    static constexpr int b_tile = WG_BN * 128;                    // W^T [256 n][64 k]
-    static constexpr int x = 0;                                   // [STAGES] x tiles
-    static constexpr int b = WG_STAGES * x_tile;                  // [2] W^T tiles
-    static constexpr int w = b + 2 * b_tile;                      // [STAGES] packed tiles
-    static constexpr int s = w + WG_STAGES * WG_W_BYTES;          // [STAGES][256] scales
-    static constexpr int z = s + WG_STAGES * WG_BN * 2;           // [STAGES][32] zero words
-    static constexpr int bytes = z + WG_STAGES * 128 + 1024;      // + the alignment slack
+// mbarrier handshakes between the producer and the consumers (CTA scope; arrive releases, the
+// parity wait acquires, so the slot's shared-memory writes are visible to the waiting side).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__.
+struct alignas(64) TmaDesc {
+    unsigned long long v[16];
+};
+// TMA: the 2D box at (c0 inner, c1 outer) of the described tensor into shared memory at dst, laid
+// out as the map's swizzle says; rows past the tensor are zero-filled; completes on bar's tx count.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// The producer warpgroup's own barrier (id 1; __syncthreads is 0): the slot's scales and zeros were
+// brought in by a few of its threads and are read by all of them.
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
+
+template <int BM, int BN, int SX, int SB, int PS>
+struct WsSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory
+    static constexpr int x_tile = BM * 128;                    // [BM rows][64 halves], swizzled
+    static constexpr int b_tile = BN * 128;                    // W^T [BN n][64 k], swizzled
+    static constexpr int w_tile = BN * 32;                     // packed [BN/64][128 producers] x 16 bytes
+    static constexpr int x = 0;                                // [SX] x tiles (TMA)
+    static constexpr int b = x + SX * x_tile;                  // [SB] W^T tiles (producer stores)
+    static constexpr int w = b + SB * b_tile;                  // [PS] packed tiles } the producer's
+    static constexpr int s = w + PS * w_tile;                  // [PS][BN] scales   } own cp.async
+    static constexpr int z = s + PS * BN * 2;                  // [PS][BN / 8] zeros} ring
+    static constexpr int bar = z + PS * BN / 2;                // mbarriers: full_x, empty_x [SX], full_b, empty_b [SB]
+    static constexpr int bytes = bar + 16 * (SX + SB) + 1024;  // + the alignment slack
 };
 
-template <int BM>
-__global__ void __launch_bounds__(256, 1)
-gemm_w4a16_wgmma(const half* __restrict__ x,  // [T, ldx]
-                 // up to 3 matrices i (q, k, v): qweight [K, N_i/8] tiled, qzeros [K/g, N_i/8], scales
-                 // [K/g, N_i]; N_i = 0 for an absent one
-                 const u32* qw0, const u32* qz0, const half* sc0, int n_0,
-                 const u32* qw1, const u32* qz1, const half* sc1, int n_1,
-                 const u32* qw2, const u32* qz2, const half* sc2, int n_2,
-                 half* __restrict__ out,      // [T, ldo]: matrix i from column N_0 + .. + N_{i-1}
-                 int T, int K, int group, int ldx, int ldo) {
-    typedef WgSmem<BM> L;
-    constexpr int PREF = WG_STAGES - 2;       // K tiles loaded ahead: the slot of tile kt-2 is free at kt
-    constexpr int WN = BM == 128 ? 256 : 128;  // columns per warpgroup
+template <int BM, int BN, int SX, int SB, int PS>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BM rows, 128B swizzle
+              // up to 3 matrices i (q, k, v): qweight [K, N_i/8] tiled, qzeros [K/g, N_i/8], scales
+              // [K/g, N_i]; N_i = 0 for an absent one
+              const u32* qw0, const u32* qz0, const half* sc0, int n_0,
+              const u32* qw1, const u32* qz1, const half* sc1, int n_1,
+              const u32* qw2, const u32* qz2, const half* sc2, int n_2,
+              half* __restrict__ out,      // [T, ldo]: matrix i from column N_0 + .. + N_{i-1}
+              int T, int K, int group, int ldo) {
+    static_assert((BM == 64 || BM == 128) && BN == 128 && SX >= 2 && SB >= 2 && PS >= 3, "unsupported tile");
+    typedef WsSmem<BM, BN, SX, SB, PS> L;
+    constexpr int PL = PS - 2;                   // K tiles of packed weights loaded ahead of the one dequantized
+    constexpr int WN = BM == 128 ? BN : BN / 2;  // columns per consumer warpgroup
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
-    const u32 sbase = smem_u32(sm);
-    const int tid = threadIdx.x, wg = tid >> 7;
+    const u32 sbase = smem_u32(sm), full_x = sbase + L::bar, empty_x = full_x + 8 * SX;
+    const u32 full_b = empty_x + 8 * SX, empty_b = full_b + 8 * SB;
+    const int tid = threadIdx.x;
     // column tile blockIdx.x belongs to the first matrix whose columns reach past it
-    const int c_out = blockIdx.x * WG_BN;
+    const int c_out = blockIdx.x * BN;
     const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;
     const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
-    const u32* __restrict__ qw = mi == 0 ? qw0 : mi == 1 ? qw1 : qw2;
-    const u32* __restrict__ qz = mi == 0 ? qz0 : mi == 1 ? qz1 : qz2;
-    const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
-    const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2, Wd = N / 8, wb = n0 >> 3;  // wb: a multiple of 32 (one tile)
     const int m0 = blockIdx.y * BM, nk = K / WG_BK;
-
-    auto load = [&](int kt, int slot) {
-        const int k0 = kt * WG_BK;
-#pragma unroll
-        for (int i = 0; i < BM / 32; ++i) {  // x: BM rows x 8 chunks
-            const int c = tid + 256 * i, r = c >> 3, cc = c & 7;
-            const bool ok = m0 + r < T;
-            cp_async16(sm + L::x + slot * L::x_tile + swz(r, cc), x + (size_t)(ok ? m0 + r : 0) * ldx + k0 + cc * 8,
-                       ok ? 16 : 0);
+    if (tid == 0) {
+        u32 dyn;  // the host computes L::bytes on its own: a short allocation must not corrupt memory
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)L::bytes) __trap();
+        for (int s = 0; s < SX; ++s) {
+            mbar_init(full_x + 8 * s, 1);     // the loader's expect_tx (then the bytes)
+            mbar_init(empty_x + 8 * s, 8);    // every consumer warp, after its wgmma read the slot
         }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {  // packed words: (quad q, word wd) -> smem [wd][q], contiguous dequant reads
-            const int c = tid + 256 * i, q = c >> 5, wd = c & 31;
-            cp_async16(sm + L::w + slot * WG_W_BYTES + (wd * 16 + q) * 16,
-                       qw + (size_t)wb * K + ((size_t)(k0 / 4 + q) * 32 + wd) * 4, 16);
+        for (int s = 0; s < SB; ++s) {
+            mbar_init(full_b + 8 * s, 4);     // every producer warp, after its W^T stores
+            mbar_init(empty_b + 8 * s, 8);
         }
-        const int gi = k0 / group;
-        if (tid < 32)
-            cp_async16(sm + L::s + slot * WG_BN * 2 + tid * 16, sc + (size_t)gi * N + n0 + tid * 8, 16);
-        else if (tid < 40)
-            cp_async16(sm + L::z + slot * 128 + (tid - 32) * 16, qz + (size_t)gi * Wd + wb + (tid - 32) * 4, 16);
-    };
-
-    float d[WN / 2];  // written first by the acc = 0 wgmma of K tile 0 (K >= 64)
-
-#pragma unroll
-    for (int s = 0; s < PREF; ++s) {
-        if (s < nk) load(s, s);
-        cp_async_commit();
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     }
-    const int q = tid & 15;  // this thread's dequant pieces: row quad q of words tid/16 and tid/16 + 16
-    for (int kt = 0; kt < nk; ++kt) {
-        const int slot = kt % WG_STAGES;
-        cp_async_wait<PREF - 1>();
-        __syncthreads();  // tile kt is in for every thread; wgmma(kt-2) is done in both warpgroups
-        if (kt + PREF < nk) load(kt + PREF, (kt + PREF) % WG_STAGES);
-        cp_async_commit();
+    __syncthreads();
 
-        unsigned char* bt = sm + L::b + (kt & 1) * L::b_tile;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // dequantize 4 k x 8 n, transposed into W^T rows n = 8 wd + i, k = 4q..
-            const int wd = (tid >> 4) + 16 * j;
-            const uint4 pw = *reinterpret_cast<const uint4*>(sm + L::w + slot * WG_W_BYTES + (wd * 16 + q) * 16);
-            half2 zb[4], s2[4], o[4][4];
-            awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + slot * 128 + wd * 4), zb);
-            awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + slot * WG_BN * 2 + wd * 16), s2);
-            awq_dequant8(pw.x, zb, s2, o[0]);
-            awq_dequant8(pw.y, zb, s2, o[1]);
-            awq_dequant8(pw.z, zb, s2, o[2]);
-            awq_dequant8(pw.w, zb, s2, o[3]);
-            const u32 off = (q & 1) << 3;  // the quad's 8 bytes in its 16-byte chunk q / 2
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                const u32 r0 = *reinterpret_cast<u32*>(&o[0][p]), r1 = *reinterpret_cast<u32*>(&o[1][p]);
-                const u32 r2 = *reinterpret_cast<u32*>(&o[2][p]), r3 = *reinterpret_cast<u32*>(&o[3][p]);
-                const int n = wd * 8 + 2 * p;
-                // column n takes the low halves of rows k..k+3, column n + 1 the high halves
-                *reinterpret_cast<uint2*>(bt + swz(n, q >> 1) + off) =
-                    make_uint2(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410));
-                *reinterpret_cast<uint2*>(bt + swz(n + 1, q >> 1) + off) =
-                    make_uint2(__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+    if (tid >= 384) {  // ---- x loader warp: TMA of x tiles into their ring, as far ahead as slots free up
+        if (tid == 384) {
+            for (int kt = 0; kt < nk; ++kt) {
+                const int slot = kt % SX;
+                // the slot last held tile kt - SX: both consumers' wgmma must have read it
+                if (kt >= SX) mbar_wait(empty_x + 8 * slot, (kt / SX - 1) & 1);
+                mbar_arrive_expect_tx(full_x + 8 * slot, BM * 128);
+                tma_load_2d(sbase + L::x + slot * L::x_tile, &xmap, kt * WG_BK, m0, full_x + 8 * slot);
             }
         }
-        fence_proxy_async();
-        __syncthreads();  // W^T tile kt complete and visible to the async proxy
+        return;
+    }
+    if (tid < 128) {  // ---- producer warpgroup: loads and dequantization
+        const u32* __restrict__ qw = mi == 0 ? qw0 : mi == 1 ? qw1 : qw2;
+        const u32* __restrict__ qz = mi == 0 ? qz0 : mi == 1 ? qz1 : qz2;
+        const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
+        const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2, Wd = N / 8, wb = n0 >> 3;
+        const u32* __restrict__ tile = qw + (size_t)(wb & ~31) * K;  // the 32-word tile holding our columns
+        const int lane = tid & 31, pw = tid >> 5, q = lane & 15, wo = wb & 31;
+        // Packed weights, scales and zeros through the producer's own cp.async ring, PL tiles ahead
+        // (DRAM latency). This thread's pieces: row quad q of words wd(j) = 2 (pw + 4j) + lane / 16,
+        // j < BN / 64: half a warp reads whole 32-byte sectors and writes a whole 128-byte W^T row span.
+        auto issue_w = [&](int kt) {
+            const int slot = kt % PS, k0 = kt * WG_BK;
+#pragma unroll
+            for (int j = 0; j < BN / 64; ++j) {
+                const int wd = 2 * (pw + 4 * j) + (lane >> 4);
+                cp_async16(sm + L::w + slot * L::w_tile + (j * 128 + tid) * 16,
+                           tile + ((size_t)(k0 / 4 + q) * 32 + wo + wd) * 4, 16);
+            }
+            const int gi = k0 / group;
+            if (tid < BN / 8)
+                cp_async16(sm + L::s + slot * BN * 2 + tid * 16, sc + (size_t)gi * N + n0 + tid * 8, 16);
+            else if (tid >= 32 && tid < 32 + BN / 32)
+                cp_async16(sm + L::z + slot * BN / 2 + (tid - 32) * 16, qz + (size_t)gi * Wd + wb + (tid - 32) * 4, 16);
+        };
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            if (t < nk) issue_w(t);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+            const int slot = kt % SB;
+            if (kt + PL < nk) issue_w(kt + PL);  // its ring slot held tile kt - 2, dequantized before the last sync
+            cp_async_commit();
+            cp_async_wait<PL>();  // tile kt's weights are in (for this thread's copies)
+            producer_sync();      // ... and for every producer thread's: scales and zeros are shared
+            if (kt >= SB) mbar_wait(empty_b + 8 * slot, (kt / SB - 1) & 1);  // W^T slot read by both consumers
+            const int ws = kt % PS;
+            unsigned char* bt = sm + L::b + slot * L::b_tile;
+#pragma unroll
+            for (int j = 0; j < BN / 64; ++j) {  // 4 k x 8 n, transposed into W^T rows n = 8 wd + i, k = 4q..
+                const int wd = 2 * (pw + 4 * j) + (lane >> 4);
+                const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + (j * 128 + tid) * 16);
+                half2 zb[4], s2[4], o[4][4];
+                awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + ws * BN / 2 + wd * 4), zb);
+                awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + ws * BN * 2 + wd * 16), s2);
+                awq_dequant8(pk.x, zb, s2, o[0]);
+                awq_dequant8(pk.y, zb, s2, o[1]);
+                awq_dequant8(pk.z, zb, s2, o[2]);
+                awq_dequant8(pk.w, zb, s2, o[3]);
+                const u32 off = (q & 1) << 3;  // the quad's 8 bytes in its 16-byte chunk q / 2
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const u32 r0 = *reinterpret_cast<u32*>(&o[0][p]), r1 = *reinterpret_cast<u32*>(&o[1][p]);
+                    const u32 r2 = *reinterpret_cast<u32*>(&o[2][p]), r3 = *reinterpret_cast<u32*>(&o[3][p]);
+                    const int n = wd * 8 + 2 * p;
+                    // column n takes the low halves of rows k..k+3, column n + 1 the high halves
+                    *reinterpret_cast<uint2*>(bt + swz(n, q >> 1) + off) =
+                        make_uint2(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410));
+                    *reinterpret_cast<uint2*>(bt + swz(n + 1, q >> 1) + off) =
+                        make_uint2(__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+                }
+            }
+            fence_proxy_async();  // this thread's W^T stores, visible to wgmma
+            __syncwarp();  // one arrival per warp: 256 or 128 arrivals on one word serialize
+            if (lane == 0) mbar_arrive(full_b + 8 * slot);
+        }
+        return;
+    }
 
+    // ---- consumer warpgroups (threads 128..383)
+    const int ct = tid - 128, wg = ct >> 7;
+    float d[WN / 2];  // written first by the acc = 0 wgmma of K tile 0 (K >= 64)
+    for (int kt = 0; kt < nk; ++kt) {
+        const int sx = kt % SX, sb = kt % SB;
+        mbar_wait(full_x + 8 * sx, (kt / SX) & 1);
+        mbar_wait(full_b + 8 * sb, (kt / SB) & 1);
         wg_fence();
-        const u32 xa = sbase + L::x + slot * L::x_tile + (BM == 128 ? wg * 64 * 128 : 0);
-        const u32 ba = sbase + L::b + (kt & 1) * L::b_tile + (BM == 128 ? 0 : wg * 128 * 128);
+        const u32 xa = sbase + L::x + sx * L::x_tile + (BM == 128 ? wg * 64 * 128 : 0);
+        const u32 ba = sbase + L::b + sb * L::b_tile + (BM == 128 ? 0 : wg * WN * 128);
 #pragma unroll
         for (int kk = 0; kk < WG_BK / 16; ++kk)  // 16 k = 32 bytes further along the swizzled rows
             wgmma_f16<WN>(d, wg_desc(xa + kk * 32), wg_desc(ba + kk * 32), kt > 0 || kk > 0);
         wg_commit();
-        wg_wait<1>();  // wgmma(kt-1) done: its x slot and W^T buffer may be refilled
+        wg_wait<1>();  // wgmma(kt - 1) has read its slot: hand it back to the producer
+        if (kt > 0 && (ct & 31) == 0) {  // the warp's wgmma(kt - 1) is complete (wait_group is warp-synchronous)
+            mbar_arrive(empty_x + 8 * ((kt - 1) % SX));
+            mbar_arrive(empty_b + 8 * ((kt - 1) % SB));
+        }
     }
     wg_wait<0>();
 
     // D fragment: warp w of the warpgroup holds rows 16w + lane/4 (+8); pair i covers columns
     // 8i + 2 (lane % 4) + {0, 1} of the warpgroup's WN
-    const int lane = tid & 31, w = (tid >> 5) & 3;
+    const int lane = ct & 31, w = (ct >> 5) & 3;
     const int r0 = m0 + (BM == 128 ? wg * 64 : 0) + w * 16 + (lane >> 2);
-    const int c0 = c_out + (BM == 128 ? 0 : wg * 128) + 2 * (lane & 3);
+    const int c0 = c_out + (BM == 128 ? 0 : wg * WN) + 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < WN / 8; ++i) {
         if (r0 < T)

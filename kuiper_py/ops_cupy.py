@@ -39,14 +39,24 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
-# the fused wgmma W4A16 GEMM (gemm_wgmma.cu, sm_90 only) is opt-in: KUIPER_GEMM_WGMMA=1 sends prefill
-# from GEMM_WGMMA_MIN_M rows to it. At 310-370 TFLOP/s it is slower than dequant + cuBLAS at 2048 rows and
-# at 512 for most shapes and runs, faster for some shapes at ~128 rows (PERFORMANCE.md change 43), so
-# the default is off;
-# KUIPER_GEMM_WGMMA_BM=64 or 128 forces a tile (A/B)
-GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "128"))
-GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "0") == "1"
-GEMM_WGMMA_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_WGMMA_BM", ""), 0)
+# the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). Its
+# 128 x 128 tile runs at 240-320 TFLOP/s on H100 (PERFORMANCE.md change 44), against dequant +
+# cuBLAS's 50-160 at 128 rows and 420-620 from 1024: so by default (KUIPER_GEMM_WGMMA unset or
+# "auto") it takes short prompts of the shapes where it measured faster, wgmma_max_m() below;
+# KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it, =0 never (A/B)
+GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
+GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
+# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W^T and packed-weight rings (227 KB
+# of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
+# and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
+# half-size tile pair), for wgmma_tile's wave arithmetic
+WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
+WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
+WGMMA_THREADS = 416  # gemm_wgmma.cu WG_THREADS
+if os.environ.get("KUIPER_WGMMA_RINGS"):  # "SX,SB,PS" for every tile (A/B)
+    WGMMA_TILES = {t: tuple(int(v) for v in os.environ["KUIPER_WGMMA_RINGS"].split(",")) for t in WGMMA_TILES}
+_t = os.environ.get("KUIPER_GEMM_WGMMA_TILE", "")  # e.g. "128x128": one tile for every shape (A/B)
+GEMM_WGMMA_FORCE_TILE = tuple(int(v) for v in _t.split("x")) if _t else None
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
@@ -99,7 +109,7 @@ def gpu_memory_used_mib() -> float:
 _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
-    "gemm90": ("gemm_wgmma.cu", ["gemm_w4a16_wgmma<64>", "gemm_w4a16_wgmma<128>"]),
+    "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}>" for (bm, bn), r in WGMMA_TILES.items()]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
@@ -157,6 +167,8 @@ def _cu_launch_ex():
 
 
 def _c_arg(a):
+    if isinstance(a, ctypes.Array):  # a struct passed by value (a TMA descriptor)
+        return a
     if isinstance(a, cp.ndarray):
         return ctypes.c_void_p(a.data.ptr)
     if isinstance(a, np.int32):
@@ -186,6 +198,49 @@ class _PdlKernel:
         err = _cu_launch_ex()(ctypes.byref(cfg), self.ptr, params, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+def launch_ex(fn, grid, block, args, smem: int = 0):
+    """Launch a compiled kernel through cuLaunchKernelEx (no attributes): CuPy cannot pass a struct
+    by value, which a __grid_constant__ TMA descriptor needs."""
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    vals = [_c_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
+                        cp.cuda.get_current_stream().ptr, None, 0)
+    err = _cu_launch_ex()(ctypes.byref(cfg), getattr(fn, "kernel", fn).ptr, params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+_TMAP_ENCODE: list = []
+
+
+def tma_map_2d(a, box_rows: int, box_cols: int):
+    """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
+    (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
+    (box_cols * 2 == 128), rows past the end zero-filled."""
+    if not _TMAP_ENCODE:
+        f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_int]
+        f.restype = ctypes.c_int
+        _TMAP_ENCODE.append(f)
+    assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
+    assert box_cols * 2 == 128
+    m = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(a.shape[1], a.shape[0])
+    strides = (ctypes.c_uint64 * 1)(a.strides[0])
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, interleave none = 0, swizzle 128B = 3, L2 promotion 128B = 2,
+    # out-of-bounds fill zeros = 0
+    err = _TMAP_ENCODE[0](ctypes.addressof(m), 6, 2, a.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
+                          ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+    return m
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -407,38 +462,70 @@ def wgmma_fits(mats) -> bool:
                                   and m.group_size == mats[0].group_size for m in mats)
 
 
+def wgmma_max_m(K: int, N: int) -> int:
+    """Most rows for which the default path takes the fused wgmma GEMM, by shape (H100, Qwen3-8B
+    shapes, PERFORMANCE.md change 44): q|k|v (K < N < 2K) won at 128 and 256 rows (135 vs 53 TFLOP/s,
+    236 vs 113-164) and was even at 512 (242 vs 223-342); gate and up (N >= 2K) at 128 (236 vs 142) but not 256
+    (241 vs 276); o and down (N <= K) never (91 vs 98, 95 vs 140 at 128)."""
+    return 384 if K < N < 2 * K else 192 if N >= 2 * K else 0
+
+
 def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "wgmma" (fused, sm_90),
     "dequant" (cuBLAS) or "mma"."""
-    if GEMM_WGMMA and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats):
-        return "wgmma"
+    if GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats):
+        if GEMM_WGMMA == "1" or T <= wgmma_max_m(mats[0].K, sum(m.N for m in mats)):
+            return "wgmma"
     return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
 
 
-def gemm_wgmma(x, mats, out, bm: int | None = None):
+def wgmma_tile(T: int, N: int) -> tuple[int, int]:
+    """The (BM, BN) tile for T rows and N columns: the least time counted in waves of blocks over
+    the SMs, each wave costing its tile's area over its relative throughput (64-row tiles win when
+    128-row ones leave most SMs idle: o and down at 128-256 rows)."""
+    if GEMM_WGMMA_FORCE_TILE:
+        return GEMM_WGMMA_FORCE_TILE
+    sms, best = sm_count(), None
+    for bm, bn in WGMMA_TILES:
+        blocks = math.ceil(T / bm) * (N // bn)
+        cost = math.ceil(blocks / sms) * bm * bn / WGMMA_TILE_EFF[(bm, bn)]  # time of the waves, in tile units
+        if best is None or cost < best[0]:
+            best = (cost, (bm, bn))
+    return best[1]
+
+
+def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
+    """WsSmem<bm, bn, sx, sb, ps>::bytes of gemm_wgmma.cu (the kernel traps if it gets less)."""
+    return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 1024
+
+
+def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None):
     """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
-    out. bm: the tile's rows (64 or 128); by default 64 when 128-row tiles would leave SMs idle."""
+    out. tile: (BM, BN), one of WGMMA_TILES; by default wgmma_tile()'s choice. x is read through a
+    TMA descriptor made per call (a few µs of host time)."""
     assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
     T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
-    bm = bm or GEMM_WGMMA_FORCE_BM or (128 if (N // 256) * math.ceil(T / 128) >= sm_count() else 64)
-    fn = kernel("gemm90", f"gemm_w4a16_wgmma<{bm}>")
-    smem = 4 * (bm * 128 + 256 * 64 // 2 + 256 * 2 + 128) + 2 * 256 * 128 + 1024  # WgSmem<bm>::bytes
+    assert x.shape[1] == K
+    bm, bn = tile or wgmma_tile(T, N)
+    rings = WGMMA_TILES[(bm, bn)]
+    fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}>")
+    smem = wgmma_smem_bytes(bm, bn, *rings)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     flat = []
     for i in range(3):
         flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
             mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
-    fn((N // 256, math.ceil(T / bm)), (256,), (x, *flat, out, _i(T), _i(K), _i(mats[0].group_size),
-                                               _i(x.strides[0] // 2), _i(out.strides[0] // 2)), shared_mem=smem)
+    launch_ex(fn, (N // bn, math.ceil(T / bm)), (WGMMA_THREADS,), (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K),
+                                                         _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
     return out
 
 
 def gemm(x, m, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
-    same K (q, k, v), multiplied as one matrix [K, sum of N]. Path "wgmma" (sm_90, opt-in, see
-    GEMM_WGMMA): the fused wgmma GEMM of gemm_wgmma.cu, the weights dequantized in shared memory and
-    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
+    same K (q, k, v), multiplied as one matrix [K, sum of N]. Path "wgmma" (sm_90, short prompts of
+    some shapes, see gemm_path): the fused wgmma GEMM of gemm_wgmma.cu, the weights dequantized in
+    shared memory and never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
     into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32 accumulation); below
     it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     mats = m if isinstance(m, tuple) else (m,)

@@ -280,9 +280,9 @@ def test_gemm_group(M, path):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
-@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
-def test_gemm_wgmma(M, bm):
+def test_gemm_wgmma(M, tile):
     """The fused Hopper GEMM (opt-in prefill path, gemm_wgmma.cu) against the float64 dequantized
     reference: q, k and v in one launch (the block picks its matrix by column), rows past M and a
     ragged last row tile, then a lone matrix with 64-row groups and more K tiles than stages."""
@@ -294,7 +294,7 @@ def test_gemm_wgmma(M, bm):
     ref = np.concatenate([r for _, r in mats], axis=1)
     x = rng.standard_normal((M, D)).astype(np.float16)
     out = nan_like((M, D + 2 * kv), cp.float16)
-    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, bm=bm)
+    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, tile=tile)
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
     m, r = rand_awq(rng, 3072, 512, 64)
     x = rng.standard_normal((M, 3072)).astype(np.float16)
