@@ -283,7 +283,7 @@ def test_gemm_group(M, path):
 @pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
 def test_gemm_wgmma(M, tile):
-    """The fused Hopper GEMM (opt-in prefill path, gemm_wgmma.cu) against the float64 dequantized
+    """The fused Hopper GEMM (short-prompt prefill path, gemm_wgmma.cu), each tile, against the float64 dequantized
     reference: q, k and v in one launch (the block picks its matrix by column), rows past M and a
     ragged last row tile, then a lone matrix with 64-row groups and more K tiles than stages."""
     if not oc.wgmma_available():
