@@ -452,8 +452,14 @@ def cublas_ready() -> bool:
 
 def wgmma_available() -> bool:
     """The fused wgmma GEMM can run here: compute capability exactly 9.0 (sm_90a code runs nowhere
-    else)."""
-    return int(cp.cuda.Device().compute_capability) == 90
+    else) and a driver with TMA descriptors (cuTensorMapEncodeTiled, CUDA 12.0) and cuLaunchKernelEx."""
+    if int(cp.cuda.Device().compute_capability) != 90:
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled  # noqa: B018 - resolves the symbol or raises
+    except (OSError, AttributeError):
+        return False
+    return _cu_launch_ex() is not None
 
 
 def wgmma_fits(mats) -> bool:
