@@ -190,25 +190,21 @@ class _PdlKernel:
         self.attr.value[0] = 1
 
     def __call__(self, grid, block, args):
-        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        vals = [_c_arg(a) for a in args]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0,
-                            cp.cuda.get_current_stream().ptr, ctypes.pointer(self.attr), 1)
-        err = _cu_launch_ex()(ctypes.byref(cfg), self.ptr, params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+        launch_ex(self.ptr, grid, block, args, attr=self.attr)
 
 
-def launch_ex(fn, grid, block, args, smem: int = 0):
-    """Launch a compiled kernel through cuLaunchKernelEx (no attributes): CuPy cannot pass a struct
-    by value, which a __grid_constant__ TMA descriptor needs."""
+def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = None):
+    """Launch a kernel (a RawKernel or a CUfunction handle) through cuLaunchKernelEx, with one launch
+    attribute or none: CuPy's launcher takes no attributes (PDL) and cannot pass a struct by value
+    (a __grid_constant__ TMA descriptor)."""
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     vals = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
-                        cp.cuda.get_current_stream().ptr, None, 0)
-    err = _cu_launch_ex()(ctypes.byref(cfg), getattr(fn, "kernel", fn).ptr, params, None)
+                        cp.cuda.get_current_stream().ptr, ctypes.pointer(attr) if attr is not None else None,
+                        1 if attr is not None else 0)
+    ptr = fn if isinstance(fn, int) else getattr(fn, "kernel", fn).ptr
+    err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
@@ -450,16 +446,21 @@ def cublas_ready() -> bool:
     return _CUBLAS[dev]
 
 
+_WGMMA_OK: dict[int, bool] = {}
+
+
 def wgmma_available() -> bool:
     """The fused wgmma GEMM can run here: compute capability exactly 9.0 (sm_90a code runs nowhere
     else) and a driver with TMA descriptors (cuTensorMapEncodeTiled, CUDA 12.0) and cuLaunchKernelEx."""
-    if int(cp.cuda.Device().compute_capability) != 90:
-        return False
-    try:
-        ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled  # noqa: B018 - resolves the symbol or raises
-    except (OSError, AttributeError):
-        return False
-    return _cu_launch_ex() is not None
+    dev = cp.cuda.Device().id
+    if dev not in _WGMMA_OK:
+        ok = int(cp.cuda.Device().compute_capability) == 90
+        try:
+            ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled  # noqa: B018 - resolves the symbol or raises
+        except (OSError, AttributeError):
+            ok = False
+        _WGMMA_OK[dev] = ok and _cu_launch_ex() is not None
+    return _WGMMA_OK[dev]
 
 
 def wgmma_fits(mats) -> bool:
