@@ -46,7 +46,7 @@ __device__ __forceinline__ unsigned long long wg_desc(u32 saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// Generic-proxy shared-memory writes (cp.async, st.shared) made visible to wgmma's async proxy.
+// Generic-proxy shared-memory writes (the W^T tile's st.shared) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

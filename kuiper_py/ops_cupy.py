@@ -41,7 +41,7 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). Its
 # 128 x 128 tile runs at 240-320 TFLOP/s on H100 (PERFORMANCE.md change 44), against dequant +
-# cuBLAS's 50-160 at 128 rows and 420-620 from 1024: so by default (KUIPER_GEMM_WGMMA unset or
+# cuBLAS's 50-160 at 128 rows and 420-680 from 1024: so by default (KUIPER_GEMM_WGMMA unset or
 # "auto") it takes short prompts of the shapes where it measured faster, wgmma_max_m() below;
 # KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it, =0 never (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
@@ -52,7 +52,6 @@ GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
 # half-size tile pair), for wgmma_tile's wave arithmetic
 WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
 WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
-WGMMA_THREADS = 416  # gemm_wgmma.cu WG_THREADS
 if os.environ.get("KUIPER_WGMMA_RINGS"):  # "SX,SB,PS" for every tile (A/B)
     WGMMA_TILES = {t: tuple(int(v) for v in os.environ["KUIPER_WGMMA_RINGS"].split(",")) for t in WGMMA_TILES}
 _t = os.environ.get("KUIPER_GEMM_WGMMA_TILE", "")  # e.g. "128x128": one tile for every shape (A/B)
@@ -212,17 +211,25 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = N
 _TMAP_ENCODE: list = []
 
 
+def _cu_tmap_encode():
+    """The driver's cuTensorMapEncodeTiled (CUDA 12.0+), or None."""
+    if not _TMAP_ENCODE:
+        try:
+            f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+            f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int]
+            f.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            f = None
+        _TMAP_ENCODE.append(f)
+    return _TMAP_ENCODE[0]
+
+
 def tma_map_2d(a, box_rows: int, box_cols: int):
     """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
     (box_cols * 2 == 128), rows past the end zero-filled."""
-    if not _TMAP_ENCODE:
-        f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_int]
-        f.restype = ctypes.c_int
-        _TMAP_ENCODE.append(f)
     assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
     assert box_cols * 2 == 128
     m = (ctypes.c_uint64 * 16)()
@@ -232,7 +239,7 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, interleave none = 0, swizzle 128B = 3, L2 promotion 128B = 2,
     # out-of-bounds fill zeros = 0
-    err = _TMAP_ENCODE[0](ctypes.addressof(m), 6, 2, a.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
+    err = _cu_tmap_encode()(ctypes.addressof(m), 6, 2, a.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
                           ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
@@ -454,12 +461,8 @@ def wgmma_available() -> bool:
     else) and a driver with TMA descriptors (cuTensorMapEncodeTiled, CUDA 12.0) and cuLaunchKernelEx."""
     dev = cp.cuda.Device().id
     if dev not in _WGMMA_OK:
-        ok = int(cp.cuda.Device().compute_capability) == 90
-        try:
-            ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled  # noqa: B018 - resolves the symbol or raises
-        except (OSError, AttributeError):
-            ok = False
-        _WGMMA_OK[dev] = ok and _cu_launch_ex() is not None
+        _WGMMA_OK[dev] = (int(cp.cuda.Device().compute_capability) == 90 and _cu_tmap_encode() is not None
+                          and _cu_launch_ex() is not None)
     return _WGMMA_OK[dev]
 
 
@@ -509,7 +512,7 @@ def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
 def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None):
     """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
     out. tile: (BM, BN), one of WGMMA_TILES; by default wgmma_tile()'s choice. x is read through a
-    TMA descriptor made per call (a few µs of host time)."""
+    TMA descriptor made on the host per call."""
     assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
     T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
     assert x.shape[1] == K
@@ -523,8 +526,9 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None):
     for i in range(3):
         flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
             mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
-    launch_ex(fn, (N // bn, math.ceil(T / bm)), (WGMMA_THREADS,), (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K),
-                                                         _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
+    # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
+    launch_ex(fn, (N // bn, math.ceil(T / bm)), (fn.max_threads_per_block,),
+              (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
     return out
 
 
