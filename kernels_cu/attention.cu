@@ -7,10 +7,7 @@
 //   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
 //   a second pass merges the partial softmaxes.
 #include "common.cuh"
-
-#ifndef ATTN_DECODE_U
-#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
-#endif
+#include "attn_decode.cuh"
 
 #define FA_BQ 64
 #define FA_BKV 32
@@ -173,119 +170,13 @@ attn_decode_gqa(const half* __restrict__ q,   // [H, HD] rotated
                 float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
                 int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
                 int H, int KV, float scale_log2) {
-    constexpr int LPK = HD / 8, KPW = 32 / LPK;  // lanes per key, keys per warp step
-    constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;  // warp steps whose loads fly together (registers)
-    constexpr int NG = 4 * KPW;                  // key slots per block, each with its own softmax state
-    constexpr int KPB = NG * U;                  // keys per block iteration
-    __shared__ float sm_o[NG][HB][HD];
-    __shared__ float sm_ml[NG][HB][2];
-    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z;
-    const int h0 = kvh * (H / KV) + blockIdx.y * HB;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
+    __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
+    __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
     pdl_wait();  // q and the new key come from the kernel before
     pdl_trigger();
-    float qv[HB][8];
-#pragma unroll
-    for (int j = 0; j < HB; ++j) {
-        unpack8(*reinterpret_cast<const uint4*>(q + (size_t)(h0 + j) * HD + dl * 8), qv[j]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qv[j][i] *= scale_log2;
-    }
-    float acc[HB][8], m[HB], l[HB];
-#pragma unroll
-    for (int j = 0; j < HB; ++j) {
-        m[j] = -INFINITY;
-        l[j] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-    }
     if (pos_dev) n_keys = *pos_dev + 1;
-    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
-    const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
-    const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
-    const half* kb = Kc + (size_t)kvh * HD + dl * 8;
-    const half* vb = Vc + (size_t)kvh * HD + dl * 8;
-    // the trip count is uniform across the block so every lane reaches the shuffles
-    for (int base = k_begin; base < k_end; base += KPB) {
-        uint4 kraw[U], vraw[U];
-        bool valid[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = base + u * NG + slot;
-            valid[u] = key < k_end;
-            const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
-            kraw[u] = *reinterpret_cast<const uint4*>(kb + off);
-            vraw[u] = *reinterpret_cast<const uint4*>(vb + off);
-        }
-        float dot[U][HB];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kf[8];
-            unpack8(kraw[u], kf);
-#pragma unroll
-            for (int j = 0; j < HB; ++j) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) d += qv[j][i] * kf[i];
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                dot[u][j] = valid[u] ? d : -INFINITY;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < HB; ++j) {
-            float mn = m[j];
-#pragma unroll
-            for (int u = 0; u < U; ++u) mn = fmaxf(mn, dot[u][j]);
-            if (mn == -INFINITY) continue;  // no valid key yet in this slot
-            const float corr = exp2f(m[j] - mn);
-            m[j] = mn;
-            l[j] *= corr;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[j][i] *= corr;
-#pragma unroll
-            for (int u = 0; u < U; ++u) dot[u][j] = exp2f(dot[u][j] - mn);  // p; 0 for invalid keys
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            unpack8(vraw[u], vf);
-#pragma unroll
-            for (int j = 0; j < HB; ++j) {
-                if (m[j] == -INFINITY) continue;
-                const float p = dot[u][j];
-                l[j] += p;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
-            }
-        }
-    }
-    // merge the block's NG key slots
-#pragma unroll
-    for (int j = 0; j < HB; ++j) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sm_o[slot][j][dl * 8 + i] = acc[j][i];
-        if (dl == 0) { sm_ml[slot][j][0] = m[j]; sm_ml[slot][j][1] = l[j]; }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < HB * HD; e += blockDim.x) {
-        const int j = e / HD, d = e % HD;
-        float M = -INFINITY;
-#pragma unroll
-        for (int g = 0; g < NG; ++g) M = fmaxf(M, sm_ml[g][j][0]);
-        float L = 0.f, od = 0.f;
-        if (M != -INFINITY)
-#pragma unroll
-            for (int g = 0; g < NG; ++g) {
-                const float w = exp2f(sm_ml[g][j][0] - M);  // 0 for a slot that saw no key
-                L += sm_ml[g][j][1] * w;
-                od += sm_o[g][j][d] * w;
-            }
-        const size_t ps = (size_t)(h0 + j) * S + s;
-        part_o[ps * HD + d] = od;
-        if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = L; }
-    }
+    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, n_keys, H,
+                              KV, scale_log2, sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); });
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.

@@ -61,6 +61,24 @@ __device__ __forceinline__ void awq_dequant8(u32 w, const half2 (&zb)[4], const 
     out[3] = __hmul2(__hfma2(h[3], sixteenth, zb[3]), s2[3]);
 }
 
+// sum over 4 rows r of (q_r - z) * x[r] for the 8 columns of a lane's packed word w[r], in fp16
+// (4 rows keep 15 * 4 * |x| under fp16's 65504 for |x| <= 1024: the GEMVs' overflow guard). Pairs
+// as awq_magic: 1 and 3 carry 16(q - z), so they take x / 16; zb from awq_magic of the zero word.
+__device__ __forceinline__ void awq_dot4(const u32* w, const half* x, const half2 (&zb)[4], half2 (&hacc)[4]) {
+    const half2 sixteenth = __float2half2_rn(0.0625f);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) hacc[p] = __float2half2_rn(0.f);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const half2 xlo = __half2half2(x[r]);
+        const half2 xhi = __hmul2(xlo, sixteenth);
+        half2 h[4];
+        awq_magic(w[r], h);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) hacc[p] = __hfma2(__hsub2(h[p], zb[p]), (p & 1) ? xhi : xlo, hacc[p]);
+    }
+}
+
 // Scales of 8 consecutive columns (one 16-byte load) as awq_dequant8 wants them.
 __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
     s2[0] = *reinterpret_cast<half2*>(&raw.x);
@@ -116,6 +134,26 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// mbarrier handshakes between producers and consumers in one block (CTA scope; arrive releases,
+// the parity wait acquires, so a slot's shared-memory writes are visible to the waiting side;
+// expect_tx is sm_90+: the wgmma GEMM and the persistent decode kernel).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

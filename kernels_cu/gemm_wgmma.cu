@@ -88,25 +88,6 @@ __device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], unsigned long long
         : "l"(da), "l"(db), "r"(acc));
 }
 
-// mbarrier handshakes between the producer and the consumers (CTA scope; arrive releases, the
-// parity wait acquires, so the slot's shared-memory writes are visible to the waiting side).
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
 // A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__.
 struct alignas(64) TmaDesc {
     unsigned long long v[16];

@@ -30,6 +30,7 @@
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
+static_assert(GEMV_FLUSH == 4, "awq_dot4 sums 4 rows in fp16");
 #define GEMV_X_BIG 1024.f     // |x| above which a block's x is scaled down: 15 * GEMV_FLUSH * 1092 > 65504
 #define GEMV_X_SCALE 64.f     // that scale: fp16's largest x (65504) / 64 < 1024
 #define GEMV_ATT_ROWS 4096    // most rows per split staged in shared memory (xsm; the attention merge needs it)
@@ -95,7 +96,6 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-    const half2 sixteenth = __float2half2_rn(0.0625f);
 
     // The first step's weight loads go out before pdl_wait(): weights never change, so under PDL
     // their DRAM latency overlaps the previous kernel's tail instead of starting after it.
@@ -186,17 +186,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
 #pragma unroll
             for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) {
                 half2 hacc[4];
-#pragma unroll
-                for (int p = 0; p < 4; ++p) hacc[p] = __float2half2_rn(0.f);
-#pragma unroll
-                for (int r = r0; r < r0 + GEMV_FLUSH; ++r) {
-                    const half2 xlo = __half2half2(xs[r]);
-                    const half2 xhi = __hmul2(xlo, sixteenth);  // pairs 1,3 carry 16(q-z)
-                    half2 h[4];
-                    awq_magic(wv[r], h);
-#pragma unroll
-                    for (int p = 0; p < 4; ++p) hacc[p] = __hfma2(__hsub2(h[p], zb[p]), (p & 1) ? xhi : xlo, hacc[p]);
-                }
+                awq_dot4(wv + r0, xs + r0, zb, hacc);
                 // fold into fp32 with the group's scale
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {

@@ -8,6 +8,7 @@ preallocated buffers and allocates nothing per token.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 import os
 import sys
@@ -166,7 +167,7 @@ def _cu_launch_ex():
 
 
 def _c_arg(a):
-    if isinstance(a, ctypes.Array):  # a struct passed by value (a TMA descriptor)
+    if isinstance(a, (ctypes.Array, ctypes.Structure)):  # a struct passed by value (a TMA descriptor, DlArgs)
         return a
     if isinstance(a, cp.ndarray):
         return ctypes.c_void_p(a.data.ptr)
@@ -179,14 +180,20 @@ def _c_arg(a):
     raise TypeError(f"kernel argument of type {type(a).__name__}")
 
 
+def _pdl_attr() -> _LaunchAttr:
+    """The programmatic-stream-serialization launch attribute (PDL)."""
+    attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+    attr.value[0] = 1
+    return attr
+
+
 class _PdlKernel:
     """A kernel launched through cuLaunchKernelEx with the programmatic-stream-serialization
     attribute (captured into CUDA graphs as a programmatic edge); same call form as CuPy's."""
 
     def __init__(self, fn):
         self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction (its module stays in _MODULES)
-        self.attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
-        self.attr.value[0] = 1
+        self.attr = _pdl_attr()
 
     def __call__(self, grid, block, args):
         launch_ex(self.ptr, grid, block, args, attr=self.attr)
@@ -262,12 +269,18 @@ def _compiled(family: str, name: str):
     """A compiled kernel. The source gets a #line so NVRTC errors name the real .cu file; CuPy
     caches the binary on disk, so a second start does not recompile."""
     if family not in _MODULES:
-        fname, names = _FILES[family]
+        # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
+        # model needs it (each is a large kernel; compiling all sixteen would slow every start)
+        fname, names = ("decode_layers.cu", [family[3:]]) if family.startswith("dl:") else _FILES[family]
         d = kernel_dir()
-        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text()
+        # CuPy's disk cache is keyed on the source text, not on what it includes: name the headers' hash
+        deps = hashlib.sha1(b"".join((d / h).read_bytes() for h in sorted(os.listdir(d)) if h.endswith(".cuh")))
+        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + f"\n// headers {deps.hexdigest()}\n"
         opts = ("--std=c++17", f"-I{d}")
-        if family == "attn":
+        if family == "attn" or family.startswith("dl:"):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
+        if family.startswith("dl:"):
+            opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
         if family == "gemm90":  # wgmma exists only in the arch-specific sm_90a target
             opts += ("-arch=sm_90a",)
         if family == "gemv":
@@ -621,6 +634,72 @@ class _AttnParts:
         self.shape = (1, heads * hd)
 
 
+# The persistent decode kernel (decode_layers.cu): every dense layer of a decode step in one launch
+# on compute capability 9.0+. Opt-in (KUIPER_DECODE_LAYERS=1): on H100 it measured slower than the
+# separate kernels, 284 against 369 tok/s for Qwen3-8B shapes (PERFORMANCE.md change 45).
+# KUIPER_DL_BLOCKS sets its block count (default one per SM; tests use odd counts);
+# KUIPER_DL_CW its consumer warps per block (8 or 16); KUIPER_DL_DEFINES more -D options (A/B).
+DECODE_LAYERS = os.environ.get("KUIPER_DECODE_LAYERS", "0") == "1"
+DL_BLOCKS = int(os.environ.get("KUIPER_DL_BLOCKS", "0"))
+DL_CW = int(os.environ.get("KUIPER_DL_CW", "8"))
+DL_COLS, DL_ROWS, DL_MAXT, DL_MAX_RING, DL_FIXED = 256, 128, 4, 32, 2048  # decode_layers.cu's constants
+DL_STAGE = DL_ROWS * DL_COLS // 2 + DL_COLS * 2 + DL_COLS // 2
+
+
+class _DlArgs(ctypes.Structure):  # decode_layers.cu DlArgs, passed by value
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("layers", "h", "q", "part", "att_o", "att_ml", "act", "cosb", "sinb",
+                                               "pos", "bar")]
+                + [(n, ctypes.c_int) for n in ("L", "D", "I", "H", "KV", "hd", "S", "ring")]
+                + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)])
+
+
+def dl_phases(a: ModelArgs) -> list[tuple[int, int]]:
+    """(units, units per tile) of the kernel's four projection steps: q|k|v, o, gate|up, down."""
+    D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
+    return [((qd + 2 * kvd) // DL_COLS * (D // DL_ROWS), D // DL_ROWS), (D // DL_COLS * (qd // DL_ROWS), qd // DL_ROWS),
+            (2 * I // DL_COLS * (D // DL_ROWS), D // DL_ROWS), (D // DL_COLS * (I // DL_ROWS), I // DL_ROWS)]
+
+
+def dl_max_tiles(U: int, upt: int, G: int) -> int:
+    """Most tiles one of G blocks touches when block b takes units [b*U/G, (b+1)*U/G)."""
+    most = 0
+    for b in range(G):
+        u0, u1 = b * U // G, (b + 1) * U // G
+        if u1 > u0:
+            most = max(most, (u1 - 1) // upt - u0 // upt + 1)
+    return most
+
+
+def decode_layers_plan(a: ModelArgs, is_moe: bool):
+    """The persistent decode kernel's launch shape for this model and GPU, or (None, why) when it
+    does not apply: (dict(blocks, ring, xbytes, smem, name), "")."""
+    if not DECODE_LAYERS:
+        return None, "off (opt-in: KUIPER_DECODE_LAYERS=1)"
+    if int(cp.cuda.Device().compute_capability) < 90 or _cu_launch_ex() is None:
+        return None, "needs compute capability 9.0+ (bulk async copies) and cuLaunchKernelEx"
+    if is_moe:
+        return None, "dense models only"
+    D, I, qd, kvd, hd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim, a.head_dim
+    if a.group_size != DL_ROWS or any(n % DL_COLS for n in (D, I, qd, kvd)) or hd not in (64, 128):
+        return None, "needs group size 128, widths that are multiples of 256 and head_dim 64 or 128"
+    kmax = max(D, I, qd)
+    if kmax > 32768:
+        return None, "widths above 32768"
+    G = DL_BLOCKS or sm_count()
+    if any(dl_max_tiles(U, upt, G) > DL_MAXT for U, upt in dl_phases(a)):
+        return None, f"a block would touch more than {DL_MAXT} tiles with {G} blocks"
+    hb = decode_heads_per_block(a.num_attention_heads, a.num_key_value_heads)
+    ng = 4 * (32 // (hd // 8))
+    attn = DL_CW * 32 // 128 * ng * hb * (hd + 2) * 4  # decode_layers.cu dl_attention's scratch
+    xbytes = -(-max(kmax * 2 + DL_CW * (DL_COLS + 8) * 4, attn) // 128) * 128
+    optin = cp.cuda.runtime.deviceGetAttribute(97, cp.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    ring = min(DL_MAX_RING, (optin - DL_FIXED - xbytes) // DL_STAGE)
+    if ring < 2:
+        return None, "not enough shared memory for its ring"
+    return dict(blocks=G, ring=ring, xbytes=xbytes, smem=DL_FIXED + xbytes + ring * DL_STAGE,
+                name=f"decode_layers<{hd},{hb}>"), ""
+
+
 def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_heads: int, eps: float,
                        out=None, pos_dev=None):
     """Per-head RMSNorm of q and k, RoPE at positions pos0.., k and v written into kc/vc [ctx, KV, hd].
@@ -814,9 +893,15 @@ class CupyOps:
         except cp.cuda.memory.OutOfMemoryError as e:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
         gemv_counters()  # allocated (zeroed) before any graph capture
+        self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
+        if self._dl is not None:
+            self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
+            self.d["dl_bar"] = cp.zeros((2,), cp.uint32)  # decode_layers.cu leaves it zero after each launch
         self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
+        if self._dl is not None:
+            _compiled("dl:" + self._dl["name"], self._dl["name"])
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
     def alloc_cache(self, max_context: int) -> None:
@@ -847,6 +932,42 @@ class CupyOps:
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph = None  # it holds the old cache's addresses
+        if self._dl is not None:
+            self._dl_setup()
+
+    def _dl_setup(self) -> None:
+        """decode_layers.cu's arguments for this cache: the per-layer pointer table (DlLayer [L]) on
+        the device and the DlArgs struct. Made here, not during a graph capture (a host copy)."""
+        a, d = self.args, self.d
+        rows = []
+        for i, L in enumerate(self.weights.layers):
+            r = []
+            for m in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w3, L.w2):  # q, k, v, o, gate, up, down
+                r += [m.qweight.data.ptr, m.qzeros.data.ptr, m.scales.data.ptr]
+            r += [L.attn_norm.data.ptr, L.ffn_norm.data.ptr, L.q_norm.data.ptr, L.k_norm.data.ptr,
+                  self.k_cache[i].data.ptr, self.v_cache[i].data.ptr]
+            rows.append(r)
+        self._dl_table = cp.asarray(np.asarray(rows, dtype=np.uint64))
+        self._dl_args = _DlArgs(self._dl_table.data.ptr, d["h"].data.ptr, d["qrot"].data.ptr, d["dl_part"].data.ptr,
+                                d["part_o"].data.ptr, d["part_ml"].data.ptr, d["act"].data.ptr, self.cos.data.ptr,
+                                self.sin.data.ptr, d["pos"].data.ptr, d["dl_bar"].data.ptr, a.num_hidden_layers,
+                                a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
+                                a.head_dim, self.attn_splits, self._dl["ring"], a.rms_norm_eps,
+                                math.log2(math.e) / math.sqrt(a.head_dim))
+
+    def decode_layers(self, h, pos0: int) -> bool:
+        """Every decoder layer of a one-token step in one persistent kernel (decode_layers.cu), h
+        [1, D] fp32 updated in place; False (nothing done) where it does not apply (the plan's why)."""
+        if self._dl is None or h.shape[0] != 1:
+            return False
+        assert h.data.ptr == self.d["h"].data.ptr and self._dev_pos == pos0
+        pl = self._dl
+        fn = _compiled("dl:" + pl["name"], pl["name"])
+        if fn.max_dynamic_shared_size_bytes < pl["smem"]:
+            fn.max_dynamic_shared_size_bytes = pl["smem"]
+        launch_ex(fn, (pl["blocks"],), (DL_CW * 32 + 32,), (self._dl_args, _i(pl["xbytes"])), pl["smem"],
+                  attr=_pdl_attr() if pdl_enabled() else None)
+        return True
 
     @staticmethod
     def synchronize() -> None:

@@ -73,6 +73,11 @@ class NumpyOps:
     def begin_step(self, pos0: int, n_tokens: int) -> None:
         pass
 
+    @staticmethod
+    def decode_layers(h, pos0: int) -> bool:
+        """The layers one by one (the model's loop): no fused whole-step path on the CPU."""
+        return False
+
     def embed(self, ids: list[int]) -> np.ndarray:
         return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 

@@ -1,0 +1,136 @@
+// The flash-decoding split as a device function, for the attention kernel (attention.cu
+// attn_decode_gqa: one 128-thread block per split) and for the persistent decode kernel
+// (decode_layers.cu: a 128-thread quarter or half of a block per split, its own named barrier).
+// Every read of q and the cache is an L2 (.cg) load: in the persistent kernel another block wrote
+// them earlier in the same launch, so a line in this SM's L1 from an earlier layer may be stale.
+#pragma once
+#include "common.cuh"
+
+#ifndef ATTN_DECODE_U
+#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
+#endif
+
+template <int HD, int HB>
+struct AttnSplitSmem {                            // the merge of a block's key slots
+    static constexpr int LPK = HD / 8, KPW = 32 / LPK, NG = 4 * KPW;
+    static constexpr int o_floats = NG * HB * HD;  // [NG][HB][HD]
+    static constexpr int ml_floats = NG * HB * 2;  // [NG][HB][2]
+};
+
+// Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
+// 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
+// the 128 threads' barrier.
+template <int HD, int HB, class Sync>
+__device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
+                                                  const half* Kc,  // [ctx, KV, HD] this layer
+                                                  const half* Vc, float* part_o, float* part_ml, int kvh, int hb,
+                                                  int s, int S, int n_keys, int H, int KV, float scale_log2,
+                                                  float* sm_o, float* sm_ml, int tid, Sync sync) {
+    using L = AttnSplitSmem<HD, HB>;
+    constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
+    constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;          // warp steps whose loads fly together (registers)
+    constexpr int KPB = NG * U;                             // keys per block iteration
+    const int h0 = kvh * (H / KV) + hb * HB;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
+    float qv[HB][8];
+#pragma unroll
+    for (int j = 0; j < HB; ++j) {
+        unpack8(__ldcg(reinterpret_cast<const uint4*>(q + (size_t)(h0 + j) * HD + dl * 8)), qv[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qv[j][i] *= scale_log2;
+    }
+    float acc[HB][8], m[HB], l[HB];
+#pragma unroll
+    for (int j = 0; j < HB; ++j) {
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+    }
+    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
+    const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
+    const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
+    const half* kb = Kc + (size_t)kvh * HD + dl * 8;
+    const half* vb = Vc + (size_t)kvh * HD + dl * 8;
+    // the trip count is uniform across the 128 threads so every lane reaches the shuffles
+    for (int base = k_begin; base < k_end; base += KPB) {
+        uint4 kraw[U], vraw[U];
+        bool valid[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = base + u * NG + slot;
+            valid[u] = key < k_end;
+            const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
+            kraw[u] = __ldcg(reinterpret_cast<const uint4*>(kb + off));
+            vraw[u] = __ldcg(reinterpret_cast<const uint4*>(vb + off));
+        }
+        float dot[U][HB];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float kf[8];
+            unpack8(kraw[u], kf);
+#pragma unroll
+            for (int j = 0; j < HB; ++j) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d += qv[j][i] * kf[i];
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                dot[u][j] = valid[u] ? d : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HB; ++j) {
+            float mn = m[j];
+#pragma unroll
+            for (int u = 0; u < U; ++u) mn = fmaxf(mn, dot[u][j]);
+            if (mn == -INFINITY) continue;  // no valid key yet in this slot
+            const float corr = exp2f(m[j] - mn);
+            m[j] = mn;
+            l[j] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < U; ++u) dot[u][j] = exp2f(dot[u][j] - mn);  // p; 0 for invalid keys
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float vf[8];
+            unpack8(vraw[u], vf);
+#pragma unroll
+            for (int j = 0; j < HB; ++j) {
+                if (m[j] == -INFINITY) continue;
+                const float p = dot[u][j];
+                l[j] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
+            }
+        }
+    }
+    // merge the NG key slots
+#pragma unroll
+    for (int j = 0; j < HB; ++j) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sm_o[(slot * HB + j) * HD + dl * 8 + i] = acc[j][i];
+        if (dl == 0) { sm_ml[(slot * HB + j) * 2] = m[j]; sm_ml[(slot * HB + j) * 2 + 1] = l[j]; }
+    }
+    sync();
+    for (int e = tid; e < HB * HD; e += 128) {
+        const int j = e / HD, d = e % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) M = fmaxf(M, sm_ml[(g * HB + j) * 2]);
+        float Lsum = 0.f, od = 0.f;
+        if (M != -INFINITY)
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const float w = exp2f(sm_ml[(g * HB + j) * 2] - M);  // 0 for a slot that saw no key
+                Lsum += sm_ml[(g * HB + j) * 2 + 1] * w;
+                od += sm_o[(g * HB + j) * HD + d] * w;
+            }
+        const size_t ps = (size_t)(h0 + j) * S + s;
+        part_o[ps * HD + d] = od;
+        if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+    }
+}
