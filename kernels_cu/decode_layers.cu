@@ -45,6 +45,8 @@
 #define DL_X_BIG 1024.f              // as gemv_w4a16.cu: |x| above which a group's x is scaled down
 #define DL_X_SCALE 64.f              //   by 64 (exact), so 4 rows of fp16 (q - z) x cannot overflow
 static_assert(DL_CW == 8 || DL_CW == 16, "a unit's 32 row quads split evenly over the consumer warps");
+// Diagnosis only (KUIPER_DL_DEFINES, wrong results): DL_DEBUG_NOSYNC drops the grid barriers,
+// DL_DEBUG_NOMATH the dot products, to split a step's time (PERFORMANCE.md change 45).
 
 struct DlMat {
     const u32* qw;    // [K, N/8] tiled (common.cuh)
