@@ -20,7 +20,7 @@ make_soak() {  # the small preset for tools/soak.py
 if [ "${PART:-1}" = final ]; then
   make_models 30b-a3b 8b > "$OUT/make.log" 2>&1 &
   MK=$!
-  [ "${TESTS:-all}" = none ] || { timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
+  [ "${TESTS:-all}" = none ] || { timeout 480 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
     tests/test_gpu_moe.py tests/test_gpu.py tests/test_gpu_e2e.py tests/test_hardening.py::test_kv_cache_too_large_for_gpu_memory \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error|SKIPPED" "$OUT/gpu_tests.log" | tail -12; }
   wait $MK; grep exported "$OUT/make.log"
@@ -33,7 +33,7 @@ if [ "${PART:-1}" = final ]; then
 elif [ "${PART:-1}" = prof ]; then  # GPU tests (TESTS=none skips), then a kernel-by-kernel decode profile
   make_models ${PROF_MODELS:-8b} > "$OUT/make.log" 2>&1 &
   MK=$!
-  [ "${TESTS:-all}" = none ] || { timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
+  [ "${TESTS:-all}" = none ] || { timeout 480 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --tb=short \
     $([ "${TESTS:-all}" = all ] && echo tests/test_gpu_moe.py tests/test_gpu.py tests/test_gpu_e2e.py || echo $TESTS) \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -12; }
   wait $MK; grep exported "$OUT/make.log"
@@ -71,7 +71,7 @@ elif [ "${PART:-1}" = ab ]; then
   done
   [ -z "${KFULL:-}" ] || timeout 150 python3 tools/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tail -22
 elif [ "${PART:-1}" = 1 ]; then
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
+  timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_gpu.py tests/test_gpu_e2e.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu_tests.log" | tail -12
   make_soak
   timeout 200 python3 tools/soak.py /tmp/soak.bin --runs 20 --steps 1000 --json "$OUT/soak.json" 2>/dev/null | tail -4
