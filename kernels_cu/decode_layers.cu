@@ -46,7 +46,15 @@
 #define DL_X_SCALE 64.f              //   by 64 (exact), so 4 rows of fp16 (q - z) x cannot overflow
 static_assert(DL_CW == 8 || DL_CW == 16, "a unit's 32 row quads split evenly over the consumer warps");
 // Diagnosis only (KUIPER_DL_DEFINES, wrong results): DL_DEBUG_NOSYNC drops the grid barriers,
-// DL_DEBUG_NOMATH the dot products, to split a step's time (PERFORMANCE.md change 45).
+// DL_DEBUG_NOMATH the dot products, DL_DEBUG_STREAM_ONLY everything but the ring's handshakes, to
+// split a step's time (PERFORMANCE.md change 45).
+#ifdef DL_DEBUG_STREAM_ONLY
+#define DL_DEBUG_NOSYNC
+#define DL_DEBUG_NOMATH
+#define DL_STEP(call) ((void)0)
+#else
+#define DL_STEP(call) call
+#endif
 
 struct DlMat {
     const u32* qw;    // [K, N/8] tiled (common.cuh)
@@ -425,27 +433,27 @@ decode_layers(const __grid_constant__ DlArgs a, int xbytes) {
     const DlPhase p_qkv = dl_phase(a, 0), p_o = dl_phase(a, 1), p_gu = dl_phase(a, 2), p_dn = dl_phase(a, 3);
     for (int l = 0; l < a.L; ++l) {
         const DlLayer& Lr = a.layers[l];
-        dl_stage_x<0>(a, p_qkv, xs, flags, Lr.attn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0);
+        DL_STEP(dl_stage_x<0>(a, p_qkv, xs, flags, Lr.attn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0));
         it = dl_project(a, p_qkv, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
-        dl_qkv_heads(a, Lr, p_qkv, pos, red32, yv);
+        DL_STEP(dl_qkv_heads(a, Lr, p_qkv, pos, red32, yv));
         dl_grid_sync(a.bar, target);
-        dl_attention<HD, HB>(a, Lr, n_keys, scratch);
+        DL_STEP((dl_attention<HD, HB>(a, Lr, n_keys, scratch)));
         dl_grid_sync(a.bar, target);
-        dl_stage_x<1>(a, p_o, xs, flags, nullptr, 0.f, n_keys);
+        DL_STEP(dl_stage_x<1>(a, p_o, xs, flags, nullptr, 0.f, n_keys));
         it = dl_project(a, p_o, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
-        dl_residual(a, p_o);
+        DL_STEP(dl_residual(a, p_o));
         dl_grid_sync(a.bar, target);
-        dl_stage_x<0>(a, p_gu, xs, flags, Lr.ffn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0);
+        DL_STEP(dl_stage_x<0>(a, p_gu, xs, flags, Lr.ffn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0));
         it = dl_project(a, p_gu, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
-        dl_swiglu(a, p_gu);
+        DL_STEP(dl_swiglu(a, p_gu));
         dl_grid_sync(a.bar, target);
-        dl_stage_x<2>(a, p_dn, xs, flags, nullptr, 0.f, 0);
+        DL_STEP(dl_stage_x<2>(a, p_dn, xs, flags, nullptr, 0.f, 0));
         it = dl_project(a, p_dn, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
-        dl_residual(a, p_dn);
+        DL_STEP(dl_residual(a, p_dn));
         if (l + 1 < a.L) dl_grid_sync(a.bar, target);
     }
     // Leave the counters at zero for the next launch: the last block to get here knows that every
