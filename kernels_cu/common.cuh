@@ -192,15 +192,23 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over a block of up to 1024 threads; every thread gets the result. `red` needs 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+// Sum over nthreads threads (tid 0.., whole warps, up to 1024) that share the barrier sync();
+// every one gets the result. `red` needs 32 floats. Its first barrier also publishes the threads'
+// earlier shared-memory writes.
+template <class Sync>
+__device__ __forceinline__ float group_sum(float v, float* red, int tid, int nthreads, Sync sync) {
+    const int lane = tid & 31, wid = tid >> 5, nw = (nthreads + 31) >> 5;
     v = warp_sum(v);
-    __syncthreads();
+    sync();
     if (lane == 0) red[wid] = v;
-    __syncthreads();
+    sync();
     v = lane < nw ? red[lane] : 0.f;
     return warp_sum(v);
+}
+
+// Sum over the whole block; every thread gets the result. `red` needs 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    return group_sum(v, red, threadIdx.x, blockDim.x, [] { __syncthreads(); });
 }
 
 // True, in every thread, for the block that arrives last of `arrivals` blocks at *counter, which it
@@ -231,15 +239,24 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
     }
 }
 
-// 1 / rms(h) for one fp32 row of D (D % 4 == 0) with the whole block: the prologues that normalise
-// a decode row in the kernel that consumes it (each block reads the row from L2 itself).
-__device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red) {
+// 1 / rms(h) for one fp32 row of D (D % 4 == 0) by a group of threads (group_sum's arguments): the
+// prologues that normalise a decode row in the kernel that consumes it (each block reads the row
+// from L2 itself; .cg loads, since in the persistent decode kernel other blocks wrote it in the
+// same launch).
+template <class Sync>
+__device__ __forceinline__ float group_rms_inv(const float* __restrict__ h, int D, float eps, float* red, int tid,
+                                               int nthreads, Sync sync) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(h)[i];
+    for (int i = tid; i < D / 4; i += nthreads) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    return rsqrtf(block_sum(ss, red) / D + eps);
+    return rsqrtf(group_sum(ss, red, tid, nthreads, sync) / D + eps);
+}
+
+// The same with the whole block.
+__device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red) {
+    return group_rms_inv(h, D, eps, red, threadIdx.x, blockDim.x, [] { __syncthreads(); });
 }
 
 // ---------------------------------------------------------------------------------------------

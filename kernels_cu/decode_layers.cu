@@ -127,26 +127,14 @@ __device__ __forceinline__ void dl_grid_sync(unsigned* bar, unsigned& target) {
     consumer_sync();
 }
 
-// Sum over the consumer threads; every one gets it. red: DL_CW floats.
-__device__ __forceinline__ float dl_csum(float v, float* red) {
-    v = warp_sum(v);
-    consumer_sync();  // red free again
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    consumer_sync();
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < DL_CW; ++w) s += red[w];
-    return s;
-}
+// consumer_sync as group_sum's barrier argument (a functor, so the call inlines).
+struct DlConsumers {
+    __device__ __forceinline__ void operator()() const { consumer_sync(); }
+};
 
-// 1 / rms of the fp32 row h [D] (other blocks wrote it: L2 loads).
-__device__ __forceinline__ float dl_rms_inv(const float* h, int D, float eps, float* red) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < D / 4; i += DL_CT) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    return rsqrtf(dl_csum(ss, red) / D + eps);
+// 1 / rms of the residual row (other blocks wrote it this launch) by the consumer threads.
+__device__ __forceinline__ float dl_rms_inv(const DlArgs& a, float* red) {
+    return group_rms_inv(a.h, a.D, a.eps, red, threadIdx.x, DL_CT, DlConsumers{});
 }
 
 // Column col of tile T of a phase: the partial sums of the blocks whose units cover the tile, in
@@ -322,7 +310,7 @@ __device__ __forceinline__ void dl_qkv_heads(const DlArgs& a, const DlLayer& Lr,
             continue;
         }
         if (t < hd) yv[t] = y;
-        const float inv = rsqrtf(dl_csum(y * y, red) / hd + a.eps);  // its barriers publish yv
+        const float inv = rsqrtf(group_sum(y * y, red, threadIdx.x, DL_CT, DlConsumers{}) / hd + a.eps);  // its barriers publish yv
         if (t < hd) {
             const half* nw = mat == 0 ? Lr.q_norm : Lr.k_norm;
             const int hh = hd / 2, dp = t < hh ? t + hh : t - hh;  // the rotation partner
@@ -379,7 +367,7 @@ __global__ void __launch_bounds__(DL_THREADS, 1)
 decode_layers(const __grid_constant__ DlArgs a, int xbytes) {
     extern __shared__ __align__(128) unsigned char sm[];
     const u32 full = smem_u32(sm), empty = full + 8 * DL_MAX_RING;
-    float* red32 = reinterpret_cast<float*>(sm + 16 * DL_MAX_RING);          // DL_CW floats
+    float* red32 = reinterpret_cast<float*>(sm + 16 * DL_MAX_RING);          // 32 floats (group_sum)
     float* yv = red32 + 32;                                                  // [hd]
     unsigned char* flags = reinterpret_cast<unsigned char*>(yv + 128);      // [K / 128], K <= 32768
     half* xs = reinterpret_cast<half*>(sm + DL_FIXED);                       // [K]
@@ -433,7 +421,7 @@ decode_layers(const __grid_constant__ DlArgs a, int xbytes) {
     const DlPhase p_qkv = dl_phase(a, 0), p_o = dl_phase(a, 1), p_gu = dl_phase(a, 2), p_dn = dl_phase(a, 3);
     for (int l = 0; l < a.L; ++l) {
         const DlLayer& Lr = a.layers[l];
-        DL_STEP(dl_stage_x<0>(a, p_qkv, xs, flags, Lr.attn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0));
+        DL_STEP(dl_stage_x<0>(a, p_qkv, xs, flags, Lr.attn_norm, dl_rms_inv(a, red32), 0));
         it = dl_project(a, p_qkv, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
         DL_STEP(dl_qkv_heads(a, Lr, p_qkv, pos, red32, yv));
@@ -445,7 +433,7 @@ decode_layers(const __grid_constant__ DlArgs a, int xbytes) {
         dl_grid_sync(a.bar, target);
         DL_STEP(dl_residual(a, p_o));
         dl_grid_sync(a.bar, target);
-        DL_STEP(dl_stage_x<0>(a, p_gu, xs, flags, Lr.ffn_norm, dl_rms_inv(a.h, a.D, a.eps, red32), 0));
+        DL_STEP(dl_stage_x<0>(a, p_gu, xs, flags, Lr.ffn_norm, dl_rms_inv(a, red32), 0));
         it = dl_project(a, p_gu, it, ring, full, empty, xs, flags, red);
         dl_grid_sync(a.bar, target);
         DL_STEP(dl_swiglu(a, p_gu));

@@ -900,8 +900,11 @@ class CupyOps:
         self.alloc_cache(max_context)
         for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
             kernel(fam, _FILES[fam][1][0])
-        if self._dl is not None:
-            _compiled("dl:" + self._dl["name"], self._dl["name"])
+        if self._dl is not None:  # compiled and given its shared memory once, not per launch
+            self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])
+            if self._dl_fn.max_dynamic_shared_size_bytes < self._dl["smem"]:
+                self._dl_fn.max_dynamic_shared_size_bytes = self._dl["smem"]
+            self._dl_attr = _pdl_attr() if pdl_enabled() else None
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
     def alloc_cache(self, max_context: int) -> None:
@@ -962,11 +965,8 @@ class CupyOps:
             return False
         assert h.data.ptr == self.d["h"].data.ptr and self._dev_pos == pos0
         pl = self._dl
-        fn = _compiled("dl:" + pl["name"], pl["name"])
-        if fn.max_dynamic_shared_size_bytes < pl["smem"]:
-            fn.max_dynamic_shared_size_bytes = pl["smem"]
-        launch_ex(fn, (pl["blocks"],), (DL_CW * 32 + 32,), (self._dl_args, _i(pl["xbytes"])), pl["smem"],
-                  attr=_pdl_attr() if pdl_enabled() else None)
+        launch_ex(self._dl_fn, (pl["blocks"],), (DL_CW * 32 + 32,), (self._dl_args, _i(pl["xbytes"])), pl["smem"],
+                  attr=self._dl_attr)
         return True
 
     @staticmethod
