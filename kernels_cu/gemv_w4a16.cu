@@ -286,6 +286,13 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
 
 // The split-K GEMV with its fused reduction. grid (column tiles of all matrices, S, slots), block 256.
 // counters must be zero before the first launch; every launch leaves them zero.
+// MOE2 (the MoE weighted sum only): the reduction in two levels, so the experts' down projection can
+// split K as finely as the dense GEMVs. The last block of a (slot, tile) sums that slot's S partials
+// times its routing weight into the slot's first partial row; the last slot to finish a tile sums
+// the slots. In one level a single block per tile read slots x S partials, so the split aimed at one
+// block per SM (PERFORMANCE.md change 6). It is its own instantiation: beside every other epilogue
+// the second level spilled under the 64-register bound of 4 blocks per SM (change 39); alone it fits.
+template <bool MOE2>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
 gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_stride] or [K] (stride 0)
            const float* __restrict__ hn,         // [K] fp32 residual stream or null: x = rmsnorm(hn) * wn
@@ -311,7 +318,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // of a decode at position pos_dev / pos0 (as QKV_ROPE's), merged into x
            const float* __restrict__ att_o, const float* __restrict__ att_ml, int att_S,
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
-           int group, int epi) {
+           int group, int epi,
+           int ids_early) {                      // the ids were written before the previous kernel
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -325,9 +333,16 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         }
     }
     if (expert_ids) {  // expert e of a stack: whole [K, ld] matrices one after another
-        pdl_wait();  // the ids come from the kernel before us: no weight load can go ahead of it
-        pdl_trigger();
-        const size_t e = (size_t)expert_ids[slot];
+        // Ids from the kernel just before us: no weight load can go ahead of pdl_wait. Decode's down
+        // projection reads ids the router wrote before the gate/up GEMV, which has itself waited
+        // for the router (PDL's "finished" is transitive), so they and its first weight loads may
+        // go ahead (ids_early). Read from L2 (.cg): before the wait, this SM's L1 may still hold
+        // the line from an earlier layer's ids (measured: plain loads routed to stale experts).
+        if (!ids_early) {
+            pdl_wait();
+            pdl_trigger();
+        }
+        const size_t e = (size_t)__ldcg(expert_ids + slot);
         m.qw += e * K * (m.ld / 8);
         m.qz += e * (K / group) * (m.ld / 8);
         m.sc += e * (K / group) * m.ld;
@@ -335,8 +350,25 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev);
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev);
 
+    if (MOE2) {  // level 1: this slot's tile over its S splits; level 2: the tile over the slots
+        if (!block_arrives_last(&counters[slot * gridDim.x + blockIdx.x], S)) return;
+        const float w = slot_w[slot];
+        for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
+            const int col = tile * GEMV_COLS + c;
+            if (col < m.N) part[col] = w * gemv_sum_partials(part + col, S, n_total, nullptr, 1);
+        }
+        if (!block_arrives_last(&counters[gridDim.z * gridDim.x + blockIdx.x], gridDim.z)) return;
+        for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
+            const int col = tile * GEMV_COLS + c;
+            if (col >= m.N) continue;
+            const float acc = gemv_sum_partials(partial + col, gridDim.z, (size_t)S * n_total, nullptr, 1);
+            if (resid) resid[col] += __half2float(__float2half(acc));
+            else out[col] = __float2half(acc);
+        }
+        return;
+    }
     // arrival: the last of the tile's blocks reduces it (partials published by the fence first)
     int cidx, arrivals;
     if (epi == GEMV_EPI_SWIGLU) { cidx = slot * t0 + tile; arrivals = 2 * S; }

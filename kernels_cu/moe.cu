@@ -22,23 +22,28 @@ __device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
     return pa > pb || (pa == pb && ea < eb);
 }
 
+// 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+    const half2* ah = reinterpret_cast<const half2*>(&a);
+    const half2* bh = reinterpret_cast<const half2*>(&b);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+        s += fa.x * fb.x + fa.y * fb.y;
+    }
+    return s;
+}
+
 // x . w in fp32 over D fp16 elements (D % 8 == 0) by one warp, the result in every lane: the
 // router logit of one expert. x may be in shared memory, w (a router row) is read through L1.
-__device__ __forceinline__ float router_dot(const half* x, const half* __restrict__ w, int D) {
+// Lane l takes 16-byte chunks l, l + 32, ... from chunk `from` on, added to s in that order.
+__device__ __forceinline__ float router_dot(const half* x, const half* __restrict__ w, int D, float s = 0.f,
+                                            int from = 0) {
     const uint4* xr = reinterpret_cast<const uint4*>(x);
     const uint4* wr = reinterpret_cast<const uint4*>(w);
-    float s = 0.f;
 #pragma unroll 4
-    for (int i = threadIdx.x & 31; i < D / 8; i += 32) {
-        uint4 a = xr[i], b = __ldg(wr + i);
-        const half2* ah = reinterpret_cast<const half2*>(&a);
-        const half2* bh = reinterpret_cast<const half2*>(&b);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-            s += fa.x * fb.x + fa.y * fb.y;
-        }
-    }
+    for (int i = from + (threadIdx.x & 31); i < D / 8; i += 32) s += dot8(xr[i], __ldg(wr + i));
     return warp_sum(s);
 }
 
@@ -127,6 +132,7 @@ __global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
 // (an atomic counter, left at zero) runs the softmax and top-k. Block 0 stores x for the experts'
 // GEMV. grid ceil(E / 8), block 256; D % 8 == 0, D <= MOE_ROUTE_MAX_D.
 #define MOE_ROUTE_MAX_D 8192
+#define MOE_ROUTE_PRE 8  // a lane's first 16-byte router loads, issued before pdl_wait: all of D <= 2048
 __global__ void __launch_bounds__(256)
 moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
                  const half* __restrict__ nw,       // [D] the norm's weight
@@ -140,6 +146,13 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
                  int D, int E, int k, int norm_topk) {
     __shared__ __align__(16) half xs[MOE_ROUTE_MAX_D];
     __shared__ float red[32];
+    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5);
+    // The router is a weight: its row's first loads fly while the kernel before us finishes (PDL).
+    const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)min(e, E - 1) * D);
+    uint4 wpre[MOE_ROUTE_PRE];
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_PRE; ++j)
+        if (lane + 32 * j < D / 8) wpre[j] = __ldg(wr + lane + 32 * j);
     pdl_wait();
     pdl_trigger();
     const float inv = row_rms_inv(h, D, eps, red);
@@ -148,9 +161,13 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
         if (blockIdx.x == 0) xout[i] = xs[i];
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (e < E) {
-        const float s = router_dot(xs, router + (size_t)e * D, D);
+        const uint4* xr = reinterpret_cast<const uint4*>(xs);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_PRE; ++j)
+            if (lane + 32 * j < D / 8) s += dot8(xr[lane + 32 * j], wpre[j]);
+        s = router_dot(xs, router + (size_t)e * D, D, s, 32 * MOE_ROUTE_PRE);  // the rest, if D > 2048
         if (lane == 0) logits[e] = s;
     }
     if (!block_arrives_last(counter, gridDim.x) || threadIdx.x >= 32) return;

@@ -29,9 +29,14 @@ except ImportError:  # pragma: no cover - CPU-only installs
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
-# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before); the MoE weighted-sum
-# epilogue reduces slots x splits partials in one block, so it aims at 1
+# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before)
 GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
+# the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
+# levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
+# (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
+# one block per tile reads slots x splits partials, which aims at 1 block per SM (A/B)
+GEMV_MOE2 = os.environ.get("KUIPER_GEMV_MOE2", "1") != "0"
+GEMV_MOE_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_MOE_BLOCKS_PER_SM", "0")) or None
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
 GEMV_SUM_BATCH = int(os.environ.get("KUIPER_GEMV_SUM_BATCH", "16"))  # partials the fused reduction loads at once (A/B)
 # KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
@@ -108,7 +113,7 @@ def gpu_memory_used_mib() -> float:
 
 _MODULES: dict[str, object] = {}
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16"]),
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>"]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}>" for (bm, bn), r in WGMMA_TILES.items()]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
@@ -124,7 +129,7 @@ _FILES = {
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
-PDL_KERNELS = {"gemv_w4a16", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
+PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
 _PDL: dict[int, bool] = {}
@@ -371,7 +376,7 @@ GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared m
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None):
+         x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
@@ -380,14 +385,18 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     resid=h: "plain" (one matrix) and "moe_sum" add fp16(y) into h (fp32 [1, N]) instead of writing out.
     "qkv_rope" (mats q, k, v; rope = dict(q_norm, k_norm, cos, sin, qout, kc, vc, pos0, pos_dev)): the
     per-head q/k RMSNorm, RoPE and KV-cache write of qk_norm_rope_store in the epilogue; out unused.
-    att=_AttnParts (x None): the input is the flash-decoding merge of its partials, done in the prologue."""
+    att=_AttnParts (x None): the input is the flash-decoding merge of its partials, done in the prologue.
+    ids_early: the ids were written before the kernel launched just before this one (decode's down
+    projection: the router ran before the gate/up GEMV), so under PDL the kernel reads them and its
+    first weights before waiting for its predecessor; never when the previous kernel writes them."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
-    S, rps = gemv_split(K, slots * tiles, 1.0 if out_kind == "moe_sum" else None)
+    moe2 = out_kind == "moe_sum" and GEMV_MOE2
+    S, rps = gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0) if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
-    assert slots * tiles <= gemv_counters().size
+    assert slots * tiles + tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
@@ -415,11 +424,11 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
-    kernel("gemv", "gemv_w4a16")((tiles, S, slots), (256,), (
+    kernel("gemv", f"gemv_w4a16<{'true' if moe2 else 'false'}>")((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
         resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
-        _i(GEMV_EPI[out_kind])))
+        _i(GEMV_EPI[out_kind]), _i(ids_early)))
     return out
 
 
@@ -819,7 +828,8 @@ def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, 
     with resid (fp32 [1, D]) the sum is added into it instead."""
     gate, up = moe_gate_up_views(w13)
     gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
-    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, resid=resid)
+    gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, resid=resid,
+         ids_early=True)  # the gate/up GEMV, not the router, is the kernel just before
     return out
 
 # Decode without add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32

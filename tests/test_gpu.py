@@ -120,6 +120,48 @@ def test_gemv_massive_activations(source):
     assert np.all(np.isfinite(got)) and rel(got, ref) < 1e-2
 
 
+@pytest.mark.parametrize("moe2,early", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("K,N,E,slots", [(768, 2048, 16, 8), (1536, 4096, 12, 8), (256, 768, 4, 3), (128, 256, 2, 1)])
+def test_gemv_moe_weighted_sum(monkeypatch, moe2, early, K, N, E, slots):
+    """The experts' down projection with the routing-weighted sum over the token's slots fused in (the
+    MoE finalize of decode), in two reduction levels (per slot over the K splits, then over the slots)
+    and in one, with the ids read before or after the PDL wait: each slot its own expert (ids drawn, a
+    repeat allowed), fresh weights; into out and added into a residual row; repeated launches bitwise
+    equal and every arrival counter left zero."""
+    monkeypatch.setattr(oc, "GEMV_MOE2", moe2)
+    rng = np.random.default_rng()
+    g = 128
+    q = rng.integers(0, 16, size=(E, K, N), dtype=np.uint8)
+    z = rng.integers(0, 16, size=(E, K // g, N), dtype=np.uint8)
+    sc = (rng.random((E, K // g, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
+    qw = np.stack([awq.pack(q[e]) for e in range(E)])
+    qz = np.stack([awq.pack(z[e]) for e in range(E)])
+    stack = oc.device_linear(AwqStack(qw, qz, sc, g))
+    ids = rng.choice(E, slots, replace=slots > E)
+    ids[-1] = ids[0]  # one expert in two slots
+    w = rng.random(slots).astype(np.float32)
+    xs = rng.standard_normal((slots, K)).astype(np.float16)
+    ref = sum(float(w[j]) * (xs[j].astype(np.float64) @ dequant_reference(qw[ids[j]], qz[ids[j]], sc[ids[j]], g))
+              for j in range(slots))
+    partial = cp.empty((oc.gemv_partial_size(K, [N], slots),), cp.float32)
+    args = dict(ids=cp.asarray(ids.astype(np.int32)), slot_w=cp.asarray(w), x_slot_stride=K, ids_early=early)
+    outs = []
+    for _ in range(3):
+        out = nan_like((1, N), cp.float16)
+        partial.fill(np.nan)
+        oc.gemv(cp.asarray(xs), [stack.expert(0)], "moe_sum", out, partial, **args)
+        outs.append(cp.asnumpy(out)[0])
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    assert np.all(np.isfinite(outs[0])) and rel(outs[0], ref) < 1e-2
+    h0 = rng.standard_normal(N).astype(np.float32)
+    h = cp.asarray(h0[None])
+    oc.gemv(cp.asarray(xs), [stack.expert(0)], "moe_sum", None, partial, resid=h, **args)
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+    np.testing.assert_allclose(cp.asnumpy(h)[0] - h0, outs[0].astype(np.float32), rtol=0, atol=1e-5)
+
+
 def test_gemv_fused_reduction_is_deterministic_and_leaves_counters_zero():
     """The last-arriving block reduces each tile: repeated launches (as in graph replay) give the same bits."""
     rng = np.random.default_rng()
@@ -158,7 +200,7 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
     with programmatic dependent launch each kernel starts before its predecessor ends, so a missing
     wait would read stale activations. Checked against NumPy on every replay."""
     if int(cp.cuda.Device().compute_capability) >= 90 and os.environ.get("KUIPER_PDL", "1") != "0":
-        assert isinstance(oc.kernel("gemv", "gemv_w4a16"), oc._PdlKernel)
+        assert isinstance(oc.kernel("gemv", "gemv_w4a16<false>"), oc._PdlKernel)
         assert isinstance(oc.kernel("norm", "add_rmsnorm"), oc._PdlKernel)
     rng = np.random.default_rng()
     D, eps = 4096, 1e-6

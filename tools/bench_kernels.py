@@ -126,7 +126,8 @@ def main():
                 o = cp.empty((1, N), cp.float16)
 
                 def run(i):
-                    gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K)
+                    gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K,
+                         ids_early=True)  # as decode calls it (ids_early: written long before)
             t = time_ms(run)
             bw = k * per_exp / t / 1e6
             out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
