@@ -172,11 +172,14 @@ attn_decode_gqa(const half* __restrict__ q,   // [H, HD] rotated
                 int H, int KV, float scale_log2) {
     __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
     __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
-    pdl_wait();  // q and the new key come from the kernel before
-    pdl_trigger();
-    if (pos_dev) n_keys = *pos_dev + 1;
+    // The position was written at the end of the previous step (advance_position), long finished
+    // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
+    if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
     attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, n_keys, H,
-                              KV, scale_log2, sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); });
+                              KV, scale_log2, sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [] {
+                                  pdl_wait();  // q and the newest key come from the kernel before
+                                  pdl_trigger();
+                              });
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.

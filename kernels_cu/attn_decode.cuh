@@ -19,13 +19,17 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
-// the 128 threads' barrier.
-template <int HD, int HB, class Sync>
+// the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
+// PDL wait), after L2 prefetches of the first iteration's K and V rows: under PDL their DRAM
+// latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
+// against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a prefetched line of the
+// newest key, which the predecessor writes, is never stale.
+template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
                                                   const half* Vc, float* part_o, float* part_ml, int kvh, int hb,
                                                   int s, int S, int n_keys, int H, int KV, float scale_log2,
-                                                  float* sm_o, float* sm_ml, int tid, Sync sync) {
+                                                  float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait) {
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
     constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;          // warp steps whose loads fly together (registers)
@@ -33,6 +37,22 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const int h0 = kvh * (H / KV) + hb * HB;
     const int lane = tid & 31, warp = tid >> 5;
     const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
+    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
+    const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
+    const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
+    const half* kb = Kc + (size_t)kvh * HD + dl * 8;
+    const half* vb = Vc + (size_t)kvh * HD + dl * 8;
+    if (k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = k_begin + u * NG + slot;
+            if (key < k_end) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + (size_t)key * rs));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + (size_t)key * rs));
+            }
+        }
+    }
+    wait();
     float qv[HB][8];
 #pragma unroll
     for (int j = 0; j < HB; ++j) {
@@ -48,11 +68,6 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
     }
-    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
-    const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
-    const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
-    const half* kb = Kc + (size_t)kvh * HD + dl * 8;
-    const half* vb = Vc + (size_t)kvh * HD + dl * 8;
     // the trip count is uniform across the 128 threads so every lane reaches the shuffles
     for (int base = k_begin; base < k_end; base += KPB) {
         uint4 kraw[U], vraw[U];

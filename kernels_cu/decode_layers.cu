@@ -338,7 +338,8 @@ __device__ __forceinline__ void dl_attention(const DlArgs& a, const DlLayer& Lr,
         const int s = item % used, r = item / used;
         attn_decode_split<HD, HB>(a.q, Lr.Kc, Lr.Vc, a.att_o, a.att_ml, r / nhb, r % nhb, s, a.S, n_keys, a.H, a.KV,
                                   a.scale_log2, sm_o, sm_ml, tid,
-                                  [sub] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + sub) : "memory"); });
+                                  [sub] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + sub) : "memory"); },
+                                  [] {});  // q and the newest key were written before a grid barrier
         asm volatile("bar.sync %0, 128;\n" ::"r"(2 + sub) : "memory");  // scratch free for the next split
     }
 }
