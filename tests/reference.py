@@ -31,6 +31,22 @@ def dequant_reference(qweight, qzeros, scales, group_size):
     return (q - z[g]) * s[g]
 
 
+def rand_awq_tensors(rng, K, N, g=128, experts=0):
+    """Random AWQ tensors as a checkpoint holds them (qweight, qzeros, scales; packed by kuiper_py.awq,
+    which dequant_reference does not use), with a leading expert axis when experts > 0. Scales average
+    1 / (8 sqrt(K)), so products of unit-variance inputs stay near unit size."""
+    from kuiper_py import awq
+
+    def one():
+        qw = awq.pack(rng.integers(0, 16, size=(K, N), dtype=np.uint8))
+        qz = awq.pack(rng.integers(0, 16, size=(K // g, N), dtype=np.uint8))
+        return qw, qz, (rng.random((K // g, N), dtype=np.float32) * 2 / (8 * np.sqrt(K))).astype(np.float16)
+
+    if not experts:
+        return one()
+    return tuple(np.stack(t) for t in zip(*(one() for _ in range(experts))))
+
+
 def hf_model(ckpt_dir):
     """transformers' Qwen3ForCausalLM in float32 on the dequantized weights of a synthetic checkpoint."""
     import torch

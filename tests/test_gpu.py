@@ -11,7 +11,7 @@ import pytest
 
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
-from reference import dequant_reference, rel
+from reference import dequant_reference, rand_awq_tensors, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -31,9 +31,7 @@ def nan_like(shape, dtype):
 
 def rand_awq(rng, K, N, g=128):
     """Random AWQ matrix: device AwqLinear plus the float64 dequantized reference [K, N]."""
-    qw = awq.pack(rng.integers(0, 16, size=(K, N), dtype=np.uint8))
-    qz = awq.pack(rng.integers(0, 16, size=(K // g, N), dtype=np.uint8))
-    sc = (rng.random((K // g, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
+    qw, qz, sc = rand_awq_tensors(rng, K, N, g)
     ref = dequant_reference(qw, qz, sc, g)
     return oc.device_linear(AwqLinear(qw, qz, sc, g)), ref  # qweight tiled, as the loader uploads it
 
@@ -131,11 +129,7 @@ def test_gemv_moe_weighted_sum(monkeypatch, moe2, early, K, N, E, slots):
     monkeypatch.setattr(oc, "GEMV_MOE2", moe2)
     rng = np.random.default_rng()
     g = 128
-    q = rng.integers(0, 16, size=(E, K, N), dtype=np.uint8)
-    z = rng.integers(0, 16, size=(E, K // g, N), dtype=np.uint8)
-    sc = (rng.random((E, K // g, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
-    qw = np.stack([awq.pack(q[e]) for e in range(E)])
-    qz = np.stack([awq.pack(z[e]) for e in range(E)])
+    qw, qz, sc = rand_awq_tensors(rng, K, N, g, experts=E)
     stack = oc.device_linear(AwqStack(qw, qz, sc, g))
     ids = rng.choice(E, slots, replace=slots > E)
     ids[-1] = ids[0]  # one expert in two slots

@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from kuiper_py import awq, moe_ref, synth
+from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import PROMPT, decode_logits, greedy_tokens, rel
+from reference import PROMPT, decode_logits, greedy_tokens, rand_awq_tensors, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -25,9 +25,7 @@ D, E, K_TOP, INTER, G = 2048, 128, 8, 768, 128
 
 
 def rand_stack(rng, n_exp, K, N, segments=1):
-    qw = np.stack([awq.pack(rng.integers(0, 16, size=(K, N), dtype=np.uint8)) for _ in range(n_exp)])
-    qz = np.stack([awq.pack(rng.integers(0, 16, size=(K // G, N), dtype=np.uint8)) for _ in range(n_exp)])
-    sc = (rng.random((n_exp, K // G, N), dtype=np.float32) * 2 / (8 * math.sqrt(K))).astype(np.float16)
+    qw, qz, sc = rand_awq_tensors(rng, K, N, G, experts=n_exp)
     return AwqStack(qw, qz, sc, G), oc.device_linear(AwqStack(qw, qz, sc, G), segments)  # as the loader uploads
 
 
