@@ -161,25 +161,100 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 // (common.cuh decode_chunk), so at a short context only the first splits work and the rest exit.
 // ---------------------------------------------------------------------------------------------
 
+// The decode step's q, k and v from the q|k|v GEMV's fixed-point sums (its accumulating mode, so it
+// has no reduction tail): per-head RMSNorm and RoPE as rope.cu's qk_norm_rope_store, with the same
+// rounding points (sums rounded to fp16 first). Warp w rotates query head h0 + w into q_sm [nh, HD]
+// (and into the global q when q_out is set: one split's blocks do it, for the record). A block whose
+// split holds the newest key also writes that key's K and V rows into the cache, which it reads back
+// after the block barrier; blocks of the split's other head subgroups write the same bits, and later
+// steps read them from there. Every load of a task is issued before any is used: one L2 round trip.
+template <int HD>
+__device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ acc,  // [(H + 2 KV) * HD]
+                                                  half* q_sm, half* q_out, half* Kc, half* Vc, const half* qn,
+                                                  const half* kn, const float* cosb, const float* sinb, float eps,
+                                                  int h0, int nh, int kvh, int H, int KV, int pos, bool newest) {
+    constexpr int P = HD / 64, HH = HD / 2;  // a lane holds dims d and d + HH, the rotation's pairs
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ntask = nh + (newest ? 2 : 0);
+    for (int t = warp; t < ntask; t += blockDim.x >> 5) {  // warp-uniform: the shuffles below are safe
+        const bool isq = t < nh, isk = t == nh, isv = t == nh + 1;
+        const long long* src = acc + (isq ? (size_t)(h0 + t) * HD : (size_t)(H + (isk ? 0 : KV) + kvh) * HD);
+        const half* nw = isq ? qn : kn;
+        long long ra[P], rb[P];
+        float cs[P], sn[P], wa[P], wb[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int d = lane * P + i;
+            ra[i] = __ldcg(src + d);
+            rb[i] = __ldcg(src + HH + d);
+            cs[i] = cosb[(size_t)pos * HH + d];
+            sn[i] = sinb[(size_t)pos * HH + d];
+            wa[i] = __half2float(nw[d]);
+            wb[i] = __half2float(nw[d + HH]);
+        }
+        float a[P], b[P], ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            a[i] = fix_h(ra[i]);
+            b[i] = fix_h(rb[i]);
+            ss += a[i] * a[i] + b[i] * b[i];
+        }
+        if (isv) {  // v: stored as the fp16 projection output
+            half* dst = Vc + ((size_t)pos * KV + kvh) * HD;
+#pragma unroll
+            for (int i = 0; i < P; ++i) { dst[lane * P + i] = __float2half(a[i]); dst[HH + lane * P + i] = __float2half(b[i]); }
+            continue;
+        }
+        const float inv = rsqrtf(warp_sum(ss) / HD + eps);
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+            const int d = lane * P + i;
+            const float xa = a[i] * inv * wa[i], xb = b[i] * inv * wb[i];
+            const half lo = __float2half(xa * cs[i] - xb * sn[i]), hi = __float2half(xb * cs[i] + xa * sn[i]);
+            if (isq) {
+                q_sm[t * HD + d] = lo;
+                q_sm[t * HD + d + HH] = hi;
+                if (q_out) { q_out[(size_t)(h0 + t) * HD + d] = lo; q_out[(size_t)(h0 + t) * HD + d + HH] = hi; }
+            } else {
+                half* dst = Kc + ((size_t)pos * KV + kvh) * HD;
+                dst[d] = lo;
+                dst[d + HH] = hi;
+            }
+        }
+    }
+}
+
 template <int HD, int HB>
 __global__ void __launch_bounds__(128)
-attn_decode_gqa(const half* __restrict__ q,   // [H, HD] rotated
-                const half* __restrict__ Kc,  // [ctx, KV, HD] this layer
-                const half* __restrict__ Vc,
+attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here with qkv_acc)
+                half* __restrict__ Kc,        // [ctx, KV, HD] this layer
+                half* __restrict__ Vc,
                 float* __restrict__ part_o,   // [H, S, HD] unnormalised
                 float* __restrict__ part_ml,  // [H, S, 2] running max (log2 domain) and sum
                 int n_keys, const int* __restrict__ pos_dev,  // when set, n_keys = *pos_dev + 1
-                int H, int KV, float scale_log2) {
+                int H, int KV, float scale_log2,
+                // null, or the q|k|v GEMV's fixed-point sums: q/k norm, RoPE and the cache write here
+                const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
+                const float* __restrict__ cosb, const float* __restrict__ sinb, float eps) {
     __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
     __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
+    __shared__ __align__(16) half q_sm[HB * HD];
     // The position was written at the end of the previous step (advance_position), long finished
     // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
-    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, n_keys, H,
-                              KV, scale_log2, sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [] {
+    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S);
+    const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
+    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, H, KV, scale_log2, sm_o,
+                              sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
-                              });
+                                  if (qkv_acc && has_keys) {
+                                      decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
+                                                            cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
+                                                            kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk);
+                                      __syncthreads();  // q_sm and the block's cache writes visible to its reads
+                                  }
+                              }, qkv_acc ? q_sm : nullptr);
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.

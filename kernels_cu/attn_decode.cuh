@@ -29,7 +29,8 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                                                   const half* Kc,  // [ctx, KV, HD] this layer
                                                   const half* Vc, float* part_o, float* part_ml, int kvh, int hb,
                                                   int s, int S, int n_keys, int H, int KV, float scale_log2,
-                                                  float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait) {
+                                                  float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait,
+                                                  const half* q_sm = nullptr) {  // [HB, HD]: q from shared memory
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
     constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;          // warp steps whose loads fly together (registers)
@@ -56,7 +57,8 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     float qv[HB][8];
 #pragma unroll
     for (int j = 0; j < HB; ++j) {
-        unpack8(__ldcg(reinterpret_cast<const uint4*>(q + (size_t)(h0 + j) * HD + dl * 8)), qv[j]);
+        unpack8(q_sm ? *reinterpret_cast<const uint4*>(q_sm + j * HD + dl * 8)
+                     : __ldcg(reinterpret_cast<const uint4*>(q + (size_t)(h0 + j) * HD + dl * 8)), qv[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) qv[j][i] *= scale_log2;
     }

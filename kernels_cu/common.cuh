@@ -179,6 +179,22 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Fixed-point accumulators: decode GEMVs add their blocks' split-K sums into int64 words with 32
+// fraction bits (red.global.add.u64) instead of a last-block reduction. Integer addition does not
+// depend on the order the blocks arrive in, so the sums stay bitwise reproducible; |y| < 2^31.
+// ---------------------------------------------------------------------------------------------
+#define FIX_ONE 4294967296.f  // 2^32
+__device__ __forceinline__ void fix_add(long long* a, float v) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(a), (unsigned long long)__float2ll_rn(v * FIX_ONE));
+}
+// The accumulated value rounded to fp16 and back: the rounding point of a projection's fp16 output.
+// Through double, which holds |a| < 2^53 exactly: via float it would round twice (24, then 11 bits).
+__device__ __forceinline__ float fix_h(long long a) {
+    return __half2float(__double2half(__ll2double_rn(a) * (1.0 / 4294967296.0)));
+}
+__device__ __forceinline__ float fix_f(long long a) { return __ll2float_rn(a) * (1.f / FIX_ONE); }
+
+// ---------------------------------------------------------------------------------------------
 // Reductions
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {

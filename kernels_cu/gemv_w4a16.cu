@@ -79,6 +79,22 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& 
     sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
 }
 
+// 1 / rms(h + y) for the fp32 residual row h [D] and a projection's pending output y (fixed point,
+// rounded to fp16 as the projection's output would be): the norm of the residual the add produces.
+__device__ __forceinline__ float pend_rms_inv(const float* __restrict__ h, const long long* pend, int D, float eps,
+                                              float* red) {
+    float ss = 0.f;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(h)[i];
+        const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
+        const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
+        const float f[4] = {v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y)};
+        ss += f[0] * f[0] + f[1] * f[1] + f[2] * f[2] + f[3] * f[3];
+    }
+    return rsqrtf(block_sum(ss, red) / D + eps);
+}
+
 // partial[split][col_off + col] = sum over rows [split*rps, (split+1)*rps) of x[k] * W[k, col] for
 // the 256 columns of column tile `tile` of m. Lane l owns packed word tile*32 + l of every row;
 // warp w takes rows w*ROWS.. of each 8*ROWS-row step. Narrow tiles keep the split count (and so
@@ -87,7 +103,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                                           int n_total, float* __restrict__ partial, int split, int rps, int K,
                                           int group, bool wait, const float* hn, const half* wn, float eps,
                                           const float* att_o, const float* att_ml, int att_S, int hd,
-                                          int pos0, const int* pos_dev) {
+                                          int pos0, const int* pos_dev, long long* acc_out, const long long* pend,
+                                          float* hout) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
@@ -129,15 +146,29 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     float inv = 0.f;
     if (hn) {
         __shared__ float nred[32];
-        inv = row_rms_inv(hn, K, eps, nred);
+        inv = pend ? pend_rms_inv(hn, pend, K, eps, nred) : row_rms_inv(hn, K, eps, nred);
     }
     bool big = false;
     if (x_in_smem) {
         const int n_keys = att_o ? (pos_dev ? *pos_dev : pos0) + 1 : 0;
         for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
-            const half v = hn ? __float2half(hn[k_lo + e] * inv * __half2float(wn[k_lo + e]))
-                         : att_o ? decode_merge(att_o, att_ml, (k_lo + e) / hd, (k_lo + e) % hd, att_S, hd, n_keys)
-                                 : x[k_lo + e];
+            const int k = k_lo + e;
+            half v;
+            if (hn) {
+                float hv = hn[k];
+                if (pend) {  // the residual add of the projection before us, done here (see gemv_w4a16)
+                    hv += fix_h(__ldcg(pend + k));
+                    if (blockIdx.x == 0) hout[k] = hv;
+                }
+                v = __float2half(hv * inv * __half2float(wn[k]));
+            } else if (att_o) {
+                v = decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys);
+            } else if (pend) {  // SwiGLU of the gate/up GEMV's sums [gate K | up K]
+                const float g = fix_f(__ldcg(pend + k)), u = fix_f(__ldcg(pend + K + k));
+                v = __float2half(g / (1.f + __expf(-g)) * u);
+            } else {
+                v = x[k];
+            }
             big |= fabsf(__half2float(v)) > GEMV_X_BIG;
             xsm[e] = v;
         }
@@ -208,7 +239,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; ++w) s += red[w][c + c / 32];
-        partial[(size_t)split * n_total + col_off + col] = s;
+        if (acc_out) fix_add(acc_out + col_off + col, s);
+        else partial[(size_t)split * n_total + col_off + col] = s;
     }
 }
 
@@ -319,7 +351,16 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            const float* __restrict__ att_o, const float* __restrict__ att_ml, int att_S,
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi,
-           int ids_early) {                      // the ids were written before the previous kernel
+           int ids_early,                        // the ids were written before the previous kernel
+           // Accumulating mode (dense decode): no split-K reduction tail. Every block adds its column
+           // sums into acc_out (fixed point, common.cuh) and exits; the consumer finishes the epilogue
+           // in its prologue (pend): the residual add + RMSNorm (hn + pend, tile-0 blocks writing the
+           // new residual row to hout) or SwiGLU (x = silu(pend[:K]) * pend[K:]). zero_p: accumulators
+           // this kernel clears after its PDL wait, for projections two or more launches later.
+           long long* __restrict__ acc_out,      // [N0+N1+N2] or null
+           const long long* __restrict__ pend,   // [K] (with hn) or [2K] (SwiGLU input) or null
+           float* __restrict__ hout,             // [K] the new residual row (with hn and pend)
+           long long* __restrict__ zero_p, int zero_n) {
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -350,7 +391,12 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev);
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout);
+    if (zero_p) {  // after the wait (in gemv_tile): the accumulators' last readers have finished
+        const int nb = gridDim.x * gridDim.y * gridDim.z, b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+        for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;
+    }
+    if (acc_out) return;
 
     if (MOE2) {  // level 1: this slot's tile over its S splits; level 2: the tile over the slots
         if (!block_arrives_last(&counters[slot * gridDim.x + blockIdx.x], S)) return;

@@ -35,11 +35,14 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
 // h += r (when r is not null); x = h / rms(h) * w. grid T, block up to 1024 (a multiple of 32): a
 // decode step has one row, so the block must be wide and its loads unrolled, or the two passes
 // become a chain of dependent memory round trips.
+// pend (T = 1, instead of r): a decode projection's pending output in fixed point (gemv_w4a16's
+// accumulating mode), added as its fp16 rounding and cleared for the next step.
 __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
                             const half* __restrict__ r,   // [T, D] or null
                             const half* __restrict__ w,   // [D]
                             half* __restrict__ x,         // [T, D]
-                            int D, float eps) {
+                            int D, float eps,
+                            long long* __restrict__ pend) {  // [D] or null
     pdl_wait();
     pdl_trigger();
     __shared__ float red[32];
@@ -50,6 +53,7 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float v = hr[d];
         if (rr) { v += __half2float(rr[d]); hr[d] = v; }
+        if (pend) { v += fix_h(pend[d]); pend[d] = 0; hr[d] = v; }
         ss += v * v;
     }
     const float inv = rsqrtf(block_sum(ss, red) / D + eps);

@@ -376,7 +376,8 @@ GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared m
 
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
-         x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False):
+         x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False,
+         acc_out=None, pend=None, hout=None, zero=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
@@ -388,7 +389,12 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     att=_AttnParts (x None): the input is the flash-decoding merge of its partials, done in the prologue.
     ids_early: the ids were written before the kernel launched just before this one (decode's down
     projection: the router ran before the gate/up GEMV), so under PDL the kernel reads them and its
-    first weights before waiting for its predecessor; never when the previous kernel writes them."""
+    first weights before waiting for its predecessor; never when the previous kernel writes them.
+    Accumulating mode (dense decode, no split-K reduction tail): acc_out (int64 [sum of N], zero) gets
+    y added in fixed point by every block ("plain"; "swiglu" adds [gate | up], the consumer applies
+    SwiGLU) and out is unused. pend (int64) is such an output still to be finished: with norm, the
+    residual add h + fp16(pend) before the norm, the new row written to hout (h is not changed);
+    without, the input is silu(pend[:K]) * pend[K:]. zero (int64): cleared after the PDL wait."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
@@ -402,6 +408,17 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
     null = np.uint64(0)
+    if acc_out is not None:
+        assert out_kind in ("plain", "swiglu") and ids is None and resid is None and acc_out.size == n_total
+        assert acc_out.dtype == cp.int64
+    if pend is not None:
+        assert pend.dtype == cp.int64 and rps <= GEMV_ATT_ROWS and att is None  # the input staged in shared memory
+        if norm is not None:
+            assert pend.size == K and hout is not None and hout.size == K
+        else:
+            assert x is None and pend.size == 2 * K
+            x = pend
+    assert hout is None or pend is not None
     att_args = (null, null, _i(0))
     if att is not None:
         assert x is None and norm is None and slots == 1 and out_kind == "plain" and K == att.heads * att.hd
@@ -428,7 +445,9 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
         resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
-        _i(GEMV_EPI[out_kind]), _i(ids_early)))
+        _i(GEMV_EPI[out_kind]), _i(ids_early), acc_out if acc_out is not None else null,
+        pend if pend is not None else null, hout if hout is not None else null,
+        zero if zero is not None else null, _i(zero.size if zero is not None else 0)))
     return out
 
 
@@ -610,17 +629,26 @@ def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None):
+                     pos_dev=None, finish=None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
-    out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue)."""
+    out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
+    finish=dict(acc, q_norm, k_norm, cos, sin, eps): q|k|v are the q|k|v GEMV's fixed-point sums acc
+    (its accumulating mode); the kernel does the q/k norm and RoPE, writing the rotated q into q and
+    the newest key's K and V rows (position n_keys - 1) into the cache."""
     _, H, hd = q.shape
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
     assert H * S * hd <= part_o.size
     hb = decode_heads_per_block(H, n_kv_heads)
     pos_arg = pos_dev if pos_dev is not None else np.uint64(0)
+    null = np.uint64(0)
+    f = finish
+    fin = (null, null, null, null, null, _f(0.0)) if f is None else (f["acc"], f["q_norm"], f["k_norm"], f["cos"],
+                                                                      f["sin"], _f(f["eps"]))
+    assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
     kernel("attn", f"attn_decode_gqa<{hd},{hb}>")((n_kv_heads, H // n_kv_heads // hb, S), (128,), (
-        q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
+        q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
+        *fin))
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev)
     return parts if out is None else attention_combine(parts, out)
 
@@ -721,12 +749,15 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
     return out
 
 
-def add_rmsnorm(h, r, w, eps: float, out=None):
-    """h [T, D] fp32 += r (fp16, or None); returns rmsnorm(h) * w in fp16."""
+def add_rmsnorm(h, r, w, eps: float, out=None, pend=None):
+    """h [T, D] fp32 += r (fp16, or None), or (T = 1) += fp16(pend) with pend (int64 fixed point,
+    gemv's accumulating mode) cleared; returns rmsnorm(h) * w in fp16."""
     T, D = h.shape
     out = cp.empty((T, D), cp.float16) if out is None else out
+    assert pend is None or (r is None and T == 1 and pend.size == D)
     threads = min(1024, math.ceil(D / 4 / 32) * 32)  # about four elements a thread
-    kernel("norm", "add_rmsnorm")((T,), (threads,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
+    kernel("norm", "add_rmsnorm")((T,), (threads,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps),
+                                                      pend if pend is not None else np.uint64(0)))
     return out
 
 
@@ -841,6 +872,9 @@ FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
 FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
 # Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
 FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
+# Dense decode's o, gate/up and down GEMVs in accumulating mode (no split-K reduction tail; the
+# residual add and SwiGLU done by the consuming GEMV); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
+GEMV_ACC = os.environ.get("KUIPER_GEMV_ACC", "1") != "0"
 
 
 class _QkvInput:
@@ -853,18 +887,34 @@ class _QkvInput:
 
 class _Deferred:
     """A decode projection not yet launched: add_rmsnorm launches it with the residual add fused
-    (run(h)); any other consumer gets its fp16 output (run(None))."""
+    (run(h)), or in accumulating mode (run_acc(), which returns the int64 accumulator the next
+    GEMV finishes); any other consumer gets its fp16 output (run(None))."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, run, run_acc=None):
+        self.run, self.run_acc = run, run_acc
 
 
 class _Normed:
     """Decode's x = rmsnorm(h) * w not yet computed: a GEMV computes it in its prologue; any other
-    consumer gets it from the add_rmsnorm kernel (CupyOps._x)."""
+    consumer gets it from the add_rmsnorm kernel (CupyOps._x). pend: a projection's output still to
+    be added to h (accumulating mode), the sum going to hout."""
 
-    def __init__(self, h, w):
-        self.h, self.w, self.shape = h, w, h.shape
+    def __init__(self, h, w, pend=None, hout=None):
+        self.h, self.w, self.shape, self.pend, self.hout = h, w, h.shape, pend, hout
+
+
+class _QkvAcc:
+    """Decode's q|k|v sums in accumulating mode: the attention kernel finishes them (norm, RoPE, cache)."""
+
+    def __init__(self, q, layer):
+        self.q, self.layer, self.shape = q, layer, q.shape
+
+
+class _SwigluAcc:
+    """Decode's gate/up sums in accumulating mode (int64 [2, I]): the down GEMV applies SwiGLU."""
+
+    def __init__(self, acc):
+        self.acc, self.shape = acc, (1, acc.size // 2)
 
 
 class CupyOps:
@@ -1071,6 +1121,15 @@ class CupyOps:
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
+        # accumulating mode (dense only: the MoE router reads h itself): accumulators [o | gate, up | down],
+        # zero between steps, and the second residual row the adds alternate with
+        self.acc_mode = GEMV_ACC and FUSE_NORM and not E and max(
+            gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] for K_, N_ in ((D, qd), (D, 2 * I), (I, D))) <= GEMV_ATT_ROWS
+        if self.acc_mode:
+            acc = cp.zeros((D + 2 * I + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
+            e = D + 2 * I
+            self.d.update(acc_o=acc[:D], acc_gu=acc[D:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
+                          acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32))
         if E:
             self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
                           moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
@@ -1096,6 +1155,10 @@ class CupyOps:
         return h
 
     def add_rmsnorm(self, h, r, w):
+        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_mode:
+            # the projection adds into an accumulator; the consumer adds it to h, writing the other row
+            hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
+            return hout, _Normed(h, w, r.run_acc(), hout)
         if isinstance(r, _Deferred):
             if FUSE_NORM:
                 r.run(h)  # h += r in the projection's epilogue
@@ -1111,7 +1174,12 @@ class CupyOps:
         """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel
         without the add, a _Deferred projection launched with its plain fp16 output."""
         if isinstance(x, _Normed):
-            return add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"])
+            out = add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"], pend=x.pend)
+            if x.pend is not None:  # h += the pending output was done in place: the caller holds hout
+                x.hout[...] = x.h
+            return out
+        if isinstance(x, _SwigluAcc):
+            raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
         if isinstance(x, _Deferred):
             return x.run(None)
         if isinstance(x, _AttnParts):
@@ -1121,7 +1189,9 @@ class CupyOps:
     def _gemv_in(self, x) -> dict:
         """gemv()'s input arguments for x: the array, or the fused RMSNorm prologue of a _Normed."""
         if isinstance(x, _Normed):
-            return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps)}
+            return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps), "pend": x.pend, "hout": x.hout}
+        if isinstance(x, _SwigluAcc):
+            return {"x": None, "pend": x.acc}
         return {"x": x}
 
     def qkv(self, x, layer: Layer):
@@ -1130,7 +1200,7 @@ class CupyOps:
             return _QkvInput(x), None, None
         if x.shape[0] == 1:
             y = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
-                     partial=self.d["partial"], **self._gemv_in(x))
+                     partial=self.d["partial"], zero=self.d.get("acc_o_gu"), **self._gemv_in(x))
         else:  # one matrix for cuBLAS: k and v alone are narrow
             y = gemm(x, (layer.wq, layer.wk, layer.wv))
         qd, kvd = a.q_dim, a.kv_dim
@@ -1138,6 +1208,13 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
+        if isinstance(q, _QkvInput) and self.acc_mode:
+            # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
+            # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
+            # written after this kernel has finished)
+            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None, partial=self.d["partial"],
+                 acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"], **self._gemv_in(q.x))
+            return _QkvAcc(self.d["qrot"], layer)
         if isinstance(q, _QkvInput):
             rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
                         kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=self.d["pos"],
@@ -1153,9 +1230,14 @@ class CupyOps:
     def attention(self, q, i: int, pos0: int):
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
+            fin = None
+            if isinstance(q, _QkvAcc):
+                fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
+                           sin=self.sin, eps=self.args.rms_norm_eps)
+                q = q.q
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                     self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
-                                    self.d["pos"] if self.graphs else None)
+                                    self.d["pos"] if self.graphs else None, finish=fin)
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
@@ -1187,10 +1269,19 @@ class CupyOps:
         return self.d["logits"]
 
     def linear(self, x, lin: AwqLinear):
+        d = self.d
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
-                return _Deferred(lambda h: gemv(None, [lin], "plain", self.d["proj"], self.d["partial"], resid=h,
-                                                att=x))
+                def o_acc():
+                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"])
+                    return d["acc_o"]
+                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
+        if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
+            def down_acc():
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"])
+                return d["acc_d"]
+            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h),
+                             down_acc)
         x = self._x(x)
         if x.shape[0] == 1:
             if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
@@ -1200,6 +1291,12 @@ class CupyOps:
 
     def gate_up_silu(self, x, layer: Layer):
         if x.shape[0] == 1:
+            if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
+                # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
+                # next written by the down GEMV and the next layer's q|k|v GEMV)
+                gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None, partial=self.d["partial"],
+                     acc_out=self.d["acc_gu"], zero=self.d["acc_d_qkv"], **self._gemv_in(x))
+                return _SwigluAcc(self.d["acc_gu"])
             return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
                         **self._gemv_in(x))
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)

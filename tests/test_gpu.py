@@ -252,6 +252,73 @@ def test_gemv_rmsnorm_prologue_and_residual_epilogue_in_a_graph():
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
+@pytest.mark.parametrize("D,N1,I", [(2048, 2048, 6144), (4096, 6144, 12288), (1024, 2048, 3072)])
+def test_gemv_accumulating_mode_layers_in_a_graph(D, N1, I):
+    """Dense decode's accumulating mode, two layers in one graph (PDL on sm_90): a GEMV with the
+    RMSNorm prologue that first adds the pending fixed-point output of the previous down projection
+    (writing the new residual to the other row) and clears the o and gate/up accumulators; an o GEMV
+    adding into its accumulator; a gate/up GEMV finishing the o add in its prologue, adding [gate | up]
+    and clearing the down accumulator; a down GEMV applying SwiGLU in its prologue; the final
+    add_rmsnorm finishing the last add and clearing its accumulator. Replayed with fresh residuals
+    against NumPy (outputs and residual rows poisoned first), then twice from the same residual:
+    bitwise-equal results (integer accumulation does not depend on the blocks' order)."""
+    rng = np.random.default_rng()
+    eps = 1e-6
+    layers = [(rand_awq(rng, D, N1), rand_awq(rng, N1, D), rand_awq(rng, D, I), rand_awq(rng, D, I),
+               rand_awq(rng, I, D)) for _ in range(2)]
+    w = rng.random(D).astype(np.float16) + np.float16(0.5)
+    w_dev, h0_dev = cp.asarray(w), cp.empty((1, D), cp.float32)
+    hrows = [cp.empty((1, D), cp.float32), cp.empty((1, D), cp.float32)]
+    y1, xout = cp.empty((1, N1), cp.float16), cp.empty((1, D), cp.float16)
+    acc = cp.zeros((D + 2 * I + D,), cp.int64)
+    acc_o, acc_gu, acc_d, acc_o_gu = acc[:D], acc[D:D + 2 * I], acc[D + 2 * I:], acc[:D + 2 * I]
+    partial = cp.empty((max(oc.gemv_partial_size(k, ns) for k, ns in ((D, [N1]), (N1, [D]), (D, [I, I]),
+                                                                      (I, [D]))),), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=False)
+    with stream:
+        stream.begin_capture()
+        hrows[0][...] = h0_dev
+        cur = 0
+        for (m1, _), (m2, _), (mg, _), (mu, _), (md, _) in layers:
+            oc.gemv(None, [m1], "plain", y1, partial, norm=(hrows[cur], w_dev, eps), pend=acc_d, hout=hrows[1 - cur],
+                    zero=acc_o_gu)
+            cur = 1 - cur
+            oc.gemv(y1, [m2], "plain", None, partial, acc_out=acc_o)
+            oc.gemv(None, [mg, mu], "swiglu", None, partial, norm=(hrows[cur], w_dev, eps), pend=acc_o,
+                    hout=hrows[1 - cur], acc_out=acc_gu, zero=acc_d)
+            cur = 1 - cur
+            oc.gemv(None, [md], "plain", None, partial, pend=acc_gu, acc_out=acc_d)
+        oc.add_rmsnorm(hrows[cur], None, w_dev, eps, xout, pend=acc_d)
+        graph = stream.end_capture()
+
+    def replay(h0):
+        h0_dev.set(h0[None])
+        for a in (y1, xout, hrows[1]):
+            a.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        return cp.asnumpy(xout)[0], cp.asnumpy(hrows[cur])[0]
+
+    for _ in range(3):
+        h0 = rng.standard_normal(D).astype(np.float32)
+        x_got, h_got = replay(h0)
+        h = h0.astype(np.float64)
+        for (_, r1), (_, r2), (_, rg), (_, ru), (_, rd) in layers:
+            y = (rmsnorm_ref(h, w, eps) @ r1).astype(np.float16).astype(np.float64)
+            h = h + (y @ r2).astype(np.float16)
+            x = rmsnorm_ref(h, w, eps)
+            g, u = x @ rg, x @ ru
+            h = h + ((g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd).astype(np.float16)
+        assert rel(h_got, h) < 1e-2
+        assert rel(x_got, rmsnorm_ref(h, w, eps)) < 1e-2
+        assert int(cp.count_nonzero(acc_d)) == 0  # cleared by the final add_rmsnorm for the next step
+    first = replay(h0)
+    second = replay(h0)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+
+
 @pytest.mark.parametrize("M", [2, 3, 17, 127, 300, 1030, 2047])
 @pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 6144), (12288, 4096), (1024, 3072), (5120, 1024),
                                  (5120, 8192), (8192, 5120), (5120, 25600), (25600, 5120)])
@@ -521,6 +588,65 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
     assert np.isnan(cp.asnumpy(kc)[others]).all() and np.isnan(cp.asnumpy(vc)[others]).all()
     np.testing.assert_array_equal(cp.asnumpy(hd_dev)[0], h)  # the prologue only reads the residual
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+
+
+@pytest.mark.parametrize("D,H,KV,hd,pos0,splits", [(4096, 32, 8, 128, 0, 16), (4096, 32, 8, 128, 777, 16),
+                                                   (2048, 32, 4, 128, 300, 70), (1024, 16, 8, 64, 5, 4),
+                                                   (512, 4, 2, 64, 100, 9)])
+def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, splits):
+    """Decode's q|k|v GEMV in accumulating mode (fixed-point sums, no reduction tail; it adds the
+    previous down projection's pending output to the residual first) and the flash-decoding kernel
+    that finishes q, k and v (per-head norm, RoPE, the newest K/V row into the cache) before
+    attending, against NumPy: the rotated q, the cache rows and the attention output. Every other
+    cache row must be left as it was; outputs are poisoned first."""
+    from kuiper_py.config import ModelArgs, rope_tables
+    from kuiper_py.ops_numpy import rmsnorm, rope
+    rng = np.random.default_rng()
+    ctx, eps = pos0 + 4, 1e-6
+    a = ModelArgs(hidden_size=D, intermediate_size=1, num_hidden_layers=1, num_attention_heads=H,
+                  num_key_value_heads=KV, head_dim=hd, vocab_size=1, max_position_embeddings=ctx,
+                  tie_word_embeddings=True)
+    cos, sin = rope_tables(a, ctx)
+    mats = [rand_awq(rng, D, n) for n in (H * hd, KV * hd, KV * hd)]
+    h = rng.standard_normal(D).astype(np.float32)
+    pend = (rng.standard_normal(D) * 2**32).astype(np.int64)  # a pending projection output of ~N(0, 1)
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float16)
+    qn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
+    kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
+    k_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
+    v_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
+    kc, vc = cp.asarray(k_old), cp.asarray(v_old)
+    kc[pos0].fill(np.nan)
+    vc[pos0].fill(np.nan)
+    qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
+    acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
+    zero = cp.asarray(rng.integers(-2**40, 2**40, size=5000))  # another accumulator the GEMV clears
+    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    out = nan_like((1, H * hd), cp.float16)
+    oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
+            pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero)
+    assert int(cp.count_nonzero(zero)) == 0
+    pos_dev = cp.full((1,), pos0, cp.int32)
+    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, pos_dev,
+                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
+                                    sin=cp.asarray(sin), eps=eps))
+    hs = h.astype(np.float64) + (pend / 2**32).astype(np.float16)
+    np.testing.assert_allclose(cp.asnumpy(hout)[0], hs, rtol=1e-6, atol=1e-6)
+    x = (hs / np.sqrt(np.mean(hs ** 2) + eps) * w).astype(np.float16).astype(np.float64)
+    q, k, v = [(x @ r).astype(np.float16).astype(np.float32) for _, r in mats]
+    c, s_ = cos[pos0:pos0 + 1], sin[pos0:pos0 + 1]
+    q_ref = rope(rmsnorm(q.reshape(1, H, hd), qn, eps), c, s_)
+    k_ref = rope(rmsnorm(k.reshape(1, KV, hd), kn, eps), c, s_)
+    assert rel(cp.asnumpy(qrot), q_ref) < 1e-2
+    assert rel(cp.asnumpy(kc)[pos0:pos0 + 1], k_ref) < 1e-2
+    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v.reshape(1, KV, hd)) < 1e-2
+    others = np.delete(np.arange(ctx), pos0)
+    np.testing.assert_array_equal(cp.asnumpy(kc)[others], k_old[others])
+    np.testing.assert_array_equal(cp.asnumpy(vc)[others], v_old[others])
+    K_ref, V_ref = k_old.astype(np.float32), v_old.astype(np.float32)
+    K_ref[pos0], V_ref[pos0] = k_ref[0], v.reshape(KV, hd)
+    assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])

@@ -74,6 +74,36 @@ def test_graph_decode_equals_eager_decode(untied_bin):
     assert rel(runs[1], runs[0]) < 1e-3  # same kernels; only the split count of attention differs
 
 
+def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, monkeypatch):
+    """Dense decode's accumulating mode (the default; split-K sums added in fixed point, residual add
+    and SwiGLU in the consuming GEMV) against the last-block reductions and the NumPy reference, graph
+    and eager; and one step repeated from the same cache: bitwise the same logits."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=40).tolist()
+    mf = load(untied_bin)
+    ref = Qwen3(mf, NumpyOps, 64)
+    ref.prefill(ids[:10])
+    cpu = np.stack([ref.decode(t) for t in ids[10:]])
+    errs = {}
+    for acc in (True, False):
+        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        assert Qwen3(mf, oc.CupyOps, 8).ops.acc_mode == acc
+        for graphs in (True, False):
+            errs[acc, graphs] = rel(decode_logits(mf, ids, 10, 64, graphs), cpu)
+    print("rel to the CPU reference (accumulating, graphs):", errs)
+    for acc, graphs in errs:
+        assert errs[acc, graphs] < 1e-2
+        assert errs[True, graphs] < 1.5 * errs[False, graphs]
+    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    m = Qwen3(mf, oc.CupyOps, 64)
+    m.prefill(ids[:10])
+    a = cp.asnumpy(m.decode(ids[10])).copy()
+    m.pos -= 1
+    b = cp.asnumpy(m.decode(ids[10])).copy()
+    assert np.array_equal(a, b)
+    assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The persistent decode kernel (decode_layers.cu): the tiny presets are narrower than its 256-column
 # tiles and take the separate kernels, so these use shapes it serves: "small" (head_dim 64, two
