@@ -163,7 +163,7 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 
 // The decode step's q, k and v from the q|k|v GEMV's fixed-point sums (its accumulating mode, so it
 // has no reduction tail): per-head RMSNorm and RoPE as rope.cu's qk_norm_rope_store, with the same
-// rounding points (sums rounded to fp16 first). Warp w rotates query head h0 + w into q_sm [nh, HD]
+// rounding points (sums, times the GEMV's deferred 1/rms of its scaled norm, rounded to fp16 first). Warp w rotates query head h0 + w into q_sm [nh, HD]
 // (and into the global q when q_out is set: one split's blocks do it, for the record). A block whose
 // split holds the newest key also writes that key's K and V rows into the cache, which it reads back
 // after the block barrier; blocks of the split's other head subgroups write the same bits, and later
@@ -172,7 +172,8 @@ template <int HD>
 __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ acc,  // [(H + 2 KV) * HD]
                                                   half* q_sm, half* q_out, half* Kc, half* Vc, const half* qn,
                                                   const half* kn, const float* cosb, const float* sinb, float eps,
-                                                  int h0, int nh, int kvh, int H, int KV, int pos, bool newest) {
+                                                  int h0, int nh, int kvh, int H, int KV, int pos, bool newest,
+                                                  float sc) {  // the GEMV's deferred 1/rms, or 1
     constexpr int P = HD / 64, HH = HD / 2;  // a lane holds dims d and d + HH, the rotation's pairs
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntask = nh + (newest ? 2 : 0);
@@ -195,8 +196,8 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
         float a[P], b[P], ss = 0.f;
 #pragma unroll
         for (int i = 0; i < P; ++i) {
-            a[i] = fix_h(ra[i]);
-            b[i] = fix_h(rb[i]);
+            a[i] = __half2float(__float2half(fix_f(ra[i]) * sc));
+            b[i] = __half2float(__float2half(fix_f(rb[i]) * sc));
             ss += a[i] * a[i] + b[i] * b[i];
         }
         if (isv) {  // v: stored as the fp16 projection output
@@ -235,7 +236,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 int H, int KV, float scale_log2,
                 // null, or the q|k|v GEMV's fixed-point sums: q/k norm, RoPE and the cache write here
                 const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
-                const float* __restrict__ cosb, const float* __restrict__ sinb, float eps) {
+                const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
+                const float* __restrict__ ss_in, int ss_n, int ss_D) {  // the scaled GEMV's sums of squares
     __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
     __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
     __shared__ __align__(16) half q_sm[HB * HD];
@@ -251,7 +253,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                   if (qkv_acc && has_keys) {
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
                                                             cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
-                                                            kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk);
+                                                            kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk,
+                                                            ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f);
                                       __syncthreads();  // q_sm and the block's cache writes visible to its reads
                                   }
                               }, qkv_acc ? q_sm : nullptr);

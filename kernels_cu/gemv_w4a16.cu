@@ -32,7 +32,6 @@ static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
 static_assert(GEMV_FLUSH == 4, "awq_dot4 sums 4 rows in fp16");
 #define GEMV_X_BIG 1024.f     // |x| above which a block's x is scaled down: 15 * GEMV_FLUSH * 1092 > 65504
-#define GEMV_X_SCALE 64.f     // that scale: fp16's largest x (65504) / 64 < 1024
 #define GEMV_ATT_ROWS 4096    // most rows per split staged in shared memory (xsm; the attention merge needs it)
 
 #define GEMV_EPI_PLAIN 0
@@ -104,7 +103,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                                           int group, bool wait, const float* hn, const half* wn, float eps,
                                           const float* att_o, const float* att_ml, int att_S, int hd,
                                           int pos0, const int* pos_dev, long long* acc_out, const long long* pend,
-                                          float* hout) {
+                                          float* hout, float* ss_out, const float* ss_in, int ss_n, int ss_D,
+                                          bool pend_glu) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
@@ -138,44 +138,80 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     // - x itself.
     // The loop sums GEMV_FLUSH rows of (q - z) * x in fp16 before scaling into fp32: 15 * 4 * |x| must
     // stay under 65504, so a span holding |x| > GEMV_X_BIG (massive activations, which real
-    // checkpoints have in a few channels) is divided by GEMV_X_SCALE (exact: a power of two) and
+    // checkpoints have in a few channels) is divided by the power of two that brings it under (exact) and
     // the block's sums multiplied back. Found out once per block, in the barrier that publishes xsm.
     __shared__ __align__(16) half xsm[GEMV_ATT_ROWS];
     const int k_lo = split * rps;
     const bool x_in_smem = k_end - k_lo <= GEMV_ATT_ROWS;  // always for att_o (checked on the host)
+    // scaled (ss_out set, accumulating mode): the RMSNorm's 1/rms is left to the consumer, which
+    // multiplies the sums by it, so no block reads the whole row: x = h * w over the block's span,
+    // and the column-tile-0 blocks store their span's sum of squares in ss_out[split] (the consumer
+    // sums the splits in a fixed order). Reading the row in every block had cost ~6% of a decode step
+    // in L2 traffic (528 blocks x 48 KB per projection).
+    const bool scaled = ss_out != nullptr;
     float inv = 0.f;
-    if (hn) {
+    if (hn && !scaled) {
         __shared__ float nred[32];
         inv = pend ? pend_rms_inv(hn, pend, K, eps, nred) : row_rms_inv(hn, K, eps, nred);
     }
-    bool big = false;
+    // a pending input's own deferred 1/rms (the producer ran scaled): its splits' sums of squares
+    const float pinv = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
+    float mx = 0.f;  // the span's largest |x|
+    int xexp = 0;    // x was divided by 2^xexp
     if (x_in_smem) {
         const int n_keys = att_o ? (pos_dev ? *pos_dev : pos0) + 1 : 0;
+        float ssl = 0.f;
         for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
             const int k = k_lo + e;
-            half v;
+            float f;
             if (hn) {
                 float hv = hn[k];
                 if (pend) {  // the residual add of the projection before us, done here (see gemv_w4a16)
                     hv += fix_h(__ldcg(pend + k));
                     if (blockIdx.x == 0) hout[k] = hv;
                 }
-                v = __float2half(hv * inv * __half2float(wn[k]));
+                ssl += hv * hv;
+                f = scaled ? hv * __half2float(wn[k]) : __half2float(__float2half(hv * inv * __half2float(wn[k])));
             } else if (att_o) {
-                v = decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys);
-            } else if (pend) {  // SwiGLU of the gate/up GEMV's sums [gate K | up K]
-                const float g = fix_f(__ldcg(pend + k)), u = fix_f(__ldcg(pend + K + k));
-                v = __float2half(g / (1.f + __expf(-g)) * u);
+                f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys));
+            } else if (pend && pend_glu) {  // SwiGLU of the gate/up GEMV's sums [gate K | up K]
+                const float g = fix_f(__ldcg(pend + k)) * pinv, u = fix_f(__ldcg(pend + K + k)) * pinv;
+                f = __half2float(__float2half(g / (1.f + __expf(-g)) * u));
+            } else if (pend) {  // a projection's sums, rounded to fp16 as its output
+                f = __half2float(__float2half(fix_f(__ldcg(pend + k)) * pinv));
             } else {
-                v = x[k];
+                f = __half2float(x[k]);
             }
-            big |= fabsf(__half2float(v)) > GEMV_X_BIG;
-            xsm[e] = v;
+            mx = fmaxf(mx, fabsf(f));
+            xsm[e] = __float2half(f);  // inf past 65504 (scaled only), redone below
         }
-        big = __syncthreads_or(big);
-        if (big) {  // rare: rescale the span in place
-            const half down = __float2half(1.f / GEMV_X_SCALE);
-            for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) xsm[e] = __hmul(xsm[e], down);
+        if (scaled && blockIdx.x == 0) {
+            __shared__ float sred[32];
+            const float t = block_sum(ssl, sred);
+            if (threadIdx.x == 0) ss_out[split] = t;
+        }
+        {  // the block's max |x| (non-negative floats order as their bit patterns)
+            __shared__ unsigned wmax[GEMV_WARPS];
+            const unsigned wm = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
+            if (lane == 0) wmax[warp] = wm;
+            __syncthreads();
+            unsigned bm = 0;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; ++w) bm = max(bm, wmax[w]);
+            mx = __uint_as_float(bm);
+        }
+        if (mx > GEMV_X_BIG) {  // rare: rescale the span in place (scaled: from h again, h * w may pass fp16's range)
+            xexp = min(64, (int)ceilf(log2f(mx / GEMV_X_BIG)));
+            const float down = exp2f(-(float)xexp);
+            for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
+                const int k = k_lo + e;
+                if (scaled) {
+                    const float hv = pend ? hn[k] + fix_h(__ldcg(pend + k)) : hn[k];
+                    xsm[e] = __float2half(hv * __half2float(wn[k]) * down);
+                } else {
+                    xsm[e] = __float2half(__half2float(xsm[e]) * down);
+                }
+            }
             __syncthreads();
         }
     }
@@ -231,7 +267,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
     // per-warp results to shared memory, then each thread sums one column over the warps
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = big ? acc[i] * GEMV_X_SCALE : acc[i];
+    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = xexp ? ldexpf(acc[i], xexp) : acc[i];
     __syncthreads();
     for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
         int col = tile * GEMV_COLS + c;
@@ -360,7 +396,13 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            long long* __restrict__ acc_out,      // [N0+N1+N2] or null
            const long long* __restrict__ pend,   // [K] (with hn) or [2K] (SwiGLU input) or null
            float* __restrict__ hout,             // [K] the new residual row (with hn and pend)
-           long long* __restrict__ zero_p, int zero_n) {
+           long long* __restrict__ zero_p, int zero_n,
+           // scaled norm (with hn, accumulating): x = (h [+ pend]) * wn, the 1/rms deferred, the
+           // column-tile-0 blocks writing their span's sum of squares to ss_out [S]
+           float* __restrict__ ss_out,
+           // a pend input from a scaled GEMV: its ss_n split sums of squares of a row of ss_D
+           const float* __restrict__ ss_in, int ss_n, int ss_D,
+           int pend_glu) {                       // pend input [gate K | up K]: x = silu(g) * u
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -391,7 +433,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout);
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout, ss_out,
+              ss_in, ss_n, ss_D, pend_glu);
     if (zero_p) {  // after the wait (in gemv_tile): the accumulators' last readers have finished
         const int nb = gridDim.x * gridDim.y * gridDim.z, b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;

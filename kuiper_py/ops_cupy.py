@@ -377,7 +377,7 @@ GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared m
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
          x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False,
-         acc_out=None, pend=None, hout=None, zero=None):
+         acc_out=None, pend=None, hout=None, zero=None, ss_out=None, ss_in=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
@@ -394,7 +394,10 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     y added in fixed point by every block ("plain"; "swiglu" adds [gate | up], the consumer applies
     SwiGLU) and out is unused. pend (int64) is such an output still to be finished: with norm, the
     residual add h + fp16(pend) before the norm, the new row written to hout (h is not changed);
-    without, the input is silu(pend[:K]) * pend[K:]. zero (int64): cleared after the PDL wait."""
+    without, the input is pend [K] rounded to fp16, or silu(pend[:K]) * pend[K:] for pend [2K]. zero
+    (int64): cleared after the PDL wait. ss_out (fp32, >= S; with norm and acc_out): the scaled norm,
+    x = h * w with 1/rms left to the consumer, the splits' sums of squares stored there (returns S);
+    ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
@@ -416,9 +419,16 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         if norm is not None:
             assert pend.size == K and hout is not None and hout.size == K
         else:
-            assert x is None and pend.size == 2 * K
+            assert x is None and pend.size in (K, 2 * K)
             x = pend
     assert hout is None or pend is not None
+    assert ss_out is None or (norm is not None and acc_out is not None and ss_out.size >= S)
+    assert ss_in is None or (pend is not None and norm is None)
+    ss_args = (ss_out if ss_out is not None else null, *((ss_in[0], _i(ss_in[1]), _i(ss_in[2])) if ss_in else
+                                                          (null, _i(0), _i(0))),
+               _i(pend is not None and norm is None and pend.size == 2 * K))
+    if ss_in is not None:
+        eps = ss_in[3]
     att_args = (null, null, _i(0))
     if att is not None:
         assert x is None and norm is None and slots == 1 and out_kind == "plain" and K == att.heads * att.hd
@@ -447,8 +457,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
         _i(GEMV_EPI[out_kind]), _i(ids_early), acc_out if acc_out is not None else null,
         pend if pend is not None else null, hout if hout is not None else null,
-        zero if zero is not None else null, _i(zero.size if zero is not None else 0)))
-    return out
+        zero if zero is not None else null, _i(zero.size if zero is not None else 0), *ss_args))
+    return S if ss_out is not None else out
 
 
 _DEQ: dict[int, object] = {}
@@ -633,9 +643,10 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
-    finish=dict(acc, q_norm, k_norm, cos, sin, eps): q|k|v are the q|k|v GEMV's fixed-point sums acc
-    (its accumulating mode); the kernel does the q/k norm and RoPE, writing the rotated q into q and
-    the newest key's K and V rows (position n_keys - 1) into the cache."""
+    finish=dict(acc, q_norm, k_norm, cos, sin, eps[, ss=(ss, n, D)]): q|k|v are the q|k|v GEMV's
+    fixed-point sums acc (its accumulating mode; ss: its scaled norm's split sums of squares); the
+    kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
+    rows (position n_keys - 1) into the cache."""
     _, H, hd = q.shape
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
     assert H * S * hd <= part_o.size
@@ -645,6 +656,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     f = finish
     fin = (null, null, null, null, null, _f(0.0)) if f is None else (f["acc"], f["q_norm"], f["k_norm"], f["cos"],
                                                                       f["sin"], _f(f["eps"]))
+    fin += (null, _i(0), _i(0)) if f is None or "ss" not in f else (f["ss"][0], _i(f["ss"][1]), _i(f["ss"][2]))
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
     kernel("attn", f"attn_decode_gqa<{hd},{hb}>")((n_kv_heads, H // n_kv_heads // hb, S), (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
@@ -1129,7 +1141,9 @@ class CupyOps:
             acc = cp.zeros((D + 2 * I + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
             e = D + 2 * I
             self.d.update(acc_o=acc[:D], acc_gu=acc[D:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
-                          acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32))
+                          acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32),
+                          ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
+            self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
         if E:
             self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
                           moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
@@ -1212,8 +1226,9 @@ class CupyOps:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
             # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
             # written after this kernel has finished)
-            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None, partial=self.d["partial"],
-                 acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"], **self._gemv_in(q.x))
+            self._ss_n["attn"] = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None,
+                                      partial=self.d["partial"], acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"],
+                                      ss_out=self.d["ss_attn"], **self._gemv_in(q.x))
             return _QkvAcc(self.d["qrot"], layer)
         if isinstance(q, _QkvInput):
             rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
@@ -1233,7 +1248,8 @@ class CupyOps:
             fin = None
             if isinstance(q, _QkvAcc):
                 fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
-                           sin=self.sin, eps=self.args.rms_norm_eps)
+                           sin=self.sin, eps=self.args.rms_norm_eps,
+                           ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
                 q = q.q
             return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                     self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
@@ -1277,11 +1293,13 @@ class CupyOps:
                     return d["acc_o"]
                 return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
         if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
+            ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
+
             def down_acc():
-                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"])
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss)
                 return d["acc_d"]
-            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h),
-                             down_acc)
+            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
+                                            ss_in=ss), down_acc)
         x = self._x(x)
         if x.shape[0] == 1:
             if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
@@ -1294,8 +1312,9 @@ class CupyOps:
             if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
                 # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
                 # next written by the down GEMV and the next layer's q|k|v GEMV)
-                gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None, partial=self.d["partial"],
-                     acc_out=self.d["acc_gu"], zero=self.d["acc_d_qkv"], **self._gemv_in(x))
+                self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None,
+                                         partial=self.d["partial"], acc_out=self.d["acc_gu"],
+                                         zero=self.d["acc_d_qkv"], ss_out=self.d["ss_ffn"], **self._gemv_in(x))
                 return _SwigluAcc(self.d["acc_gu"])
             return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
                         **self._gemv_in(x))

@@ -76,12 +76,13 @@ def test_gemv_awkward_sizes(K, N, g):
     assert rel(cp.asnumpy(out)[0], x.astype(np.float64) @ r) < 1e-2
 
 
-@pytest.mark.parametrize("source", ["x", "norm", "moe"])
+@pytest.mark.parametrize("source", ["x", "norm", "scaled", "moe"])
 def test_gemv_massive_activations(source):
     """Real checkpoints have a few channels with activations in the thousands. The GEMV sums 4 rows of
     (q - z) * x in fp16 before scaling: four such rows against |q - z| = 15 would pass fp16's 65504
     (inf, then NaN) unless the kernel scales that input down. x given, from the RMSNorm prologue (a
-    massive residual channel times a large norm weight), and per MoE slot."""
+    massive residual channel times a large norm weight), from the scaled norm of accumulating mode
+    (x = h * w before the 1/rms, ~2e6 on those rows: past fp16's range itself), and per MoE slot."""
     rng = np.random.default_rng()
     K, N, g = 4096, 512, 128
     big = rng.choice(K // 4, 3, replace=False) * 4  # three aligned 4-row runs of massive values
@@ -103,6 +104,18 @@ def test_gemv_massive_activations(source):
         x = rmsnorm_ref(h.astype(np.float64), w.astype(np.float64), 1e-6)
         oc.gemv(None, [m], "plain", out, partial, norm=(cp.asarray(h)[None], cp.asarray(w), 1e-6))
         got, ref = cp.asnumpy(out)[0], x @ r
+    elif source == "scaled":
+        h = rng.standard_normal(K).astype(np.float32)
+        h[rows] = 2e4
+        w = np.ones(K, np.float16)
+        w[rows] = 100
+        x = rmsnorm_ref(h.astype(np.float64), w.astype(np.float64), 1e-6)
+        acc, ss = cp.zeros((N,), cp.int64), nan_like((4096,), cp.float32)
+        S = oc.gemv(None, [m], "plain", None, partial, norm=(cp.asarray(h)[None], cp.asarray(w), 1e-6), acc_out=acc,
+                    ss_out=ss)
+        sq = float(cp.asnumpy(ss)[:S].astype(np.float64).sum())
+        assert abs(sq - float((h.astype(np.float64) ** 2).sum())) < 1e-5 * sq
+        got, ref = cp.asnumpy(acc).astype(np.float64) / 2**32 / math.sqrt(sq / K + 1e-6), x @ r
     else:
         x = rng.standard_normal(K).astype(np.float16)
         x[rows] = 3000
@@ -257,8 +270,9 @@ def test_gemv_accumulating_mode_layers_in_a_graph(D, N1, I):
     """Dense decode's accumulating mode, two layers in one graph (PDL on sm_90): a GEMV with the
     RMSNorm prologue that first adds the pending fixed-point output of the previous down projection
     (writing the new residual to the other row) and clears the o and gate/up accumulators; an o GEMV
-    adding into its accumulator; a gate/up GEMV finishing the o add in its prologue, adding [gate | up]
-    and clearing the down accumulator; a down GEMV applying SwiGLU in its prologue; the final
+    adding into its accumulator; a gate/up GEMV finishing the o add in its prologue, with the scaled
+    norm (1/rms left to the down GEMV), adding [gate | up] and clearing the down accumulator; a down
+    GEMV applying 1/rms and SwiGLU in its prologue; the final
     add_rmsnorm finishing the last add and clearing its accumulator. Replayed with fresh residuals
     against NumPy (outputs and residual rows poisoned first), then twice from the same residual:
     bitwise-equal results (integer accumulation does not depend on the blocks' order)."""
@@ -272,6 +286,7 @@ def test_gemv_accumulating_mode_layers_in_a_graph(D, N1, I):
     y1, xout = cp.empty((1, N1), cp.float16), cp.empty((1, D), cp.float16)
     acc = cp.zeros((D + 2 * I + D,), cp.int64)
     acc_o, acc_gu, acc_d, acc_o_gu = acc[:D], acc[D:D + 2 * I], acc[D + 2 * I:], acc[:D + 2 * I]
+    ss_ffn = cp.empty((4096,), cp.float32)
     partial = cp.empty((max(oc.gemv_partial_size(k, ns) for k, ns in ((D, [N1]), (N1, [D]), (D, [I, I]),
                                                                       (I, [D]))),), cp.float32)
     stream = cp.cuda.Stream(non_blocking=False)
@@ -284,10 +299,10 @@ def test_gemv_accumulating_mode_layers_in_a_graph(D, N1, I):
                     zero=acc_o_gu)
             cur = 1 - cur
             oc.gemv(y1, [m2], "plain", None, partial, acc_out=acc_o)
-            oc.gemv(None, [mg, mu], "swiglu", None, partial, norm=(hrows[cur], w_dev, eps), pend=acc_o,
-                    hout=hrows[1 - cur], acc_out=acc_gu, zero=acc_d)
+            S = oc.gemv(None, [mg, mu], "swiglu", None, partial, norm=(hrows[cur], w_dev, eps), pend=acc_o,
+                        hout=hrows[1 - cur], acc_out=acc_gu, zero=acc_d, ss_out=ss_ffn)
             cur = 1 - cur
-            oc.gemv(None, [md], "plain", None, partial, pend=acc_gu, acc_out=acc_d)
+            oc.gemv(None, [md], "plain", None, partial, pend=acc_gu, acc_out=acc_d, ss_in=(ss_ffn, S, D, eps))
         oc.add_rmsnorm(hrows[cur], None, w_dev, eps, xout, pend=acc_d)
         graph = stream.end_capture()
 
@@ -595,8 +610,9 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
                                                    (512, 4, 2, 64, 100, 9)])
 def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, splits):
     """Decode's q|k|v GEMV in accumulating mode (fixed-point sums, no reduction tail; it adds the
-    previous down projection's pending output to the residual first) and the flash-decoding kernel
-    that finishes q, k and v (per-head norm, RoPE, the newest K/V row into the cache) before
+    previous down projection's pending output to the residual first, and leaves the RMSNorm's 1/rms
+    to its consumer) and the flash-decoding kernel that applies it and finishes q, k and v (per-head
+    norm, RoPE, the newest K/V row into the cache) before
     attending, against NumPy: the rotated q, the cache rows and the attention output. Every other
     cache row must be left as it was; outputs are poisoned first."""
     from kuiper_py.config import ModelArgs, rope_tables
@@ -624,13 +640,14 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
     part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     out = nan_like((1, H * hd), cp.float16)
-    oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
-            pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero)
+    ss = nan_like((4096,), cp.float32)
+    S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
+                pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero, ss_out=ss)
     assert int(cp.count_nonzero(zero)) == 0
     pos_dev = cp.full((1,), pos0, cp.int32)
     oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, pos_dev,
                         finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps))
+                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)))
     hs = h.astype(np.float64) + (pend / 2**32).astype(np.float16)
     np.testing.assert_allclose(cp.asnumpy(hout)[0], hs, rtol=1e-6, atol=1e-6)
     x = (hs / np.sqrt(np.mean(hs ** 2) + eps) * w).astype(np.float16).astype(np.float64)
