@@ -163,11 +163,12 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 
 // The decode step's q, k and v from the q|k|v GEMV's fixed-point sums (its accumulating mode, so it
 // has no reduction tail): per-head RMSNorm and RoPE as rope.cu's qk_norm_rope_store, with the same
-// rounding points (sums, times the GEMV's deferred 1/rms of its scaled norm, rounded to fp16 first). Warp w rotates query head h0 + w into q_sm [nh, HD]
-// (and into the global q when q_out is set: one split's blocks do it, for the record). A block whose
-// split holds the newest key also writes that key's K and V rows into the cache, which it reads back
-// after the block barrier; blocks of the split's other head subgroups write the same bits, and later
-// steps read them from there. Every load of a task is issued before any is used: one L2 round trip.
+// rounding points (sums, times the GEMV's deferred 1/rms of its scaled norm, rounded to fp16
+// first). Warp w rotates query head h0 + w into q_sm [nh, HD] (and into the global q when q_out is
+// set: one split's blocks do it, for the record). A block whose split holds the newest key also
+// writes that key's K and V rows into the cache, which it reads back after the block barrier;
+// blocks of the split's other head subgroups write the same bits, and later steps read them from
+// there. Every load of a task is issued before any is used: one L2 round trip.
 template <int HD>
 __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ acc,  // [(H + 2 KV) * HD]
                                                   half* q_sm, half* q_out, half* Kc, half* Vc, const half* qn,
@@ -203,7 +204,10 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
         if (isv) {  // v: stored as the fp16 projection output
             half* dst = Vc + ((size_t)pos * KV + kvh) * HD;
 #pragma unroll
-            for (int i = 0; i < P; ++i) { dst[lane * P + i] = __float2half(a[i]); dst[HH + lane * P + i] = __float2half(b[i]); }
+            for (int i = 0; i < P; ++i) {
+                dst[lane * P + i] = __float2half(a[i]);
+                dst[HH + lane * P + i] = __float2half(b[i]);
+            }
             continue;
         }
         const float inv = rsqrtf(warp_sum(ss) / HD + eps);

@@ -270,8 +270,8 @@ __device__ __forceinline__ float group_rms_inv(const float* __restrict__ h, int 
     return rsqrtf(group_sum(ss, red, tid, nthreads, sync) / D + eps);
 }
 
-// 1 / rms of a row whose sum of squares a scaled GEMV (gemv_w4a16.cu) left in n split partials (summed in a fixed
-// order by every warp: no barrier, the same bits in every block).
+// 1 / rms of a row whose sum of squares a scaled GEMV (gemv_w4a16.cu) left in n split partials,
+// summed in a fixed order by every warp: no barrier, the same bits in every block.
 __device__ __forceinline__ float deferred_rms_inv(const float* ss, int n, int D, float eps) {
     float t = 0.f;
     for (int i = threadIdx.x & 31; i < n; i += 32) t += __ldcg(ss + i);

@@ -14,6 +14,11 @@
 // rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel. The
 // o projection's input can be the flash-decoding partials, merged in the prologue.
 //
+// Accumulating mode (dense decode): no reduction at all. Blocks add their column sums into int64
+// fixed-point accumulators (common.cuh) and exit; the consuming kernel finishes the epilogue in its
+// prologue (residual add, the RMSNorm's 1/rms, SwiGLU; flash decoding does the q/k norm, RoPE and
+// cache write). The tails it removes cost ~10% of a decode step (docs/PERFORMANCE.md 49-50).
+//
 // Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0, ROWS % 4 == 0.
 #include "common.cuh"
 
@@ -433,10 +438,11 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout, ss_out,
-              ss_in, ss_n, ss_D, pend_glu);
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout,
+              ss_out, ss_in, ss_n, ss_D, pend_glu);
     if (zero_p) {  // after the wait (in gemv_tile): the accumulators' last readers have finished
-        const int nb = gridDim.x * gridDim.y * gridDim.z, b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+        const int nb = gridDim.x * gridDim.y * gridDim.z;
+        const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;
     }
     if (acc_out) return;

@@ -884,8 +884,9 @@ FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
 FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
 # Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
 FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
-# Dense decode's o, gate/up and down GEMVs in accumulating mode (no split-K reduction tail; the
-# residual add and SwiGLU done by the consuming GEMV); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
+# Dense decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
+# 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, docs/PERFORMANCE.md
+# changes 49-50); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
 GEMV_ACC = os.environ.get("KUIPER_GEMV_ACC", "1") != "0"
 
 
@@ -1133,8 +1134,9 @@ class CupyOps:
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
-        # accumulating mode (dense only: the MoE router reads h itself): accumulators [o | gate, up | down],
-        # zero between steps, and the second residual row the adds alternate with
+        # accumulating mode (dense only: the MoE router reads h itself): accumulators [o | gate, up | down |
+        # q, k, v], zero between steps; the second residual row the adds alternate with; the scaled norms'
+        # per-split sums of squares
         self.acc_mode = GEMV_ACC and FUSE_NORM and not E and max(
             gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] for K_, N_ in ((D, qd), (D, 2 * I), (I, D))) <= GEMV_ATT_ROWS
         if self.acc_mode:
