@@ -258,13 +258,19 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
 // 1 / rms(h) for one fp32 row of D (D % 4 == 0) by a group of threads (group_sum's arguments): the
 // prologues that normalise a decode row in the kernel that consumes it (each block reads the row
 // from L2 itself; .cg loads, since in the persistent decode kernel other blocks wrote it in the
-// same launch).
+// same launch). pend (or null): a projection's pending output y [D] in fixed point (gemv_w4a16's
+// accumulating mode), so the row is h + fp16(y), the residual its add produces.
 template <class Sync>
 __device__ __forceinline__ float group_rms_inv(const float* __restrict__ h, int D, float eps, float* red, int tid,
-                                               int nthreads, Sync sync) {
+                                               int nthreads, Sync sync, const long long* pend = nullptr) {
     float ss = 0.f;
     for (int i = tid; i < D / 4; i += nthreads) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
+        float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
+        if (pend) {
+            const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
+            const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
+            v = make_float4(v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y));
+        }
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     return rsqrtf(group_sum(ss, red, tid, nthreads, sync) / D + eps);
@@ -279,8 +285,9 @@ __device__ __forceinline__ float deferred_rms_inv(const float* ss, int n, int D,
 }
 
 // The same with the whole block.
-__device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red) {
-    return group_rms_inv(h, D, eps, red, threadIdx.x, blockDim.x, [] { __syncthreads(); });
+__device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red,
+                                             const long long* pend = nullptr) {
+    return group_rms_inv(h, D, eps, red, threadIdx.x, blockDim.x, [] { __syncthreads(); }, pend);
 }
 
 // ---------------------------------------------------------------------------------------------

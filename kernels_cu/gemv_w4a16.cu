@@ -83,22 +83,6 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& 
     sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
 }
 
-// 1 / rms(h + y) for the fp32 residual row h [D] and a projection's pending output y (fixed point,
-// rounded to fp16 as the projection's output would be): the norm of the residual the add produces.
-__device__ __forceinline__ float pend_rms_inv(const float* __restrict__ h, const long long* pend, int D, float eps,
-                                              float* red) {
-    float ss = 0.f;
-#pragma unroll 2
-    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(h)[i];
-        const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
-        const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
-        const float f[4] = {v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y)};
-        ss += f[0] * f[0] + f[1] * f[1] + f[2] * f[2] + f[3] * f[3];
-    }
-    return rsqrtf(block_sum(ss, red) / D + eps);
-}
-
 // partial[split][col_off + col] = sum over rows [split*rps, (split+1)*rps) of x[k] * W[k, col] for
 // the 256 columns of column tile `tile` of m. Lane l owns packed word tile*32 + l of every row;
 // warp w takes rows w*ROWS.. of each 8*ROWS-row step. Narrow tiles keep the split count (and so
@@ -157,7 +141,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     float inv = 0.f;
     if (hn && !scaled) {
         __shared__ float nred[32];
-        inv = pend ? pend_rms_inv(hn, pend, K, eps, nred) : row_rms_inv(hn, K, eps, nred);
+        inv = row_rms_inv(hn, K, eps, nred, pend);
     }
     // a pending input's own deferred 1/rms (the producer ran scaled): its splits' sums of squares
     const float pinv = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;

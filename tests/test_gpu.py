@@ -565,15 +565,10 @@ def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
     assert np.isnan(cp.asnumpy(kc)[:pos0]).all()  # nothing else in the cache was touched
 
 
-@pytest.mark.parametrize("D,H,KV,hd,pos0,dev_pos", [(4096, 32, 8, 128, 0, False), (4096, 32, 8, 128, 777, True),
-                                                    (1024, 16, 8, 64, 5, True), (512, 4, 2, 64, 3, False)])
-def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, dev_pos):
-    """Decode's fused QKV: rmsnorm(h) * w in the prologue, the q/k RMSNorm, RoPE and KV-cache write in
-    the epilogue, against NumPy (dequantized weights, ops_numpy's rmsnorm and rope)."""
+def qkv_case(rng, D, H, KV, hd, ctx):
+    """A decode q|k|v case: RoPE tables for ctx positions, random q, k, v matrices (device, reference),
+    a residual row h, its norm weight w and the per-head q/k norm weights."""
     from kuiper_py.config import ModelArgs, rope_tables
-    from kuiper_py.ops_numpy import rmsnorm, rope
-    rng = np.random.default_rng()
-    ctx, eps = pos0 + 4, 1e-6
     a = ModelArgs(hidden_size=D, intermediate_size=1, num_hidden_layers=1, num_attention_heads=H,
                   num_key_value_heads=KV, head_dim=hd, vocab_size=1, max_position_embeddings=ctx,
                   tie_word_embeddings=True)
@@ -583,6 +578,28 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
     w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float16)
     qn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
     kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
+    return cos, sin, mats, h, w, qn, kn
+
+
+def qkv_rope_ref(h, w, mats, qn, kn, cos, sin, pos0, hd, eps):
+    """NumPy q and k (per-head RMSNorm, RoPE at pos0) and v [1, heads, hd] of a decode step from the
+    residual row h: x = rmsnorm(h) * w and the projections rounded to fp16 as the kernels store them."""
+    from kuiper_py.ops_numpy import rmsnorm, rope
+    h = np.asarray(h, np.float64)
+    x = (h / np.sqrt(np.mean(h ** 2) + eps) * w).astype(np.float16).astype(np.float64)
+    q, k, v = [(x @ r).astype(np.float16).astype(np.float32).reshape(1, -1, hd) for _, r in mats]
+    c, s = cos[pos0:pos0 + 1], sin[pos0:pos0 + 1]
+    return rope(rmsnorm(q, qn, eps), c, s), rope(rmsnorm(k, kn, eps), c, s), v
+
+
+@pytest.mark.parametrize("D,H,KV,hd,pos0,dev_pos", [(4096, 32, 8, 128, 0, False), (4096, 32, 8, 128, 777, True),
+                                                    (1024, 16, 8, 64, 5, True), (512, 4, 2, 64, 3, False)])
+def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, dev_pos):
+    """Decode's fused QKV: rmsnorm(h) * w in the prologue, the q/k RMSNorm, RoPE and KV-cache write in
+    the epilogue, against NumPy (dequantized weights, ops_numpy's rmsnorm and rope)."""
+    rng = np.random.default_rng()
+    ctx, eps = pos0 + 4, 1e-6
+    cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
     kc, vc = nan_like((ctx, KV, hd), cp.float16), nan_like((ctx, KV, hd), cp.float16)
     qout = nan_like((1, H, hd), cp.float16)
     pos_dev = cp.full((1,), pos0, cp.int32) if dev_pos else None
@@ -591,14 +608,10 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
     partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
     hd_dev = cp.asarray(h[None])
     oc.gemv(None, [m for m, _ in mats], "qkv_rope", None, partial, norm=(hd_dev, cp.asarray(w), eps), rope=rope_args)
-    x = (h / np.sqrt(np.mean(h.astype(np.float64) ** 2) + eps) * w).astype(np.float16).astype(np.float64)
-    q, k, v = [(x @ r).astype(np.float16).astype(np.float32) for _, r in mats]
-    c, s = cos[pos0:pos0 + 1], sin[pos0:pos0 + 1]
-    q_ref = rope(rmsnorm(q.reshape(1, H, hd), qn, eps), c, s)
-    k_ref = rope(rmsnorm(k.reshape(1, KV, hd), kn, eps), c, s)
+    q_ref, k_ref, v = qkv_rope_ref(h, w, mats, qn, kn, cos, sin, pos0, hd, eps)
     assert rel(cp.asnumpy(qout), q_ref) < 1e-2
     assert rel(cp.asnumpy(kc)[pos0:pos0 + 1], k_ref) < 1e-2
-    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v.reshape(1, KV, hd)) < 1e-2
+    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v) < 1e-2
     others = np.delete(np.arange(ctx), pos0)
     assert np.isnan(cp.asnumpy(kc)[others]).all() and np.isnan(cp.asnumpy(vc)[others]).all()
     np.testing.assert_array_equal(cp.asnumpy(hd_dev)[0], h)  # the prologue only reads the residual
@@ -615,20 +628,10 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     norm, RoPE, the newest K/V row into the cache) before
     attending, against NumPy: the rotated q, the cache rows and the attention output. Every other
     cache row must be left as it was; outputs are poisoned first."""
-    from kuiper_py.config import ModelArgs, rope_tables
-    from kuiper_py.ops_numpy import rmsnorm, rope
     rng = np.random.default_rng()
     ctx, eps = pos0 + 4, 1e-6
-    a = ModelArgs(hidden_size=D, intermediate_size=1, num_hidden_layers=1, num_attention_heads=H,
-                  num_key_value_heads=KV, head_dim=hd, vocab_size=1, max_position_embeddings=ctx,
-                  tie_word_embeddings=True)
-    cos, sin = rope_tables(a, ctx)
-    mats = [rand_awq(rng, D, n) for n in (H * hd, KV * hd, KV * hd)]
-    h = rng.standard_normal(D).astype(np.float32)
+    cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
     pend = (rng.standard_normal(D) * 2**32).astype(np.int64)  # a pending projection output of ~N(0, 1)
-    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float16)
-    qn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
-    kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float16)
     k_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
     v_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
     kc, vc = cp.asarray(k_old), cp.asarray(v_old)
@@ -650,19 +653,15 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
                                     sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)))
     hs = h.astype(np.float64) + (pend / 2**32).astype(np.float16)
     np.testing.assert_allclose(cp.asnumpy(hout)[0], hs, rtol=1e-6, atol=1e-6)
-    x = (hs / np.sqrt(np.mean(hs ** 2) + eps) * w).astype(np.float16).astype(np.float64)
-    q, k, v = [(x @ r).astype(np.float16).astype(np.float32) for _, r in mats]
-    c, s_ = cos[pos0:pos0 + 1], sin[pos0:pos0 + 1]
-    q_ref = rope(rmsnorm(q.reshape(1, H, hd), qn, eps), c, s_)
-    k_ref = rope(rmsnorm(k.reshape(1, KV, hd), kn, eps), c, s_)
+    q_ref, k_ref, v = qkv_rope_ref(hs, w, mats, qn, kn, cos, sin, pos0, hd, eps)
     assert rel(cp.asnumpy(qrot), q_ref) < 1e-2
     assert rel(cp.asnumpy(kc)[pos0:pos0 + 1], k_ref) < 1e-2
-    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v.reshape(1, KV, hd)) < 1e-2
+    assert rel(cp.asnumpy(vc)[pos0:pos0 + 1], v) < 1e-2
     others = np.delete(np.arange(ctx), pos0)
     np.testing.assert_array_equal(cp.asnumpy(kc)[others], k_old[others])
     np.testing.assert_array_equal(cp.asnumpy(vc)[others], v_old[others])
     K_ref, V_ref = k_old.astype(np.float32), v_old.astype(np.float32)
-    K_ref[pos0], V_ref[pos0] = k_ref[0], v.reshape(KV, hd)
+    K_ref[pos0], V_ref[pos0] = k_ref[0], v[0]
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
