@@ -143,7 +143,10 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
                  int* __restrict__ ids,             // [k]
                  float* __restrict__ weights,       // [k]
                  int* __restrict__ counter,         // zero before and after
-                 int D, int E, int k, int norm_topk) {
+                 int D, int E, int k, int norm_topk,
+                 // or null: the o projection's pending output in fixed point (gemv_w4a16.cu's
+                 // accumulating mode), so the row is h + fp16(pend), which block 0 stores to hout
+                 const long long* __restrict__ pend, float* __restrict__ hout) {
     __shared__ __align__(16) half xs[MOE_ROUTE_MAX_D];
     __shared__ float red[32];
     const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -155,10 +158,14 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
         if (lane + 32 * j < D / 8) wpre[j] = __ldg(wr + lane + 32 * j);
     pdl_wait();
     pdl_trigger();
-    const float inv = row_rms_inv(h, D, eps, red);
+    const float inv = row_rms_inv(h, D, eps, red, pend);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        xs[i] = __float2half(h[i] * inv * __half2float(nw[i]));
-        if (blockIdx.x == 0) xout[i] = xs[i];
+        const float hv = pend ? h[i] + fix_h(__ldcg(pend + i)) : h[i];
+        xs[i] = __float2half(hv * inv * __half2float(nw[i]));
+        if (blockIdx.x == 0) {
+            xout[i] = xs[i];
+            if (pend) hout[i] = hv;
+        }
     }
     __syncthreads();
     if (e < E) {

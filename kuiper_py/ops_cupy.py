@@ -795,14 +795,19 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     return ids, weights
 
 
-def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, logits, xout, ids, weights, counter):
+def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, logits, xout, ids, weights, counter,
+                     pend=None, hout=None):
     """One decode token's routing in one kernel: xout = rmsnorm(h) * norm_w (fp16 [1, D], h fp32), the
     router logits (fp32 [E]), softmax, top-k -> ids int32 [1, k], weights fp32 [1, k]. counter: one
-    int32, zero before (left zero)."""
+    int32, zero before (left zero). pend (int64 [D], accumulating mode): the o projection's pending
+    sums, so the row is h + fp16(pend), written to hout (fp32 [1, D]; h is not changed)."""
     D, E = h.shape[1], router.shape[0]
     assert D % 8 == 0 and D <= 8192 and xout.size == D and logits.size >= E
+    assert (pend is None) == (hout is None) and (pend is None or (pend.dtype == cp.int64 and pend.size == hout.size == D))
+    null = np.uint64(0)
     kernel("moe", "moe_route_decode")((math.ceil(E / 8),), (256,), (
-        h, norm_w, _f(eps), router, logits, xout, ids, weights, counter, _i(D), _i(E), _i(k), _i(int(norm_topk))))
+        h, norm_w, _f(eps), router, logits, xout, ids, weights, counter, _i(D), _i(E), _i(k), _i(int(norm_topk)),
+        pend if pend is not None else null, hout if hout is not None else null))
     return ids, weights
 
 
@@ -865,12 +870,13 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
             AwqLinear(q[K * h // 8:].reshape(K, h // 8), e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
 
 
-def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, resid=None):
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, resid=None, zero=None):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
     over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D];
-    with resid (fp32 [1, D]) the sum is added into it instead."""
+    with resid (fp32 [1, D]) the sum is added into it instead. zero: accumulators the gate/up GEMV
+    clears (gemv's)."""
     gate, up = moe_gate_up_views(w13)
-    gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N)
+    gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N, zero=zero)
     gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, resid=resid,
          ids_early=True)  # the gate/up GEMV, not the router, is the kernel just before
     return out
@@ -1134,12 +1140,16 @@ class CupyOps:
             "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
             "hist": cp.zeros((1024,), cp.int32),
         }
-        # accumulating mode (dense only: the MoE router reads h itself): accumulators [o | gate, up | down |
-        # q, k, v], zero between steps; the second residual row the adds alternate with; the scaled norms'
-        # per-split sums of squares
-        self.acc_mode = GEMV_ACC and FUSE_NORM and not E and max(
-            gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] for K_, N_ in ((D, qd), (D, 2 * I), (I, D))) <= GEMV_ATT_ROWS
-        if self.acc_mode:
+        # accumulating mode: accumulators [o | gate, up | down | q, k, v], zero between steps; the second
+        # residual row the adds alternate with; the scaled norms' per-split sums of squares. acc_attn:
+        # the attention half of every layer (q|k|v finished by flash decoding, o by the next norm's
+        # consumer: a GEMV, or the MoE router); acc_mode: the dense FFN too (its down GEMV's sums go to
+        # the next layer's q|k|v GEMV)
+        def fits(*shapes):
+            return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
+        self.acc_attn = GEMV_ACC and FUSE_NORM and fits((D, qd))
+        self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
+        if self.acc_attn:
             acc = cp.zeros((D + 2 * I + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
             e = D + 2 * I
             self.d.update(acc_o=acc[:D], acc_gu=acc[D:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
@@ -1171,7 +1181,7 @@ class CupyOps:
         return h
 
     def add_rmsnorm(self, h, r, w):
-        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_mode:
+        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_attn:
             # the projection adds into an accumulator; the consumer adds it to h, writing the other row
             hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
             return hout, _Normed(h, w, r.run_acc(), hout)
@@ -1224,7 +1234,7 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
-        if isinstance(q, _QkvInput) and self.acc_mode:
+        if isinstance(q, _QkvInput) and self.acc_attn:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
             # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
             # written after this kernel has finished)
@@ -1318,8 +1328,9 @@ class CupyOps:
                                          partial=self.d["partial"], acc_out=self.d["acc_gu"],
                                          zero=self.d["acc_d_qkv"], ss_out=self.d["ss_ffn"], **self._gemv_in(x))
                 return _SwigluAcc(self.d["acc_gu"])
+            # (accumulating attention half: clears the q|k|v accumulator, last read by this layer's attention)
             return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
-                        **self._gemv_in(x))
+                        zero=self.d["acc_d_qkv"] if self.acc_attn else None, **self._gemv_in(x))
         g, u = gemm(x, layer.w1), gemm(x, layer.w3)
         out = cp.empty_like(g)
         kernel("gemm", "silu_mul")((math.ceil(g.size / 2048),), (256,), (g, u, out, _i(g.size)))
@@ -1330,8 +1341,9 @@ class CupyOps:
         a, d = self.args, self.d
         k = a.num_experts_per_tok
         if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
+            # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
             ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
-                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"])
+                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"], x.pend, x.hout)
             x = d["x"]
         else:
             x = self._x(x)
@@ -1341,8 +1353,10 @@ class CupyOps:
                 ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
             if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
                 self.routing_log.append(cp.asnumpy(ids))
+            # the expert gate/up GEMV clears the q|k|v accumulator (last read by this layer's attention)
+            zero = d["acc_d_qkv"] if self.acc_attn else None
             return _Deferred(lambda h: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"],
-                                                  d["moe_act"], d["proj"], resid=h))
+                                                  d["moe_act"], d["proj"], resid=h, zero=zero))
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))

@@ -119,20 +119,33 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_moe_route_decode_fuses_norm_router_topk(layer, norm_topk):
+@pytest.mark.parametrize("pending", [False, True])
+def test_moe_route_decode_fuses_norm_router_topk(layer, norm_topk, pending):
     """Decode's one-kernel routing: x = rmsnorm(h) * w (fp16) stored for the experts, then the same
     experts and weights as the reference routes for that x; launched twice on fresh inputs (the
-    arrival counter must be left at zero), outputs poisoned each time."""
+    arrival counter must be left at zero), outputs poisoned each time. pending: the o projection's
+    sums of accumulating mode (int64, 32 fraction bits) still to be added, the new row h + fp16(o)
+    stored to hout and normalised; h itself unchanged."""
     rng = np.random.default_rng()
     counter = cp.zeros((1,), cp.int32)
     for _ in range(2):
         h = (rng.standard_normal((1, D)) * 3).astype(np.float32)
         w = (rng.random(D) + 0.5).astype(np.float16)
         xout, logits = poisoned((1, D), np.float16), poisoned((E,), np.float32)
-        ids, wts = oc.moe_route_decode(cp.asarray(h), cp.asarray(w), 1e-6, layer["router_d"], K_TOP, norm_topk,
+        pend = hout = None
+        row = h
+        if pending:
+            y = rng.standard_normal(D) * 2
+            pend, hout = cp.asarray((y * 2**32).astype(np.int64)), poisoned((1, D), np.float32)
+            row = h + (cp.asnumpy(pend) / 2**32).astype(np.float16).astype(np.float32)  # fp32 add of fp16(y)
+        h_dev = cp.asarray(h)
+        ids, wts = oc.moe_route_decode(h_dev, cp.asarray(w), 1e-6, layer["router_d"], K_TOP, norm_topk,
                                        logits, xout, poisoned((1, K_TOP), np.int32),
-                                       poisoned((1, K_TOP), np.float32), counter)
-        h64 = h.astype(np.float64)
+                                       poisoned((1, K_TOP), np.float32), counter, pend, hout)
+        if pending:
+            np.testing.assert_array_equal(cp.asnumpy(hout), row)
+            np.testing.assert_array_equal(cp.asnumpy(h_dev), h)
+        h64 = row.astype(np.float64)
         x_ref = (h64 / np.sqrt(np.mean(h64 * h64) + 1e-6) * w).astype(np.float16)
         x = cp.asnumpy(xout)
         assert rel(x, x_ref) < 2e-3
@@ -200,3 +213,55 @@ def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
             assert rel(eager[:first], full[10:10 + first]) < 1e-2
             return
     pytest.fail("decode and prefill chose different experts within the first 10 decode tokens in 3 draws")
+
+
+def test_moe_accumulating_attention_half(moe_bin, monkeypatch):
+    """MoE models run the attention half of each layer in accumulating mode (q|k|v finished by flash
+    decoding, o's sums added to the residual by the router kernel): against the last-block reductions
+    (KUIPER_GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
+    differ from the CPU's in some layer (a near-tied router; three draws at most); graph replay equal to
+    eager; one step repeated from the same cache bitwise equal, the accumulators left zero."""
+    mf = load(moe_bin)
+    for acc in (True, False):
+        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        ops = Qwen3(mf, oc.CupyOps, 8).ops
+        assert ops.acc_attn == acc and not ops.acc_mode
+    compared = 0
+    for _ in range(3):
+        ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
+        cpu = Qwen3(mf, NumpyOps, 64)
+        cpu.prefill(ids[:10])
+        cpu.ops.routing_log = []
+        ref = np.stack([cpu.decode(t) for t in ids[10:]])
+        got, first = {}, 30
+        for acc in (True, False):
+            monkeypatch.setattr(oc, "GEMV_ACC", acc)
+            m = Qwen3(mf, oc.CupyOps, 64)
+            m.ops.graphs = False
+            m.prefill(ids[:10])
+            m.ops.routing_log = []
+            got[acc] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
+            n = len(m.ops.routing_log) // 30
+            for t in range(30):
+                if any(set(m.ops.routing_log[t * n + i][0]) != set(cpu.ops.routing_log[t * n + i][0])
+                       for i in range(n)):
+                    first = min(first, t)
+                    break
+            if acc:
+                np.testing.assert_allclose(decode_logits(mf, ids, 10, 64, True), got[acc], rtol=0, atol=1e-3 *
+                                           np.abs(got[acc]).max())
+        if first >= 10:
+            e_acc, e_tails = rel(got[True][:first], ref[:first]), rel(got[False][:first], ref[:first])
+            print("rel to the CPU reference (accumulating, tails):", e_acc, e_tails, "tokens", first)
+            assert e_acc < 1e-2 and e_tails < 1e-2 and e_acc < 1.5 * e_tails
+            compared = first
+            break
+    assert compared >= 10
+    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    m = Qwen3(mf, oc.CupyOps, 64)
+    m.prefill(ids[:10])
+    a = cp.asnumpy(m.decode(ids[10])).copy()
+    m.pos -= 1
+    b = cp.asnumpy(m.decode(ids[10])).copy()
+    assert np.array_equal(a, b)
+    assert int(cp.count_nonzero(m.ops.d["acc_qkv"])) == 0
