@@ -93,7 +93,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                                           const float* att_o, const float* att_ml, int att_S, int hd,
                                           int pos0, const int* pos_dev, long long* acc_out, const long long* pend,
                                           float* hout, float* ss_out, const float* ss_in, int ss_n, int ss_D,
-                                          bool pend_glu) {
+                                          bool pend_glu, const float* acc_w) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
@@ -264,7 +264,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; ++w) s += red[w][c + c / 32];
-        if (acc_out) fix_add(acc_out + col_off + col, s);
+        if (acc_out) fix_add(acc_out + col_off + col, acc_w ? __ldcg(acc_w) * s : s);
         else partial[(size_t)split * n_total + col_off + col] = s;
     }
 }
@@ -382,6 +382,8 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // in its prologue (pend): the residual add + RMSNorm (hn + pend, tile-0 blocks writing the
            // new residual row to hout) or SwiGLU (x = silu(pend[:K]) * pend[K:]). zero_p: accumulators
            // this kernel clears after its PDL wait, for projections two or more launches later.
+           // MoE experts: acc_out [slots, N0+N1] (gate/up) or [N0], the slots' sums times slot_w (MOE_SUM);
+           // pend [slots, 2K], each slot's SwiGLU input
            long long* __restrict__ acc_out,      // [N0+N1+N2] or null
            const long long* __restrict__ pend,   // [K] (with hn) or [2K] (SwiGLU input) or null
            float* __restrict__ hout,             // [K] the new residual row (with hn and pend)
@@ -421,9 +423,12 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     }
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
+    const bool msum = epi == GEMV_EPI_MOE_SUM;
     gemv_tile(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev, acc_out, pend, hout,
-              ss_out, ss_in, ss_n, ss_D, pend_glu);
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev,
+              acc_out && !msum ? acc_out + (size_t)slot * n_total : acc_out,
+              pend ? pend + (size_t)slot * (pend_glu ? 2 * K : K) : pend, hout, ss_out, ss_in, ss_n, ss_D, pend_glu,
+              acc_out && msum ? slot_w + slot : nullptr);
     if (zero_p) {  // after the wait (in gemv_tile): the accumulators' last readers have finished
         const int nb = gridDim.x * gridDim.y * gridDim.z;
         const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;

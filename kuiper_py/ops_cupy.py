@@ -390,11 +390,12 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     ids_early: the ids were written before the kernel launched just before this one (decode's down
     projection: the router ran before the gate/up GEMV), so under PDL the kernel reads them and its
     first weights before waiting for its predecessor; never when the previous kernel writes them.
-    Accumulating mode (dense decode, no split-K reduction tail): acc_out (int64 [sum of N], zero) gets
+    Accumulating mode (decode, no split-K reduction tail): acc_out (int64 [slots, sum of N], zero) gets
     y added in fixed point by every block ("plain"; "swiglu" adds [gate | up], the consumer applies
-    SwiGLU) and out is unused. pend (int64) is such an output still to be finished: with norm, the
-    residual add h + fp16(pend) before the norm, the new row written to hout (h is not changed);
-    without, the input is pend [K] rounded to fp16, or silu(pend[:K]) * pend[K:] for pend [2K]. zero
+    SwiGLU; "moe_sum": [N], the sum over the slots of slot_w[j] * y_j) and out is unused. pend (int64)
+    is such an output still to be finished: with norm, the residual add h + fp16(pend) before the norm,
+    the new row written to hout (h is not changed); without, the input is pend [slots, K] rounded to
+    fp16, or silu(pend[:, :K]) * pend[:, K:] for pend [slots, 2K]. zero
     (int64): cleared after the PDL wait. ss_out (fp32, >= S; with norm and acc_out): the scaled norm,
     x = h * w with 1/rms left to the consumer, the splits' sums of squares stored there (returns S);
     ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first."""
@@ -412,21 +413,24 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
     null = np.uint64(0)
     if acc_out is not None:
-        assert out_kind in ("plain", "swiglu") and ids is None and resid is None and acc_out.size == n_total
-        assert acc_out.dtype == cp.int64
+        assert resid is None and acc_out.dtype == cp.int64
+        if out_kind == "moe_sum":  # sum over the slots of slot_w[j] * y_j
+            assert ids is not None and acc_out.size == n_total
+        else:
+            assert out_kind in ("plain", "swiglu") and acc_out.size == slots * n_total
     if pend is not None:
         assert pend.dtype == cp.int64 and rps <= GEMV_ATT_ROWS and att is None  # the input staged in shared memory
         if norm is not None:
-            assert pend.size == K and hout is not None and hout.size == K
+            assert pend.size == K and hout is not None and hout.size == K and slots == 1
         else:
-            assert x is None and pend.size in (K, 2 * K)
+            assert x is None and x_slot_stride == 0 and pend.size in (slots * K, slots * 2 * K)
             x = pend
     assert hout is None or pend is not None
     assert ss_out is None or (norm is not None and acc_out is not None and ss_out.size >= S)
     assert ss_in is None or (pend is not None and norm is None)
     ss_args = (ss_out if ss_out is not None else null, *((ss_in[0], _i(ss_in[1]), _i(ss_in[2])) if ss_in else
                                                           (null, _i(0), _i(0))),
-               _i(pend is not None and norm is None and pend.size == 2 * K))
+               _i(pend is not None and norm is None and pend.size == slots * 2 * K))
     if ss_in is not None:
         eps = ss_in[3]
     att_args = (null, null, _i(0))
@@ -870,12 +874,20 @@ def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
             AwqLinear(q[K * h // 8:].reshape(K, h // 8), e0.qzeros[:, h // 8:], e0.scales[:, h:], w13.group_size))
 
 
-def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, resid=None, zero=None):
+def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, resid=None, zero=None, acc=None):
     """One token through its k selected experts, ids and weights read on the device: the expert GEMV
     over gate|up with the SwiGLU epilogue, then over down with the weighted sum (finalize). out [1, D];
     with resid (fp32 [1, D]) the sum is added into it instead. zero: accumulators the gate/up GEMV
-    clears (gemv's)."""
+    clears (gemv's). acc=(gu, y): accumulating mode, no reduction tails: the slots' [gate | up] sums
+    to gu (int64 [k, 2 * inter]), SwiGLU in the down GEMV's prologue, the weighted sum to y (int64
+    [D]); act, out and resid unused."""
     gate, up = moe_gate_up_views(w13)
+    if acc is not None:
+        gu, y = acc
+        gemv(x, [gate, up], "swiglu", None, partial, ids=ids, ld=2 * gate.N, zero=zero, acc_out=gu)
+        gemv(None, [w2.expert(0)], "moe_sum", None, partial, ids=ids, slot_w=weights, pend=gu, acc_out=y,
+             ids_early=True)
+        return y
     gemv(x, [gate, up], "swiglu", act, partial, ids=ids, ld=2 * gate.N, zero=zero)
     gemv(act, [w2.expert(0)], "moe_sum", out, partial, ids=ids, slot_w=weights, x_slot_stride=gate.N, resid=resid,
          ids_early=True)  # the gate/up GEMV, not the router, is the kernel just before
@@ -1149,9 +1161,11 @@ class CupyOps:
             return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
         self.acc_attn = GEMV_ACC and FUSE_NORM and fits((D, qd))
         self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
+        self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
         if self.acc_attn:
-            acc = cp.zeros((D + 2 * I + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
-            e = D + 2 * I
+            G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
+            acc = cp.zeros((D + G + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
+            e = D + G
             self.d.update(acc_o=acc[:D], acc_gu=acc[D:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
                           acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32),
                           ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
@@ -1353,10 +1367,18 @@ class CupyOps:
                 ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
             if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
                 self.routing_log.append(cp.asnumpy(ids))
-            # the expert gate/up GEMV clears the q|k|v accumulator (last read by this layer's attention)
+            # the expert gate/up GEMV clears the down and q|k|v accumulators (last read by this layer's
+            # q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
             zero = d["acc_d_qkv"] if self.acc_attn else None
-            return _Deferred(lambda h: moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"],
-                                                  d["moe_act"], d["proj"], resid=h, zero=zero))
+
+            def run(h):
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"],
+                           resid=h, zero=zero)
+
+            def run_acc():  # the sums to acc_d: the next norm's consumer adds them to h
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
+                                  zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
+            return _Deferred(run, run_acc if self.acc_moe else None)
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))

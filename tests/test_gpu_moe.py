@@ -14,7 +14,7 @@ from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
-from kuiper_py.ops_numpy import NumpyOps
+from kuiper_py.ops_numpy import NumpyOps, awq_linear
 from reference import PROMPT, decode_logits, greedy_tokens, rand_awq_tensors, rel
 
 pytestmark = pytest.mark.gpu
@@ -116,6 +116,16 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
                             poisoned((S,), np.float32), poisoned((K_TOP, INTER), np.float16),
                             poisoned((1, D), np.float16))
         assert rel(cp.asnumpy(got), full_ref) < 1e-2
+        # accumulating mode: the slots' [gate | up] sums and the weighted sum in fixed point (accumulators
+        # zero before), SwiGLU in the down GEMV's prologue; a neighbour accumulator cleared on the way
+        gu, yacc = cp.zeros((K_TOP, 2 * INTER), cp.int64), cp.zeros((D,), cp.int64)
+        zero = cp.full((999,), 7, cp.int64)
+        oc.moe_decode(xd, layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref), poisoned((S,), np.float32),
+                      None, None, zero=zero, acc=(gu, yacc))
+        gu_ref = np.concatenate([awq_linear(x.astype(np.float32), layer["w13"].expert(e)) for e in ids_ref[0]])
+        assert rel(cp.asnumpy(gu).astype(np.float64) / 2**32, gu_ref) < 1e-2
+        assert rel(cp.asnumpy(yacc).astype(np.float64) / 2**32, full_ref[0]) < 1e-2
+        assert int(cp.count_nonzero(zero)) == 0
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
@@ -215,9 +225,10 @@ def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
     pytest.fail("decode and prefill chose different experts within the first 10 decode tokens in 3 draws")
 
 
-def test_moe_accumulating_attention_half(moe_bin, monkeypatch):
-    """MoE models run the attention half of each layer in accumulating mode (q|k|v finished by flash
-    decoding, o's sums added to the residual by the router kernel): against the last-block reductions
+def test_moe_accumulating_decode(moe_bin, monkeypatch):
+    """MoE models decode in accumulating mode (q|k|v finished by flash decoding, o's sums added to the
+    residual by the router kernel, the experts' [gate | up] sums finished by the expert down GEMV, its
+    weighted sum added by the next layer's q|k|v GEMV): against the last-block reductions
     (KUIPER_GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
     differ from the CPU's in some layer (a near-tied router; three draws at most); graph replay equal to
     eager; one step repeated from the same cache bitwise equal, the accumulators left zero."""
@@ -225,7 +236,7 @@ def test_moe_accumulating_attention_half(moe_bin, monkeypatch):
     for acc in (True, False):
         monkeypatch.setattr(oc, "GEMV_ACC", acc)
         ops = Qwen3(mf, oc.CupyOps, 8).ops
-        assert ops.acc_attn == acc and not ops.acc_mode
+        assert ops.acc_attn == ops.acc_moe == acc and not ops.acc_mode
     compared = 0
     for _ in range(3):
         ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
@@ -264,4 +275,4 @@ def test_moe_accumulating_attention_half(moe_bin, monkeypatch):
     m.pos -= 1
     b = cp.asnumpy(m.decode(ids[10])).copy()
     assert np.array_equal(a, b)
-    assert int(cp.count_nonzero(m.ops.d["acc_qkv"])) == 0
+    assert int(cp.count_nonzero(m.ops.d["acc_qkv"])) == int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
