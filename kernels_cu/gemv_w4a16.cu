@@ -14,10 +14,12 @@
 // rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel. The
 // o projection's input can be the flash-decoding partials, merged in the prologue.
 //
-// Accumulating mode (dense decode): no reduction at all. Blocks add their column sums into int64
+// Accumulating mode (decode): no reduction at all. Blocks add their column sums into int64
 // fixed-point accumulators (common.cuh) and exit; the consuming kernel finishes the epilogue in its
 // prologue (residual add, the RMSNorm's 1/rms, SwiGLU; flash decoding does the q/k norm, RoPE and
-// cache write). The tails it removes cost ~10% of a decode step (docs/PERFORMANCE.md 49-50).
+// cache write; the MoE router adds the o projection). The tails it removes cost ~10% of a dense
+// decode step, ~16% of a MoE one (docs/PERFORMANCE.md 49-50, 52-53). MoE experts: each slot's
+// [gate | up] sums to its own row, the weighted sum over the slots to one row (MOE_SUM).
 //
 // Supported (checked on the host): N % 32 == 0, group size % ROWS == 0, K % group size == 0, ROWS % 4 == 0.
 #include "common.cuh"
@@ -377,7 +379,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi,
            int ids_early,                        // the ids were written before the previous kernel
-           // Accumulating mode (dense decode): no split-K reduction tail. Every block adds its column
+           // Accumulating mode (decode): no split-K reduction tail. Every block adds its column
            // sums into acc_out (fixed point, common.cuh) and exits; the consumer finishes the epilogue
            // in its prologue (pend): the residual add + RMSNorm (hn + pend, tile-0 blocks writing the
            // new residual row to hout) or SwiGLU (x = silu(pend[:K]) * pend[K:]). zero_p: accumulators
