@@ -529,7 +529,7 @@ def wgmma_fits(mats) -> bool:
 
 def wgmma_max_m(K: int, N: int) -> int:
     """Most rows for which the default path takes the fused wgmma GEMM, by shape (H100, Qwen3-8B
-    shapes, PERFORMANCE.md changes 44 and 53): q|k|v (K < N < 2K) won at 128 and 256 rows (135 vs 53
+    shapes, PERFORMANCE.md changes 44 and 54): q|k|v (K < N < 2K) won at 128 and 256 rows (135 vs 53
     TFLOP/s, 236 vs 113-164) and was even at 512 (242 vs 223-342); gate and up (N >= 2K) at 128 (236
     vs 142) but not 256 (241 vs 276); o (N == K) at 128 and 512 in two runs (91-92 vs 54-80, 303-313
     vs 234-279; at 256 180 vs 192 and 180 vs 119), where dequant + cuBLAS pays for writing back the
