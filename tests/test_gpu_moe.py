@@ -165,6 +165,32 @@ def test_moe_route_decode_fuses_norm_router_topk(layer, norm_topk, pending):
         assert int(counter[0]) == 0
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_route_decode_topk_matches_prefill_topk_with_ties(layer, norm_topk):
+    """The decode router's top-k gives the prefill top-k kernel's (moe_topk, run on the logits the
+    router wrote) ids and weights bit for bit, tied experts included: four router rows are equal and
+    far ahead, so ids 3, 7, 11, 20 must come first, in id order (the reference's stable sort)."""
+    rng = np.random.default_rng()
+    router = layer["router"].copy()
+    router[[3, 7, 11, 20]] = np.float16(2 / math.sqrt(D))  # x > 0 below: these four tie at the top
+    router_d = cp.asarray(router)
+    counter = cp.zeros((1,), cp.int32)
+    for _ in range(2):
+        h = (np.abs(rng.standard_normal((1, D))) + 0.1).astype(np.float32)
+        w = (rng.random(D) + 0.5).astype(np.float16)
+        logits = poisoned((E,), np.float32)
+        ids, wts = oc.moe_route_decode(cp.asarray(h), cp.asarray(w), 1e-6, router_d, K_TOP, norm_topk, logits,
+                                       poisoned((1, D), np.float16), poisoned((1, K_TOP), np.int32),
+                                       poisoned((1, K_TOP), np.float32), counter)
+        ids_w, wts_w = poisoned((1, K_TOP), np.int32), poisoned((1, K_TOP), np.float32)
+        oc.kernel("moe", "moe_topk")((1,), (256,), (logits, ids_w, wts_w, np.int32(1), np.int32(E), np.int32(K_TOP),
+                                                     np.int32(int(norm_topk))))
+        np.testing.assert_array_equal(cp.asnumpy(ids), cp.asnumpy(ids_w))
+        np.testing.assert_array_equal(cp.asnumpy(wts), cp.asnumpy(wts_w))
+        assert cp.asnumpy(ids)[0, :4].tolist() == [3, 7, 11, 20]
+        assert int(counter[0]) == 0
+
+
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
