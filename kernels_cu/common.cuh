@@ -284,6 +284,12 @@ __device__ __forceinline__ float deferred_rms_inv(const float* ss, int n, int D,
     return rsqrtf(warp_sum(t) / D + eps);
 }
 
+// Element i of the residual row h + fp16(pend) that a projection's pending output makes (pend null:
+// h itself): what a consumer of accumulating mode normalises, and stores as the new row.
+__device__ __forceinline__ float resid_pending(const float* __restrict__ h, const long long* pend, int i) {
+    return pend ? h[i] + fix_h(__ldcg(pend + i)) : h[i];
+}
+
 // The same with the whole block.
 __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red,
                                              const long long* pend = nullptr) {

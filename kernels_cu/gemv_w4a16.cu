@@ -156,11 +156,9 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             const int k = k_lo + e;
             float f;
             if (hn) {
-                float hv = hn[k];
-                if (pend) {  // the residual add of the projection before us, done here (see gemv_w4a16)
-                    hv += fix_h(__ldcg(pend + k));
-                    if (blockIdx.x == 0) hout[k] = hv;
-                }
+                // the residual add of the projection before us, done here (see gemv_w4a16)
+                const float hv = resid_pending(hn, pend, k);
+                if (pend && blockIdx.x == 0) hout[k] = hv;
                 ssl += hv * hv;
                 f = scaled ? hv * __half2float(wn[k]) : __half2float(__float2half(hv * inv * __half2float(wn[k])));
             } else if (att_o) {
@@ -197,8 +195,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
                 const int k = k_lo + e;
                 if (scaled) {
-                    const float hv = pend ? hn[k] + fix_h(__ldcg(pend + k)) : hn[k];
-                    xsm[e] = __float2half(hv * __half2float(wn[k]) * down);
+                    xsm[e] = __float2half(resid_pending(hn, pend, k) * __half2float(wn[k]) * down);
                 } else {
                     xsm[e] = __float2half(__half2float(xsm[e]) * down);
                 }

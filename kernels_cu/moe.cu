@@ -160,7 +160,7 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
     pdl_trigger();
     const float inv = row_rms_inv(h, D, eps, red, pend);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float hv = pend ? h[i] + fix_h(__ldcg(pend + i)) : h[i];
+        const float hv = resid_pending(h, pend, i);
         xs[i] = __float2half(hv * inv * __half2float(nw[i]));
         if (blockIdx.x == 0) {
             xout[i] = xs[i];

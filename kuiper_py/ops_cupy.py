@@ -905,9 +905,9 @@ FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
 FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
 # Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
 FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
-# Dense decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
+# Decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
 # 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, docs/PERFORMANCE.md
-# changes 49-50); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
+# changes 49-50 and, for MoE layers, 52-53); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
 GEMV_ACC = os.environ.get("KUIPER_GEMV_ACC", "1") != "0"
 
 
@@ -1375,8 +1375,8 @@ class CupyOps:
             zero = d["acc_d_qkv"] if self.acc_attn else None
 
             def run(h):
-                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"], d["proj"],
-                           resid=h, zero=zero)
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
+                                  d["proj"], resid=h, zero=zero)
 
             def run_acc():  # the sums to acc_d: the next norm's consumer adds them to h
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,

@@ -143,3 +143,17 @@ def decode_logits(mf, ids, n_prefill, max_context, graphs):
     m.ops.graphs = graphs
     m.prefill(ids[:n_prefill])
     return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
+
+
+def decode_step_twice(mf, ids, n_prefill, max_context):
+    """A GPU model prefilled with ids[:n_prefill] decodes ids[n_prefill] twice from the same cache
+    position (the step replayed as a CUDA graph): (its ops, first logits, second logits)."""
+    import cupy as cp
+    from kuiper_py.model import Qwen3
+    from kuiper_py.ops_cupy import CupyOps
+    m = Qwen3(mf, CupyOps, max_context)
+    m.prefill(ids[:n_prefill])
+    a = cp.asnumpy(m.decode(ids[n_prefill])).copy()
+    m.pos -= 1
+    b = cp.asnumpy(m.decode(ids[n_prefill])).copy()
+    return m.ops, a, b

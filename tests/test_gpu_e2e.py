@@ -8,7 +8,7 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import PROMPT, decode_logits, greedy_tokens, rel
+from reference import PROMPT, decode_logits, decode_step_twice, greedy_tokens, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -95,13 +95,9 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
         assert errs[acc, graphs] < 1e-2
         assert errs[True, graphs] < 1.5 * errs[False, graphs]
     monkeypatch.setattr(oc, "GEMV_ACC", True)
-    m = Qwen3(mf, oc.CupyOps, 64)
-    m.prefill(ids[:10])
-    a = cp.asnumpy(m.decode(ids[10])).copy()
-    m.pos -= 1
-    b = cp.asnumpy(m.decode(ids[10])).copy()
+    ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
-    assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
+    assert int(cp.count_nonzero(ops.d["acc_d"])) == 0
 
 
 # ---------------------------------------------------------------------------------------------

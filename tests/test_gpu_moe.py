@@ -15,7 +15,7 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear
-from reference import PROMPT, decode_logits, greedy_tokens, rand_awq_tensors, rel
+from reference import PROMPT, decode_logits, decode_step_twice, greedy_tokens, rand_awq_tensors, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -295,10 +295,6 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
             break
     assert compared >= 10
     monkeypatch.setattr(oc, "GEMV_ACC", True)
-    m = Qwen3(mf, oc.CupyOps, 64)
-    m.prefill(ids[:10])
-    a = cp.asnumpy(m.decode(ids[10])).copy()
-    m.pos -= 1
-    b = cp.asnumpy(m.decode(ids[10])).copy()
+    ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
-    assert int(cp.count_nonzero(m.ops.d["acc_qkv"])) == int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
+    assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0
