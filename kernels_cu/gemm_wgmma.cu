@@ -2,29 +2,34 @@
 // with -arch=sm_90a and only on compute capability 9.0).
 //
 // C [T, N] = x [T, K] W [K, N], W the tiled AWQ matrix of common.cuh (the decode GEMV's layout,
-// so the weights are not stored twice). Warp-specialized, 13 warps:
+// so the weights are not stored twice). Warp-specialized, 4 NP + 9 warps:
 //   - the loader warp brings x tiles in by TMA (zero-filled past T, 128B-swizzled by the tensor
 //     map) into their own ring of SX slots, as far ahead as the consumers free them;
-//   - the producer warpgroup brings the packed words, scales and zeros in by cp.async (its own ring
-//     of PS slots, PS - 2 tiles ahead: DRAM latency), dequantizes them (LOP3) *transposed* into
-//     an fp16 W^T tile of a ring of SB slots and arrives on that slot's "full" mbarrier;
+//   - NP producer warpgroups, warpgroup p taking K tiles p, p + NP, ..., bring the packed words,
+//     scales and zeros in by cp.async (each its own PS / NP slots of a ring, PS / NP - 2 of its
+//     tiles ahead: DRAM latency), dequantize them (LOP3) *transposed* into an fp16 W^T tile of a
+//     ring of SB slots and arrive on that slot's "full" mbarrier (two warpgroups: the
+//     dequantization alone bounded one, PERFORMANCE.md change 56);
 //   - two consumer warpgroups wait for both tiles, run wgmma on them straight from shared memory,
 //     and arrive on the slots' "empty" mbarriers once their wgmma has read them.
+// Split-K on the wave tail: the host (ops_cupy.wgmma_plan) runs the tiles of a partial last wave
+// as `split` blocks each over a share of K; each writes fp32 partial sums and the last of a tile to
+// finish (an atomic ticket) adds the parts in part order, so repeats are bitwise equal.
 // Nothing but C is written to global memory; the dequant + cuBLAS path writes and rereads 2 bytes
 // per weight, which dominates at short prompts.
 //
-// Status (H100, PERFORMANCE.md change 44): 240-320 TFLOP/s with 128 x 128 tiles, about the same
-// at 2048 rows as change 43's single-role kernel and 30-50% faster at 128-512 rows; cuBLAS fp16
-// reaches 650-750. Diagnosis runs: wgmma alone 766 TFLOP/s, the loads and handshakes alone 630,
-// the dequantization alone 420, and together they add up rather than overlap (shared-memory
-// traffic: x, W^T stores and the wgmma operand reads are ~89 KB per 128 x 128 x 64 step).
+// Status (H100, PERFORMANCE.md changes 44 and 56): 320-370 TFLOP/s at 512-2048 rows with 128 x 128
+// tiles, 155-290 at 128 rows (split tails); cuBLAS fp16 reaches 600-760. Diagnosis runs (change 44,
+// one producer): wgmma alone 766 TFLOP/s, the loads and handshakes alone 630, the dequantization
+// alone 420, and together they add up rather than overlap.
 //
 // Supported configurations (the host's WGMMA_TILES; the host rejects other shapes and takes the
 // dequant + cuBLAS path):
 //   BM x BN x BK = 128 x 128 x 64: consumer g takes rows 64g.. and all 128 columns (m64n128k16);
 //   BM x BN x BK =  64 x 128 x 64: consumer g takes all 64 rows and columns 64g.. (m64n64k16),
 //                  twice the blocks for short prompts, where 128-row tiles leave SMs idle;
-//   ring slots as many as fit in 227 KB; 416 threads (at most 128 registers), 1 block per SM;
+//   ring slots as many as fit in 227 KB; NP = 1 (416 threads, at most 128 registers) or 2 (544
+//   threads, at most 96: a fifth warp on one SM sub-partition), 1 block per SM;
 //   K % 64 == 0, N % 256 == 0 (a block's columns lie in one 32-word tile of the tiled layout),
 //   group % 64 == 0 (a K tile lies in one quantization group); any T >= 1; x's row stride a
 //   multiple of 16 bytes (TMA).
@@ -34,7 +39,8 @@
 #include "common.cuh"
 
 #define WG_BK 64
-#define WG_THREADS 416  // producer warpgroup, 2 consumer warpgroups, the x loader warp
+// NP producer warpgroups, 2 consumer warpgroups, the x loader warp
+#define WG_THREADS(NP) (128 * (NP) + 288)
 
 // Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled K-major tile.
 __device__ __forceinline__ u32 swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
@@ -101,7 +107,11 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0,
 
 // The producer warpgroup's own barrier (id 1; __syncthreads is 0): the slot's scales and zeros were
 // brought in by a few of its threads and are read by all of them.
-__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
+__device__ __forceinline__ void producer_sync(int pg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + pg) : "memory"); }
+// The consumers' own barrier (after the producers' ids): a split tile's partials are all stored
+// before one thread takes the tile's ticket, and the ticket is read by all of them.
+template <int NP>
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync %0, 256;\n" ::"n"(1 + NP) : "memory"); }
 
 template <int BM, int BN, int SX, int SB, int PS>
 struct WsSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory
@@ -114,11 +124,12 @@ struct WsSmem {  // byte offsets from the 1024-aligned base of dynamic shared me
     static constexpr int s = w + PS * w_tile;                  // [PS][BN] scales   } own cp.async
     static constexpr int z = s + PS * BN * 2;                  // [PS][BN / 8] zeros} ring
     static constexpr int bar = z + PS * BN / 2;                // mbarriers: full_x, empty_x [SX], full_b, empty_b [SB]
-    static constexpr int bytes = bar + 16 * (SX + SB) + 1024;  // + the alignment slack
+    static constexpr int flag = bar + 16 * (SX + SB);          // a split tile's ticket, for every consumer
+    static constexpr int bytes = flag + 16 + 1024;             // + the alignment slack
 };
 
-template <int BM, int BN, int SX, int SB, int PS>
-__global__ void __launch_bounds__(WG_THREADS, 1)
+template <int BM, int BN, int SX, int SB, int PS, int NP>
+__global__ void __launch_bounds__(WG_THREADS(NP), 1)
 gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BM rows, 128B swizzle
               // up to 3 matrices i (q, k, v): qweight [K, N_i/8] tiled, qzeros [K/g, N_i/8], scales
               // [K/g, N_i]; N_i = 0 for an absent one
@@ -126,21 +137,35 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
               const u32* qw1, const u32* qz1, const half* sc1, int n_1,
               const u32* qw2, const u32* qz2, const half* sc2, int n_2,
               half* __restrict__ out,      // [T, ldo]: matrix i from column N_0 + .. + N_{i-1}
-              int T, int K, int group, int ldo) {
+              int T, int K, int group, int ldo,
+              // blocks [0, n_full) take whole tiles (tile = block, column tile fastest); the rest
+              // take 1/split of a tile's K tiles each, split consecutive blocks per tile (the last,
+              // partial wave made shorter: split-K on the wave tail)
+              int n_full, int split,
+              float* __restrict__ part,    // [split tiles][split][WN / 2][256] fp32 partial sums
+              int* __restrict__ ticket) {  // [split tiles], zero between launches (the last block re-zeroes)
     static_assert((BM == 64 || BM == 128) && BN == 128 && SX >= 2 && SB >= 2 && PS >= 3, "unsupported tile");
+    static_assert((NP == 1 || NP == 2) && PS % NP == 0 && SB % NP == 0, "producers share the rings evenly");
     typedef WsSmem<BM, BN, SX, SB, PS> L;
-    constexpr int PL = PS - 2;                   // K tiles of packed weights loaded ahead of the one dequantized
+    constexpr int PR = PS / NP;                  // packed-weight slots of one producer warpgroup
+    constexpr int PL = PR - 2;                   // its K tiles loaded ahead of the one it dequantizes
     constexpr int WN = BM == 128 ? BN : BN / 2;  // columns per consumer warpgroup
+    constexpr int CT0 = 128 * NP, LT0 = CT0 + 256;  // first consumer thread, the loader warp
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     const u32 sbase = smem_u32(sm), full_x = sbase + L::bar, empty_x = full_x + 8 * SX;
     const u32 full_b = empty_x + 8 * SX, empty_b = full_b + 8 * SB;
     const int tid = threadIdx.x;
-    // column tile blockIdx.x belongs to the first matrix whose columns reach past it
-    const int c_out = blockIdx.x * BN;
+    // this block's tile and K range
+    const int b = blockIdx.x, sb_idx = b - n_full;
+    const int tile = b < n_full ? b : n_full + sb_idx / split, sp = b < n_full ? 0 : sb_idx % split;
+    const int ncol = (n_0 + n_1 + n_2) / BN, nkt = K / WG_BK;
+    const int kt0 = b < n_full ? 0 : nkt * sp / split, nk = (b < n_full ? nkt : nkt * (sp + 1) / split) - kt0;
+    // column tile tile % ncol belongs to the first matrix whose columns reach past it
+    const int c_out = (tile % ncol) * BN;
     const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;
     const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
-    const int m0 = blockIdx.y * BM, nk = K / WG_BK;
+    const int m0 = (tile / ncol) * BM;
     if (tid == 0) {
         u32 dyn;  // the host computes L::bytes on its own: a short allocation must not corrupt memory
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -150,67 +175,69 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
             mbar_init(empty_x + 8 * s, 8);    // every consumer warp, after its wgmma read the slot
         }
         for (int s = 0; s < SB; ++s) {
-            mbar_init(full_b + 8 * s, 4);     // every producer warp, after its W^T stores
+            mbar_init(full_b + 8 * s, 4);     // every warp of the slot's producer warpgroup, after its W^T stores
             mbar_init(empty_b + 8 * s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     }
     __syncthreads();
 
-    if (tid >= 384) {  // ---- x loader warp: TMA of x tiles into their ring, as far ahead as slots free up
-        if (tid == 384) {
+    if (tid >= LT0) {  // ---- x loader warp: TMA of x tiles into their ring, as far ahead as slots free up
+        if (tid == LT0) {
             for (int kt = 0; kt < nk; ++kt) {
                 const int slot = kt % SX;
                 // the slot last held tile kt - SX: both consumers' wgmma must have read it
                 if (kt >= SX) mbar_wait(empty_x + 8 * slot, (kt / SX - 1) & 1);
                 mbar_arrive_expect_tx(full_x + 8 * slot, BM * 128);
-                tma_load_2d(sbase + L::x + slot * L::x_tile, &xmap, kt * WG_BK, m0, full_x + 8 * slot);
+                tma_load_2d(sbase + L::x + slot * L::x_tile, &xmap, (kt0 + kt) * WG_BK, m0, full_x + 8 * slot);
             }
         }
         return;
     }
-    if (tid < 128) {  // ---- producer warpgroup: loads and dequantization
+    if (tid < CT0) {  // ---- producer warpgroup pg: loads and dequantization of K tiles kt = pg (mod NP)
         const u32* __restrict__ qw = mi == 0 ? qw0 : mi == 1 ? qw1 : qw2;
         const u32* __restrict__ qz = mi == 0 ? qz0 : mi == 1 ? qz1 : qz2;
         const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
         const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2, Wd = N / 8, wb = n0 >> 3;
-        const u32* __restrict__ tile = qw + (size_t)(wb & ~31) * K;  // the 32-word tile holding our columns
-        const int lane = tid & 31, pw = tid >> 5, q = lane & 15, wo = wb & 31;
-        // Packed weights, scales and zeros through the producer's own cp.async ring, PL tiles ahead
-        // (DRAM latency). This thread's pieces: row quad q of words wd(j) = 2 (pw + 4j) + lane / 16,
-        // j < BN / 64: half a warp reads whole 32-byte sectors and writes a whole 128-byte W^T row span.
-        auto issue_w = [&](int kt) {
-            const int slot = kt % PS, k0 = kt * WG_BK;
+        const u32* __restrict__ tile_w = qw + (size_t)(wb & ~31) * K;  // the 32-word tile holding our columns
+        const int pg = tid >> 7, pt = tid & 127, lane = tid & 31, pw = pt >> 5, q = lane & 15, wo = wb & 31;
+        const int mine = (nk - pg + NP - 1) / NP;  // K tiles kt = pg + NP j, j < mine
+        // Packed weights, scales and zeros through this warpgroup's own cp.async ring slots (PR of
+        // them), PL of its tiles ahead (DRAM latency). This thread's pieces: row quad q of words
+        // wd(j) = 2 (pw + 4j) + lane / 16, j < BN / 64: half a warp reads whole 32-byte sectors and
+        // writes a whole 128-byte W^T row span.
+        auto issue_w = [&](int jt) {
+            const int slot = pg * PR + jt % PR, k0 = (kt0 + pg + NP * jt) * WG_BK;
 #pragma unroll
             for (int j = 0; j < BN / 64; ++j) {
                 const int wd = 2 * (pw + 4 * j) + (lane >> 4);
-                cp_async16(sm + L::w + slot * L::w_tile + (j * 128 + tid) * 16,
-                           tile + ((size_t)(k0 / 4 + q) * 32 + wo + wd) * 4, 16);
+                cp_async16(sm + L::w + slot * L::w_tile + (j * 128 + pt) * 16,
+                           tile_w + ((size_t)(k0 / 4 + q) * 32 + wo + wd) * 4, 16);
             }
             const int gi = k0 / group;
-            if (tid < BN / 8)
-                cp_async16(sm + L::s + slot * BN * 2 + tid * 16, sc + (size_t)gi * N + n0 + tid * 8, 16);
-            else if (tid >= 32 && tid < 32 + BN / 32)
-                cp_async16(sm + L::z + slot * BN / 2 + (tid - 32) * 16, qz + (size_t)gi * Wd + wb + (tid - 32) * 4, 16);
+            if (pt < BN / 8)
+                cp_async16(sm + L::s + slot * BN * 2 + pt * 16, sc + (size_t)gi * N + n0 + pt * 8, 16);
+            else if (pt >= 32 && pt < 32 + BN / 32)
+                cp_async16(sm + L::z + slot * BN / 2 + (pt - 32) * 16, qz + (size_t)gi * Wd + wb + (pt - 32) * 4, 16);
         };
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
-            if (t < nk) issue_w(t);
+            if (t < mine) issue_w(t);
             cp_async_commit();
         }
-        for (int kt = 0; kt < nk; ++kt) {
-            const int slot = kt % SB;
-            if (kt + PL < nk) issue_w(kt + PL);  // its ring slot held tile kt - 2, dequantized before the last sync
+        for (int jt = 0; jt < mine; ++jt) {
+            const int kt = pg + NP * jt, slot = kt % SB;
+            if (jt + PL < mine) issue_w(jt + PL);  // its ring slot held tile jt - 2, dequantized before the last sync
             cp_async_commit();
-            cp_async_wait<PL>();  // tile kt's weights are in (for this thread's copies)
-            producer_sync();      // ... and for every producer thread's: scales and zeros are shared
+            cp_async_wait<PL>();  // tile jt's weights are in (for this thread's copies)
+            producer_sync(pg);    // ... and for every thread of the warpgroup: scales and zeros are shared
             if (kt >= SB) mbar_wait(empty_b + 8 * slot, (kt / SB - 1) & 1);  // W^T slot read by both consumers
-            const int ws = kt % PS;
+            const int ws = pg * PR + jt % PR;
             unsigned char* bt = sm + L::b + slot * L::b_tile;
 #pragma unroll
             for (int j = 0; j < BN / 64; ++j) {  // 4 k x 8 n, transposed into W^T rows n = 8 wd + i, k = 4q..
                 const int wd = 2 * (pw + 4 * j) + (lane >> 4);
-                const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + (j * 128 + tid) * 16);
+                const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + (j * 128 + pt) * 16);
                 half2 zb[4], s2[4], o[4][4];
                 awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + ws * BN / 2 + wd * 4), zb);
                 awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + ws * BN * 2 + wd * 16), s2);
@@ -238,9 +265,9 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         return;
     }
 
-    // ---- consumer warpgroups (threads 128..383)
-    const int ct = tid - 128, wg = ct >> 7;
-    float d[WN / 2];  // written first by the acc = 0 wgmma of K tile 0 (K >= 64)
+    // ---- consumer warpgroups (threads CT0 .. CT0 + 255)
+    const int ct = tid - CT0, wg = ct >> 7;
+    float d[WN / 2];  // written first by the acc = 0 wgmma of K tile 0 (nk >= 1)
     for (int kt = 0; kt < nk; ++kt) {
         const int sx = kt % SX, sb = kt % SB;
         mbar_wait(full_x + 8 * sx, (kt / SX) & 1);
@@ -259,6 +286,28 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         }
     }
     wg_wait<0>();
+
+    if (b >= n_full) {  // a split tile: publish this part's sums; the last part of the tile to finish adds them all
+        const int ts = sb_idx / split;
+#pragma unroll
+        for (int i = 0; i < WN / 2; ++i) part[((size_t)(ts * split + sp) * (WN / 2) + i) * 256 + ct] = d[i];
+        __threadfence();  // the stores reach L2 before the ticket says so
+        consumer_sync<NP>();
+        int* flag = reinterpret_cast<int*>(sm + L::flag);
+        if (ct == 0) *flag = atomicAdd(ticket + ts, 1);
+        consumer_sync<NP>();
+        if (*flag != split - 1) return;
+        __threadfence();
+        // the sum in part order whatever the arrival order (this part's own sums read back too):
+        // repeats are bitwise equal
+        const float* pt = part + (size_t)ts * split * (WN / 2) * 256 + ct;
+#pragma unroll
+        for (int i = 0; i < WN / 2; ++i) d[i] = __ldcg(pt + i * 256);
+        for (int p = 1; p < split; ++p)
+#pragma unroll
+            for (int i = 0; i < WN / 2; ++i) d[i] += __ldcg(pt + ((size_t)p * (WN / 2) + i) * 256);
+        if (ct == 0) ticket[ts] = 0;  // no other block of this launch touches it again
+    }
 
     // D fragment: warp w of the warpgroup holds rows 16w + lane/4 (+8); pair i covers columns
     // 8i + 2 (lane % 4) + {0, 1} of the warpgroup's WN

@@ -45,19 +45,26 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
-# the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). Its
-# 128 x 128 tile runs at 240-320 TFLOP/s on H100 (PERFORMANCE.md change 44), against dequant +
-# cuBLAS's 50-160 at 128 rows and 420-680 from 1024: so by default (KUIPER_GEMM_WGMMA unset or
-# "auto") it takes short prompts of the shapes where it measured faster, wgmma_max_m() below;
+# the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
+# runs at 155-370 TFLOP/s on H100 (PERFORMANCE.md changes 44 and 56), against dequant + cuBLAS's
+# 30-140 at 128 rows and 500-680 at 2048: so by default (KUIPER_GEMM_WGMMA unset or "auto") it
+# takes short prompts of the shapes where it measured faster, wgmma_max_m() below;
 # KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it, =0 never (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
 GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W^T and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
-# half-size tile pair), for wgmma_tile's wave arithmetic
+# half-size tile pair), for wgmma_plan's wave arithmetic
 WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
 WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
+# producer warpgroups of gemm_wgmma.cu (1 or 2; the kernel's NP): they take alternate K tiles, so the
+# dequantization, which bounded the kernel alone (change 44: 420 TFLOP/s), has twice the warps
+WGMMA_PRODUCERS = tuple(int(v) for v in os.environ.get("KUIPER_WGMMA_PRODUCERS", "2").split(","))
+# split-K on the wave tail (gemm_wgmma.cu): the tiles of a partial last wave each split into up to
+# this many K ranges, so that wave takes 1/split of the time (q|k|v at 512 rows: 192 tiles on 132
+# SMs, 1.45 waves run as 2); 1 turns it off (A/B)
+WGMMA_SPLIT_MAX = int(os.environ.get("KUIPER_WGMMA_SPLIT", "4"))
 if os.environ.get("KUIPER_WGMMA_RINGS"):  # "SX,SB,PS" for every tile (A/B)
     WGMMA_TILES = {t: tuple(int(v) for v in os.environ["KUIPER_WGMMA_RINGS"].split(",")) for t in WGMMA_TILES}
 _t = os.environ.get("KUIPER_GEMM_WGMMA_TILE", "")  # e.g. "128x128": one tile for every shape (A/B)
@@ -114,7 +121,8 @@ def gpu_memory_used_mib() -> float:
 _MODULES: dict[str, object] = {}
 _FILES = {
     "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>"]),
-    "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}>" for (bm, bn), r in WGMMA_TILES.items()]),
+    "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
+                                 for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
@@ -528,14 +536,14 @@ def wgmma_fits(mats) -> bool:
 
 
 def wgmma_max_m(K: int, N: int) -> int:
-    """Most rows for which the default path takes the fused wgmma GEMM, by shape (H100, Qwen3-8B
-    shapes, PERFORMANCE.md changes 44 and 54): q|k|v (K < N < 2K) won at 128 and 256 rows (135 vs 53
-    TFLOP/s, 236 vs 113-164) and was even at 512 (242 vs 223-342); gate and up (N >= 2K) at 128 (236
-    vs 142) but not 256 (241 vs 276); o (N == K) at 128 and 512 in two runs (91-92 vs 54-80, 303-313
-    vs 234-279; at 256 180 vs 192 and 180 vs 119), where dequant + cuBLAS pays for writing back the
-    fp16 matrix that fits in L2, but not at 2048 (299 vs 617); down (N < K) never (97 vs 137 at 128,
-    288 vs 431 at 512)."""
-    return 384 if K < N < 2 * K else 192 if N >= 2 * K else 512 if N == K else 0
+    """Most rows for which the default path takes the fused wgmma GEMM (PERFORMANCE.md change 56;
+    H100, TFLOP/s at 128 / 256 / 512 rows, fused vs dequant + cuBLAS): 8B q|k|v 206 / 263 / 323 vs
+    103 / 191 / 351-413, gate 266 / 319 / 351 vs 141 / 276 / 425, down 290 / 346 / 373-383 vs
+    138 / 257 / 428-440; 8B o 188 / 276 / 324-352 vs 65 / 133 / 261-405 (dequant + cuBLAS pays for
+    writing back an fp16 matrix that fits in L2, change 54), 30B-A3B q|k|v 155 / 161 / 240 vs 42 /
+    87 / 166, o 128 / 198 / 280 vs 33 / 68 / 130. So: matrices up to 4096 x 4096 to 512 rows, larger
+    ones to 256; at 2048 rows dequant + cuBLAS wins everywhere (580-640 vs 320-370)."""
+    return 512 if K * N <= 4096 * 4096 else 256
 
 
 def gemm_path(T: int, mats) -> str:
@@ -547,36 +555,66 @@ def gemm_path(T: int, mats) -> str:
     return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
 
 
-def wgmma_tile(T: int, N: int) -> tuple[int, int]:
-    """The (BM, BN) tile for T rows and N columns: the least time counted in waves of blocks over
-    the SMs, each wave costing its tile's area over its relative throughput (64-row tiles win when
-    128-row ones leave most SMs idle: o and down at 128-256 rows)."""
-    if GEMM_WGMMA_FORCE_TILE:
-        return GEMM_WGMMA_FORCE_TILE
+def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BM, BN, n_full, split) for T rows and N columns: the tile with the least time counted in
+    waves of blocks over the SMs, each wave costing its tile's area over its relative throughput
+    (64-row tiles win when 128-row ones leave most SMs idle: o and down at 128-256 rows). The tiles
+    of a partial last wave split their K tiles split ways (up to WGMMA_SPLIT_MAX, at least 8 K tiles
+    each), so that wave costs 1/split; n_full tiles run whole."""
     sms, best = sm_count(), None
-    for bm, bn in WGMMA_TILES:
-        blocks = math.ceil(T / bm) * (N // bn)
-        cost = math.ceil(blocks / sms) * bm * bn / WGMMA_TILE_EFF[(bm, bn)]  # time of the waves, in tile units
+    tiles_ok = [GEMM_WGMMA_FORCE_TILE] if GEMM_WGMMA_FORCE_TILE else list(WGMMA_TILES)
+    for bm, bn in tiles_ok:
+        tiles = math.ceil(T / bm) * (N // bn)
+        waves, tail = divmod(tiles, sms)
+        split = max(1, min(WGMMA_SPLIT_MAX, sms // tail, K // 64 // 8)) if tail else 1
+        cost = (waves + (1 / split if tail else 0)) * bm * bn / WGMMA_TILE_EFF[(bm, bn)]  # in tile units
         if best is None or cost < best[0]:
-            best = (cost, (bm, bn))
+            best = (cost, (bm, bn, tiles - tail if split > 1 else tiles, split))
     return best[1]
+
+
+_GEMM_SPLIT: dict[int, list] = {}
+
+
+def _gemm_split_buffers(n_part: int):
+    """gemm_wgmma.cu's split-tile partial sums (fp32, grown as needed) and tickets (zero between
+    launches), per device. Every use is ordered on one stream, so reuse is safe."""
+    dev = cp.cuda.Device().id
+    if dev not in _GEMM_SPLIT:
+        _GEMM_SPLIT[dev] = [cp.empty((0,), cp.float32), cp.zeros((4096,), cp.int32)]
+    if _GEMM_SPLIT[dev][0].size < n_part:
+        _GEMM_SPLIT[dev][0] = cp.empty((n_part,), cp.float32)
+    return _GEMM_SPLIT[dev]
 
 
 def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
     """WsSmem<bm, bn, sx, sb, ps>::bytes of gemm_wgmma.cu (the kernel traps if it gets less)."""
-    return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 1024
+    return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 16 + 1024
 
 
-def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None):
+def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | None = None,
+               producers: int | None = None):
     """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
-    out. tile: (BM, BN), one of WGMMA_TILES; by default wgmma_tile()'s choice. x is read through a
-    TMA descriptor made on the host per call."""
+    out. By default wgmma_plan()'s tile and split-K of the last wave; tile: (BM, BN), one of
+    WGMMA_TILES, in whole tiles; plan: (BM, BN, n_full, split) as wgmma_plan gives it (tests).
+    producers: the kernel's producer warpgroups (one of WGMMA_PRODUCERS; by default the last). x is
+    read through a TMA descriptor made on the host per call."""
     assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
     T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
     assert x.shape[1] == K
-    bm, bn = tile or wgmma_tile(T, N)
+    if plan is not None:
+        bm, bn, n_full, split = plan
+    elif tile is not None:
+        (bm, bn), split = tile, 1
+        n_full = math.ceil(T / bm) * (N // bn)
+    else:
+        bm, bn, n_full, split = wgmma_plan(T, N, K)
+    assert 1 <= split <= K // 64 and 0 <= n_full <= math.ceil(T / bm) * (N // bn)
+    n_split = math.ceil(T / bm) * (N // bn) - n_full
+    part, ticket = _gemm_split_buffers(n_split * split * bm * bn)
+    assert n_split <= ticket.size
     rings = WGMMA_TILES[(bm, bn)]
-    fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}>")
+    fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers or WGMMA_PRODUCERS[-1]}>")
     smem = wgmma_smem_bytes(bm, bn, *rings)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
@@ -585,8 +623,9 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None):
         flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
             mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
     # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
-    launch_ex(fn, (N // bn, math.ceil(T / bm)), (fn.max_threads_per_block,),
-              (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
+    launch_ex(fn, (n_full + n_split * split,), (fn.max_threads_per_block,),
+              (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2),
+               _i(n_full), _i(split), part, ticket), smem)
     return out
 
 

@@ -398,12 +398,14 @@ def test_gemm_group(M, path):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
 @pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
-def test_gemm_wgmma(M, tile):
-    """The fused Hopper GEMM (short-prompt prefill path, gemm_wgmma.cu), each tile, against the float64 dequantized
-    reference: q, k and v in one launch (the block picks its matrix by column), rows past M and a
-    ragged last row tile, then a lone matrix with 64-row groups and more K tiles than stages."""
+def test_gemm_wgmma(M, tile, producers):
+    """The fused Hopper GEMM (short-prompt prefill path, gemm_wgmma.cu), each tile and producer count,
+    against the float64 dequantized reference: q, k and v in one launch (the block picks its matrix
+    by column), rows past M and a ragged last row tile, then a lone matrix with 64-row groups and more
+    K tiles than stages."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
     rng = np.random.default_rng()
@@ -412,13 +414,59 @@ def test_gemm_wgmma(M, tile):
     ref = np.concatenate([r for _, r in mats], axis=1)
     x = rng.standard_normal((M, D)).astype(np.float16)
     out = nan_like((M, D + 2 * kv), cp.float16)
-    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, tile=tile)
+    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, tile=tile, producers=producers)
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
     m, r = rand_awq(rng, 3072, 512, 64)
     x = rng.standard_normal((M, 3072)).astype(np.float16)
     out = nan_like((M, 512), cp.float16)
     oc.gemm(cp.asarray(x), m, out, path="wgmma")
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
+@pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
+@pytest.mark.parametrize("M,full,split", [(1, 0, 2), (300, 5, 3), (1030, 1, 4), (130, 7, 16)])
+def test_gemm_wgmma_split(M, full, split, tile, producers):
+    """gemm_wgmma.cu's split-K on the wave tail: the tiles past the first `full` each split into
+    `split` K ranges (uneven ones for 3, one K tile each for 16), the last block of a tile to finish
+    adding the parts. Against the float64 reference (q|k|v in one launch, then a lone matrix with
+    64-row groups); a repeat is bitwise equal (the parts are added in a fixed order, whatever the
+    order blocks finish in) and the tickets are left at zero."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+    rng = np.random.default_rng()
+    D, kv = 1024, 256
+    mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
+    ref = np.concatenate([r for _, r in mats], axis=1)
+    x = cp.asarray(rng.standard_normal((M, D)).astype(np.float16))
+    plan = (*tile, full, split)
+    outs = []
+    for _ in range(2):
+        out = nan_like((M, D + 2 * kv), cp.float16)
+        oc.gemm_wgmma(x, tuple(m for m, _ in mats), out, plan=plan, producers=producers)
+        outs.append(cp.asnumpy(out))
+    assert rel(outs[0], cp.asnumpy(x).astype(np.float32) @ ref.astype(np.float32)) < 1e-2
+    assert np.array_equal(outs[0], outs[1])
+    m, r = rand_awq(rng, 3072, 512, 64)
+    x = rng.standard_normal((M, 3072)).astype(np.float16)
+    out = nan_like((M, 512), cp.float16)
+    oc.gemm_wgmma(cp.asarray(x), (m,), out, plan=(*tile, full // 2, split), producers=producers)
+    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+    assert not oc._gemm_split_buffers(0)[1].any()
+
+
+@pytest.mark.parametrize("T,N,K", [(512, 6144, 4096), (512, 4096, 4096), (512, 5120, 2048), (2048, 4096, 12288),
+                                   (128, 4096, 4096), (17, 6144, 4096)])
+def test_wgmma_plan(T, N, K):
+    """wgmma_plan covers every tile exactly once: n_full whole tiles plus the rest split, the split
+    tiles fit in one wave, each part keeps at least 8 K tiles."""
+    bm, bn, n_full, split = oc.wgmma_plan(T, N, K)
+    tiles = -(-T // bm) * (N // bn)
+    assert (bm, bn) in oc.WGMMA_TILES and 0 <= n_full <= tiles
+    if split > 1:
+        assert (tiles - n_full) * split <= oc.sm_count() and K // 64 // split >= 8
+    else:
+        assert n_full == tiles
 
 
 def test_gemm_wgmma_shape_table():
@@ -441,6 +489,7 @@ def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
     def no_cublas(*a, **k):
         raise RuntimeError("libcublas.so: cannot open shared object file")
     monkeypatch.setattr(oc, "_CUBLAS", {})
+    monkeypatch.setattr(oc, "GEMM_WGMMA", "0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
     monkeypatch.setattr(oc.cp, "matmul", no_cublas)
     x = rng.standard_normal((300, 1024)).astype(np.float16)
     out = nan_like((300, 3072), cp.float16)
