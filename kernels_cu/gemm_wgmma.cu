@@ -7,7 +7,7 @@
 //     map) into their own ring of SX slots, as far ahead as the consumers free them;
 //   - NP producer warpgroups, warpgroup p taking K tiles p, p + NP, ..., bring the packed words,
 //     scales and zeros in by cp.async (each its own PS / NP slots of a ring, PS / NP - 2 of its
-//     tiles ahead: DRAM latency), dequantize them (LOP3) *transposed* into an fp16 W^T tile of a
+//     tiles ahead: DRAM latency), dequantize them (LOP3) into an N-major fp16 W tile of a
 //     ring of SB slots and arrive on that slot's "full" mbarrier (two warpgroups: the
 //     dequantization alone bounded one, PERFORMANCE.md change 56);
 //   - two consumer warpgroups wait for both tiles, run wgmma on them straight from shared memory,
@@ -34,25 +34,37 @@
 //   group % 64 == 0 (a K tile lies in one quantization group); any T >= 1; x's row stride a
 //   multiple of 16 bytes (TMA).
 //   Up to 3 matrices with the same K (q, k, v) in one launch, side by side in C.
-// Both wgmma operands are K-major with the 128-byte swizzle: row r of a tile (64 halves = 128 bytes)
-// keeps its 16-byte chunk c at chunk c ^ (r & 7), and tiles start on 1024-byte boundaries.
+// Both wgmma operands use the 128-byte swizzle (16-byte chunk c of a 128-byte row r at chunk
+// c ^ (r & 7), tiles on 1024-byte boundaries): x K-major (a row: 64 k of one token), W N-major (a
+// row: 64 columns of one k), so a dequantized word (8 columns of one k) is one 16-byte store.
 #include "common.cuh"
 
 #define WG_BK 64
 // NP producer warpgroups, 2 consumer warpgroups, the x loader warp
 #define WG_THREADS(NP) (128 * (NP) + 288)
 
-// Byte offset of 16-byte chunk c (0..7) of row r in a 128B-swizzled K-major tile.
-__device__ __forceinline__ u32 swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+// Byte offset of the 8 columns 8 wd.. of row k in a 128B-swizzled N-major tile of bn columns: 8-k
+// groups of bn / 64 atoms (64 n x 8 k, 1024 bytes), row k % 8 of an atom 128 bytes, its 16-byte
+// chunks XOR-swizzled by the row.
+__device__ __forceinline__ u32 bmn_off(int k, int wd, int bn) {
+    return (u32)((k >> 3) * (bn / 64) * 1024 + (wd >> 3) * 1024 + (k & 7) * 128 + (((wd & 7) ^ (k & 7)) << 4));
+}
 
-// Shared-memory matrix descriptor (PTX ISA "matrix descriptor"): start address >> 4, leading byte
-// offset unused for swizzled K-major (1), stride byte offset 1024 (8 rows of 128 bytes) >> 4, and
-// the 128-byte swizzle mode (1 << 62).
+// Shared-memory matrix descriptor (PTX ISA "matrix descriptor") of a K-major tile: start address
+// >> 4, leading byte offset unused for swizzled K-major (1), stride byte offset 1024 (8 rows of 128
+// bytes) >> 4, and the 128-byte swizzle mode (1 << 62).
 __device__ __forceinline__ unsigned long long wg_desc(u32 saddr) {
     return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// Generic-proxy shared-memory writes (the W^T tile's st.shared) made visible to wgmma's async proxy.
+// The same for an MN-major (N-contiguous) 128B-swizzled tile: atoms of 64 n x 8 k (1024 bytes),
+// leading byte offset = the next 64 n, stride byte offset = the next 8 k.
+__device__ __forceinline__ unsigned long long wg_desc_mn(u32 saddr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// Generic-proxy shared-memory writes (the W tile's st.shared) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -64,13 +76,13 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 #define WG_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define WG_D16(i) WG_D4(i), WG_D4(i + 4), WG_D4(i + 8), WG_D4(i + 12)
 
-// d [64 rows x N cols of the warpgroup] += A (64 x 16, descriptor da) * B (16 x N, W^T descriptor
-// db), or d = A B when acc is 0 (scale-d: the first K step overwrites, so no instruction outside
-// wgmma defines d, which would serialize the wgmma pipeline); A and B scaled by 1, both K-major.
-template <int N>
-__device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], unsigned long long da, unsigned long long db, int acc);
-template <>
-__device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], unsigned long long da, unsigned long long db, int acc) {
+// d [64 rows x N cols of the warpgroup] += A (64 x 16, descriptor da) * B (16 x N, descriptor db),
+// or d = A B when acc is 0 (scale-d: the first K step overwrites, so no instruction outside wgmma
+// defines d, which would serialize the wgmma pipeline); A and B scaled by 1, A K-major, B K-major
+// (TB 0) or N-major (TB 1).
+template <int N, int TB>
+__device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], unsigned long long da, unsigned long long db, int acc) {
+    if constexpr (N == 128) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
@@ -78,20 +90,19 @@ __device__ __forceinline__ void wgmma_f16<128>(float (&d)[64], unsigned long lon
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
         : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
-        : "l"(da), "l"(db), "r"(acc));
-}
-template <>
-__device__ __forceinline__ void wgmma_f16<64>(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+    } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
         : WG_D16(0), WG_D16(16)
-        : "l"(da), "l"(db), "r"(acc));
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+    }
 }
 
 // A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__.
@@ -116,10 +127,10 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync %0, 256
 template <int BM, int BN, int SX, int SB, int PS>
 struct WsSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory
     static constexpr int x_tile = BM * 128;                    // [BM rows][64 halves], swizzled
-    static constexpr int b_tile = BN * 128;                    // W^T [BN n][64 k], swizzled
+    static constexpr int b_tile = BN * 128;                    // W [64 k][BN n], N-major, swizzled
     static constexpr int w_tile = BN * 32;                     // packed [BN/64][128 producers] x 16 bytes
     static constexpr int x = 0;                                // [SX] x tiles (TMA)
-    static constexpr int b = x + SX * x_tile;                  // [SB] W^T tiles (producer stores)
+    static constexpr int b = x + SX * x_tile;                  // [SB] W tiles (producer stores)
     static constexpr int w = b + SB * b_tile;                  // [PS] packed tiles } the producer's
     static constexpr int s = w + PS * w_tile;                  // [PS][BN] scales   } own cp.async
     static constexpr int z = s + PS * BN * 2;                  // [PS][BN / 8] zeros} ring
@@ -175,7 +186,7 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
             mbar_init(empty_x + 8 * s, 8);    // every consumer warp, after its wgmma read the slot
         }
         for (int s = 0; s < SB; ++s) {
-            mbar_init(full_b + 8 * s, 4);     // every warp of the slot's producer warpgroup, after its W^T stores
+            mbar_init(full_b + 8 * s, 4);     // every warp of the slot's producer warpgroup, after its W stores
             mbar_init(empty_b + 8 * s, 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
@@ -200,19 +211,19 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
         const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2, Wd = N / 8, wb = n0 >> 3;
         const u32* __restrict__ tile_w = qw + (size_t)(wb & ~31) * K;  // the 32-word tile holding our columns
-        const int pg = tid >> 7, pt = tid & 127, lane = tid & 31, pw = pt >> 5, q = lane & 15, wo = wb & 31;
+        const int pg = tid >> 7, pt = tid & 127, lane = tid & 31, wo = wb & 31;
         const int mine = (nk - pg + NP - 1) / NP;  // K tiles kt = pg + NP j, j < mine
         // Packed weights, scales and zeros through this warpgroup's own cp.async ring slots (PR of
-        // them), PL of its tiles ahead (DRAM latency). This thread's pieces: row quad q of words
-        // wd(j) = 2 (pw + 4j) + lane / 16, j < BN / 64: half a warp reads whole 32-byte sectors and
-        // writes a whole 128-byte W^T row span.
+        // them), PL of its tiles ahead (DRAM latency). This thread's pieces: u = 128 j + pt (j <
+        // BN / 64) is word wd = u % (BN / 8) of row quad u / (BN / 8), so 8 lanes read 128
+        // contiguous bytes and store 8 chunks of one swizzled W row (no bank conflict).
         auto issue_w = [&](int jt) {
             const int slot = pg * PR + jt % PR, k0 = (kt0 + pg + NP * jt) * WG_BK;
 #pragma unroll
             for (int j = 0; j < BN / 64; ++j) {
-                const int wd = 2 * (pw + 4 * j) + (lane >> 4);
+                const int u = j * 128 + pt, wd = u % (BN / 8), qq = u / (BN / 8);
                 cp_async16(sm + L::w + slot * L::w_tile + (j * 128 + pt) * 16,
-                           tile_w + ((size_t)(k0 / 4 + q) * 32 + wo + wd) * 4, 16);
+                           tile_w + ((size_t)(k0 / 4 + qq) * 32 + wo + wd) * 4, 16);
             }
             const int gi = k0 / group;
             if (pt < BN / 8)
@@ -231,34 +242,28 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
             cp_async_commit();
             cp_async_wait<PL>();  // tile jt's weights are in (for this thread's copies)
             producer_sync(pg);    // ... and for every thread of the warpgroup: scales and zeros are shared
-            if (kt >= SB) mbar_wait(empty_b + 8 * slot, (kt / SB - 1) & 1);  // W^T slot read by both consumers
+            if (kt >= SB) mbar_wait(empty_b + 8 * slot, (kt / SB - 1) & 1);  // W slot read by both consumers
             const int ws = pg * PR + jt % PR;
             unsigned char* bt = sm + L::b + slot * L::b_tile;
 #pragma unroll
-            for (int j = 0; j < BN / 64; ++j) {  // 4 k x 8 n, transposed into W^T rows n = 8 wd + i, k = 4q..
-                const int wd = 2 * (pw + 4 * j) + (lane >> 4);
-                const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + (j * 128 + pt) * 16);
-                half2 zb[4], s2[4], o[4][4];
+            for (int j = 0; j < BN / 64; ++j) {  // 4 k x 8 n: each word's 8 columns one 16-byte store
+                const int u = j * 128 + pt, wd = u % (BN / 8), qq = u / (BN / 8);
+                const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + u * 16);
+                half2 zb[4], s2[4];
                 awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + ws * BN / 2 + wd * 4), zb);
                 awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + ws * BN * 2 + wd * 16), s2);
-                awq_dequant8(pk.x, zb, s2, o[0]);
-                awq_dequant8(pk.y, zb, s2, o[1]);
-                awq_dequant8(pk.z, zb, s2, o[2]);
-                awq_dequant8(pk.w, zb, s2, o[3]);
-                const u32 off = (q & 1) << 3;  // the quad's 8 bytes in its 16-byte chunk q / 2
+                const u32 pw4[4] = {pk.x, pk.y, pk.z, pk.w};
 #pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const u32 r0 = *reinterpret_cast<u32*>(&o[0][p]), r1 = *reinterpret_cast<u32*>(&o[1][p]);
-                    const u32 r2 = *reinterpret_cast<u32*>(&o[2][p]), r3 = *reinterpret_cast<u32*>(&o[3][p]);
-                    const int n = wd * 8 + 2 * p;
-                    // column n takes the low halves of rows k..k+3, column n + 1 the high halves
-                    *reinterpret_cast<uint2*>(bt + swz(n, q >> 1) + off) =
-                        make_uint2(__byte_perm(r0, r1, 0x5410), __byte_perm(r2, r3, 0x5410));
-                    *reinterpret_cast<uint2*>(bt + swz(n + 1, q >> 1) + off) =
-                        make_uint2(__byte_perm(r0, r1, 0x7632), __byte_perm(r2, r3, 0x7632));
+                for (int r = 0; r < 4; ++r) {
+                    half2 o[4];
+                    awq_dequant8(pw4[r], zb, s2, o);
+                    const int k = 4 * qq + r;
+                    *reinterpret_cast<uint4*>(bt + bmn_off(k, wd, BN)) =
+                        make_uint4(*reinterpret_cast<u32*>(&o[0]), *reinterpret_cast<u32*>(&o[1]),
+                                   *reinterpret_cast<u32*>(&o[2]), *reinterpret_cast<u32*>(&o[3]));
                 }
             }
-            fence_proxy_async();  // this thread's W^T stores, visible to wgmma
+            fence_proxy_async();  // this thread's W stores, visible to wgmma
             __syncwarp();  // one arrival per warp: 256 or 128 arrivals on one word serialize
             if (lane == 0) mbar_arrive(full_b + 8 * slot);
         }
@@ -274,10 +279,11 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         mbar_wait(full_b + 8 * sb, (kt / SB) & 1);
         wg_fence();
         const u32 xa = sbase + L::x + sx * L::x_tile + (BM == 128 ? wg * 64 * 128 : 0);
-        const u32 ba = sbase + L::b + sb * L::b_tile + (BM == 128 ? 0 : wg * WN * 128);
+        const u32 wa = sbase + L::b + sb * L::b_tile + (BM == 128 ? 0 : wg * 1024);  // 64-row tiles: atom wg
 #pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; ++kk)  // 16 k = 32 bytes further along the swizzled rows
-            wgmma_f16<WN>(d, wg_desc(xa + kk * 32), wg_desc(ba + kk * 32), kt > 0 || kk > 0);
+        for (int kk = 0; kk < WG_BK / 16; ++kk)  // 16 k: two 8-k groups further on
+            wgmma_f16<WN, 1>(d, wg_desc(xa + kk * 32), wg_desc_mn(wa + bmn_off(16 * kk, 0, BN), 1024, bmn_off(8, 0, BN)),
+                             kt > 0 || kk > 0);
         wg_commit();
         wg_wait<1>();  // wgmma(kt - 1) has read its slot: hand it back to the producer
         if (kt > 0 && (ct & 31) == 0) {  // the warp's wgmma(kt - 1) is complete (wait_group is warp-synchronous)

@@ -52,7 +52,7 @@ GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 # KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it, =0 never (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
 GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
-# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W^T and packed-weight rings (227 KB
+# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
 # half-size tile pair), for wgmma_plan's wave arithmetic
