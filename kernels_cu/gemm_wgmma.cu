@@ -155,7 +155,7 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
               int n_full, int split,
               float* __restrict__ part,    // [split tiles][split][WN / 2][256] fp32 partial sums
               int* __restrict__ ticket) {  // [split tiles], zero between launches (the last block re-zeroes)
-    static_assert((BM == 64 || BM == 128) && BN == 128 && SX >= 2 && SB >= 2 && PS >= 3, "unsupported tile");
+    static_assert((BM == 64 || BM == 128) && BN == 128 && 128 % (BN / 8) == 0 && SX >= 2 && SB >= 2 && PS >= 3, "unsupported tile");
     static_assert((NP == 1 || NP == 2) && PS % NP == 0 && SB % NP == 0, "producers share the rings evenly");
     typedef WsSmem<BM, BN, SX, SB, PS> L;
     constexpr int PR = PS / NP;                  // packed-weight slots of one producer warpgroup
@@ -245,13 +245,14 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
             if (kt >= SB) mbar_wait(empty_b + 8 * slot, (kt / SB - 1) & 1);  // W slot read by both consumers
             const int ws = pg * PR + jt % PR;
             unsigned char* bt = sm + L::b + slot * L::b_tile;
+            const int wd = pt % (BN / 8);  // the same word column for every j (128 % (BN / 8) == 0)
+            half2 zb[4], s2[4];
+            awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + ws * BN / 2 + wd * 4), zb);
+            awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + ws * BN * 2 + wd * 16), s2);
 #pragma unroll
             for (int j = 0; j < BN / 64; ++j) {  // 4 k x 8 n: each word's 8 columns one 16-byte store
-                const int u = j * 128 + pt, wd = u % (BN / 8), qq = u / (BN / 8);
+                const int u = j * 128 + pt, qq = u / (BN / 8);
                 const uint4 pk = *reinterpret_cast<const uint4*>(sm + L::w + ws * L::w_tile + u * 16);
-                half2 zb[4], s2[4];
-                awq_zero_bias(*reinterpret_cast<const u32*>(sm + L::z + ws * BN / 2 + wd * 4), zb);
-                awq_scales8(*reinterpret_cast<const uint4*>(sm + L::s + ws * BN * 2 + wd * 16), s2);
                 const u32 pw4[4] = {pk.x, pk.y, pk.z, pk.w};
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
