@@ -46,10 +46,11 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
-# runs at 155-370 TFLOP/s on H100 (PERFORMANCE.md changes 44 and 56), against dequant + cuBLAS's
-# 30-140 at 128 rows and 500-680 at 2048: so by default (KUIPER_GEMM_WGMMA unset or "auto") it
-# takes short prompts of the shapes where it measured faster, wgmma_max_m() below;
-# KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it, =0 never (A/B)
+# runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
+# 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
+# (KUIPER_GEMM_WGMMA unset or "auto") it takes short prompts of the shapes where it measured faster,
+# wgmma_max_m() below; KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it,
+# =0 never (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
 GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
