@@ -18,10 +18,11 @@
 // Nothing but C is written to global memory; the dequant + cuBLAS path writes and rereads 2 bytes
 // per weight, which dominates at short prompts.
 //
-// Status (H100, PERFORMANCE.md changes 44 and 56): 320-370 TFLOP/s at 512-2048 rows with 128 x 128
-// tiles, 155-290 at 128 rows (split tails); cuBLAS fp16 reaches 600-760. Diagnosis runs (change 44,
-// one producer): wgmma alone 766 TFLOP/s, the loads and handshakes alone 630, the dequantization
-// alone 420, and together they add up rather than overlap.
+// Status (H100, PERFORMANCE.md changes 44 and 56-57): 335-400 TFLOP/s at 512-2048 rows with 128 x
+// 128 tiles, 215-330 at 128 rows (split tails); cuBLAS fp16 reaches 600-760. Diagnosis runs: with
+// one producer (change 44) wgmma alone 766 TFLOP/s, the loads and handshakes alone 630, the
+// dequantization alone 420, adding up rather than overlapping; with two (change 57) leaving out
+// the dequantization still took q|k|v at 512 rows from 0.48 to 0.72 of cuBLAS.
 //
 // Supported configurations (the host's WGMMA_TILES; the host rejects other shapes and takes the
 // dequant + cuBLAS path):
@@ -82,6 +83,7 @@ __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.
 // (TB 0) or N-major (TB 1).
 template <int N, int TB>
 __device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], unsigned long long da, unsigned long long db, int acc) {
+    static_assert(N == 64 || N == 128, "m64n64k16 and m64n128k16 only");
     if constexpr (N == 128) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"

@@ -398,29 +398,41 @@ def test_gemm_group(M, path):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
-@pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
-@pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
-@pytest.mark.parametrize("M", [1, 17, 300, 1030])
-def test_gemm_wgmma(M, tile, producers):
-    """The fused Hopper GEMM (short-prompt prefill path, gemm_wgmma.cu), each tile and producer count,
-    against the float64 dequantized reference: q, k and v in one launch (the block picks its matrix
-    by column), rows past M and a ragged last row tile, then a lone matrix with 64-row groups and more
-    K tiles than stages."""
-    if not oc.wgmma_available():
-        pytest.skip("wgmma needs compute capability 9.0")
-    rng = np.random.default_rng()
+def check_wgmma(rng, M, run_qkv, run_lone, repeats=1):
+    """The fused Hopper GEMM's two cases against the float64 dequantized reference: q, k and v in one
+    launch of run_qkv(x, mats, out) (the block picks its matrix by column), rows past M and a ragged
+    last row tile, each of `repeats` launches bitwise equal to the first; then a lone matrix with
+    64-row groups and more K tiles than stages through run_lone(x, mats, out)."""
     D, kv = 1024, 256
     mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
     ref = np.concatenate([r for _, r in mats], axis=1)
     x = rng.standard_normal((M, D)).astype(np.float16)
-    out = nan_like((M, D + 2 * kv), cp.float16)
-    oc.gemm_wgmma(cp.asarray(x), tuple(m for m, _ in mats), out, tile=tile, producers=producers)
-    assert rel(cp.asnumpy(out), x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
+    outs = []
+    for _ in range(repeats):
+        out = nan_like((M, D + 2 * kv), cp.float16)
+        run_qkv(cp.asarray(x), tuple(m for m, _ in mats), out)
+        outs.append(cp.asnumpy(out))
+    assert rel(outs[0], x.astype(np.float32) @ ref.astype(np.float32)) < 1e-2
+    for o in outs[1:]:
+        assert np.array_equal(outs[0], o)
     m, r = rand_awq(rng, 3072, 512, 64)
     x = rng.standard_normal((M, 3072)).astype(np.float16)
     out = nan_like((M, 512), cp.float16)
-    oc.gemm(cp.asarray(x), m, out, path="wgmma")
+    run_lone(cp.asarray(x), (m,), out)
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
+@pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
+@pytest.mark.parametrize("M", [1, 17, 300, 1030])
+def test_gemm_wgmma(M, tile, producers):
+    """The fused Hopper GEMM (short-prompt prefill path, gemm_wgmma.cu), each tile and producer count
+    in whole tiles (check_wgmma's q|k|v case); the lone matrix through gemm()'s default plan."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+    check_wgmma(np.random.default_rng(), M,
+                lambda x, mats, out: oc.gemm_wgmma(x, mats, out, tile=tile, producers=producers),
+                lambda x, mats, out: oc.gemm(x, mats[0], out, path="wgmma"))
 
 
 @pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
@@ -429,29 +441,14 @@ def test_gemm_wgmma(M, tile, producers):
 def test_gemm_wgmma_split(M, full, split, tile, producers):
     """gemm_wgmma.cu's split-K on the wave tail: the tiles past the first `full` each split into
     `split` K ranges (uneven ones for 3, one K tile each for 16), the last block of a tile to finish
-    adding the parts. Against the float64 reference (q|k|v in one launch, then a lone matrix with
-    64-row groups); a repeat is bitwise equal (the parts are added in a fixed order, whatever the
-    order blocks finish in) and the tickets are left at zero."""
+    adding the parts. check_wgmma's cases; the q|k|v launch repeated bitwise equal (the parts are
+    added in a fixed order, whatever the order blocks finish in) and the tickets left at zero."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
-    rng = np.random.default_rng()
-    D, kv = 1024, 256
-    mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
-    ref = np.concatenate([r for _, r in mats], axis=1)
-    x = cp.asarray(rng.standard_normal((M, D)).astype(np.float16))
-    plan = (*tile, full, split)
-    outs = []
-    for _ in range(2):
-        out = nan_like((M, D + 2 * kv), cp.float16)
-        oc.gemm_wgmma(x, tuple(m for m, _ in mats), out, plan=plan, producers=producers)
-        outs.append(cp.asnumpy(out))
-    assert rel(outs[0], cp.asnumpy(x).astype(np.float32) @ ref.astype(np.float32)) < 1e-2
-    assert np.array_equal(outs[0], outs[1])
-    m, r = rand_awq(rng, 3072, 512, 64)
-    x = rng.standard_normal((M, 3072)).astype(np.float16)
-    out = nan_like((M, 512), cp.float16)
-    oc.gemm_wgmma(cp.asarray(x), (m,), out, plan=(*tile, full // 2, split), producers=producers)
-    assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
+    check_wgmma(np.random.default_rng(), M,
+                lambda x, mats, out: oc.gemm_wgmma(x, mats, out, plan=(*tile, full, split), producers=producers),
+                lambda x, mats, out: oc.gemm_wgmma(x, mats, out, plan=(*tile, full // 2, split), producers=producers),
+                repeats=2)
     assert not oc._gemm_split_buffers(0)[1].any()
 
 
