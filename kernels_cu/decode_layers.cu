@@ -198,7 +198,7 @@ __device__ __forceinline__ void dl_unit_dot(const unsigned char* st, const half*
     float sc[8];
     unpack8(reinterpret_cast<const uint4*>(st + DL_W_BYTES)[lane], sc);
     half2 zb[4];
-    awq_magic(zw, zb);  // biased zero codes: h - zb is q - z, or 16(q - z) in pairs 1 and 3
+    awq_zero_bias(zw, zb);  // the zero codes as awq_dot4 takes them
     float ua[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) ua[i] = 0.f;

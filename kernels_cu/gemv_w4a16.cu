@@ -234,8 +234,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                 for (int r = 0; r < GEMV_ROWS; ++r) xw[r] = __float2half(hn[k0 + r] * inv * __half2float(wn[k0 + r]));
             }
             half2 zb[4];
-            awq_magic(zw, zb);  // biased zero codes: h - zb is q - z, or 16(q - z) in pairs 1 and 3
-            // raw scales: the x/16 below already undoes the 16 of pairs 1 and 3
+            awq_zero_bias(zw, zb);  // the zero codes as awq_dot4 takes them
+            // raw scales: awq_dot4 sums (q - z) * x in every pair
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};
 #pragma unroll
