@@ -31,6 +31,9 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
+#ifndef GEMV_DIAG_NOMATH
+#define GEMV_DIAG_NOMATH 0    // PERFORMANCE.md change 62: the step's bound with a free dot product
+#endif
 #ifndef GEMV_PIPE
 #define GEMV_PIPE 0           // 1: software-pipelined, the next step's loads fly during this step's math
 #endif
@@ -238,6 +241,14 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // raw scales: awq_dot4 sums (q - z) * x in every pair
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};
+#if GEMV_DIAG_NOMATH  // diagnosis only (KUIPER_GEMV_DEFINES, wrong results): the loads without the dot product
+            {
+                u32 v = zw ^ sv.x ^ sv.w ^ *reinterpret_cast<const u32*>(xs);
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) v ^= wv[r];
+                acc[0] += (float)(v & 1u);
+            }
+#else
 #pragma unroll
             for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) {
                 half2 hacc[4];
@@ -251,6 +262,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                     acc[2 * p + 1] += a.y * sc.y;
                 }
             }
+#endif
         }
     }
     // per-warp results to shared memory, then each thread sums one column over the warps
