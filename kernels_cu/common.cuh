@@ -292,7 +292,7 @@ __device__ __forceinline__ float resid_pending(const float* __restrict__ h, cons
     return pend ? h[i] + fix_h(__ldcg(pend + i)) : h[i];
 }
 
-// The same with the whole block.
+// group_rms_inv over the whole block (its barrier: __syncthreads).
 __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D, float eps, float* red,
                                              const long long* pend = nullptr) {
     return group_rms_inv(h, D, eps, red, threadIdx.x, blockDim.x, [] { __syncthreads(); }, pend);
