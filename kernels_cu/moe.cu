@@ -132,6 +132,7 @@ __global__ void moe_topk(const float* __restrict__ logits,  // [T, E]
 // (an atomic counter, left at zero) runs the softmax and top-k. Block 0 stores x for the experts'
 // GEMV. grid ceil(E / 8), block 256; D % 8 == 0, D <= MOE_ROUTE_MAX_D.
 #define MOE_ROUTE_MAX_D 8192
+#define MOE_ROUTE_V (MOE_ROUTE_MAX_D / 4 / 256)  // float4 of the row per thread (block 256)
 #define MOE_ROUTE_PRE 8  // a lane's first 16-byte router loads, issued before pdl_wait: all of D <= 2048
 __global__ void __launch_bounds__(256)
 moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
@@ -158,13 +159,40 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
         if (lane + 32 * j < D / 8) wpre[j] = __ldg(wr + lane + 32 * j);
     pdl_wait();
     pdl_trigger();
-    const float inv = row_rms_inv(h, D, eps, red, pend);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float hv = resid_pending(h, pend, i);
-        xs[i] = __float2half(hv * inv * __half2float(nw[i]));
-        if (blockIdx.x == 0) {
-            xout[i] = xs[i];
-            if (pend) hout[i] = hv;
+    // The row h (+ fp16(pend)) is read from L2 once and held in registers for both the sum of squares
+    // and x: a second read was one more L2 round trip on the critical path of every MoE layer.
+    // Same sums in the same order as row_rms_inv, so the same bits.
+    float4 hv[MOE_ROUTE_V];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_V; ++j) {
+        const int i = threadIdx.x + j * 256;
+        if (i < D / 4) {
+            float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
+            if (pend) {
+                const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
+                const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
+                v = make_float4(v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y));
+            }
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            hv[j] = v;
+        }
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_V; ++j) {
+        const int i = threadIdx.x + j * 256;
+        if (i < D / 4) {
+            const float4 v = hv[j];
+            const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                xs[4 * i + c] = __float2half(f[c] * inv * __half2float(nw[4 * i + c]));
+                if (blockIdx.x == 0) {
+                    xout[4 * i + c] = xs[4 * i + c];
+                    if (pend) hout[4 * i + c] = f[c];
+                }
+            }
         }
     }
     __syncthreads();
