@@ -262,19 +262,24 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
 // from L2 itself; .cg loads, since in the persistent decode kernel other blocks wrote it in the
 // same launch). pend (or null): a projection's pending output y [D] in fixed point (gemv_w4a16's
 // accumulating mode), so the row is h + fp16(y), the residual its add produces.
+// Elements 4i..4i+3 of the row h + fp16(pend) (pend null: h), by 16-byte loads from L2.
+__device__ __forceinline__ float4 resid_pending4(const float* __restrict__ h, const long long* pend, int i) {
+    float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
+    if (pend) {
+        const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
+        const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
+        v = make_float4(v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y));
+    }
+    return v;
+}
+// A float4's sum of squares, in the order every row norm here adds them.
+__device__ __forceinline__ float sumsq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+
 template <class Sync>
 __device__ __forceinline__ float group_rms_inv(const float* __restrict__ h, int D, float eps, float* red, int tid,
                                                int nthreads, Sync sync, const long long* pend = nullptr) {
     float ss = 0.f;
-    for (int i = tid; i < D / 4; i += nthreads) {
-        float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
-        if (pend) {
-            const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
-            const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
-            v = make_float4(v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y));
-        }
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
+    for (int i = tid; i < D / 4; i += nthreads) ss += sumsq4(resid_pending4(h, pend, i));
     return rsqrtf(group_sum(ss, red, tid, nthreads, sync) / D + eps);
 }
 

@@ -168,14 +168,8 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
     for (int j = 0; j < MOE_ROUTE_V; ++j) {
         const int i = threadIdx.x + j * 256;
         if (i < D / 4) {
-            float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
-            if (pend) {
-                const longlong2 a = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i);
-                const longlong2 b = __ldcg(reinterpret_cast<const longlong2*>(pend) + 2 * i + 1);
-                v = make_float4(v.x + fix_h(a.x), v.y + fix_h(a.y), v.z + fix_h(b.x), v.w + fix_h(b.y));
-            }
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            hv[j] = v;
+            hv[j] = resid_pending4(h, pend, i);
+            ss += sumsq4(hv[j]);
         }
     }
     const float inv = rsqrtf(block_sum(ss, red) / D + eps);
