@@ -245,6 +245,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
     __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
     __shared__ __align__(16) half q_sm[HB * HD];
+    diag_stamp(0);
     // The position was written at the end of the previous step (advance_position), long finished
     // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
@@ -254,6 +255,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                               sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
+                                  diag_stamp(1);
                                   if (qkv_acc && has_keys) {
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
                                                             cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
@@ -261,7 +263,14 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                                             ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f);
                                       __syncthreads();  // q_sm and the block's cache writes visible to its reads
                                   }
+                                  diag_stamp(2);
                               }, qkv_acc ? q_sm : nullptr);
+#ifdef KUIPER_DIAG_TIMES
+    diag_stamp(3);
+    __syncthreads();
+    diag_stamp(4);
+    diag_record((unsigned long long)Kc);
+#endif
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.

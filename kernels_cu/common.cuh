@@ -9,6 +9,38 @@ typedef unsigned int u32;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Diagnosis only (KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES, tools/timeline_decode.py): each block of
+// an instrumented kernel stamps %globaltimer at up to 5 points and appends one record per block to
+// g_diag, so a replayed decode step shows when every block entered, passed its PDL wait and ended.
+#ifdef KUIPER_DIAG_TIMES
+__device__ unsigned long long g_diag[1 << 21];  // [n][8]: id, smid | block << 8, stamps 0-4, grid size
+__device__ unsigned int g_diag_n;
+__shared__ unsigned long long s_diag[5];
+__device__ __forceinline__ void diag_stamp(int i) {
+    if (threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        s_diag[i] = t;
+    }
+}
+// After the block's last stamp, past a barrier: id names the launch (a weight or cache pointer).
+__device__ __forceinline__ void diag_record(unsigned long long id) {
+    if (threadIdx.x != 0) return;
+    const unsigned i = atomicAdd(&g_diag_n, 1u);
+    if (i >= (1u << 18)) return;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    unsigned long long* r = g_diag + 8 * (size_t)i;
+    r[0] = id;
+    r[1] = smid | ((unsigned long long)(blockIdx.x + 1024u * (blockIdx.y + 1024u * blockIdx.z)) << 8);
+    for (int j = 0; j < 5; ++j) r[2 + j] = s_diag[j];
+    r[7] = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+}
+#else
+#define diag_stamp(i) ((void)0)
+#define diag_record(id) ((void)0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // AWQ 4-bit -> fp16 with the LOP3 magic-number trick.
 // A packed word holds column c of its 8 in nibble {0,4,1,5,2,6,3,7}[c], so nibbles (0,4),

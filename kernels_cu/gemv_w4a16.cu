@@ -120,6 +120,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
     }
+    diag_stamp(1);
     // The block's span of x goes to shared memory once (xsm): the loop then reads a step's 16 values
     // with two 16-byte loads instead of each lane recomputing or reloading every row's x (2 loads,
     // 2 multiplies and a conversion per row: a fifth of the loop's issue slots). Its three sources:
@@ -207,6 +208,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         }
     }
 
+    diag_stamp(2);
     if (active) {
 #if GEMV_PIPE  // the next step's registers (not named wn: that is the norm weight)
         u32 w_next[GEMV_ROWS], z_next = 0;
@@ -265,6 +267,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
 #endif
         }
     }
+    diag_stamp(3);
     // per-warp results to shared memory, then each thread sums one column over the warps
 #pragma unroll
     for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = xexp ? ldexpf(acc[i], xexp) : acc[i];
@@ -405,6 +408,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // a pend input from a scaled GEMV: its ss_n split sums of squares of a row of ss_D
            const float* __restrict__ ss_in, int ss_n, int ss_D,
            int pend_glu) {                       // pend input [gate K | up K]: x = silu(g) * u
+    diag_stamp(0);
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -445,6 +449,11 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;
     }
+#ifdef KUIPER_DIAG_TIMES
+    __syncthreads();
+    diag_stamp(4);
+    diag_record((unsigned long long)qw0);
+#endif
     if (acc_out) return;
 
     if (MOE2) {  // level 1: this slot's tile over its S splits; level 2: the tile over the slots

@@ -301,6 +301,7 @@ def _compiled(family: str, name: str):
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
                      f"-DGEMV_PIPE={GEMV_PIPE}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
             opts += tuple(os.environ.get("KUIPER_GEMV_DEFINES", "").split())  # diagnosis knobs (gemv_w4a16.cu)
+        opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())  # e.g. -DKUIPER_DIAG_TIMES (common.cuh)
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
