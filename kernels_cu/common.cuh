@@ -289,11 +289,6 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
     }
 }
 
-// 1 / rms(h) for one fp32 row of D (D % 4 == 0) by a group of threads (group_sum's arguments): the
-// prologues that normalise a decode row in the kernel that consumes it (each block reads the row
-// from L2 itself; .cg loads, since in the persistent decode kernel other blocks wrote it in the
-// same launch). pend (or null): a projection's pending output y [D] in fixed point (gemv_w4a16's
-// accumulating mode), so the row is h + fp16(y), the residual its add produces.
 // Elements 4i..4i+3 of the row h + fp16(pend) (pend null: h), by 16-byte loads from L2.
 __device__ __forceinline__ float4 resid_pending4(const float* __restrict__ h, const long long* pend, int i) {
     float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);
@@ -307,6 +302,11 @@ __device__ __forceinline__ float4 resid_pending4(const float* __restrict__ h, co
 // A float4's sum of squares, in the order every row norm here adds them.
 __device__ __forceinline__ float sumsq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
+// 1 / rms(h) for one fp32 row of D (D % 4 == 0) by a group of threads (group_sum's arguments): the
+// prologues that normalise a decode row in the kernel that consumes it (each block reads the row
+// from L2 itself; .cg loads, since in the persistent decode kernel other blocks wrote it in the
+// same launch). pend (or null): a projection's pending output y [D] in fixed point (gemv_w4a16's
+// accumulating mode), so the row is h + fp16(y), the residual its add produces.
 template <class Sync>
 __device__ __forceinline__ float group_rms_inv(const float* __restrict__ h, int D, float eps, float* red, int tid,
                                                int nthreads, Sync sync, const long long* pend = nullptr) {

@@ -243,7 +243,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // raw scales: awq_dot4 sums (q - z) * x in every pair
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};
-#if GEMV_DIAG_NOMATH  // diagnosis only (KUIPER_GEMV_DEFINES, wrong results): the loads without the dot product
+#if GEMV_DIAG_NOMATH  // diagnosis only (KUIPER_DIAG_DEFINES, wrong results): the loads without the dot product
             {
                 u32 v = zw ^ sv.x ^ sv.w ^ *reinterpret_cast<const u32*>(xs);
 #pragma unroll

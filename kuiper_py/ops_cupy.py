@@ -300,8 +300,8 @@ def _compiled(family: str, name: str):
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
                      f"-DGEMV_PIPE={GEMV_PIPE}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
-            opts += tuple(os.environ.get("KUIPER_GEMV_DEFINES", "").split())  # diagnosis knobs (gemv_w4a16.cu)
-        opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())  # e.g. -DKUIPER_DIAG_TIMES (common.cuh)
+        # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
+        opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()

@@ -24,11 +24,10 @@ from kuiper_py import ops_cupy as oc  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 
 
-def records(mod, tag):
-    """The block records a module's kernels appended: [n, 8] int64 and the module tag per row."""
+def records(mod):
+    """The block records a module's kernels appended: [n, 8] int64."""
     n = int(cp.ndarray((1,), cp.uint32, mod.get_global("g_diag_n")).get()[0])
-    rec = cp.ndarray((n, 8), cp.uint64, mod.get_global("g_diag")).get().astype(np.int64)
-    return rec, [tag] * n
+    return cp.ndarray((n, 8), cp.uint64, mod.get_global("g_diag")).get().astype(np.int64)
 
 
 @click.command()
@@ -53,20 +52,21 @@ def main(model, ctx, save):
     ops._graph.launch(ops._stream)
     ops._stream.synchronize()
     wall = (time.perf_counter() - t0) * 1e6
-    parts = [records(mod, t) for t, mod in mods.items()]
-    rec = np.concatenate([p[0] for p in parts])
-    tags = sum((p[1] for p in parts), [])
+    parts = {tag: records(mod) for tag, mod in mods.items()}
+    rec = np.concatenate(list(parts.values()))
+    tags = np.concatenate([np.full(len(r), tag) for tag, r in parts.items()])
     t = rec[:, 2:7].astype(np.float64)
     t = (t - t[:, 0].min()) / 1000.0  # µs from the step's first stamped block
-    keys = sorted({(tags[i], rec[i, 0]) for i in range(len(rec))})
-    launches = []
-    for tag, ident in keys:
-        sel = (rec[:, 0] == ident) & np.array([x == tag for x in tags])
-        launches.append((t[sel, 0].min(), tag, t[sel]))
+    launches = []  # a launch: one module's blocks with one id (its weight or cache pointer)
+    for tag in parts:
+        for ident in np.unique(rec[tags == tag, 0]):
+            sel = (tags == tag) & (rec[:, 0] == ident)
+            launches.append((t[sel, 0].min(), tag, t[sel]))
     launches.sort(key=lambda z: z[0])
-    kinds = ["qkv", "attention", "o", "gate/up", "down"] if len(launches) % 5 == 0 else None
+    n_layers = m.args.num_hidden_layers
+    # a layer's stamped kernels (the MoE router is not stamped); otherwise each launch on its own row
+    kinds = ["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else None
     per = 5 if kinds else 1
-    n_layers = len(launches) // per
     print(f"# {model}, context {ctx}: one step {wall:.0f} µs (host-timed, stamps on), {len(rec)} blocks, "
           f"{len(launches)} launches")
     print("| kernel | blocks | wait spread | wait -> prologue done | prologue -> loop done | end min | end median "
@@ -79,7 +79,7 @@ def main(model, ctx, save):
         r = [len(tt), tt[:, 1].max() - w0, np.median(tt[:, 2] - tt[:, 1]), np.median(tt[:, 3] - tt[:, 2]),
              tt[:, 4].min() - w0, np.median(tt[:, 4]) - w0, np.percentile(tt[:, 4], 90) - w0, tt[:, 4].max() - w0,
              nxt - tt[:, 4].max()]
-        if n_layers > 4 and not (2 <= j // per < n_layers - 2):
+        if kinds and n_layers > 4 and not (2 <= j // per < n_layers - 2):
             continue  # the middle layers only
         rows.setdefault(kinds[j % per] if kinds else f"{tag} {j}", []).append(r)
     for k, v in rows.items():
