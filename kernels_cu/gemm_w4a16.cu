@@ -306,13 +306,18 @@ awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
     }
 }
 
-// SwiGLU for prefill: out[i] = silu(gate[i]) * up[i] over n = M*I elements (fp16 in, fp32 math),
-// 8 per thread with 16-byte accesses (n % 8 == 0; the arrays come from the pool, 256-byte aligned).
-__global__ void silu_mul(const half* __restrict__ gate, const half* __restrict__ up, half* __restrict__ out,
-                         int n) {
+// SwiGLU for prefill: out[t, c] = silu(gate[t, c]) * up[t, c] over n = M*I elements (fp16 in, fp32
+// math), 8 per thread with 16-byte accesses. gate and up rows lie ld elements apart: ld == I for
+// separate matrices, 2I for the halves of one [M, 2I] product (gate and up in one GEMM launch).
+// n, I and ld % 8 == 0; the arrays 16-byte aligned.
+__global__ void silu_mul(const half* __restrict__ gate,  // [M, ld]: columns 0 .. I-1 read
+                         const half* __restrict__ up,    // [M, ld]: columns 0 .. I-1 read
+                         half* __restrict__ out,         // [M, I]
+                         int n, int I, int ld) {
     const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
-    uint4 gv = *reinterpret_cast<const uint4*>(gate + i), uv = *reinterpret_cast<const uint4*>(up + i), ov;
+    const size_t src = (size_t)(i / I) * ld + i % I;
+    uint4 gv = *reinterpret_cast<const uint4*>(gate + src), uv = *reinterpret_cast<const uint4*>(up + src), ov;
     const half2* g2 = reinterpret_cast<const half2*>(&gv);
     const half2* u2 = reinterpret_cast<const half2*>(&uv);
     half2* o2 = reinterpret_cast<half2*>(&ov);

@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import math
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -180,18 +181,55 @@ def _cu_launch_ex():
     return _LAUNCH_EX[0]
 
 
-def _c_arg(a):
-    if isinstance(a, (ctypes.Array, ctypes.Structure)):  # a struct passed by value (a TMA descriptor, DlArgs)
-        return a
-    if isinstance(a, cp.ndarray):
-        return ctypes.c_void_p(a.data.ptr)
-    if isinstance(a, np.int32):
-        return ctypes.c_int32(int(a))
-    if isinstance(a, np.float32):
-        return ctypes.c_float(float(a))
-    if isinstance(a, np.uint64):
-        return ctypes.c_uint64(int(a))
-    raise TypeError(f"kernel argument of type {type(a).__name__}")
+class _TmaDesc(ctypes.Structure):
+    """A CUtensorMap, passed by value: gemm_wgmma.cu's TmaDesc is 128 bytes at a 64-byte aligned
+    parameter offset (ctypes alone would align it to 8)."""
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+    param_align = 64
+
+
+class _ArgPack:
+    """A kernel's parameters for one signature (the argument types, in order), laid out as the CUDA
+    ABI places them (each at a multiple of its alignment) in one buffer reused by every launch of that
+    signature, with the pointer array cuLaunchKernelEx reads made once. A launch then costs one
+    struct.pack_into; a ctypes object per argument made the host side of a prefill layer slower than
+    its kernels (PERFORMANCE.md change 72). The driver copies the parameters at launch (and into a
+    graph node at capture), so the buffer can be refilled right after."""
+    _PTR, _PLAIN, _BYTES = 0, 1, 2
+
+    def __init__(self, args):
+        fmt, off, offs, kinds = "=", 0, [], []
+        for a in args:
+            if isinstance(a, (ctypes.Array, ctypes.Structure)):  # a struct by value (TMA descriptor, DlArgs)
+                size, align = ctypes.sizeof(a), getattr(type(a), "param_align", ctypes.alignment(a))
+                code, kind = f"{size}s", self._BYTES
+            elif isinstance(a, cp.ndarray):
+                size, align, code, kind = 8, 8, "Q", self._PTR
+            elif isinstance(a, (np.int32, np.float32, np.uint64)):
+                size = align = a.itemsize
+                code, kind = {np.int32: "i", np.float32: "f", np.uint64: "Q"}[type(a)], self._PLAIN
+            else:
+                raise TypeError(f"kernel argument of type {type(a).__name__}")
+            pad = -off % align
+            fmt += f"{pad}x{code}" if pad else code
+            offs.append(off + pad)
+            kinds.append(kind)
+            off += pad + size
+        self.st = struct.Struct(fmt)
+        self.buf = ctypes.create_string_buffer(max(off, 8))
+        base = ctypes.addressof(self.buf)
+        self.params = (ctypes.c_void_p * max(len(offs), 1))(*[base + o for o in offs])
+        self.kinds = tuple(kinds)
+
+    def pack(self, args):
+        P, B = self._PTR, self._BYTES
+        self.st.pack_into(self.buf, 0, *[a.data.ptr if k == P else bytes(a) if k == B else a
+                                         for a, k in zip(args, self.kinds)])
+        return self.params
+
+
+_ARG_PACKS: dict[tuple, _ArgPack] = {}
+_LAUNCH_CFGS: dict[tuple, _LaunchConfig] = {}
 
 
 def _pdl_attr() -> _LaunchAttr:
@@ -217,13 +255,23 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = N
     """Launch a kernel (a RawKernel or a CUfunction handle) through cuLaunchKernelEx, with one launch
     attribute or none: CuPy's launcher takes no attributes (PDL) and cannot pass a struct by value
     (a __grid_constant__ TMA descriptor)."""
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    vals = [_c_arg(a) for a in args]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem,
-                        cp.cuda.get_current_stream().ptr, ctypes.pointer(attr) if attr is not None else None,
-                        1 if attr is not None else 0)
+    sig = tuple(map(type, args))
+    pack = _ARG_PACKS.get(sig)
+    if pack is None:
+        pack = _ARG_PACKS[sig] = _ArgPack(args)
+    params = pack.pack(args)
     ptr = fn if isinstance(fn, int) else getattr(fn, "kernel", fn).ptr
+    stream = cp.cuda.get_current_stream().ptr
+    key = (tuple(grid), tuple(block), smem, stream, id(attr))
+    cfg = _LAUNCH_CFGS.get(key)
+    if cfg is None:  # configurations repeat (a prefill's layers): made once, each holding its attribute
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
+                            ctypes.pointer(attr) if attr is not None else None, 1 if attr is not None else 0)
+        cfg.keep = attr
+        if len(_LAUNCH_CFGS) >= 4096:
+            _LAUNCH_CFGS.clear()
+        _LAUNCH_CFGS[key] = cfg
     err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
@@ -247,13 +295,21 @@ def _cu_tmap_encode():
     return _TMAP_ENCODE[0]
 
 
-def tma_map_2d(a, box_rows: int, box_cols: int):
+_TMAPS: dict[tuple, _TmaDesc] = {}
+
+
+def tma_map_2d(a, box_rows: int, box_cols: int) -> _TmaDesc:
     """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
-    (box_cols * 2 == 128), rows past the end zero-filled."""
+    (box_cols * 2 == 128), rows past the end zero-filled. Kept per (address, shape, stride, box):
+    a prefill's activation buffers come back from the pool at the same addresses."""
+    key = (cp.cuda.Device().id, a.data.ptr, a.shape, a.strides, box_rows, box_cols)
+    m = _TMAPS.get(key)
+    if m is not None:
+        return m
     assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
     assert box_cols * 2 == 128
-    m = (ctypes.c_uint64 * 16)()
+    m = _TmaDesc()
     dims = (ctypes.c_uint64 * 2)(a.shape[1], a.shape[0])
     strides = (ctypes.c_uint64 * 1)(a.strides[0])
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
@@ -264,6 +320,9 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
                           ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+    if len(_TMAPS) >= 4096:
+        _TMAPS.clear()
+    _TMAPS[key] = m
     return m
 
 
@@ -595,6 +654,44 @@ def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
     return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 16 + 1024
 
 
+_WGMMA_MATS: dict[tuple, tuple] = {}
+
+
+def _wgmma_mats_args(mats) -> tuple:
+    """gemm_w4a16_ws's matrix arguments (qweight, qzeros, scales, N for 3 slots, N = 0 when absent),
+    kept per matrix tuple: each entry holds its matrices, so the ids in its key cannot be reused."""
+    key = tuple(map(id, mats))
+    hit = _WGMMA_MATS.get(key)
+    if hit is None:
+        flat = []
+        for i in range(3):
+            flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
+                mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
+        if len(_WGMMA_MATS) >= 4096:
+            _WGMMA_MATS.clear()
+        hit = _WGMMA_MATS[key] = (tuple(mats), tuple(flat))
+    return hit[1]
+
+
+_WGMMA_PLANS: dict[tuple, tuple] = {}
+_WGMMA_FNS: dict[tuple, tuple] = {}
+
+
+def _wgmma_kernel(bm: int, bn: int, producers: int):
+    """(kernel, dynamic shared memory, block size) of one gemm_w4a16_ws instantiation, its shared-memory
+    limit raised once. The block is the kernel's launch bound, WG_THREADS: its roles are laid out by
+    thread index. Per device, so no driver attribute is read per call."""
+    key = (cp.cuda.Device().id, bm, bn, producers)
+    if key not in _WGMMA_FNS:
+        rings = WGMMA_TILES[(bm, bn)]
+        fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers}>")
+        smem = wgmma_smem_bytes(bm, bn, *rings)
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        _WGMMA_FNS[key] = (fn, smem, fn.max_threads_per_block)
+    return _WGMMA_FNS[key]
+
+
 def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | None = None,
                producers: int | None = None):
     """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
@@ -611,22 +708,17 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
         (bm, bn), split = tile, 1
         n_full = math.ceil(T / bm) * (N // bn)
     else:
-        bm, bn, n_full, split = wgmma_plan(T, N, K)
+        key = (T, N, K, sm_count(), GEMM_WGMMA_FORCE_TILE, WGMMA_SPLIT_MAX)
+        if key not in _WGMMA_PLANS:
+            _WGMMA_PLANS[key] = wgmma_plan(T, N, K)
+        bm, bn, n_full, split = _WGMMA_PLANS[key]
     assert 1 <= split <= K // 64 and 0 <= n_full <= math.ceil(T / bm) * (N // bn)
     n_split = math.ceil(T / bm) * (N // bn) - n_full
     part, ticket = _gemm_split_buffers(n_split * split * bm * bn)
     assert n_split <= ticket.size
-    rings = WGMMA_TILES[(bm, bn)]
-    fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers or WGMMA_PRODUCERS[-1]}>")
-    smem = wgmma_smem_bytes(bm, bn, *rings)
-    if fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-    flat = []
-    for i in range(3):
-        flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
-            mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
-    # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
-    launch_ex(fn, (n_full + n_split * split,), (fn.max_threads_per_block,),
+    fn, smem, threads = _wgmma_kernel(bm, bn, producers or WGMMA_PRODUCERS[-1])
+    flat = _wgmma_mats_args(mats)
+    launch_ex(fn, (n_full + n_split * split,), (threads,),
               (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2),
                _i(n_full), _i(split), part, ticket), smem)
     return out
@@ -666,6 +758,21 @@ def gemm(x, m, out=None, path: str | None = None):
     grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / bm))
     kernel("gemm", f"gemm_w4a16<{bm}>")(grid, (2 * bm,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
                                                 _i(m.group_size)))
+    return out
+
+
+def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
+    """silu(x W1) * (x W3) for x [T, K] fp16 -> [T, I] fp16. On the fused wgmma path gate and up are
+    one launch ([T, 2I], as q|k|v are); the dequant path multiplies them one at a time (its scratch
+    holds one matrix)."""
+    T, I = x.shape[0], w1.N
+    if gemm_path(T, (w1, w3)) == "wgmma":
+        y = gemm(x, (w1, w3))
+        g, u, ld = y, y[:, I:], 2 * I
+    else:
+        g, u, ld = gemm(x, w1), gemm(x, w3), I
+    out = cp.empty((T, I), cp.float16) if out is None else out
+    kernel("gemm", "silu_mul")((math.ceil(T * I / 2048),), (256,), (g, u, out, _i(T * I), _i(I), _i(ld)))
     return out
 
 
@@ -1390,10 +1497,7 @@ class CupyOps:
             # (accumulating attention half: clears the q|k|v accumulator, last read by this layer's attention)
             return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
                         zero=self.d["acc_d_qkv"] if self.acc_attn else None, **self._gemv_in(x))
-        g, u = gemm(x, layer.w1), gemm(x, layer.w3)
-        out = cp.empty_like(g)
-        kernel("gemm", "silu_mul")((math.ceil(g.size / 2048),), (256,), (g, u, out, _i(g.size)))
-        return out
+        return swiglu_prefill(x, layer.w1, layer.w3)
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""

@@ -829,3 +829,56 @@ def test_gpu_sampling_distribution(kw):
     x = np.full(2000, -30.0, dtype=np.float32)
     x[:12] = rng.standard_normal(12) * 1.5  # a few plausible tokens over a long flat tail
     assert_draws_follow_filtered_softmax(x, p, 2000, rng)
+
+
+
+@pytest.mark.parametrize("model,T", [("0.6b", 1), ("0.6b", 17), ("0.6b", 600), ("8b", 17), ("8b", 300)])
+def test_swiglu_prefill(model, T):
+    """Prefill's SwiGLU, silu(x W1) * (x W3), against the float64 dequantized reference on both paths:
+    gate and up in one fused wgmma launch ([T, 2I], rows ld = 2I apart for silu_mul; Hopper, short
+    prompts) or one dequant + cuBLAS product each (T past wgmma_max_m, or off Hopper)."""
+    rng = np.random.default_rng()
+    D, I = SHAPES[model]["D"], SHAPES[model]["I"]
+    (w1, r1), (w3, r3) = rand_awq(rng, D, I), rand_awq(rng, D, I)
+    x = (rng.standard_normal((T, D)) * 0.5).astype(np.float16)
+    g, u = x.astype(np.float64) @ r1, x.astype(np.float64) @ r3
+    want = g / (1 + np.exp(-g)) * u
+    out = nan_like((T, I), cp.float16)
+    oc.swiglu_prefill(cp.asarray(x), w1, w3, out)
+    got = cp.asnumpy(out)
+    assert rel(got, want) < 1e-2
+
+_ARGS_PROBE = r"""
+struct alignas(64) Desc { unsigned long long v[16]; };
+extern "C" __global__ void args_probe(int a, const float* p, float f, const __grid_constant__ Desc d,
+                                      unsigned long long u, int b, double* out) {
+    out[0] = a; out[1] = (double)(unsigned long long)p; out[2] = f;
+    for (int i = 0; i < 16; ++i) out[3 + i] = (double)d.v[i];
+    out[19] = (double)u; out[20] = b;
+}
+"""
+
+
+@pytest.mark.parametrize("attr", [False, True])
+def test_launch_ex_parameter_layout(attr):
+    """launch_ex packs a signature's parameters into one reused buffer at the CUDA ABI's offsets:
+    a kernel taking an int, a pointer, a float, a 64-byte aligned struct by value (the TMA
+    descriptor's padding) and a uint64 and int after it reads back every value, launch after
+    launch with fresh values (the buffer is refilled), with and without a launch attribute."""
+    if oc._cu_launch_ex() is None:
+        pytest.skip("no cuLaunchKernelEx")
+    fn = cp.RawModule(code=_ARGS_PROBE, options=("--std=c++17",)).get_function("args_probe")
+    rng = np.random.default_rng()
+    for _ in range(3):
+        a, b = (int(v) for v in rng.integers(-2**31, 2**31, 2))
+        f, u = float(np.float32(rng.standard_normal())), int(rng.integers(0, 2**52))
+        p = cp.empty((7,), cp.float32)
+        desc = oc._TmaDesc()
+        vals = [int(v) for v in rng.integers(0, 2**52, 16)]
+        for i, v in enumerate(vals):
+            desc.v[i] = v
+        out = nan_like((21,), cp.float64)
+        oc.launch_ex(fn, (1,), (1,), (np.int32(a), p, np.float32(f), desc, np.uint64(u), np.int32(b), out),
+                     attr=oc._pdl_attr() if attr else None)
+        want = [a, p.data.ptr, f, *vals, u, b]
+        assert out.get().tolist() == [float(v) for v in want]
