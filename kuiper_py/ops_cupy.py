@@ -112,7 +112,7 @@ def check_device() -> None:
 
 
 def gpu_name() -> str:
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+    return cp.cuda.runtime.getDeviceProperties(_dev_id())["name"].decode()
 
 
 def gpu_memory_used_mib() -> float:
@@ -145,9 +145,15 @@ PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "embed_gather", "add_rms
 _PDL: dict[int, bool] = {}
 
 
+def _dev_id() -> int:
+    """The current device's ordinal (the runtime call; building a cupy Device object per launch showed up
+    in prefill's host time)."""
+    return cp.cuda.runtime.getDevice()
+
+
 def pdl_enabled() -> bool:
     """Programmatic dependent launch: Hopper or newer, unless KUIPER_PDL=0."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _PDL:
         _PDL[dev] = (os.environ.get("KUIPER_PDL", "1") != "0"
                      and int(cp.cuda.Device(dev).compute_capability) >= 90 and _cu_launch_ex() is not None)
@@ -303,7 +309,7 @@ def tma_map_2d(a, box_rows: int, box_cols: int) -> _TmaDesc:
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
     (box_cols * 2 == 128), rows past the end zero-filled. Kept per (address, shape, stride, box):
     a prefill's activation buffers come back from the pool at the same addresses."""
-    key = (cp.cuda.Device().id, a.data.ptr, a.shape, a.strides, box_rows, box_cols)
+    key = (_dev_id(), a.data.ptr, a.shape, a.strides, box_rows, box_cols)
     m = _TMAPS.get(key)
     if m is not None:
         return m
@@ -331,7 +337,7 @@ _KERNELS: dict[tuple, object] = {}
 
 def kernel(family: str, name: str):
     """A compiled kernel, launched with PDL where that is safe and available (PDL_KERNELS)."""
-    key = (cp.cuda.Device().id, family, name)
+    key = (_dev_id(), family, name)
     if key not in _KERNELS:
         fn = _compiled(family, name)
         _KERNELS[key] = _PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
@@ -414,7 +420,7 @@ _SM_COUNT: dict[int, int] = {}
 def sm_count() -> int:
     """Streaming multiprocessors of the current device, queried once (Device.attributes reads every
     attribute, too slow for a per-launch call)."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = cp.cuda.Device(dev).attributes["MultiProcessorCount"]
     return _SM_COUNT[dev]
@@ -422,7 +428,7 @@ def sm_count() -> int:
 
 def gemv_counters():
     """The GEMV's arrival counters (zero between launches; each launch leaves them zero), per device."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _COUNTERS:
         _COUNTERS[dev] = cp.zeros((1 << 16,), cp.int32)
     return _COUNTERS[dev]
@@ -541,7 +547,7 @@ _DEQ: dict[int, object] = {}
 def _dequant_scratch(n: int):
     """The fp16 matrix the large-M path dequantizes into: one per device, grown to the largest
     projection group met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _DEQ or _DEQ[dev].size < n:
         _DEQ.pop(dev, None)
         _DEQ[dev] = cp.empty((n,), cp.float16)
@@ -566,7 +572,7 @@ _CUBLAS: dict[int, bool] = {}
 def cublas_ready() -> bool:
     """cuBLAS loaded and its handle made on this device (one tiny fp16 matmul). If the library cannot
     be loaded, one stderr line, and dense prefill stays on the fused MMA GEMM."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _CUBLAS:
         try:
             cp.matmul(cp.zeros((2, 64), cp.float16), cp.zeros((64, 64), cp.float16))
@@ -584,7 +590,7 @@ _WGMMA_OK: dict[int, bool] = {}
 def wgmma_available() -> bool:
     """The fused wgmma GEMM can run here: compute capability exactly 9.0 (sm_90a code runs nowhere
     else) and a driver with TMA descriptors (cuTensorMapEncodeTiled, CUDA 12.0) and cuLaunchKernelEx."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _WGMMA_OK:
         _WGMMA_OK[dev] = (int(cp.cuda.Device().compute_capability) == 90 and _cu_tmap_encode() is not None
                           and _cu_launch_ex() is not None)
@@ -641,7 +647,7 @@ _GEMM_SPLIT: dict[int, list] = {}
 def _gemm_split_buffers(n_part: int):
     """gemm_wgmma.cu's split-tile partial sums (fp32, grown as needed) and tickets (zero between
     launches), per device. Every use is ordered on one stream, so reuse is safe."""
-    dev = cp.cuda.Device().id
+    dev = _dev_id()
     if dev not in _GEMM_SPLIT:
         _GEMM_SPLIT[dev] = [cp.empty((0,), cp.float32), cp.zeros((4096,), cp.int32)]
     if _GEMM_SPLIT[dev][0].size < n_part:
@@ -654,26 +660,6 @@ def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
     return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 16 + 1024
 
 
-_WGMMA_MATS: dict[tuple, tuple] = {}
-
-
-def _wgmma_mats_args(mats) -> tuple:
-    """gemm_w4a16_ws's matrix arguments (qweight, qzeros, scales, N for 3 slots, N = 0 when absent),
-    kept per matrix tuple: each entry holds its matrices, so the ids in its key cannot be reused."""
-    key = tuple(map(id, mats))
-    hit = _WGMMA_MATS.get(key)
-    if hit is None:
-        flat = []
-        for i in range(3):
-            flat += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
-                mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
-        if len(_WGMMA_MATS) >= 4096:
-            _WGMMA_MATS.clear()
-        hit = _WGMMA_MATS[key] = (tuple(mats), tuple(flat))
-    return hit[1]
-
-
-_WGMMA_PLANS: dict[tuple, tuple] = {}
 _WGMMA_FNS: dict[tuple, tuple] = {}
 
 
@@ -681,7 +667,7 @@ def _wgmma_kernel(bm: int, bn: int, producers: int):
     """(kernel, dynamic shared memory, block size) of one gemm_w4a16_ws instantiation, its shared-memory
     limit raised once. The block is the kernel's launch bound, WG_THREADS: its roles are laid out by
     thread index. Per device, so no driver attribute is read per call."""
-    key = (cp.cuda.Device().id, bm, bn, producers)
+    key = (_dev_id(), bm, bn, producers)
     if key not in _WGMMA_FNS:
         rings = WGMMA_TILES[(bm, bn)]
         fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers}>")
@@ -692,36 +678,69 @@ def _wgmma_kernel(bm: int, bn: int, producers: int):
     return _WGMMA_FNS[key]
 
 
+_WGMMA_CALLS: dict[tuple, tuple] = {}
+
+
 def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | None = None,
                producers: int | None = None):
     """The fused Hopper GEMM (gemm_wgmma.cu): all matrices (q, k, v) in one launch, side by side in
     out. By default wgmma_plan()'s tile and split-K of the last wave; tile: (BM, BN), one of
     WGMMA_TILES, in whole tiles; plan: (BM, BN, n_full, split) as wgmma_plan gives it (tests).
     producers: the kernel's producer warpgroups (one of WGMMA_PRODUCERS; by default the last). x is
-    read through a TMA descriptor made on the host per call."""
+    read through a TMA descriptor (tma_map_2d). Everything but x's descriptor and out is worked out
+    once per (matrices, shapes, strides, tile, plan, producers) and kept: a prefill repeats them per
+    layer and per prompt, and the checks and plan had cost more host time than the launch."""
+    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, tile, plan, producers, _dev_id())
+    rec = _WGMMA_CALLS.get(key)
+    if rec is None:
+        if len(_WGMMA_CALLS) >= 4096:
+            _WGMMA_CALLS.clear()
+        rec = _WGMMA_CALLS[key] = _wgmma_call(x, mats, out, tile, plan, producers)
+    _, fn, grid, block, smem, bm, head, tail = rec
+    launch_ex(fn, grid, block, (tma_map_2d(x, bm, 64), *head, out, *tail), smem)
+    return out
+
+
+def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
+    """gemm_wgmma's launch for these shapes: (mats, kernel, grid, block, shared memory, BM, the
+    matrix arguments, the arguments after out). The entry holds the matrices (their ids key it) and
+    the split-K buffers it was planned with (a later, larger plan allocates new ones)."""
     assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
     T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
-    assert x.shape[1] == K
+    assert x.shape[1] == K and out.shape[0] == T and out.shape[1] >= N
     if plan is not None:
         bm, bn, n_full, split = plan
     elif tile is not None:
         (bm, bn), split = tile, 1
         n_full = math.ceil(T / bm) * (N // bn)
     else:
-        key = (T, N, K, sm_count(), GEMM_WGMMA_FORCE_TILE, WGMMA_SPLIT_MAX)
-        if key not in _WGMMA_PLANS:
-            _WGMMA_PLANS[key] = wgmma_plan(T, N, K)
-        bm, bn, n_full, split = _WGMMA_PLANS[key]
+        bm, bn, n_full, split = wgmma_plan(T, N, K)
     assert 1 <= split <= K // 64 and 0 <= n_full <= math.ceil(T / bm) * (N // bn)
     n_split = math.ceil(T / bm) * (N // bn) - n_full
     part, ticket = _gemm_split_buffers(n_split * split * bm * bn)
     assert n_split <= ticket.size
     fn, smem, threads = _wgmma_kernel(bm, bn, producers or WGMMA_PRODUCERS[-1])
-    flat = _wgmma_mats_args(mats)
-    launch_ex(fn, (n_full + n_split * split,), (threads,),
-              (tma_map_2d(x, bm, 64), *flat, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2),
-               _i(n_full), _i(split), part, ticket), smem)
-    return out
+    tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(n_full), _i(split), part, ticket)
+    head = []  # qweight, qzeros, scales, N for 3 slots (N = 0 when absent)
+    for i in range(3):
+        head += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
+            mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
+    return tuple(mats), fn, (n_full + n_split * split,), (threads,), smem, bm, tuple(head), tail
+
+
+_GEMM_PATHS: dict[tuple, tuple] = {}
+
+
+def _gemm_path_cached(T: int, mats) -> str:
+    """gemm_path, kept per (rows, matrices, the settings it reads); each entry holds its matrices
+    (their ids key it)."""
+    key = (T, tuple(map(id, mats)), GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
+    hit = _GEMM_PATHS.get(key)
+    if hit is None:
+        if len(_GEMM_PATHS) >= 4096:
+            _GEMM_PATHS.clear()
+        hit = _GEMM_PATHS[key] = (tuple(mats), gemm_path(T, mats))
+    return hit[1]
 
 
 def gemm(x, m, out=None, path: str | None = None):
@@ -735,7 +754,7 @@ def gemm(x, m, out=None, path: str | None = None):
     K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]
     out = cp.empty((T, N), cp.float16) if out is None else out
-    path = path or gemm_path(T, mats)
+    path = path or _gemm_path_cached(T, mats)
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
     if path == "dequant":
@@ -766,7 +785,7 @@ def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
     one launch ([T, 2I], as q|k|v are); the dequant path multiplies them one at a time (its scratch
     holds one matrix)."""
     T, I = x.shape[0], w1.N
-    if gemm_path(T, (w1, w3)) == "wgmma":
+    if _gemm_path_cached(T, (w1, w3)) == "wgmma":
         y = gemm(x, (w1, w3))
         g, u, ld = y, y[:, I:], 2 * I
     else:
@@ -897,7 +916,7 @@ def decode_layers_plan(a: ModelArgs, is_moe: bool):
     ng = 4 * (32 // (hd // 8))
     attn = DL_CW * 32 // 128 * ng * hb * (hd + 2) * 4  # decode_layers.cu dl_attention's scratch
     xbytes = -(-max(kmax * 2 + DL_CW * (DL_COLS + 8) * 4, attn) // 128) * 128
-    optin = cp.cuda.runtime.deviceGetAttribute(97, cp.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    optin = cp.cuda.runtime.deviceGetAttribute(97, _dev_id())  # cudaDevAttrMaxSharedMemoryPerBlockOptin
     ring = min(DL_MAX_RING, (optin - DL_FIXED - xbytes) // DL_STAGE)
     if ring < 2:
         return None, "not enough shared memory for its ring"
