@@ -195,9 +195,10 @@ class _TmaDesc(ctypes.Structure):
 
 
 class _ArgPack:
-    """A kernel's parameters for one signature (the argument types, in order), laid out as the CUDA
-    ABI places them (each at a multiple of its alignment) in one buffer reused by every launch of that
-    signature, with the pointer array cuLaunchKernelEx reads made once. A launch then costs one
+    """A kernel's parameters for one signature (the argument types, in order), each at a multiple of
+    its alignment in one buffer reused by every launch of that signature, with the kernelParams
+    pointer array into it made once (the driver reads each parameter through its pointer, at the
+    kernel's own size for it). A launch then costs one
     struct.pack_into; a ctypes object per argument made the host side of a prefill layer slower than
     its kernels (PERFORMANCE.md change 72). The driver copies the parameters at launch (and into a
     graph node at capture), so the buffer can be refilled right after."""
