@@ -187,28 +187,21 @@ def _cu_launch_ex():
     return _LAUNCH_EX[0]
 
 
-class _TmaDesc(ctypes.Structure):
-    """A CUtensorMap, passed by value: gemm_wgmma.cu's TmaDesc is 128 bytes at a 64-byte aligned
-    parameter offset (ctypes alone would align it to 8)."""
-    _fields_ = [("v", ctypes.c_uint64 * 16)]
-    param_align = 64
-
-
 class _ArgPack:
-    """A kernel's parameters for one signature (the argument types, in order), each at a multiple of
-    its alignment in one buffer reused by every launch of that signature, with the kernelParams
-    pointer array into it made once (the driver reads each parameter through its pointer, at the
-    kernel's own size for it). A launch then costs one
-    struct.pack_into; a ctypes object per argument made the host side of a prefill layer slower than
-    its kernels (PERFORMANCE.md change 72). The driver copies the parameters at launch (and into a
-    graph node at capture), so the buffer can be refilled right after."""
+    """A kernel's parameters for one signature (the argument types, in order), each at its natural
+    alignment in one buffer reused by every launch of that signature, with the kernelParams pointer
+    array into it made once (the driver reads each parameter through its pointer, at the kernel's own
+    offset and size for it). A launch then costs one struct.pack_into; a ctypes object per argument
+    made the host side of a prefill layer slower than its kernels (PERFORMANCE.md change 72). The
+    driver copies the parameters at launch (and into a graph node at capture), so the buffer can be
+    refilled right after."""
     _PTR, _PLAIN, _BYTES = 0, 1, 2
 
     def __init__(self, args):
         fmt, off, offs, kinds = "=", 0, [], []
         for a in args:
             if isinstance(a, (ctypes.Array, ctypes.Structure)):  # a struct by value (TMA descriptor, DlArgs)
-                size, align = ctypes.sizeof(a), getattr(type(a), "param_align", ctypes.alignment(a))
+                size, align = ctypes.sizeof(a), ctypes.alignment(a)
                 code, kind = f"{size}s", self._BYTES
             elif isinstance(a, cp.ndarray):
                 size, align, code, kind = 8, 8, "Q", self._PTR
@@ -237,6 +230,15 @@ class _ArgPack:
 
 _ARG_PACKS: dict[tuple, _ArgPack] = {}
 _LAUNCH_CFGS: dict[tuple, _LaunchConfig] = {}
+
+
+def _remember(cache: dict, key, value):
+    """cache[key] = value, the cache emptied first once it holds 4096 entries (the per-shape host
+    caches of the launch path: a long-running process must not grow them without bound)."""
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _pdl_attr() -> _LaunchAttr:
@@ -276,9 +278,7 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = N
         cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
                             ctypes.pointer(attr) if attr is not None else None, 1 if attr is not None else 0)
         cfg.keep = attr
-        if len(_LAUNCH_CFGS) >= 4096:
-            _LAUNCH_CFGS.clear()
-        _LAUNCH_CFGS[key] = cfg
+        _remember(_LAUNCH_CFGS, key, cfg)
     err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
@@ -302,10 +302,10 @@ def _cu_tmap_encode():
     return _TMAP_ENCODE[0]
 
 
-_TMAPS: dict[tuple, _TmaDesc] = {}
+_TMAPS: dict[tuple, ctypes.Array] = {}
 
 
-def tma_map_2d(a, box_rows: int, box_cols: int) -> _TmaDesc:
+def tma_map_2d(a, box_rows: int, box_cols: int):
     """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
     (box_cols * 2 == 128), rows past the end zero-filled. Kept per (address, shape, stride, box):
@@ -316,7 +316,7 @@ def tma_map_2d(a, box_rows: int, box_cols: int) -> _TmaDesc:
         return m
     assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
     assert box_cols * 2 == 128
-    m = _TmaDesc()
+    m = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 2)(a.shape[1], a.shape[0])
     strides = (ctypes.c_uint64 * 1)(a.strides[0])
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
@@ -327,10 +327,7 @@ def tma_map_2d(a, box_rows: int, box_cols: int) -> _TmaDesc:
                           ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
-    if len(_TMAPS) >= 4096:
-        _TMAPS.clear()
-    _TMAPS[key] = m
-    return m
+    return _remember(_TMAPS, key, m)
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -615,13 +612,21 @@ def wgmma_max_m(K: int, N: int) -> int:
     return 512 if K * N <= 4096 * 4096 else 256
 
 
+_GEMM_PATHS: dict[tuple, tuple] = {}
+
+
 def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "wgmma" (fused, sm_90),
-    "dequant" (cuBLAS) or "mma"."""
-    if GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats):
-        if GEMM_WGMMA == "1" or T <= wgmma_max_m(mats[0].K, sum(m.N for m in mats)):
-            return "wgmma"
-    return "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
+    "dequant" (cuBLAS) or "mma". Kept per (rows, matrices, the settings it reads), each entry holding
+    its matrices (their ids key it): every prefill layer asks again."""
+    key = (T, tuple(map(id, mats)), GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
+    hit = _GEMM_PATHS.get(key)
+    if hit is None:
+        fused = (GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats)
+                 and (GEMM_WGMMA == "1" or T <= wgmma_max_m(mats[0].K, sum(m.N for m in mats))))
+        path = "wgmma" if fused else "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
+        hit = _remember(_GEMM_PATHS, key, (tuple(mats), path))
+    return hit[1]
 
 
 def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -661,24 +666,6 @@ def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:
     return (sx * bm + sb * bn) * 128 + ps * (bn * 32 + bn * 2 + bn // 2) + 16 * (sx + sb) + 16 + 1024
 
 
-_WGMMA_FNS: dict[tuple, tuple] = {}
-
-
-def _wgmma_kernel(bm: int, bn: int, producers: int):
-    """(kernel, dynamic shared memory, block size) of one gemm_w4a16_ws instantiation, its shared-memory
-    limit raised once. The block is the kernel's launch bound, WG_THREADS: its roles are laid out by
-    thread index. Per device, so no driver attribute is read per call."""
-    key = (_dev_id(), bm, bn, producers)
-    if key not in _WGMMA_FNS:
-        rings = WGMMA_TILES[(bm, bn)]
-        fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers}>")
-        smem = wgmma_smem_bytes(bm, bn, *rings)
-        if fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-        _WGMMA_FNS[key] = (fn, smem, fn.max_threads_per_block)
-    return _WGMMA_FNS[key]
-
-
 _WGMMA_CALLS: dict[tuple, tuple] = {}
 
 
@@ -694,9 +681,7 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, tile, plan, producers, _dev_id())
     rec = _WGMMA_CALLS.get(key)
     if rec is None:
-        if len(_WGMMA_CALLS) >= 4096:
-            _WGMMA_CALLS.clear()
-        rec = _WGMMA_CALLS[key] = _wgmma_call(x, mats, out, tile, plan, producers)
+        rec = _remember(_WGMMA_CALLS, key, _wgmma_call(x, mats, out, tile, plan, producers))
     _, fn, grid, block, smem, bm, head, tail = rec
     launch_ex(fn, grid, block, (tma_map_2d(x, bm, 64), *head, out, *tail), smem)
     return out
@@ -720,28 +705,18 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
     n_split = math.ceil(T / bm) * (N // bn) - n_full
     part, ticket = _gemm_split_buffers(n_split * split * bm * bn)
     assert n_split <= ticket.size
-    fn, smem, threads = _wgmma_kernel(bm, bn, producers or WGMMA_PRODUCERS[-1])
+    rings = WGMMA_TILES[(bm, bn)]
+    fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers or WGMMA_PRODUCERS[-1]}>")
+    smem = wgmma_smem_bytes(bm, bn, *rings)
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(n_full), _i(split), part, ticket)
     head = []  # qweight, qzeros, scales, N for 3 slots (N = 0 when absent)
     for i in range(3):
         head += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
             mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
-    return tuple(mats), fn, (n_full + n_split * split,), (threads,), smem, bm, tuple(head), tail
-
-
-_GEMM_PATHS: dict[tuple, tuple] = {}
-
-
-def _gemm_path_cached(T: int, mats) -> str:
-    """gemm_path, kept per (rows, matrices, the settings it reads); each entry holds its matrices
-    (their ids key it)."""
-    key = (T, tuple(map(id, mats)), GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
-    hit = _GEMM_PATHS.get(key)
-    if hit is None:
-        if len(_GEMM_PATHS) >= 4096:
-            _GEMM_PATHS.clear()
-        hit = _GEMM_PATHS[key] = (tuple(mats), gemm_path(T, mats))
-    return hit[1]
+    # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
+    return tuple(mats), fn, (n_full + n_split * split,), (fn.max_threads_per_block,), smem, bm, tuple(head), tail
 
 
 def gemm(x, m, out=None, path: str | None = None):
@@ -755,7 +730,7 @@ def gemm(x, m, out=None, path: str | None = None):
     K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]
     out = cp.empty((T, N), cp.float16) if out is None else out
-    path = path or _gemm_path_cached(T, mats)
+    path = path or gemm_path(T, mats)
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
     if path == "dequant":
@@ -786,8 +761,8 @@ def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
     one launch ([T, 2I], as q|k|v are); the dequant path multiplies them one at a time (its scratch
     holds one matrix)."""
     T, I = x.shape[0], w1.N
-    if _gemm_path_cached(T, (w1, w3)) == "wgmma":
-        y = gemm(x, (w1, w3))
+    if gemm_path(T, (w1, w3)) == "wgmma":
+        y = gemm(x, (w1, w3), path="wgmma")
         g, u, ld = y, y[:, I:], 2 * I
     else:
         g, u, ld = gemm(x, w1), gemm(x, w3), I

@@ -3,6 +3,7 @@
 Every output is poisoned with NaN before the kernel runs, so an element the kernel fails to write
 fails the comparison; inputs are fresh random draws on every run.
 """
+import ctypes
 import math
 import os
 
@@ -861,10 +862,10 @@ extern "C" __global__ void args_probe(int a, const float* p, float f, const __gr
 
 @pytest.mark.parametrize("attr", [False, True])
 def test_launch_ex_parameter_layout(attr):
-    """launch_ex packs a signature's parameters into one reused buffer at the CUDA ABI's offsets:
-    a kernel taking an int, a pointer, a float, a 64-byte aligned struct by value (the TMA
-    descriptor's padding) and a uint64 and int after it reads back every value, launch after
-    launch with fresh values (the buffer is refilled), with and without a launch attribute."""
+    """launch_ex packs a signature's parameters into one reused buffer: a kernel taking an int, a
+    pointer, a float, a 64-byte aligned struct by value (as the TMA descriptor is: the kernel's offset
+    for it is padded) and a uint64 and int after it reads back every value, launch after launch with
+    fresh values (the buffer is refilled), with and without a launch attribute."""
     if oc._cu_launch_ex() is None:
         pytest.skip("no cuLaunchKernelEx")
     fn = cp.RawModule(code=_ARGS_PROBE, options=("--std=c++17",)).get_function("args_probe")
@@ -873,10 +874,8 @@ def test_launch_ex_parameter_layout(attr):
         a, b = (int(v) for v in rng.integers(-2**31, 2**31, 2))
         f, u = float(np.float32(rng.standard_normal())), int(rng.integers(0, 2**52))
         p = cp.empty((7,), cp.float32)
-        desc = oc._TmaDesc()
         vals = [int(v) for v in rng.integers(0, 2**52, 16)]
-        for i, v in enumerate(vals):
-            desc.v[i] = v
+        desc = (ctypes.c_uint64 * 16)(*vals)  # what tma_map_2d returns
         out = nan_like((21,), cp.float64)
         oc.launch_ex(fn, (1,), (1,), (np.int32(a), p, np.float32(f), desc, np.uint64(u), np.int32(b), out),
                      attr=oc._pdl_attr() if attr else None)
