@@ -134,6 +134,8 @@ _FILES = {
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token"]),
 }
+# compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
+_FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -260,10 +262,10 @@ class _PdlKernel:
         launch_ex(self.ptr, grid, block, args, attr=self.attr)
 
 
-def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = None):
-    """Launch a kernel (a RawKernel or a CUfunction handle) through cuLaunchKernelEx, with one launch
-    attribute or none: CuPy's launcher takes no attributes (PDL) and cannot pass a struct by value
-    (a __grid_constant__ TMA descriptor)."""
+def launch_ex(fn, grid, block, args, smem: int = 0, attr=None):
+    """Launch a kernel (a RawKernel or a CUfunction handle) through cuLaunchKernelEx, with launch
+    attributes (one _LaunchAttr, a ctypes array of them, or None): CuPy's launcher takes no attributes
+    (PDL, cluster dimensions) and cannot pass a struct by value (a __grid_constant__ TMA descriptor)."""
     sig = tuple(map(type, args))
     pack = _ARG_PACKS.get(sig)
     if pack is None:
@@ -275,13 +277,24 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr: _LaunchAttr | None = N
     cfg = _LAUNCH_CFGS.get(key)
     if cfg is None:  # configurations repeat (a prefill's layers): made once, each holding its attribute
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream,
-                            ctypes.pointer(attr) if attr is not None else None, 1 if attr is not None else 0)
-        cfg.keep = attr
+        cfg = _launch_config(grid, block, smem, stream, attr)
         _remember(_LAUNCH_CFGS, key, cfg)
     err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+def _launch_config(grid, block, smem: int, stream: int, attr) -> _LaunchConfig:
+    """A CUlaunchConfig holding its attributes (one _LaunchAttr, an array of them, or None)."""
+    if attr is None:
+        ptr, n = None, 0
+    elif isinstance(attr, ctypes.Array):
+        ptr, n = ctypes.cast(attr, ctypes.POINTER(_LaunchAttr)), len(attr)
+    else:
+        ptr, n = ctypes.pointer(attr), 1
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream, ptr, n)
+    cfg.keep = attr
+    return cfg
 
 
 _TMAP_ENCODE: list = []
@@ -348,13 +361,14 @@ def _compiled(family: str, name: str):
     if family not in _MODULES:
         # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
         # model needs it (each is a large kernel; compiling all sixteen would slow every start)
-        fname, names = ("decode_layers.cu", [family[3:]]) if family.startswith("dl:") else _FILES[family]
+        fname, names = ("decode_layers.cu", [family[3:]]) if family.startswith("dl:") else (
+            _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family])
         d = kernel_dir()
         # CuPy's disk cache is keyed on the source text, not on what it includes: name the headers' hash
         deps = hashlib.sha1(b"".join((d / h).read_bytes() for h in sorted(os.listdir(d)) if h.endswith(".cuh")))
         src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + f"\n// headers {deps.hexdigest()}\n"
         opts = ("--std=c++17", f"-I{d}")
-        if family == "attn" or family.startswith("dl:"):
+        if family in ("attn", "dattn") or family.startswith("dl:"):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family.startswith("dl:"):
             opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
@@ -834,6 +848,138 @@ class _AttnParts:
         self.shape = (1, heads * hd)
 
 
+# The attention half of a dense decode layer as one launch (decode_attn.cu): q|k|v GEMV, q/k norm,
+# RoPE and cache write, flash decoding, merge and o GEMV by one thread-block cluster per KV head, the
+# weights bulk-copied into shared memory before the PDL wait. Opt-in (KUIPER_DECODE_ATTN=1): on H100
+# it measured slower than the three launches it replaces (gemv_w4a16 q|k|v, attn_decode_gqa,
+# gemv_w4a16 o) for Qwen3-8B shapes (PERFORMANCE.md change 74).
+DECODE_ATTN = os.environ.get("KUIPER_DECODE_ATTN", "0") == "1"
+DA_THREADS, DA_FIXED = 512, 12288  # decode_attn.cu's block and small-array bytes
+_CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CLUSTER_OCC: list = []
+
+
+def _cu_occupancy_clusters():
+    """The driver's cuOccupancyMaxActiveClusters, or None."""
+    if not _CLUSTER_OCC:
+        try:
+            f = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+            f.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+            f.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            f = None
+        _CLUSTER_OCC.append(f)
+    return _CLUSTER_OCC[0]
+
+
+DA_SMEM_MAX = 232448  # shared memory a block may opt into on sm_90
+DA_QH = int(os.environ.get("KUIPER_DA_QH", "0"))  # query heads per cluster: 0 = chosen here, 2 or 4 (tests)
+DA_O_LATE = os.environ.get("KUIPER_DA_O_LATE", "0") == "1"  # only layouts with o's weights after q|k|v's (tests)
+
+
+def decode_attn_layout(D: int, QH: int, RB: int) -> tuple[int, bool] | None:
+    """(shared memory, o_late) of decode_attn_half for blocks of RB q|k|v rows serving QH query heads, or
+    None where they do not fit: q|k|v weights [QH/2 tiles | k | v] x RB rows, then o's weights (RB/256
+    column tiles x QH*128 rows) beside them, or over them from 64 KB on after the q|k|v dot (o_late)."""
+    qkv, wo = QH * RB * 64 + 2 * RB * 64, (RB // 256) * QH * 128 * 128
+    if DA_FIXED + qkv + wo <= DA_SMEM_MAX and not DA_O_LATE:
+        return DA_FIXED + qkv + wo, False
+    if qkv >= 65536 + wo and DA_FIXED + qkv <= DA_SMEM_MAX:
+        return DA_FIXED + qkv, True
+    return None
+
+
+def decode_attn_clusters(fn, smem: int, CL: int, n: int) -> int:
+    """How many clusters of CL blocks of decode_attn_half can be resident at once (the GPU's GPCs
+    bound it: an H100 holds 7 clusters of 16 and 15 of 8 at ~200 KB per block), or 0 where the driver
+    refuses the size. n: the clusters of the launch."""
+    ptr = getattr(fn, "kernel", fn).ptr
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    if CL > 8:  # 16-block clusters are "non-portable": Hopper has them, the driver wants them asked for
+        if ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(ptr), _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
+            return 0
+    cfg = _launch_config((CL, n, 1), (DA_THREADS, 1, 1), smem, 0, _cluster_attr(CL))
+    k = ctypes.c_int(0)
+    err = _cu_occupancy_clusters()(ctypes.byref(k), ctypes.c_void_p(ptr), ctypes.byref(cfg))
+    return 0 if err else k.value
+
+
+def _cluster_attr(CL: int) -> _LaunchAttr:
+    attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 0)
+    attr.value[0] = CL | (1 << 32)  # {x, y, z} = {CL, 1, 1} as three uint32
+    attr.value[1] = 1
+    return attr
+
+
+def decode_attn_plan(a: ModelArgs) -> tuple[dict | None, str]:
+    """(plan, why) for decode_attn_half: the plan (QH query heads and CL blocks per cluster, NS clusters
+    per KV head, kernel, shared memory, o_late, launch attributes) or None, and a line saying why not.
+    A block takes RB = D / CL rows of q|k|v (256 or 512) and as many o columns. Every cluster must be
+    resident at once (a second wave would double the step's attention time): of the layouts that fit
+    in shared memory, the one with the most blocks whose clusters all fit. Qwen3-8B on H100: 8 clusters
+    of 8 (16 clusters of 8 or 8 of 16 do not fit)."""
+    if not DECODE_ATTN:
+        return None, "off (KUIPER_DECODE_ATTN=1 turns it on)"
+    if not pdl_enabled() or _cu_occupancy_clusters() is None:
+        return None, "needs compute capability 9.0 (clusters, PDL)"
+    H, KV, hd, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
+    G = H // KV if H % KV == 0 else 0
+    if hd != 128 or G not in (2, 4) or KV % 2 or D % 256:
+        return None, f"shape not served (head_dim {hd}, {H}/{KV} heads, hidden {D})"
+    if a.group_size != 128:
+        return None, f"AWQ group size {a.group_size} (needs 128)"
+    cands = []
+    for QH in (2, 4):
+        for RB in (256, 512):
+            CL, NS = D // RB, G // QH
+            lay = decode_attn_layout(D, QH, RB)
+            if (QH > G or DA_QH and QH != DA_QH or D % RB or not 2 <= CL <= 16 or (QH * 128) % CL
+                    or (QH * 128 // CL) % 8 or lay is None):
+                continue
+            cands.append((-CL * KV * NS, QH, RB, CL, NS, *lay))
+    tried = []
+    for _, QH, RB, CL, NS, smem, late in sorted(cands):
+        fn = _compiled("dattn", f"decode_attn_half<{QH}>")
+        n = decode_attn_clusters(fn, smem, CL, KV * NS)
+        tried.append(f"{n} of the {KV * NS} clusters of {CL}")
+        if n >= KV * NS:
+            attrs = (_LaunchAttr * 2)(_cluster_attr(CL), _pdl_attr())
+            return (dict(QH=QH, CL=CL, NS=NS, fn=fn, smem=smem, o_late=late, attrs=attrs, clusters=n),
+                    f"on: {KV * NS} clusters of {CL} blocks, {QH} query heads each ({n} fit)")
+    return None, f"no layout whose clusters all fit at once ({'; '.join(tried) or 'none fits shared memory'})"
+
+
+def decode_attn_half(plan: dict, x, layer, kc, vc, cos, sin, pos_dev, part_o, part_ml, acc_o, zero, eps: float,
+                     n_heads: int, n_kv_heads: int):
+    """One dense decode layer's attention half (decode_attn.cu): x a _Normed (h, norm weight, the pending
+    down sums and the row they make, or neither); q|k|v, the newest key and value into the caches
+    kc/vc [ctx, KV, 128] at position *pos_dev, attention, and the o projection's sums added into acc_o
+    (int64 [D], zero on entry: the down GEMV before clears it); zero (int64) cleared after the wait."""
+    null = np.uint64(0)
+    D, CL = x.h.size, plan["CL"]
+    S = 4 * CL
+    assert part_o.size >= n_heads * S * 128 and part_ml.size >= n_heads * S * 2 and acc_o.size == D
+    mats = []
+    for m in (layer.wq, layer.wk, layer.wv, layer.wo):
+        mats += [m.qweight, m.qzeros, m.scales]
+    launch_ex(plan["fn"], (CL, n_kv_heads * plan["NS"]), (DA_THREADS,), (
+        x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps), *mats,
+        layer.q_norm, layer.k_norm, cos, sin, kc, vc, pos_dev, part_o, part_ml, acc_o, zero, _i(zero.size), _i(D),
+        _i(n_heads), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(128)), _i(plan["o_late"])), plan["smem"],
+              plan["attrs"])
+    return acc_o
+
+
+class _AttnHalf:
+    """A dense decode layer's q|k|v input, not yet launched: the o projection launches the whole
+    attention half (decode_attn_half) in accumulating mode."""
+
+    def __init__(self, x, layer, i):
+        self.x, self.layer, self.i, self.shape = x, layer, i, (1, layer.wq.N)
+
+
 # The persistent decode kernel (decode_layers.cu): every dense layer of a decode step in one launch
 # on compute capability 9.0+. Opt-in (KUIPER_DECODE_LAYERS=1): on H100 it measured slower than the
 # separate kernels, 284 against 369 tok/s for Qwen3-8B shapes (PERFORMANCE.md change 45).
@@ -1131,6 +1277,11 @@ class CupyOps:
         except cp.cuda.memory.OutOfMemoryError as e:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
         gemv_counters()  # allocated (zeroed) before any graph capture
+        self._da, self.decode_attn_why = decode_attn_plan(a) if self.acc_mode else (None, "needs accumulating mode")
+        if self._da is not None:  # its flash-decoding partials: 4 splits per block of the cluster
+            S = 4 * self._da["CL"]
+            self.d.update(da_part_o=cp.empty((a.num_attention_heads * S * 128,), cp.float32),
+                          da_part_ml=cp.empty((a.num_attention_heads * S * 2,), cp.float32))
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -1395,6 +1546,8 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
+        if isinstance(q, _QkvInput) and self._da is not None and isinstance(q.x, _Normed):
+            return _AttnHalf(q.x, layer, i)  # launched by the o projection (linear)
         if isinstance(q, _QkvInput) and self.acc_attn:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
             # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
@@ -1417,6 +1570,8 @@ class CupyOps:
 
     def attention(self, q, i: int, pos0: int):
         KV = self.args.num_key_value_heads
+        if isinstance(q, _AttnHalf):
+            return q
         if q.shape[0] == 1:
             fin = None
             if isinstance(q, _QkvAcc):
@@ -1459,6 +1614,20 @@ class CupyOps:
 
     def linear(self, x, lin: AwqLinear):
         d = self.d
+        if isinstance(x, _AttnHalf):  # the whole attention half, its o sums to acc_o (the next norm adds them)
+            assert lin is x.layer.wo
+
+            def attn_half():
+                # clears the gate/up accumulator (last read by the down GEMV before, next written by the
+                # gate/up GEMV after); acc_o was cleared by that down GEMV
+                return decode_attn_half(self._da, x.x, x.layer, self.k_cache[x.i], self.v_cache[x.i], self.cos,
+                                        self.sin, d["pos"], d["da_part_o"], d["da_part_ml"], d["acc_o"], d["acc_gu"],
+                                        self.args.rms_norm_eps, self.args.num_attention_heads,
+                                        self.args.num_key_value_heads)
+
+            def no_plain(h):
+                raise AssertionError("the fused attention half runs in accumulating mode only")
+            return _Deferred(no_plain, attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc():
@@ -1469,7 +1638,10 @@ class CupyOps:
             ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
 
             def down_acc():
-                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss)
+                # with the fused attention half, also clears acc_o (last read by the gate/up GEMV before,
+                # next written by the next layer's attention half; after the last layer, zero for the next step)
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss,
+                     zero=d["acc_o"] if self._da is not None else None)
                 return d["acc_d"]
             return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
                                             ss_in=ss), down_acc)
