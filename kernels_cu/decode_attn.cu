@@ -1,15 +1,19 @@
 // The attention half of a dense decode layer in one launch: the q|k|v GEMV (with the RMSNorm and the
 // previous down projection's residual add in its prologue), the q/k norm, RoPE and KV-cache write,
-// flash decoding, the merge, and the o GEMV, by one thread-block cluster per KV head.
+// flash decoding, the merge, and the o GEMV, by one or two thread-block clusters per KV head.
+// Opt-in (KUIPER_DECODE_ATTN=1): on H100 it measured slower than those three launches (PERFORMANCE.md
+// change 74).
 //
 // Why: as three launches (q|k|v GEMV, flash decoding, o GEMV) the span from the q|k|v GEMV's wait to
 // the gate/up GEMV's is ~23 µs per Qwen3-8B layer for ~23 MB of weights (~8 µs at the copy rate;
 // PERFORMANCE.md changes 67-71): every hand-off is a grid-wide wait, and no weight load can start
 // before its kernel does. Here a KV head's cluster of CL blocks (one per SM) owns its query heads
 // end to end, so the hand-offs are cluster barriers, partial sums move through distributed shared
-// memory, and every block's weights (its K span of the group's q|k|v columns, its 256 columns of
-// the o rows the group produces) are bulk-copied into shared memory at the kernel's start, before
-// the PDL wait: they stream while the predecessor drains and while attention runs.
+// memory, and every block's weights (its K span of the group's q|k|v columns, its columns of the o
+// rows the group produces) are bulk-copied into shared memory at the kernel's start, before the PDL
+// wait: they stream while the predecessor drains and while attention runs. Where both do not fit
+// (o_late: Qwen3-8B's 4 query heads per cluster), o's weights are copied after the q|k|v dot product,
+// over q|k|v's from 64 KB on, while the heads are finished and attention runs.
 //
 // Clusters: on H100 at most 7 clusters of 16 blocks are co-resident (its GPCs), fewer than Qwen3-8B's
 // 8 KV heads, so a KV head may take NS = G / QH clusters of CL blocks, each serving QH of its query
@@ -24,14 +28,13 @@
 //   o: columns [OC b, OC b + OC) (OC = D / CL, whole 256-column tiles) over the cluster's E rows,
 //     added into the fixed-point accumulator (gemv_w4a16.cu's accumulating mode: the gate/up GEMV
 //     finishes it). The NS * KV clusters each add their heads' share.
-// Supported (checked on the host, ops_cupy.decode_attn_plan): head_dim 128, QH == 2, D / CL a multiple
-// of 256 and at most 512, group size 128, KV even.
+// Supported (checked on the host, ops_cupy.decode_attn_plan): head_dim 128, QH in {2, 4}, D / CL 256
+// or 512, group size 128, KV even.
 #include "common.cuh"
 #include "attn_decode.cuh"
 
 #define DA_HD 128
 #define DA_THREADS 512
-#define DA_RB 256           // q|k|v rows per block (its K span)
 #define DA_FIXED 12288      // bytes of small shared arrays before the weight regions
 
 // ---- cluster helpers (sm_90) ----
@@ -56,12 +59,6 @@ __device__ __forceinline__ uint4 cl_ld16(u32 a) {
 __device__ __forceinline__ void cl_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cl_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
-
-// one bulk copy global -> this block's shared memory, completing on mbarrier `bar`
-__device__ __forceinline__ void da_bulk(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
-}
 
 // 16 rows of one packed word from shared memory (4 row quads of the tiled layout, `qstride` words
 // apart) against x[16], folded into acc[8] with the group's scales: gemv_w4a16's step.
@@ -155,7 +152,7 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
     auto copy_o = [&](unsigned long long pol) {
         for (int i = lane; i < OT * (E / 128); i += 32) {
             const int t = i / (E / 128), p = i % (E / 128);
-            da_bulk(smem_u32(WO + (size_t)t * E * 128 + (size_t)p * 16384),
+            bulk_g2s(smem_u32(WO + (size_t)t * E * 128 + (size_t)p * 16384),
                     qw_o + (size_t)(b * OT + t) * 32 * qd + (size_t)(hq0 * DA_HD / 4) * 128 + (size_t)p * 4096, 16384,
                     bar_o, pol);
         }
@@ -181,13 +178,13 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
             for (int i = lane; i < QH / 2 + 32; i += 32) {
                 if (i < QH / 2) {
                     const int t = hq0 / 2 + i;  // q tile
-                    da_bulk(smem_u32(WQ + ((size_t)(i * NQ + s * 16) * 128) * 4),
+                    bulk_g2s(smem_u32(WQ + ((size_t)(i * NQ + s * 16) * 128) * 4),
                             qw_q + (size_t)t * 32 * D + (size_t)quad0 * 128, 8192, bar0 + 8 * s, pol);
                 } else {
                     const int j = i - QH / 2, isv = j >= 16, q = j & 15;
                     const u32* src = (isv ? qw_v : qw_k) + (size_t)(c >> 1) * 32 * D + (size_t)(quad0 + q) * 128 +
                                      (c & 1) * 64;
-                    da_bulk(smem_u32((isv ? WV : WK) + (size_t)(s * 16 + q) * 256), src, 256, bar0 + 8 * s, pol);
+                    bulk_g2s(smem_u32((isv ? WV : WK) + (size_t)(s * 16 + q) * 256), src, 256, bar0 + 8 * s, pol);
                 }
             }
         }

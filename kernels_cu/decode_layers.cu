@@ -172,10 +172,6 @@ __device__ __forceinline__ void dl_unit_src(const DlLayer& Lr, const DlPhase& p,
     z = m.qz + (size_t)g * (N / 8) + T * 32;
 }
 
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar, unsigned long long pol) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
-}
 
 // One unit's dot products for this lane's 8 columns: its warp's DL_QPW row quads (16-byte loads,
 // conflict-free: 32 lanes read 512 contiguous bytes), 4 rows of (q - z) x summed in fp16 and

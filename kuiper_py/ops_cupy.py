@@ -172,21 +172,33 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _CU_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-_LAUNCH_EX: list = []
+_CU_FNS: dict[str, object] = {}
+_V, _I = ctypes.c_void_p, ctypes.c_int
+_CU_ARGTYPES = {  # the driver entry points called through ctypes (each returns a CUresult)
+    "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), _V, ctypes.POINTER(_V), _V],
+    "cuTensorMapEncodeTiled": [_V, _I, ctypes.c_uint, _V, _V, _V, _V, _V, _I, _I, _I, _I],
+    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(_I), _V, ctypes.POINTER(_LaunchConfig)],
+    "cuFuncSetAttribute": [_V, _I, _I],
+}
+
+
+def _cu_fn(name: str):
+    """The driver entry point `name` (one of _CU_ARGTYPES), looked up once, or None where the driver
+    lacks it (or there is no libcuda). Every launch_ex asks for cuLaunchKernelEx: one dict lookup."""
+    f = _CU_FNS.get(name)
+    if f is None and name not in _CU_FNS:
+        try:
+            f = getattr(ctypes.CDLL("libcuda.so.1"), name)
+            f.argtypes, f.restype = _CU_ARGTYPES[name], ctypes.c_int
+        except (OSError, AttributeError):
+            f = None
+        _CU_FNS[name] = f
+    return f
 
 
 def _cu_launch_ex():
     """The driver's cuLaunchKernelEx (CuPy's launcher takes no launch attributes), or None."""
-    if not _LAUNCH_EX:
-        try:
-            f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                          ctypes.c_void_p]
-            f.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            f = None
-        _LAUNCH_EX.append(f)
-    return _LAUNCH_EX[0]
+    return _cu_fn("cuLaunchKernelEx")
 
 
 class _ArgPack:
@@ -297,22 +309,9 @@ def _launch_config(grid, block, smem: int, stream: int, attr) -> _LaunchConfig:
     return cfg
 
 
-_TMAP_ENCODE: list = []
-
-
 def _cu_tmap_encode():
     """The driver's cuTensorMapEncodeTiled (CUDA 12.0+), or None."""
-    if not _TMAP_ENCODE:
-        try:
-            f = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-            f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_int]
-            f.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            f = None
-        _TMAP_ENCODE.append(f)
-    return _TMAP_ENCODE[0]
+    return _cu_fn("cuTensorMapEncodeTiled")
 
 
 _TMAPS: dict[tuple, ctypes.Array] = {}
@@ -849,28 +848,19 @@ class _AttnParts:
 
 
 # The attention half of a dense decode layer as one launch (decode_attn.cu): q|k|v GEMV, q/k norm,
-# RoPE and cache write, flash decoding, merge and o GEMV by one thread-block cluster per KV head, the
-# weights bulk-copied into shared memory before the PDL wait. Opt-in (KUIPER_DECODE_ATTN=1): on H100
+# RoPE and cache write, flash decoding, merge and o GEMV by one or two thread-block clusters per KV
+# head, the weights bulk-copied into shared memory before the PDL wait. Opt-in (KUIPER_DECODE_ATTN=1): on H100
 # it measured slower than the three launches it replaces (gemv_w4a16 q|k|v, attn_decode_gqa,
 # gemv_w4a16 o) for Qwen3-8B shapes (PERFORMANCE.md change 74).
 DECODE_ATTN = os.environ.get("KUIPER_DECODE_ATTN", "0") == "1"
 DA_THREADS, DA_FIXED = 512, 12288  # decode_attn.cu's block and small-array bytes
 _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-_CLUSTER_OCC: list = []
 
 
 def _cu_occupancy_clusters():
     """The driver's cuOccupancyMaxActiveClusters, or None."""
-    if not _CLUSTER_OCC:
-        try:
-            f = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-            f.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-            f.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            f = None
-        _CLUSTER_OCC.append(f)
-    return _CLUSTER_OCC[0]
+    return _cu_fn("cuOccupancyMaxActiveClusters")
 
 
 DA_SMEM_MAX = 232448  # shared memory a block may opt into on sm_90
@@ -898,11 +888,12 @@ def decode_attn_clusters(fn, smem: int, CL: int, n: int) -> int:
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if CL > 8:  # 16-block clusters are "non-portable": Hopper has them, the driver wants them asked for
-        if ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(ptr), _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
+        set_attr = _cu_fn("cuFuncSetAttribute")
+        if set_attr is None or set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
             return 0
     cfg = _launch_config((CL, n, 1), (DA_THREADS, 1, 1), smem, 0, _cluster_attr(CL))
     k = ctypes.c_int(0)
-    err = _cu_occupancy_clusters()(ctypes.byref(k), ctypes.c_void_p(ptr), ctypes.byref(cfg))
+    err = _cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
     return 0 if err else k.value
 
 

@@ -81,9 +81,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(untied_bin)
-    ref = Qwen3(mf, NumpyOps, 64)
-    ref.prefill(ids[:10])
-    cpu = np.stack([ref.decode(t) for t in ids[10:]])
+    cpu = _cpu_decode(mf, ids, 10)
     errs = {}
     for acc in (True, False):
         monkeypatch.setattr(oc, "GEMV_ACC", acc)
@@ -129,6 +127,28 @@ def _dl_decode(mf, ids, n_prefill, graphs, on, monkeypatch, blocks=0):
     return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
 
 
+def _cpu_decode(mf, ids, n_prefill):
+    """The NumPy engine's logits [len(ids) - n_prefill, V] for the decode steps of ids after a prefill."""
+    ref = Qwen3(mf, NumpyOps, 96)
+    ref.prefill(ids[:n_prefill])
+    return np.stack([ref.decode(t) for t in ids[n_prefill:]])
+
+
+def _assert_as_accurate(name, fused, separate, cpu):
+    """A fused decode path's logits against the separate kernels' and the CPU reference's. Both GPU
+    paths round activations to fp16 at the same points but sum in different fp32 orders, so a value
+    near a rounding boundary can land on either side and the difference compounds over the layers:
+    the property to hold is accuracy against the independent reference, as good as the separate
+    kernels' (plus the e2e tests' 1e-2 bound)."""
+    assert np.isfinite(fused).all()
+    e_fused, e_sep = rel(fused, cpu), rel(separate, cpu)
+    print(f"rel to the CPU reference: {name} {e_fused:.2e}, separate kernels {e_sep:.2e}; "
+          f"between them {rel(fused, separate):.2e}")
+    assert e_fused < 1e-2
+    assert e_fused < 1.5 * e_sep
+    assert rel(fused, separate) < 2 * e_sep
+
+
 @pytest.mark.parametrize("blocks,graphs", [(0, True), (0, False), (37, True), (11, True)])
 def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin, blocks, graphs, monkeypatch):
     """Blocks: one per SM (the default), 37 (ragged unit ranges, more blocks than some steps' units
@@ -138,20 +158,7 @@ def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin,
     mf = load(dl_bin)
     fused = _dl_decode(mf, ids, 10, graphs, True, monkeypatch, blocks)
     separate = _dl_decode(mf, ids, 10, graphs, False, monkeypatch)
-    ref = Qwen3(mf, NumpyOps, 96)
-    ref.prefill(ids[:10])
-    cpu = np.stack([ref.decode(t) for t in ids[10:]])
-    assert np.isfinite(fused).all()
-    # Both GPU paths round activations to fp16 at the same points but sum in different fp32 orders,
-    # so a value near a rounding boundary can land on either side and the difference compounds over
-    # the layers: the property to hold is accuracy against the independent reference, as good as
-    # the separate kernels' (plus the e2e tests' 1e-2 bound).
-    e_fused, e_sep = rel(fused, cpu), rel(separate, cpu)
-    print(f"rel to the CPU reference: persistent {e_fused:.2e}, separate kernels {e_sep:.2e}; "
-          f"between them {rel(fused, separate):.2e}")
-    assert e_fused < 1e-2
-    assert e_fused < 1.5 * e_sep
-    assert rel(fused, separate) < 2 * e_sep
+    _assert_as_accurate("persistent", fused, separate, _cpu_decode(mf, ids, 10))
 
 
 def test_persistent_decode_kernel_greedy_and_deterministic(dl_bin, monkeypatch):
@@ -200,10 +207,14 @@ def da_bin(request, ckpt_root):
     return _synth_bin(ckpt_root, preset, preset, 2), qh, late
 
 
-def _da_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96, qh=0, late=False):
+def _da_settings(monkeypatch, on, qh, late):
     monkeypatch.setattr(oc, "DECODE_ATTN", on)
     monkeypatch.setattr(oc, "DA_QH", qh)
     monkeypatch.setattr(oc, "DA_O_LATE", late)
+
+
+def _da_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96, qh=0, late=False):
+    _da_settings(monkeypatch, on, qh, late)
     m = Qwen3(mf, oc.CupyOps, ctx)
     assert (m.ops._da is not None) == on, m.ops.decode_attn_why
     assert not on or not qh or (m.ops._da["QH"] == qh and m.ops._da["o_late"] == late), m.ops.decode_attn_why
@@ -224,26 +235,13 @@ def test_fused_attention_half_matches_separate_kernels_and_reference(da_bin, gra
     m, fused = _da_decode(mf, ids, 10, graphs, True, monkeypatch, qh=qh, late=late)
     assert int(cp.count_nonzero(m.ops.d["acc_o"])) == 0  # the last down GEMV leaves it zero for the next step
     _, separate = _da_decode(mf, ids, 10, graphs, False, monkeypatch)
-    ref = Qwen3(mf, NumpyOps, 96)
-    ref.prefill(ids[:10])
-    cpu = np.stack([ref.decode(t) for t in ids[10:]])
-    assert np.isfinite(fused).all()
-    # same rounding points as the separate kernels, different fp32 summation orders (see the
-    # persistent kernel's test): accuracy against the independent reference is the property
-    e_fused, e_sep = rel(fused, cpu), rel(separate, cpu)
-    print(f"rel to the CPU reference: fused {e_fused:.2e}, separate kernels {e_sep:.2e}; "
-          f"between them {rel(fused, separate):.2e}")
-    assert e_fused < 1e-2
-    assert e_fused < 1.5 * e_sep
-    assert rel(fused, separate) < 2 * e_sep
+    _assert_as_accurate("fused", fused, separate, _cpu_decode(mf, ids, 10))
 
 
 def test_fused_attention_half_greedy_and_deterministic(da_bin, monkeypatch):
     path, qh, late = da_bin
     mf = load(path)
-    monkeypatch.setattr(oc, "DECODE_ATTN", True)
-    monkeypatch.setattr(oc, "DA_QH", qh)
-    monkeypatch.setattr(oc, "DA_O_LATE", late)
+    _da_settings(monkeypatch, True, qh, late)
     fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
     assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
     ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
