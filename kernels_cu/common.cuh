@@ -113,6 +113,24 @@ __device__ __forceinline__ void awq_dot4(const u32* w, const half* x, const half
     }
 }
 
+// awq_dot4, then the 4 rows' sums folded into the fp32 accumulators with the group's raw scales s2:
+// one 4-row piece of every decode GEMV's inner loop.
+__device__ __forceinline__ void awq_dot4_fold(const u32* w, const half* x, const half2 (&zb)[4], const half2 (&s2)[4],
+                                              float (&acc)[8]) {
+    half2 hacc[4];
+    awq_dot4(w, x, zb, hacc);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const float2 a = __half22float2(hacc[p]), sc = __half22float2(s2[p]);
+        acc[2 * p] += a.x * sc.x;
+        acc[2 * p + 1] += a.y * sc.y;
+    }
+}
+
+// The power of two a span of x is divided by so that 4 rows of (q - z) x stay finite in fp16
+// (15 * 4 * 1092 > 65504: the decode GEMVs' overflow guard), from the span's largest |x|.
+__device__ __forceinline__ int x_scale_exp(float mx) { return mx > 1024.f ? min(64, (int)ceilf(log2f(mx / 1024.f))) : 0; }
+
 // Scales of 8 consecutive columns (one 16-byte load) as awq_dequant8 wants them.
 __device__ __forceinline__ void awq_scales8(uint4 raw, half2 (&s2)[4]) {
     s2[0] = *reinterpret_cast<half2*>(&raw.x);
@@ -152,6 +170,32 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// Thread-block clusters (sm_90): distributed shared memory and the cluster barrier.
+// a shared-memory address of this block as seen from block `rank` of the cluster
+__device__ __forceinline__ u32 cl_map(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float cl_ld(u32 a) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 cl_ld16(u32 a) {
+    uint4 v;
+    asm volatile("ld.shared::cluster.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(a) : "memory");
+    return v;
+}
+// release our writes (shared and global) to the cluster / acquire the others'
+__device__ __forceinline__ void cl_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// arrive without ordering memory: for a block whose reads of the others' shared memory have completed
+// (their values consumed) and that has loads in flight a release would wait for
+__device__ __forceinline__ void cl_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cl_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
+
 // ---------------------------------------------------------------------------------------------
 // Async copies, ldmatrix and mma (sm_80+).
 // ---------------------------------------------------------------------------------------------

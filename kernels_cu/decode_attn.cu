@@ -37,29 +37,6 @@
 #define DA_THREADS 512
 #define DA_FIXED 12288      // bytes of small shared arrays before the weight regions
 
-// ---- cluster helpers (sm_90) ----
-// a shared-memory address of this block as seen from block `rank` of the cluster
-__device__ __forceinline__ u32 cl_map(u32 addr, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float cl_ld(u32 a) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint4 cl_ld16(u32 a) {
-    uint4 v;
-    asm volatile("ld.shared::cluster.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(a) : "memory");
-    return v;
-}
-// release our writes (shared and global) to the cluster / acquire the others'
-__device__ __forceinline__ void cl_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cl_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
-
 // 16 rows of one packed word from shared memory (4 row quads of the tiled layout, `qstride` words
 // apart) against x[16], folded into acc[8] with the group's scales: gemv_w4a16's step.
 __device__ __forceinline__ void da_dot16(const u32* w, int qstride, const half* x, const half2 (&zb)[4],
@@ -68,20 +45,9 @@ __device__ __forceinline__ void da_dot16(const u32* w, int qstride, const half* 
     for (int r = 0; r < 16; r += 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(w + (r >> 2) * qstride);
         const u32 wv[4] = {v.x, v.y, v.z, v.w};
-        half2 hacc[4];
-        awq_dot4(wv, x + r, zb, hacc);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const float2 a = __half22float2(hacc[p]), sc = __half22float2(s2[p]);
-            acc[2 * p] += a.x * sc.x;
-            acc[2 * p + 1] += a.y * sc.y;
-        }
+        awq_dot4_fold(wv, x + r, zb, s2, acc);
     }
 }
-
-// The power of two a span of x is divided by so that 4 rows of (q - z) x stay finite in fp16
-// (gemv_w4a16.cu's GEMV_X_BIG guard), from the span's largest |x|.
-__device__ __forceinline__ int da_xexp(float mx) { return mx > 1024.f ? min(64, (int)ceilf(log2f(mx / 1024.f))) : 0; }
 
 // Block-wide max of non-negative floats (their bit patterns order the same); red: 32 words.
 __device__ __forceinline__ float da_block_max(float v, unsigned* red) {
@@ -236,7 +202,7 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
     }
     const float ss_blk = block_sum(ssl, misc + 32);
     __syncthreads();  // block_sum's scratch is da_block_max's
-    const int xexp = da_xexp(da_block_max(fabsf(f), reinterpret_cast<unsigned*>(misc + 32)));
+    const int xexp = x_scale_exp(da_block_max(fabsf(f), reinterpret_cast<unsigned*>(misc + 32)));
     if (tid < RB) xsm[tid] = __float2half(f * exp2f(-(float)xexp));
     if (tid == 0) misc[0] = ss_blk;
     __syncthreads();
@@ -396,7 +362,7 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
     __syncthreads();
     float mo = 0.f;
     for (int e = tid; e < E; e += DA_THREADS) mo = fmaxf(mo, fabsf(__half2float(xo_sm[e])));
-    const int oexp = da_xexp(da_block_max(mo, reinterpret_cast<unsigned*>(misc + 32)));
+    const int oexp = x_scale_exp(da_block_max(mo, reinterpret_cast<unsigned*>(misc + 32)));
     if (oexp) {  // rare: rescale the input (exact powers of two)
         __syncthreads();
         for (int e = tid; e < E; e += DA_THREADS) xo_sm[e] = __float2half(__half2float(xo_sm[e]) * exp2f(-(float)oexp));

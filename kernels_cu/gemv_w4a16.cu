@@ -252,18 +252,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             }
 #else
 #pragma unroll
-            for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) {
-                half2 hacc[4];
-                awq_dot4(wv + r0, xs + r0, zb, hacc);
-                // fold into fp32 with the group's scale
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    float2 a = __half22float2(hacc[p]);
-                    float2 sc = __half22float2(s2[p]);
-                    acc[2 * p] += a.x * sc.x;
-                    acc[2 * p + 1] += a.y * sc.y;
-                }
-            }
+            for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) awq_dot4_fold(wv + r0, xs + r0, zb, s2, acc);
 #endif
         }
     }

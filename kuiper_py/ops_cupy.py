@@ -135,7 +135,9 @@ _FILES = {
     "smp": ("sampling.cu", ["sample_token"]),
 }
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
-_FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"])}
+FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
+_FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
+               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -856,6 +858,10 @@ DECODE_ATTN = os.environ.get("KUIPER_DECODE_ATTN", "0") == "1"
 DA_THREADS, DA_FIXED = 512, 12288  # decode_attn.cu's block and small-array bytes
 _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
+# cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
+# as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k, change 75)
+CLUSTER_POLICY = int(os.environ.get("KUIPER_CLUSTER_POLICY", "1"))
 
 
 def _cu_occupancy_clusters():
@@ -897,6 +903,13 @@ def decode_attn_clusters(fn, smem: int, CL: int, n: int) -> int:
     return 0 if err else k.value
 
 
+def _cluster_policy_attr(policy: int) -> _LaunchAttr:
+    """The cluster scheduling policy preference: 0 the driver's default, 1 spread, 2 load balancing."""
+    attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY, 0)
+    attr.value[0] = policy
+    return attr
+
+
 def _cluster_attr(CL: int) -> _LaunchAttr:
     attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 0)
     attr.value[0] = CL | (1 << 32)  # {x, y, z} = {CL, 1, 1} as three uint32
@@ -936,7 +949,7 @@ def decode_attn_plan(a: ModelArgs) -> tuple[dict | None, str]:
         n = decode_attn_clusters(fn, smem, CL, KV * NS)
         tried.append(f"{n} of the {KV * NS} clusters of {CL}")
         if n >= KV * NS:
-            attrs = (_LaunchAttr * 2)(_cluster_attr(CL), _pdl_attr())
+            attrs = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
             return (dict(QH=QH, CL=CL, NS=NS, fn=fn, smem=smem, o_late=late, attrs=attrs, clusters=n),
                     f"on: {KV * NS} clusters of {CL} blocks, {QH} query heads each ({n} fit)")
     return None, f"no layout whose clusters all fit at once ({'; '.join(tried) or 'none fits shared memory'})"
@@ -961,6 +974,67 @@ def decode_attn_half(plan: dict, x, layer, kc, vc, cos, sin, pos_dev, part_o, pa
         _i(n_heads), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(128)), _i(plan["o_late"])), plan["smem"],
               plan["attrs"])
     return acc_o
+
+
+# the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured
+# faster at Qwen3-8B's 384 blocks on H100, PERFORMANCE.md change 75), "1" wherever it is served (tests), "0" off
+DECODE_FFN = os.environ.get("KUIPER_DECODE_FFN", "auto")
+FFN_AUTO_BLOCKS_PER_SM = 2
+FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
+
+
+def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
+    """(plan, why) for ffn_decode (the FFN half of a dense decode layer in one cluster launch): the plan
+    (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
+    line saying why not. A cluster owns 256 intermediate channels; every cluster must be resident at
+    once (a second wave would double the FFN's time): of the (CL, TB) pairs that tile the hidden size,
+    the one with the most blocks whose clusters all fit."""
+    if DECODE_FFN not in ("auto", "1"):
+        return None, "off (KUIPER_DECODE_FFN=0)"
+    if not pdl_enabled() or _cu_occupancy_clusters() is None:
+        return None, "needs compute capability 9.0 (clusters, PDL)"
+    D, I = a.hidden_size, a.intermediate_size
+    if a.group_size != 128 or I % FFN_CH:
+        return None, f"shape not served (group size {a.group_size}, intermediate {I})"
+    n, tried = I // FFN_CH, []
+    for CL, TB in FFN_PAIRS:  # most blocks first
+        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN or (D // CL) % 64:
+            continue
+        fn = _compiled("ffn", f"ffn_decode<{CL}, {TB}>")
+        cfg = _launch_config((CL, n, 1), (FFN_THREADS, 1, 1), 0, 0, _cluster_attr(CL))
+        k = ctypes.c_int(0)
+        fit = 0 if _cu_occupancy_clusters()(ctypes.byref(k), getattr(fn, "kernel", fn).ptr, ctypes.byref(cfg)) else k.value
+        tried.append(f"{fit} of the {n} clusters of {CL}")
+        if fit >= n and DECODE_FFN == "auto" and CL * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
+            return None, (f"auto: off at {CL * n} blocks for {sm_count()} SMs (a grid this small streams the weights "
+                          f"slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
+        if fit >= n:
+            attrs = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
+            return (dict(CL=CL, TB=TB, fn=fn, attrs=attrs, clusters=fit),
+                    f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({fit} fit)")
+    return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
+
+
+def decode_ffn(plan: dict, x, layer, acc, eps: float):
+    """One dense decode layer's FFN half (ffn_decode.cu): x a _Normed (h, the norm weight, the o
+    projection's pending sums and the row they make, or neither); down's sums added into acc (int64
+    [D], zero on entry: the o GEMV before clears it)."""
+    null = np.uint64(0)
+    mats = []
+    for m in (layer.w1, layer.w3, layer.w2):
+        mats += [m.qweight, m.qzeros, m.scales]
+    launch_ex(plan["fn"], (plan["CL"], layer.w1.N // FFN_CH), (FFN_THREADS,), (
+        x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
+        *mats, acc, _i(x.h.size), _i(layer.w1.N)), 0, plan["attrs"])
+    return acc
+
+
+class _FfnIn:
+    """A dense decode layer's gate/up input, not yet launched: the down projection launches the
+    whole FFN half (decode_ffn)."""
+
+    def __init__(self, x, layer):
+        self.x, self.layer, self.shape = x, layer, (1, layer.w1.N)
 
 
 class _AttnHalf:
@@ -1273,6 +1347,12 @@ class CupyOps:
             S = 4 * self._da["CL"]
             self.d.update(da_part_o=cp.empty((a.num_attention_heads * S * 128,), cp.float32),
                           da_part_ml=cp.empty((a.num_attention_heads * S * 2,), cp.float32))
+        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its
+        # accumulator (the fused attention half has no slot for that: one or the other)
+        o_clears = FUSE_COMBINE and gemv_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
+        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and self._da is None and o_clears else
+                                          (None, "needs accumulating mode, the o GEMV's merge prologue and no fused "
+                                                 "attention half"))
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -1622,9 +1702,21 @@ class CupyOps:
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc():
-                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"])
+                    # with the one-launch FFN half, also clears the down and q|k|v accumulators (last read
+                    # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
+                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
+                         zero=d["acc_d_qkv"] if self._ffn is not None else None)
                     return d["acc_o"]
                 return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
+        if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
+            assert lin is x.layer.w2
+
+            def ffn_half():
+                return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
+
+            def no_plain_ffn(h):
+                raise AssertionError("the one-launch FFN half runs in accumulating mode only")
+            return _Deferred(no_plain_ffn, ffn_half)
         if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
             ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
 
@@ -1645,6 +1737,8 @@ class CupyOps:
 
     def gate_up_silu(self, x, layer: Layer):
         if x.shape[0] == 1:
+            if self._ffn is not None and isinstance(x, _Normed):
+                return _FfnIn(x, layer)  # launched by the down projection (linear)
             if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
                 # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
                 # next written by the down GEMV and the next layer's q|k|v GEMV)

@@ -6,6 +6,7 @@ fails the comparison; inputs are fresh random draws on every run.
 import ctypes
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -710,6 +711,56 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     K_ref, V_ref = k_old.astype(np.float32), v_old.astype(np.float32)
     K_ref[pos0], V_ref[pos0] = k_ref[0], v[0]
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
+
+
+def _ffn_plan(CL, TB, n_clusters):
+    """ffn_decode.cu's (CL, TB) instantiation as decode_ffn wants it, or a skip where clusters or the
+    driver's occupancy query are missing (before sm_90) or the clusters would not all be resident."""
+    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    fn = oc._compiled("ffn", f"ffn_decode<{CL}, {TB}>")
+    cfg = oc._launch_config((CL, n_clusters, 1), (oc.FFN_THREADS, 1, 1), 0, 0, oc._cluster_attr(CL))
+    k = ctypes.c_int(0)
+    assert oc._cu_occupancy_clusters()(ctypes.byref(k), fn.kernel.ptr, ctypes.byref(cfg)) == 0
+    assert k.value >= n_clusters
+    return dict(CL=CL, TB=TB, fn=fn, attrs=(oc._LaunchAttr * 2)(oc._cluster_attr(CL), oc._pdl_attr()))
+
+
+@pytest.mark.parametrize("massive", [False, True])
+@pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
+def test_ffn_decode_cluster_kernel(CL, TB, massive):
+    """The FFN half of a dense decode layer in one cluster launch (ffn_decode.cu), every (CL, TB)
+    instantiation at D = 256 CL TB and three clusters of channels, against float64 NumPy: the o
+    projection's pending fixed-point sums added to the residual (the new row written exactly), RMSNorm,
+    gate and up, SwiGLU, down into a fixed-point accumulator. massive: three residual channels at 1e5
+    with norm weight 40 (x = h * w = 4e6 before the deferred 1/rms, past fp16's range; SwiGLU outputs
+    in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same."""
+    rng = np.random.default_rng()
+    D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
+    plan = _ffn_plan(CL, TB, I // 256)
+    (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
+    h = rng.standard_normal(D).astype(np.float32)
+    w = (rng.random(D) + 0.5).astype(np.float16)
+    if massive:
+        rows = rng.choice(D, 3, replace=False)
+        h[rows], w[rows] = 1e5, 40
+    pend = np.round(rng.standard_normal(D) * 2**32).astype(np.int64)
+    row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)  # fp32, as the kernel adds
+    x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
+    g, u = x @ rg, x @ ru
+    ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd
+    layer = types.SimpleNamespace(w1=mg, w3=mu, w2=md)
+    outs = []
+    for _ in range(2):
+        hout, acc = nan_like((1, D), cp.float32), cp.zeros((D,), cp.int64)
+        xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
+        oc.decode_ffn(plan, xin, layer, acc, eps)
+        got = cp.asnumpy(acc)
+        np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
+        outs.append(got)
+    y = outs[0].astype(np.float64) / 2**32
+    assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])

@@ -262,3 +262,47 @@ def test_fused_attention_half_8b_long_context(ckpt_root, monkeypatch):
     assert np.isfinite(fused).all()
     print(f"8B, one layer, 2100 positions: fused vs separate kernels {rel(fused, separate):.2e}")
     assert rel(fused, separate) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-launch FFN half (ffn_decode.cu: RMSNorm, gate/up, SwiGLU and down of a dense decode layer
+# in one cluster launch) at shapes it serves: two layers of Qwen3-0.6B (clusters of 4 blocks, one
+# down tile each) and of Qwen3-4B (clusters of 5, two down tiles each). The kernel test in
+# test_gpu.py covers every instantiation against NumPy.
+@pytest.fixture(scope="module", params=["0.6b", "4b"])
+def ffn_bin(request, ckpt_root):
+    return _synth_bin(ckpt_root, request.param, request.param, 2)
+
+
+def _ffn_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96):
+    monkeypatch.setattr(oc, "DECODE_FFN", "1" if on else "0")
+    m = Qwen3(mf, oc.CupyOps, ctx)
+    assert (m.ops._ffn is not None) == on, m.ops.decode_ffn_why
+    m.ops.graphs = graphs
+    m.prefill(ids[:n_prefill])
+    if on:  # poison the decode buffers: a stale value read by the fused path would pass unnoticed
+        for k in ("act", "qrot", "part_o", "part_ml"):
+            m.ops.d[k].fill(np.nan)
+    return m, np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_one_launch_ffn_half_matches_separate_kernels_and_reference(ffn_bin, graphs, monkeypatch):
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=30).tolist()  # 20 decode steps
+    mf = load(ffn_bin)
+    m, fused = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
+    print("plan:", m.ops.decode_ffn_why)
+    assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0  # the final norm finished the last down sums and cleared them
+    _, separate = _ffn_decode(mf, ids, 10, graphs, False, monkeypatch)
+    _assert_as_accurate("one-launch FFN", fused, separate, _cpu_decode(mf, ids, 10))
+
+
+def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):
+    mf = load(ffn_bin)
+    monkeypatch.setattr(oc, "DECODE_FFN", "1")
+    fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
+    assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
+    ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
+    assert ops._ffn is not None
+    assert np.array_equal(a, b)  # fixed-point sums, rank-ordered cluster sums: bitwise the same

@@ -38,7 +38,7 @@ def main(model, ctx, save):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m, _ = warm_session(eng, ctx, ctx + 64, np.random.default_rng(0))
     ops = m.ops
-    mods = {t: oc._MODULES[t] for t in ("gemv", "attn")}
+    mods = {t: oc._MODULES[t] for t in ("gemv", "attn", "ffn") if t in oc._MODULES}
     try:
         counters = [mod.get_global("g_diag_n") for mod in mods.values()]
     except Exception:  # noqa: BLE001 (CuPy raises a driver error for a missing symbol)
@@ -64,9 +64,12 @@ def main(model, ctx, save):
             launches.append((t[sel, 0].min(), tag, t[sel]))
     launches.sort(key=lambda z: z[0])
     n_layers = m.args.num_hidden_layers
-    # a layer's stamped kernels (the MoE router is not stamped); otherwise each launch on its own row
-    kinds = ["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else None
-    per = 5 if kinds else 1
+    # a layer's stamped kernels (the MoE router is not stamped); otherwise each launch on its own row.
+    # ffn (KUIPER_DECODE_FFN=1, ffn_decode.cu): its "prologue done" is gate/up done, "loop done" the
+    # cluster's sums read
+    kinds = (["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else
+             ["qkv", "attention", "o", "ffn"] if len(launches) == 4 * n_layers else None)
+    per = len(kinds) if kinds else 1
     print(f"# {model}, context {ctx}: one step {wall:.0f} µs (host-timed, stamps on), {len(rec)} blocks, "
           f"{len(launches)} launches")
     print("| kernel | blocks | wait spread | wait -> prologue done | prologue -> loop done | end min | end median "
