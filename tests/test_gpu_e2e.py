@@ -267,11 +267,17 @@ def test_fused_attention_half_8b_long_context(ckpt_root, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The one-launch FFN half (ffn_decode.cu: RMSNorm, gate/up, SwiGLU and down of a dense decode layer
 # in one cluster launch) at shapes it serves: two layers of Qwen3-0.6B (clusters of 4 blocks, one
-# down tile each) and of Qwen3-4B (clusters of 5, two down tiles each). The kernel test in
-# test_gpu.py covers every instantiation against NumPy.
-@pytest.fixture(scope="module", params=["0.6b", "4b"])
+# down tile each) and of a 2048-wide model (clusters of 8, Qwen3-8B's cluster size; the CPU reference
+# of wider models takes minutes). The kernel test in test_gpu.py covers every instantiation against NumPy.
+_W2K = (2048, 3072, 2, 16, 8, 128, True)  # hidden, intermediate, layers, heads, kv heads, head_dim, tied
+
+
+@pytest.fixture(scope="module", params=["0.6b", "w2k"])
 def ffn_bin(request, ckpt_root):
-    return _synth_bin(ckpt_root, request.param, request.param, 2)
+    from kuiper_py import synth
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.PRESETS, "w2k", _W2K)
+        return _synth_bin(ckpt_root, request.param, request.param, 2)
 
 
 def _ffn_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96):
