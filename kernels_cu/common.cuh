@@ -127,6 +127,27 @@ __device__ __forceinline__ void awq_dot4_fold(const u32* w, const half* x, const
     }
 }
 
+// A lane's 8 column sums (its packed word's columns) into its warp's row of a per-warp reduction array,
+// times 2^e (undoing a span's x_scale_exp): column c at c + c/32, so the lane-strided stores spread over
+// the banks (the row holds 256 + 8 floats). The decode GEMVs then sum each column over the warps.
+__device__ __forceinline__ void stash_lane_sums(float* row, const float (&acc)[8], int e = 0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) row[lane * 8 + i + lane / 4] = e ? ldexpf(acc[i], e) : acc[i];
+}
+
+// Block-wide max of non-negative floats (their bit patterns order the same) over NW warps; red: NW words.
+template <int NW>
+__device__ __forceinline__ float block_max_nonneg(float v, unsigned* red) {
+    const unsigned m = __reduce_max_sync(0xffffffffu, __float_as_uint(v));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    unsigned r = 0;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) r = max(r, red[i]);
+    return __uint_as_float(r);
+}
+
 // The power of two a span of x is divided by so that 4 rows of (q - z) x stay finite in fp16
 // (15 * 4 * 1092 > 65504: the decode GEMVs' overflow guard), from the span's largest |x|.
 __device__ __forceinline__ int x_scale_exp(float mx) { return mx > 1024.f ? min(64, (int)ceilf(log2f(mx / 1024.f))) : 0; }

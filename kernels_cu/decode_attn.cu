@@ -49,16 +49,6 @@ __device__ __forceinline__ void da_dot16(const u32* w, int qstride, const half* 
     }
 }
 
-// Block-wide max of non-negative floats (their bit patterns order the same); red: 32 words.
-__device__ __forceinline__ float da_block_max(float v, unsigned* red) {
-    const unsigned m = __reduce_max_sync(0xffffffffu, __float_as_uint(v));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    unsigned r = 0;
-    for (int i = 0; i < DA_THREADS / 32; ++i) r = max(r, red[i]);
-    return __uint_as_float(r);
-}
-
 template <int QH>
 __global__ void __launch_bounds__(DA_THREADS, 1)
 decode_attn_half(const float* __restrict__ h,         // [D] residual row
@@ -201,8 +191,8 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
         f = hv * __half2float(nw[k]);
     }
     const float ss_blk = block_sum(ssl, misc + 32);
-    __syncthreads();  // block_sum's scratch is da_block_max's
-    const int xexp = x_scale_exp(da_block_max(fabsf(f), reinterpret_cast<unsigned*>(misc + 32)));
+    __syncthreads();  // block_sum's scratch is block_max_nonneg's
+    const int xexp = x_scale_exp(block_max_nonneg<DA_THREADS / 32>(fabsf(f), reinterpret_cast<unsigned*>(misc + 32)));
     if (tid < RB) xsm[tid] = __float2half(f * exp2f(-(float)xexp));
     if (tid == 0) misc[0] = ss_blk;
     __syncthreads();
@@ -362,7 +352,7 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
     __syncthreads();
     float mo = 0.f;
     for (int e = tid; e < E; e += DA_THREADS) mo = fmaxf(mo, fabsf(__half2float(xo_sm[e])));
-    const int oexp = x_scale_exp(da_block_max(mo, reinterpret_cast<unsigned*>(misc + 32)));
+    const int oexp = x_scale_exp(block_max_nonneg<DA_THREADS / 32>(mo, reinterpret_cast<unsigned*>(misc + 32)));
     if (oexp) {  // rare: rescale the input (exact powers of two)
         __syncthreads();
         for (int e = tid; e < E; e += DA_THREADS) xo_sm[e] = __float2half(__half2float(xo_sm[e]) * exp2f(-(float)oexp));

@@ -62,15 +62,20 @@ __device__ __forceinline__ void ffn_dot(const u32 (&w)[FFN_ROWS], u32 zw, uint4 
     for (int r = 0; r < FFN_ROWS; r += 4) awq_dot4_fold(w + r, xs + r, zb, s2, acc);
 }
 
-// Block-wide max of non-negative floats (their bit patterns order the same); red: FFN_WARPS words.
-__device__ __forceinline__ float ffn_block_max(float v, unsigned* red) {
-    const unsigned m = __reduce_max_sync(0xffffffffu, __float_as_uint(v));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    unsigned r = 0;
+// acc = a warp's share of a lane word's dot over rows row0 + k of a tiled matrix, k = k0, k0 + step, ..
+// < k_end, against x[k] (shared memory); the first step's loads are already in wv, zw, sv (issued early).
+__device__ __forceinline__ void ffn_span_dot(const u32* base, const u32* qz, const half* sc, int W, int word,
+                                             int row0, int k0, int k_end, int step, const half* x,
+                                             u32 (&wv)[FFN_ROWS], u32& zw, uint4& sv, float (&acc)[8]) {
 #pragma unroll
-    for (int i = 0; i < FFN_WARPS; ++i) r = max(r, red[i]);
-    return __uint_as_float(r);
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int k = k0; k < k_end; k += step) {
+        if (k != k0) {
+            ffn_load_rows(base, row0 + k, wv);
+            ffn_load_group(qz, sc, W, word, row0 + k, zw, sv);
+        }
+        ffn_dot(wv, zw, sv, x + k, acc);
+    }
 }
 
 template <int CL, int TB>  // blocks per cluster; down column tiles per block (D = 256 CL TB)
@@ -127,7 +132,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
         const float s = warp_sum(ssl);
         if (lane == 0) misc[FFN_WARPS + warp] = s;
     }
-    const int xexp = x_scale_exp(ffn_block_max(mx, reinterpret_cast<unsigned*>(misc)));  // (its barrier publishes xsm)
+    const int xexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(mx, reinterpret_cast<unsigned*>(misc)));  // (its barrier publishes xsm)
     if (tid == 0) {
         float s = 0.f;
 #pragma unroll
@@ -143,18 +148,9 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 
     // ---- gate and up over the span ----
     float a8[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) a8[i] = 0.f;
-    for (int k = wr * FFN_ROWS; k < SP; k += SPW * FFN_ROWS) {
-        if (k != wr * FFN_ROWS) {
-            ffn_load_rows(qb, k_lo + k, wv);
-            ffn_load_group(qz, sc, IW, gword, k_lo + k, zw, sv);
-        }
-        ffn_dot(wv, zw, sv, xsm + k, a8);
-    }
+    ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
     diag_stamp(2);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = xexp ? ldexpf(a8[i], xexp) : a8[i];
+    stash_lane_sums(red[warp], a8, xexp);
 
     __syncthreads();
     {  // this block's 256 gate and 256 up sums over its span
@@ -194,22 +190,13 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     // Relaxed: a release arrive would wait for down's loads in flight
     cl_arrive_relaxed();
     diag_stamp(3);
-    const int dexp = x_scale_exp(ffn_block_max(fabsf(av), reinterpret_cast<unsigned*>(misc)));
+    const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
     xd[tid] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
     __syncthreads();
 
     // ---- down: the cluster's 256 channel rows x the block's TB column tiles ----
-#pragma unroll
-    for (int i = 0; i < 8; ++i) a8[i] = 0.f;
-    for (int k = dr * FFN_ROWS; k < FFN_CH; k += WPT * FFN_ROWS) {
-        if (k != dr * FFN_ROWS) {
-            ffn_load_rows(db, d_lo + k, wv);
-            ffn_load_group(dz, ds, DW, dword, d_lo + k, zw, sv);
-        }
-        ffn_dot(wv, zw, sv, xd + k, a8);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = dexp ? ldexpf(a8[i], dexp) : a8[i];
+    ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
+    stash_lane_sums(red[warp], a8, dexp);
     __syncthreads();
     for (int c = tid; c < TB * FFN_CH; c += FFN_THREADS) {
         const int t = c / FFN_CH, cc = c % FFN_CH;

@@ -183,15 +183,9 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             const float t = block_sum(ssl, sred);
             if (threadIdx.x == 0) ss_out[split] = t;
         }
-        {  // the block's max |x| (non-negative floats order as their bit patterns)
+        {  // the block's max |x|
             __shared__ unsigned wmax[GEMV_WARPS];
-            const unsigned wm = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
-            if (lane == 0) wmax[warp] = wm;
-            __syncthreads();
-            unsigned bm = 0;
-#pragma unroll
-            for (int w = 0; w < GEMV_WARPS; ++w) bm = max(bm, wmax[w]);
-            mx = __uint_as_float(bm);
+            mx = block_max_nonneg<GEMV_WARPS>(mx, wmax);
         }
         if (mx > GEMV_X_BIG) {  // rare: rescale the span in place (scaled: from h again, h * w may pass fp16's range)
             xexp = min(64, (int)ceilf(log2f(mx / GEMV_X_BIG)));
@@ -258,8 +252,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
     diag_stamp(3);
     // per-warp results to shared memory, then each thread sums one column over the warps
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i + lane / 4] = xexp ? ldexpf(acc[i], xexp) : acc[i];
+    stash_lane_sums(red[warp], acc, xexp);
     __syncthreads();
     for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
         int col = tile * GEMV_COLS + c;

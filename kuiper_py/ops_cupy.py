@@ -886,21 +886,27 @@ def decode_attn_layout(D: int, QH: int, RB: int) -> tuple[int, bool] | None:
     return None
 
 
-def decode_attn_clusters(fn, smem: int, CL: int, n: int) -> int:
-    """How many clusters of CL blocks of decode_attn_half can be resident at once (the GPU's GPCs
-    bound it: an H100 holds 7 clusters of 16 and 15 of 8 at ~200 KB per block), or 0 where the driver
-    refuses the size. n: the clusters of the launch."""
+def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
+    """How many clusters of CL blocks (threads each, smem bytes of dynamic shared memory) of kernel fn can be
+    resident at once (the GPU's GPCs bound it: an H100 holds 7 clusters of 16 and 15 of 8 of
+    decode_attn_half's ~200 KB blocks, 62 of 8 of ffn_decode's), or 0 where the driver refuses the size.
+    n: the clusters of the launch."""
     ptr = getattr(fn, "kernel", fn).ptr
-    if fn.max_dynamic_shared_size_bytes < smem:
+    if smem and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     if CL > 8:  # 16-block clusters are "non-portable": Hopper has them, the driver wants them asked for
         set_attr = _cu_fn("cuFuncSetAttribute")
         if set_attr is None or set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
             return 0
-    cfg = _launch_config((CL, n, 1), (DA_THREADS, 1, 1), smem, 0, _cluster_attr(CL))
+    cfg = _launch_config((CL, n, 1), (threads, 1, 1), smem, 0, _cluster_attr(CL))
     k = ctypes.c_int(0)
     err = _cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
     return 0 if err else k.value
+
+
+def _cluster_launch_attrs(CL: int) -> ctypes.Array:
+    """The attributes of a decode cluster launch: cluster dimension, PDL, scheduling preference."""
+    return (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
 
 
 def _cluster_policy_attr(policy: int) -> _LaunchAttr:
@@ -946,10 +952,10 @@ def decode_attn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     tried = []
     for _, QH, RB, CL, NS, smem, late in sorted(cands):
         fn = _compiled("dattn", f"decode_attn_half<{QH}>")
-        n = decode_attn_clusters(fn, smem, CL, KV * NS)
+        n = resident_clusters(fn, CL, KV * NS, DA_THREADS, smem)
         tried.append(f"{n} of the {KV * NS} clusters of {CL}")
         if n >= KV * NS:
-            attrs = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
+            attrs = _cluster_launch_attrs(CL)
             return (dict(QH=QH, CL=CL, NS=NS, fn=fn, smem=smem, o_late=late, attrs=attrs, clusters=n),
                     f"on: {KV * NS} clusters of {CL} blocks, {QH} query heads each ({n} fit)")
     return None, f"no layout whose clusters all fit at once ({'; '.join(tried) or 'none fits shared memory'})"
@@ -983,6 +989,13 @@ FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
+def ffn_cluster_plan(CL: int, TB: int, n: int) -> dict:
+    """decode_ffn's plan for ffn_decode.cu's (CL, TB) instantiation over n clusters: kernel, launch
+    attributes and how many of its clusters can be resident at once (all n must be: the caller checks)."""
+    fn = _compiled("ffn", f"ffn_decode<{CL}, {TB}>")
+    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
+
+
 def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for ffn_decode (the FFN half of a dense decode layer in one cluster launch): the plan
     (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
@@ -1000,18 +1013,13 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     for CL, TB in FFN_PAIRS:  # most blocks first
         if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN or (D // CL) % 64:
             continue
-        fn = _compiled("ffn", f"ffn_decode<{CL}, {TB}>")
-        cfg = _launch_config((CL, n, 1), (FFN_THREADS, 1, 1), 0, 0, _cluster_attr(CL))
-        k = ctypes.c_int(0)
-        fit = 0 if _cu_occupancy_clusters()(ctypes.byref(k), getattr(fn, "kernel", fn).ptr, ctypes.byref(cfg)) else k.value
-        tried.append(f"{fit} of the {n} clusters of {CL}")
-        if fit >= n and DECODE_FFN == "auto" and CL * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
+        plan = ffn_cluster_plan(CL, TB, n)
+        tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
+        if plan["clusters"] >= n and DECODE_FFN == "auto" and CL * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
             return None, (f"auto: off at {CL * n} blocks for {sm_count()} SMs (a grid this small streams the weights "
                           f"slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
-        if fit >= n:
-            attrs = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
-            return (dict(CL=CL, TB=TB, fn=fn, attrs=attrs, clusters=fit),
-                    f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({fit} fit)")
+        if plan["clusters"] >= n:
+            return plan, f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({plan['clusters']} fit)"
     return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
 
 

@@ -715,15 +715,12 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
 
 def _ffn_plan(CL, TB, n_clusters):
     """ffn_decode.cu's (CL, TB) instantiation as decode_ffn wants it, or a skip where clusters or the
-    driver's occupancy query are missing (before sm_90) or the clusters would not all be resident."""
+    driver's occupancy query are missing (before sm_90); its clusters must all be resident."""
     if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
         pytest.skip("thread-block clusters need compute capability 9.0")
-    fn = oc._compiled("ffn", f"ffn_decode<{CL}, {TB}>")
-    cfg = oc._launch_config((CL, n_clusters, 1), (oc.FFN_THREADS, 1, 1), 0, 0, oc._cluster_attr(CL))
-    k = ctypes.c_int(0)
-    assert oc._cu_occupancy_clusters()(ctypes.byref(k), fn.kernel.ptr, ctypes.byref(cfg)) == 0
-    assert k.value >= n_clusters
-    return dict(CL=CL, TB=TB, fn=fn, attrs=(oc._LaunchAttr * 2)(oc._cluster_attr(CL), oc._pdl_attr()))
+    plan = oc.ffn_cluster_plan(CL, TB, n_clusters)
+    assert plan["clusters"] >= n_clusters
+    return plan
 
 
 @pytest.mark.parametrize("massive", [False, True])
