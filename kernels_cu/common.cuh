@@ -441,3 +441,90 @@ __device__ __forceinline__ half decode_merge(const float* __restrict__ part_o, c
     }
     return __float2half(L > 0.f ? od / L : 0.f);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Qwen3-MoE routing pieces shared by moe.cu's router kernels and ffn_decode.cu's one-launch MoE FFN.
+// ---------------------------------------------------------------------------------------------
+#define MOE_MAX_E 256  // experts held per warp lane: 8 per lane
+
+// 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+    const half2* ah = reinterpret_cast<const half2*>(&a);
+    const half2* bh = reinterpret_cast<const half2*>(&b);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+        s += fa.x * fb.x + fa.y * fb.y;
+    }
+    return s;
+}
+
+// The better of two (probability, expert) candidates: higher probability, ties to the lower id
+// (the reference's stable sort).
+__device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
+    return pa > pb || (pa == pb && ea < eb);
+}
+
+// A float as an unsigned int of the same order (negative values below positive ones): what redux.sync
+// can take the maximum of.
+__device__ __forceinline__ unsigned moe_float_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+// Softmax over one token's E logits, top-k, optional renormalisation, by one warp: lane l holds the
+// logits of experts l, l + 32, .. in p (-inf past E). Lane r < k writes slot r of ids and weights
+// (global or shared memory). Deterministic: the same logits give the same bits in every warp.
+__device__ __forceinline__ void moe_topk_regs(float (&p)[MOE_MAX_E / 32], int E, int k, int norm_topk,
+                                              int* ids, float* weights) {
+    const int lane = threadIdx.x & 31;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) mx = fmaxf(mx, p[j]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+        p[j] = lane + 32 * j < E ? __expf(p[j] - mx) : 0.f;
+        sum += p[j];
+    }
+    const float inv = 1.f / warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lane + 32 * j < E ? p[j] * inv : -1.f;
+
+    float picked = 0.f, my_w = 0.f;
+    int my_id = 0;
+    for (int r = 0; r < k; ++r) {
+        // this lane's best remaining expert, then the warp's
+        float bp = -2.f;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
+#ifdef MOE_TOPK_SHFL  // (A/B: the shuffle butterfly, 10 dependent shuffles per round)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float op = __shfl_xor_sync(0xffffffffu, bp, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (moe_better(op, oe, bp, be)) { bp = op; be = oe; }
+        }
+#else
+        {  // the warp's best: the largest probability (as an order-preserving key), then the lowest id holding it
+            const unsigned key = moe_float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
+            be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)be : 0xffffffffu);
+            bp = __uint_as_float(top & 0x80000000u ? top ^ 0x80000000u : ~top);
+        }
+#endif
+        // the owner retires the winner; lane r keeps slot r
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (lane + 32 * j == be) p[j] = -2.f;
+        picked += bp;
+        if (lane == r) { my_w = bp; my_id = be; }
+    }
+    if (lane < k) {
+        ids[lane] = my_id;
+        weights[lane] = norm_topk ? my_w / picked : my_w;
+    }
+}

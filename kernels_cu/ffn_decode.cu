@@ -1,5 +1,7 @@
-// The FFN half of a dense decode layer in one launch: RMSNorm (with the o projection's pending
-// residual add), the gate and up GEMVs, SwiGLU and the down GEMV, by thread-block clusters.
+// The FFN half of a decode layer in one launch of thread-block clusters: ffn_decode for a dense layer
+// (RMSNorm with the o projection's pending residual add, the gate and up GEMVs, SwiGLU, the down GEMV)
+// and moe_ffn_decode for a Qwen3-MoE layer (the same, after routing, on the selected experts). Shared
+// phases first, then the two kernels.
 //
 // Separately these are two split-K GEMVs with a grid-wide hand-off between them: every down block
 // needs every gate/up column, so down's blocks wait for the whole gate/up grid, drain it, and start
@@ -27,6 +29,7 @@
 #define FFN_CH 256            // channels per cluster: one 32-word column tile of gate and of up
 #define FFN_MAX_SPAN 1024     // gate/up rows per block, staged in shared memory as fp16
 #define FFN_ROWS 16           // rows per warp step: 4 16-byte loads in flight per lane (the GEMVs' step)
+#define FFN_SPW 4             // gate/up: warps per matrix (warps 0, 2, .. gate; 1, 3, .. up)
 #define FFN_MIN_BLOCKS 4      // per SM (64 registers): 32 rows per step need 80 registers, 3 blocks per SM,
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
 
@@ -78,6 +81,132 @@ __device__ __forceinline__ void ffn_span_dot(const u32* base, const u32* qz, con
     }
 }
 
+// acc += a warp's share of a lane word's dot over rows row0 + k, k = k0, k0 + step, .. < k_end (as
+// ffn_span_dot), with NB steps' loads in flight at once: for a consumer whose weights cannot load before
+// its wait (the MoE experts), so that few warps still keep enough bytes in flight.
+template <int NB>
+__device__ __forceinline__ void ffn_span_dot_nb(const u32* base, const u32* qz, const half* sc, int W, int word,
+                                                int row0, int k0, int k_end, int step, const half* x, float (&acc)[8]) {
+    for (int kb = k0; kb < k_end; kb += NB * step) {
+        u32 wv[NB][FFN_ROWS], zw[NB];
+        uint4 sv[NB];
+#pragma unroll
+        for (int i = 0; i < NB; ++i)
+            if (kb + i * step < k_end) {
+                ffn_load_rows(base, row0 + kb + i * step, wv[i]);
+                ffn_load_group(qz, sc, W, word, row0 + kb + i * step, zw[i], sv[i]);
+            }
+#pragma unroll
+        for (int i = 0; i < NB; ++i)
+            if (kb + i * step < k_end) ffn_dot(wv[i], zw[i], sv[i], x + kb + i * step, acc);
+    }
+}
+
+// ---- the phases both kernels share, in the order they run ----
+
+// x = (h + fp16(pend)) * w over the block's span [k_lo, k_lo + SP) into xsm, in fp16 divided by 2^xexp
+// (returned; nonzero only where the span's largest |x| passes 1024), its sum of squares to
+// misc[2 FFN_WARPS] (the 1/rms is applied to sums later); the row h + fp16(pend) to hout where pend and
+// write_h are set (one cluster writes it).
+__device__ __forceinline__ int ffn_stage_x(const float* __restrict__ h, const long long* __restrict__ pend,
+                                           float* __restrict__ hout, bool write_h, const half* __restrict__ nw,
+                                           int k_lo, int SP, half* xsm, float* misc) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float mx = 0.f, ssl = 0.f;
+    for (int e = tid; e < SP; e += FFN_THREADS) {
+        const float hv = resid_pending(h, pend, k_lo + e);
+        if (pend && write_h) hout[k_lo + e] = hv;
+        ssl += hv * hv;
+        const float f = hv * __half2float(nw[k_lo + e]);
+        mx = fmaxf(mx, fabsf(f));
+        xsm[e] = __float2half(f);  // inf past 65504, redone below
+    }
+    {
+        const float s = warp_sum(ssl);
+        if (lane == 0) misc[FFN_WARPS + warp] = s;
+    }
+    const int xexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(mx, reinterpret_cast<unsigned*>(misc)));  // (its barrier publishes xsm)
+    if (tid == 0) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < FFN_WARPS; ++w) s += misc[FFN_WARPS + w];
+        misc[2 * FFN_WARPS] = s;
+    }
+    if (xexp) {  // rare (massive activations): the span again from h, scaled by a power of two (exact)
+        const float down = exp2f(-(float)xexp);
+        for (int e = tid; e < SP; e += FFN_THREADS)
+            xsm[e] = __float2half(resid_pending(h, pend, k_lo + e) * __half2float(nw[k_lo + e]) * down);
+        __syncthreads();
+    }
+    return xexp;
+}
+
+// The block's 256 gate and 256 up sums to part, from each lane's 8 column sums a8 over the span (warp =
+// matrix warp & 1; times 2^xexp, undoing the span's scaling).
+__device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
+                                              float (*part)[FFN_CH]) {
+    const int tid = threadIdx.x, warp = tid >> 5;
+    stash_lane_sums(red[warp], a8, xexp);
+    __syncthreads();
+    float sg = 0.f, su = 0.f;
+#pragma unroll
+    for (int w = 0; w < FFN_SPW; ++w) {
+        sg += red[2 * w][tid + tid / 32];
+        su += red[2 * w + 1][tid + tid / 32];
+    }
+    part[0][tid] = sg;
+    part[1][tid] = su;
+}
+
+// After the cluster barrier: the cluster's gate and up sums of channel tid and its spans' sums of
+// squares, added in rank order (the same bits in every block), the 1/rms, SwiGLU rounded to fp16.
+template <int CL>
+__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps) {
+    const int tid = threadIdx.x;
+    float ss = 0.f, sg = 0.f, su = 0.f;
+#pragma unroll 4  // (fully unrolled, CL = 8 spills: down's first step is held in registers meanwhile)
+    for (int r = 0; r < CL; ++r) {
+        ss += cl_ld(cl_map(smem_u32(&misc[2 * FFN_WARPS]), r));
+        sg += cl_ld(cl_map(smem_u32(&part[0][tid]), r));
+        su += cl_ld(cl_map(smem_u32(&part[1][tid]), r));
+    }
+    const float inv = rsqrtf(ss / D + eps), gg = sg * inv, uu = su * inv;
+    return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+}
+
+// down's x: the SwiGLU av of channel tid, divided by 2^dexp (returned) where the largest |av| passes
+// 1024. Starts with the relaxed arrive that says this block is done reading the others' shared memory
+// (av holds every value read); the kernel waits for it before exit.
+__device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc) {
+    // relaxed: a release arrive would wait for down's loads in flight
+    cl_arrive_relaxed();
+    diag_stamp(3);
+    const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
+    xd[threadIdx.x] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
+    __syncthreads();
+    return dexp;
+}
+
+// down's sums: each lane's 8 column sums a8 over its warp's rows (warp = (tile warp / WPT, rows)) times
+// 2^dexp, summed over a tile's warps, times wgt, added into acc's columns of the block's TB tiles.
+template <int TB>
+__device__ __forceinline__ void ffn_down_store(const float (&a8)[8], int dexp, int b, float wgt,
+                                               long long* __restrict__ acc, float (*red)[FFN_CH + FFN_CH / 32]) {
+    constexpr int WPT = FFN_WARPS / TB;  // warps per column tile
+    const int tid = threadIdx.x, warp = tid >> 5;
+    stash_lane_sums(red[warp], a8, dexp);
+    __syncthreads();
+    for (int c = tid; c < TB * FFN_CH; c += FFN_THREADS) {
+        const int t = c / FFN_CH, cc = c % FFN_CH;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WPT; ++w) s += red[t * WPT + w][cc + cc / 32];
+        fix_add(acc + (size_t)(b * TB + t) * FFN_CH + cc, s * wgt);
+    }
+}
+
+// ---- the kernels ----
+
 template <int CL, int TB>  // blocks per cluster; down column tiles per block (D = 256 CL TB)
 __global__ void __launch_bounds__(FFN_THREADS, FFN_MIN_BLOCKS)
 ffn_decode(const float* __restrict__ h,            // [D] residual row
@@ -90,7 +219,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
            long long* __restrict__ acc,            // [D] down's sums (fixed point), zero on entry
            int D, int I) {
     diag_stamp(0);  // (KUIPER_DIAG_TIMES, tools/timeline_decode.py: entry, wait, gate/up done, cluster sums, end)
-    constexpr int SPW = 4;                 // gate/up: warps per matrix (warps 0, 2, .. gate; 1, 3, .. up)
     constexpr int WPT = FFN_WARPS / TB;    // down: warps per column tile
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
@@ -118,56 +246,15 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     pdl_trigger();
     diag_stamp(1);
 
-    // ---- x = (h + fp16(pend)) * w over the span, its sum of squares (the 1/rms is applied later) ----
-    float mx = 0.f, ssl = 0.f;
-    for (int e = tid; e < SP; e += FFN_THREADS) {
-        const float hv = resid_pending(h, pend, k_lo + e);
-        if (pend && g == 0) hout[k_lo + e] = hv;
-        ssl += hv * hv;
-        const float f = hv * __half2float(nw[k_lo + e]);
-        mx = fmaxf(mx, fabsf(f));
-        xsm[e] = __float2half(f);  // inf past 65504, redone below
-    }
-    {
-        const float s = warp_sum(ssl);
-        if (lane == 0) misc[FFN_WARPS + warp] = s;
-    }
-    const int xexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(mx, reinterpret_cast<unsigned*>(misc)));  // (its barrier publishes xsm)
-    if (tid == 0) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < FFN_WARPS; ++w) s += misc[FFN_WARPS + w];
-        misc[2 * FFN_WARPS] = s;
-    }
-    if (xexp) {  // rare (massive activations): the span again from h, scaled by a power of two (exact)
-        const float down = exp2f(-(float)xexp);
-        for (int e = tid; e < SP; e += FFN_THREADS)
-            xsm[e] = __float2half(resid_pending(h, pend, k_lo + e) * __half2float(nw[k_lo + e]) * down);
-        __syncthreads();
-    }
-
-    // ---- gate and up over the span ----
+    const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
     float a8[8];
-    ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
+    ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
     diag_stamp(2);
-    stash_lane_sums(red[warp], a8, xexp);
-
-    __syncthreads();
-    {  // this block's 256 gate and 256 up sums over its span
-        float sg = 0.f, su = 0.f;
-#pragma unroll
-        for (int w = 0; w < SPW; ++w) {
-            sg += red[2 * w][tid + tid / 32];
-            su += red[2 * w + 1][tid + tid / 32];
-        }
-        part[0][tid] = sg;
-        part[1][tid] = su;
-    }
+    ffn_part_sums(a8, xexp, red, part);
     cl_arrive();  // release this block's part and span sum of squares to the cluster
 
-    // down: warp = (tile dt of the block's TB, rows dr R + WPT R j of the cluster's 256 channels). Its
-    // first step's loads go out between the barrier's arrive and wait: before the arrive, its release
-    // would wait for them (measured: 3.7 µs from a cluster's last gate/up block to its sums)
+    // down's first step's loads go out between the barrier's arrive and wait: before the arrive, its
+    // release would wait for them (measured: 3.7 µs from a cluster's last gate/up block to its sums)
     const int dt = warp / WPT, dr = warp % WPT;
     const int dword = (b * TB + dt) * 32 + lane;
     const u32* db = dq + (size_t)(b * TB + dt) * 32 * I + lane * 4;
@@ -176,36 +263,195 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(dz, ds, DW, dword, d_lo + dr * FFN_ROWS, zw, sv);
     cl_wait();
 
-    // ---- the cluster's sums in rank order (the same bits in every block), 1/rms, SwiGLU ----
-    float ss = 0.f, sg = 0.f, su = 0.f;
-#pragma unroll 4  // (fully unrolled, CL = 8 spills: down's first step is held in registers meanwhile)
-    for (int r = 0; r < CL; ++r) {
-        ss += cl_ld(cl_map(smem_u32(&misc[2 * FFN_WARPS]), r));
-        sg += cl_ld(cl_map(smem_u32(&part[0][tid]), r));
-        su += cl_ld(cl_map(smem_u32(&part[1][tid]), r));
-    }
-    const float inv = rsqrtf(ss / D + eps), gg = sg * inv, uu = su * inv;
-    const float av = __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
-    // done reading the others' shared memory (av holds every value read); waited for before exit.
-    // Relaxed: a release arrive would wait for down's loads in flight
-    cl_arrive_relaxed();
-    diag_stamp(3);
-    const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
-    xd[tid] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
-    __syncthreads();
-
-    // ---- down: the cluster's 256 channel rows x the block's TB column tiles ----
+    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
-    stash_lane_sums(red[warp], a8, dexp);
-    __syncthreads();
-    for (int c = tid; c < TB * FFN_CH; c += FFN_THREADS) {
-        const int t = c / FFN_CH, cc = c % FFN_CH;
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < WPT; ++w) s += red[t * WPT + w][cc + cc / 32];
-        fix_add(acc + (size_t)(b * TB + t) * FFN_CH + cc, s);
-    }
+    ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
     cl_wait();  // no block of the cluster still reads this block's shared memory
     diag_stamp(4);
     diag_record((unsigned long long)gq);
+}
+
+// v[16] summed over the warp, transposed: lanes 2j and 2j + 1 both return the sum of v[j] (j = (lane >> 1)
+// & 15), in 16 shuffles instead of 16 warp_sums' 80. A fixed tree: the same bits in every warp.
+__device__ __forceinline__ float warp_sum16_transposed(float (&v)[16]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 8; n >= 1; n >>= 1) {  // shuffle distance 2 n: keep the half of v that bit says
+        const bool hi = lane & (2 * n);
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+            const float keep = hi ? v[n + i] : v[i], give = hi ? v[i] : v[n + i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, give, 2 * n);
+        }
+    }
+    return v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
+}
+
+// A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, the router, softmax and top-k, and the k
+// selected experts' gate and up, SwiGLU and down with the routing-weighted sum. Separately that is the
+// routing kernel and two expert GEMVs, each waiting for the whole grid before it (the routing kernel's
+// last block picks the experts, and no expert weight can load before it has). Here every cluster routes
+// for itself: block b computes the router's partial logits over its span of x (the same rows it takes
+// of gate and up), the cluster adds them in rank order through distributed shared memory, and each
+// block runs the same softmax and top-k on the same bits, so all clusters agree without a grid-wide
+// step. Cluster g then owns 256 channels of one selected expert: slot g / (mI / 256), channel tile
+// g % (mI / 256); from there it is ffn_decode with the expert's matrices and its routing weight applied
+// to down's sums. Cluster 0's block 0 also stores the ids and weights (read by tests only).
+// Numerics: the router's logits are inv_rms * sum(fp16(h * w) . router) (the scaled norm of the
+// GEMVs), where the routing kernel rounds x after the 1/rms; both against fp32 logits. Measured on H100
+// (PERFORMANCE.md change 76): the Qwen3-30B-A3B decode step 2.6-2.9% shorter than the routing kernel and
+// expert GEMVs; routing in the cluster (x, router, exchange, top-k) takes as long as the routing kernel
+// did, so the gain is the two grid-wide boundaries it removes.
+//
+// Supported (the host checks): as ffn_decode, with mI % 256 == 0 for I, E <= MOE_MAX_E, k <= 32.
+// grid (CL, k mI / 256), cluster (CL, 1, 1), block FFN_THREADS.
+#define MOE_FFN_MIN_BLOCKS 2  // per SM: the router's first loads take 64 registers across the PDL wait
+#define MOE_RPRE 16           // router words per lane loaded before the wait: 16 experts x 8 of x's span
+#ifndef MOE_FFN_NB
+#define MOE_FFN_NB 1          // gate/up steps in flight per warp (2 and 4 measured slower: change 76)
+#endif
+#ifndef MOE_DOWN_NB
+#define MOE_DOWN_NB 1         // down steps loaded before the cluster's sums (2 measured slower: change 76)
+#endif
+
+template <int CL, int TB>
+__global__ void __launch_bounds__(FFN_THREADS, MOE_FFN_MIN_BLOCKS)
+moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
+               const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
+               float* __restrict__ hout,               // [D] h + fp16(pend), written by cluster 0 (pend set)
+               const half* __restrict__ nw, float eps, // [D] the norm weight
+               const half* __restrict__ router,        // [E, D] fp16
+               const u32* wq, const u32* wz, const half* ws,  // [gate | up] stack: [E][2][D, mI] tiled, [E, D/128, 2 mI/8],
+                                                               // [E, D/128, 2 mI]
+               const u32* dq, const u32* dz, const half* ds,  // down stack: [E][mI, D] tiled, [E, mI/128, D/8], [E, mI/128, D]
+               int* __restrict__ ids_out, float* __restrict__ w_out,  // [k] the experts picked and their weights
+               long long* __restrict__ acc,            // [D] the weighted sum of down's outputs (fixed point), zero on entry
+               int D, int mI, int E, int k, int norm_topk) {
+    diag_stamp(0);
+    constexpr int WPT = FFN_WARPS / TB;
+    static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
+    __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
+    __shared__ __align__(16) half xd[FFN_CH];
+    __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];
+    __shared__ float part[2][FFN_CH];
+    __shared__ float misc[2 * FFN_WARPS + 1];
+    __shared__ float rpart[MOE_MAX_E];  // this block's partial router logits (read by the cluster)
+    __shared__ float lg[MOE_MAX_E];     // the logits, -inf past E
+    __shared__ int sel_id[32];
+    __shared__ float sel_w[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int b = blockIdx.x, g = blockIdx.y;
+    const int SP = D / CL, k_lo = b * SP;
+    const int slot = g / (mI / FFN_CH), t = g % (mI / FFN_CH);
+
+    // the router is a weight: the first 256 columns of the span for the warp's experts warp + 8 j fly
+    // while the kernel before us finishes (PDL); the expert weights wait for the top-k
+    uint4 rw[MOE_RPRE];
+#pragma unroll
+    for (int j = 0; j < MOE_RPRE; ++j)
+        if (warp + 8 * j < E) rw[j] = __ldg(reinterpret_cast<const uint4*>(router + (size_t)(warp + 8 * j) * D + k_lo) + lane);
+    pdl_wait();
+    pdl_trigger();
+    diag_stamp(1);
+
+    const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
+
+    // ---- the router's partial logits over the span: warp = experts warp + 8 j, lane = 8 columns of 256 ----
+    {
+        const uint4* xv = reinterpret_cast<const uint4*>(xsm);
+        const float up = exp2f((float)xexp);  // undo the span's scaling (exact)
+        float s[MOE_RPRE];
+#pragma unroll
+        for (int j = 0; j < MOE_RPRE; ++j) s[j] = warp + 8 * j < E ? dot8(xv[lane], rw[j]) : 0.f;
+        for (int c = 1; c < SP / 256; ++c) {
+#pragma unroll
+            for (int j = 0; j < MOE_RPRE; ++j)
+                if (warp + 8 * j < E)
+                    s[j] += dot8(xv[32 * c + lane],
+                                 __ldg(reinterpret_cast<const uint4*>(router + (size_t)(warp + 8 * j) * D + k_lo) + 32 * c + lane));
+        }
+        const float v = warp_sum16_transposed(s) * up;
+        const int e = warp + 8 * ((lane >> 1) & 15);
+        if (!(lane & 1) && e < E) rpart[e] = v;
+        for (int e2 = warp + 8 * MOE_RPRE; e2 < E; e2 += 8) {  // E > 128
+            const uint4* rr = reinterpret_cast<const uint4*>(router + (size_t)e2 * D + k_lo);
+            float s2 = 0.f;
+            for (int c = 0; c < SP / 256; ++c) s2 += dot8(xv[32 * c + lane], __ldg(rr + 32 * c + lane));
+            s2 = warp_sum(s2);
+            if (lane == 0) rpart[e2] = s2 * up;
+        }
+    }
+    cl_arrive();  // release rpart and the span's sum of squares to the cluster
+    cl_wait();
+
+    // ---- the logits in rank order (the same bits in every block of every cluster), softmax, top-k ----
+    {
+        float ss = 0.f, s = 0.f;
+#pragma unroll 4
+        for (int r = 0; r < CL; ++r) {
+            ss += cl_ld(cl_map(smem_u32(&misc[2 * FFN_WARPS]), r));
+            s += tid < E ? cl_ld(cl_map(smem_u32(&rpart[tid]), r)) : 0.f;
+        }
+        lg[tid] = tid < E ? s * rsqrtf(ss / D + eps) : -INFINITY;
+    }
+    __syncthreads();
+    if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
+        float p[MOE_MAX_E / 32];
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lg[lane + 32 * j];
+        moe_topk_regs(p, E, k, norm_topk, sel_id, sel_w);
+        if (g == 0 && b == 0 && lane < k) {
+            ids_out[lane] = sel_id[lane];
+            w_out[lane] = sel_w[lane];
+        }
+    }
+    __syncthreads();
+    const int ex = sel_id[slot];
+    const float wgt = sel_w[slot];
+    diag_stamp(2);  // (routed; 3: the cluster's gate/up sums read)
+
+    // ---- ffn_decode on the expert's 256 channels t*256.. of gate, up and down ----
+    const int W2 = mI / 4;  // [gate | up]'s zero row in words (its scale row: 8 W2 halves)
+    const int mat = warp & 1, wr = warp >> 1;
+    const size_t mat_words = (size_t)D * (mI / 8);
+    const u32* qb = wq + (size_t)ex * 2 * mat_words + (mat ? mat_words : 0) + (size_t)t * 32 * D + lane * 4;
+    const u32* qz = wz + (size_t)ex * (D / 128) * W2;
+    const half* sc = ws + (size_t)ex * (D / 128) * W2 * 8;
+    const int gword = (mat ? mI / 8 : 0) + t * 32 + lane;
+    float a8[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a8[i] = 0.f;
+    ffn_span_dot_nb<MOE_FFN_NB>(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, a8);
+    ffn_part_sums(a8, xexp, red, part);
+    cl_arrive();  // release part (rpart was read by every block before this)
+
+    // down: the first MOE_DOWN_NB steps' loads go out between the arrive and the wait
+    const int DW = D / 8;
+    const int dt = warp / WPT, dr = warp % WPT;
+    const int dword = (b * TB + dt) * 32 + lane;
+    const u32* db = dq + (size_t)ex * mI * DW + (size_t)(b * TB + dt) * 32 * mI + lane * 4;
+    const u32* dzz = dz + (size_t)ex * (mI / 128) * DW;
+    const half* dss = ds + (size_t)ex * (mI / 128) * D;
+    const int d_lo = t * FFN_CH, dstep = WPT * FFN_ROWS;
+    u32 dwv[MOE_DOWN_NB][FFN_ROWS], dzw[MOE_DOWN_NB];
+    uint4 dsv[MOE_DOWN_NB];
+#pragma unroll
+    for (int i = 0; i < MOE_DOWN_NB; ++i)
+        if (dr * FFN_ROWS + i * dstep < FFN_CH) {
+            ffn_load_rows(db, d_lo + dr * FFN_ROWS + i * dstep, dwv[i]);
+            ffn_load_group(dzz, dss, DW, dword, d_lo + dr * FFN_ROWS + i * dstep, dzw[i], dsv[i]);
+        }
+    cl_wait();
+
+    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a8[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MOE_DOWN_NB; ++i)
+        if (dr * FFN_ROWS + i * dstep < FFN_CH) ffn_dot(dwv[i], dzw[i], dsv[i], xd + dr * FFN_ROWS + i * dstep, a8);
+    ffn_span_dot_nb<2>(db, dzz, dss, DW, dword, d_lo, dr * FFN_ROWS + MOE_DOWN_NB * dstep, FFN_CH, dstep, xd, a8);
+    ffn_down_store<TB>(a8, dexp, b, wgt, acc, red);
+    cl_wait();
+    diag_stamp(4);
+    diag_record((unsigned long long)wq);
 }

@@ -12,28 +12,8 @@
 // Supported (checked on the host): num_experts <= 256, experts per token <= 32, D % 8 == 0.
 #include "common.cuh"
 
-#define MOE_MAX_E 256       // experts held per warp lane: 8 per lane
 #define MOE_MAP_WARPS 32    // warps of the single-block map builder
 #define MOE_TILE_M 64       // rows per grouped-GEMM tile (BM of gemm_w4a16.cu)
-
-// The better of two (probability, expert) candidates: higher probability, ties to the lower id
-// (the reference's stable sort).
-__device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
-    return pa > pb || (pa == pb && ea < eb);
-}
-
-// 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
-    const half2* ah = reinterpret_cast<const half2*>(&a);
-    const half2* bh = reinterpret_cast<const half2*>(&b);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-        s += fa.x * fb.x + fa.y * fb.y;
-    }
-    return s;
-}
 
 // x . w in fp32 over D fp16 elements (D % 8 == 0) by one warp, the result in every lane: the
 // router logit of one expert. x may be in shared memory, w (a router row) is read through L1.
@@ -61,57 +41,16 @@ __global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
     if (lane == 0) logits[(size_t)t * E + e] = s;
 }
 
-// Softmax over one token's E logits, top-k, optional renormalisation, by one warp (each lane
-// holding experts lane, lane + 32, ...). Logits are read through L2 (__ldcg): in the fused decode
-// router other blocks wrote them moments ago.
+// Softmax over one token's E logits, top-k, optional renormalisation, by one warp (common.cuh's
+// moe_topk_regs). Logits are read through L2 (__ldcg): in the fused decode router other blocks wrote
+// them moments ago.
 __device__ __forceinline__ void moe_topk_warp(const float* __restrict__ row, int E, int k, int norm_topk,
                                               int* __restrict__ ids, float* __restrict__ weights) {
     const int lane = threadIdx.x & 31;
     float p[MOE_MAX_E / 32];
-    float mx = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < MOE_MAX_E / 32; ++j) {
-        int e = lane + 32 * j;
-        p[j] = e < E ? __ldcg(row + e) : -INFINITY;
-        mx = fmaxf(mx, p[j]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_E / 32; ++j) {
-        p[j] = lane + 32 * j < E ? __expf(p[j] - mx) : 0.f;
-        sum += p[j];
-    }
-    const float inv = 1.f / warp_sum(sum);
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lane + 32 * j < E ? p[j] * inv : -1.f;
-
-    float picked = 0.f, my_w = 0.f;
-    int my_id = 0;
-    for (int r = 0; r < k; ++r) {
-        // this lane's best remaining expert, then the warp's
-        float bp = -2.f;
-        int be = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j)
-            if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float op = __shfl_xor_sync(0xffffffffu, bp, o);
-            int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (moe_better(op, oe, bp, be)) { bp = op; be = oe; }
-        }
-        // the owner retires the winner; lane r keeps slot r
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j)
-            if (lane + 32 * j == be) p[j] = -2.f;
-        picked += bp;
-        if (lane == r) { my_w = bp; my_id = be; }
-    }
-    if (lane < k) {
-        ids[lane] = my_id;
-        weights[lane] = norm_topk ? my_w / picked : my_w;
-    }
+    for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lane + 32 * j < E ? __ldcg(row + lane + 32 * j) : -INFINITY;
+    moe_topk_regs(p, E, k, norm_topk, ids, weights);
 }
 
 // moe_topk_warp for T tokens. grid ceil(T / 8), block 256: one warp per token.

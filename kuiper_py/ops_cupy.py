@@ -137,7 +137,8 @@ _FILES = {
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
-               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS])}
+               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
+                       + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -1037,6 +1038,56 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
     return acc
 
 
+# the one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: routing and the selected experts in one
+# cluster launch; Qwen3-30B-A3B's decode step 2.6-2.9% shorter on H100, PERFORMANCE.md change 76): "auto"
+# (default) and "1" wherever it is served, "0" off (the routing kernel and the two expert GEMVs)
+DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
+
+
+def moe_ffn_cluster_plan(CL: int, TB: int, n: int) -> dict:
+    """decode_moe_ffn's plan for moe_ffn_decode's (CL, TB) instantiation over n clusters (as ffn_cluster_plan)."""
+    fn = _compiled("ffn", f"moe_ffn_decode<{CL}, {TB}>")
+    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
+
+
+def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
+    """(plan, why) for moe_ffn_decode (a MoE decode layer's routing and experts in one cluster launch):
+    the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
+    k * moe_intermediate / 256 clusters in all, and every cluster must be resident at once: of the
+    (CL, TB) pairs that tile the hidden size, the one with the most blocks whose clusters all fit."""
+    if DECODE_MOE not in ("auto", "1"):
+        return None, "off (KUIPER_DECODE_MOE=0)"
+    if not pdl_enabled() or _cu_occupancy_clusters() is None:
+        return None, "needs compute capability 9.0 (clusters, PDL)"
+    D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
+    if a.group_size != 128 or mI % FFN_CH or E > MOE_MAX_EXPERTS or k > 32:
+        return None, f"shape not served (group size {a.group_size}, expert intermediate {mI}, {E} experts, top {k})"
+    n, tried = k * mI // FFN_CH, []
+    for CL, TB in FFN_PAIRS:  # most blocks first
+        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN:
+            continue
+        plan = moe_ffn_cluster_plan(CL, TB, n)
+        tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
+        if plan["clusters"] >= n:
+            return plan, f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({plan['clusters']} fit)"
+    return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
+
+
+def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool):
+    """One MoE decode layer's FFN half (moe_ffn_decode): x a _Normed (h, the norm weight, the o
+    projection's pending sums and the row they make, or neither); the k experts picked to ids (int32
+    [k]) and their weights to weights (fp32 [k]); the weighted sum of their down outputs added into acc
+    (int64 [D], zero on entry: the o GEMV before clears it)."""
+    null = np.uint64(0)
+    w13, w2 = layer.experts_w13, layer.experts_w2
+    E, D, mI = w13.E, x.h.size, w2.qweight.shape[1]
+    launch_ex(plan["fn"], (plan["CL"], k * mI // FFN_CH), (FFN_THREADS,), (
+        x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
+        layer.router, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
+        _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk))), 0, plan["attrs"])
+    return acc
+
+
 class _FfnIn:
     """A dense decode layer's gate/up input, not yet launched: the down projection launches the
     whole FFN half (decode_ffn)."""
@@ -1361,6 +1412,10 @@ class CupyOps:
         self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and self._da is None and o_clears else
                                           (None, "needs accumulating mode, the o GEMV's merge prologue and no fused "
                                                  "attention half"))
+        # the MoE FFN half in one launch (routing and experts): also cleared for by the o GEMV
+        self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
+                                          (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
+                                                 "prologue"))
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -1710,10 +1765,10 @@ class CupyOps:
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc():
-                    # with the one-launch FFN half, also clears the down and q|k|v accumulators (last read
+                    # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
                     gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
-                         zero=d["acc_d_qkv"] if self._ffn is not None else None)
+                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None)
                     return d["acc_o"]
                 return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
         if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
@@ -1763,6 +1818,17 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
+        if isinstance(x, _Normed) and self._moe is not None:  # decode: routing and experts in one launch
+            def moe_half():  # the weighted sum to acc_d (the next norm's consumer adds it to h)
+                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"], a.rms_norm_eps, k,
+                               a.norm_topk_prob)
+                if self.routing_log is not None and not self.graphs:  # eager decode only
+                    self.routing_log.append(cp.asnumpy(d["moe_ids"]))
+                return d["acc_d"]
+
+            def no_plain_moe(h):
+                raise AssertionError("the one-launch MoE FFN half runs in accumulating mode only")
+            return _Deferred(no_plain_moe, moe_half)
         if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
             # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
             ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],

@@ -8,7 +8,8 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import PROMPT, decode_logits, decode_step_twice, greedy_tokens, rel
+from reference import (PROMPT, assert_as_accurate, cpu_decode, decode_logits, decode_step_twice, greedy_tokens,
+                       rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -81,7 +82,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(untied_bin)
-    cpu = _cpu_decode(mf, ids, 10)
+    cpu = cpu_decode(mf, ids, 10)
     errs = {}
     for acc in (True, False):
         monkeypatch.setattr(oc, "GEMV_ACC", acc)
@@ -127,28 +128,6 @@ def _dl_decode(mf, ids, n_prefill, graphs, on, monkeypatch, blocks=0):
     return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
 
 
-def _cpu_decode(mf, ids, n_prefill):
-    """The NumPy engine's logits [len(ids) - n_prefill, V] for the decode steps of ids after a prefill."""
-    ref = Qwen3(mf, NumpyOps, 96)
-    ref.prefill(ids[:n_prefill])
-    return np.stack([ref.decode(t) for t in ids[n_prefill:]])
-
-
-def _assert_as_accurate(name, fused, separate, cpu):
-    """A fused decode path's logits against the separate kernels' and the CPU reference's. Both GPU
-    paths round activations to fp16 at the same points but sum in different fp32 orders, so a value
-    near a rounding boundary can land on either side and the difference compounds over the layers:
-    the property to hold is accuracy against the independent reference, as good as the separate
-    kernels' (plus the e2e tests' 1e-2 bound)."""
-    assert np.isfinite(fused).all()
-    e_fused, e_sep = rel(fused, cpu), rel(separate, cpu)
-    print(f"rel to the CPU reference: {name} {e_fused:.2e}, separate kernels {e_sep:.2e}; "
-          f"between them {rel(fused, separate):.2e}")
-    assert e_fused < 1e-2
-    assert e_fused < 1.5 * e_sep
-    assert rel(fused, separate) < 2 * e_sep
-
-
 @pytest.mark.parametrize("blocks,graphs", [(0, True), (0, False), (37, True), (11, True)])
 def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin, blocks, graphs, monkeypatch):
     """Blocks: one per SM (the default), 37 (ragged unit ranges, more blocks than some steps' units
@@ -158,7 +137,7 @@ def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin,
     mf = load(dl_bin)
     fused = _dl_decode(mf, ids, 10, graphs, True, monkeypatch, blocks)
     separate = _dl_decode(mf, ids, 10, graphs, False, monkeypatch)
-    _assert_as_accurate("persistent", fused, separate, _cpu_decode(mf, ids, 10))
+    assert_as_accurate("persistent", fused, separate, cpu_decode(mf, ids, 10))
 
 
 def test_persistent_decode_kernel_greedy_and_deterministic(dl_bin, monkeypatch):
@@ -235,7 +214,7 @@ def test_fused_attention_half_matches_separate_kernels_and_reference(da_bin, gra
     m, fused = _da_decode(mf, ids, 10, graphs, True, monkeypatch, qh=qh, late=late)
     assert int(cp.count_nonzero(m.ops.d["acc_o"])) == 0  # the last down GEMV leaves it zero for the next step
     _, separate = _da_decode(mf, ids, 10, graphs, False, monkeypatch)
-    _assert_as_accurate("fused", fused, separate, _cpu_decode(mf, ids, 10))
+    assert_as_accurate("fused", fused, separate, cpu_decode(mf, ids, 10))
 
 
 def test_fused_attention_half_greedy_and_deterministic(da_bin, monkeypatch):
@@ -301,7 +280,7 @@ def test_one_launch_ffn_half_matches_separate_kernels_and_reference(ffn_bin, gra
     print("plan:", m.ops.decode_ffn_why)
     assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0  # the final norm finished the last down sums and cleared them
     _, separate = _ffn_decode(mf, ids, 10, graphs, False, monkeypatch)
-    _assert_as_accurate("one-launch FFN", fused, separate, _cpu_decode(mf, ids, 10))
+    assert_as_accurate("one-launch FFN", fused, separate, cpu_decode(mf, ids, 10))
 
 
 def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):

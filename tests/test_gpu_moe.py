@@ -6,6 +6,7 @@ Outputs are poisoned (NaN, -1) before each kernel; inputs are fresh random draws
 the reference's output of the stage before, so a failure names its stage.
 """
 import math
+import types
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear
-from reference import PROMPT, decode_logits, decode_step_twice, greedy_tokens, rand_awq_tensors, rel
+from reference import (PROMPT, assert_as_accurate, decode_logits, decode_step_twice, greedy_tokens,
+                       rand_awq_tensors, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -191,6 +193,82 @@ def test_moe_route_decode_topk_matches_prefill_topk_with_ties(layer, norm_topk):
         assert int(counter[0]) == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, router, top-k and the selected
+# experts' SwiGLU FFN with the weighted sum, every cluster routing for itself), against float64 NumPy.
+# (CL, TB, experts, top-k, expert intermediate): every (CL, TB) instantiation; Qwen3-30B-A3B's layer
+# (the module's fixture, 24 clusters of 8) and 160 experts (past the 128 whose router words load before
+# the PDL wait) among them.
+_MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 512), (4, 2, 32, 3, 512),
+                  (5, 2, 32, 4, 256), (5, 4, 16, 2, 256)]
+
+
+def _moe_ffn_plan(CL, TB, n_clusters):
+    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    plan = oc.moe_ffn_cluster_plan(CL, TB, n_clusters)
+    assert plan["clusters"] >= n_clusters
+    return plan
+
+
+@pytest.mark.parametrize("massive", [False, True])
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("CL,TB,n_exp,k,inter", _MOE_FFN_CASES)
+def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive):
+    """The row h + fp16(pending o) (written to hout exactly), its RMSNorm, the router's logits, softmax
+    and top-k, and the picked experts' gate/up, SwiGLU and down times their routing weights, summed
+    into a fixed-point accumulator. The picks must be a top-k of the exact (float64) logits, ties within
+    2e-3 allowed (the kernel rounds x = h * w to fp16 before the 1/rms); the weights and the output are
+    checked against the exact values for the experts picked. massive: three residual channels at 1e5
+    with norm weight 40 (past fp16's range before the deferred 1/rms), so the overflow guards run.
+    Launched twice on the same inputs with poisoned outputs: bitwise the same."""
+    rng = np.random.default_rng()
+    Dm = 256 * CL * TB
+    plan = _moe_ffn_plan(CL, TB, k * inter // 256)
+    if (Dm, n_exp, inter) == (D, E, INTER):
+        w13, w13_d, w2, w2_d, router = layer["w13"], layer["w13_d"], layer["w2"], layer["w2_d"], layer["router"]
+    else:
+        (w13, w13_d), (w2, w2_d) = rand_stack(rng, n_exp, Dm, 2 * inter, segments=2), rand_stack(rng, n_exp, inter, Dm)
+        router = (rng.standard_normal((n_exp, Dm)) / math.sqrt(Dm)).astype(np.float16)
+    h = rng.standard_normal(Dm).astype(np.float32)
+    w = (rng.random(Dm) + 0.5).astype(np.float16)
+    if massive:
+        rows = rng.choice(Dm, 3, replace=False)
+        h[rows], w[rows] = 1e5, 40
+    pend = np.round(rng.standard_normal(Dm) * 2**32).astype(np.int64)
+    row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)
+    r64 = row.astype(np.float64)
+    x = r64 / np.sqrt(np.mean(r64 * r64) + 1e-6) * w.astype(np.float64)
+    logits = router.astype(np.float64) @ x
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    lay = types.SimpleNamespace(router=cp.asarray(router), experts_w13=w13_d, experts_w2=w2_d)
+    outs = []
+    for _ in range(2):
+        hout, acc = poisoned((1, Dm), np.float32), cp.zeros((Dm,), cp.int64)
+        ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
+        xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
+        oc.decode_moe_ffn(plan, xin, lay, ids, wts, acc, 1e-6, k, norm_topk)
+        np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
+        outs.append((cp.asnumpy(ids)[0], cp.asnumpy(wts)[0], cp.asnumpy(acc)))
+    got_ids, got_w, got = outs[0]
+    kth = np.sort(logits)[::-1][k - 1]
+    assert len(set(got_ids.tolist())) == k and (logits[got_ids] >= kth - 2e-3).all(), (got_ids, np.argsort(-logits)[:k])
+    assert (np.diff(logits[got_ids]) <= 2e-3).all()  # in descending order
+    w_ref = p[got_ids] / (p[got_ids].sum() if norm_topk else 1.0)
+    assert rel(got_w, w_ref) < 1e-3
+    ref = np.zeros(Dm)
+    for e, we in zip(got_ids, w_ref):
+        gu = awq_linear(x[None].astype(np.float32), w13.expert(int(e)))[0].astype(np.float64)
+        g, u = gu[:inter], gu[inter:]
+        act = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float32)
+        ref += we * awq_linear(act[None], w2.expert(int(e)))[0]
+    y = got.astype(np.float64) / 2**32
+    assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
+    for a_, b_ in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(a_, b_)
+
+
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
@@ -297,4 +375,107 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
     monkeypatch.setattr(oc, "GEMV_ACC", True)
     ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
+    assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0
+
+
+# The one-launch MoE FFN half end to end, at shapes it serves: a 1024-wide model (clusters of 4, 32
+# experts, 4 per token) and a 2048-wide one (clusters of 8, as Qwen3-30B-A3B) whose middle layer is a
+# dense MLP (mlp_only_layers), against the separate routing kernel and expert GEMVs
+# (KUIPER_DECODE_MOE=0) and the CPU engine. Layout: hidden, dense intermediate, layers, heads, kv heads,
+# head_dim, tied, experts, top-k, expert intermediate, mlp_only_layers.
+_FUSED_MOE = {"m1k": (1024, 1024, 2, 8, 2, 128, True, 32, 4, 256, ()),
+              "m2k-mixed": (2048, 2048, 3, 16, 4, 128, True, 16, 4, 512, (1,))}
+
+
+@pytest.fixture(scope="module", params=list(_FUSED_MOE))
+def fused_moe_bin(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.MOE_PRESETS, request.param, _FUSED_MOE[request.param])
+        d = synth.make_checkpoint(root / "ck", request.param, seed=5, n_shards=1, tokenizer=False)
+    export(d, root / "m.bin", progress=False, log=lambda m: None)
+    return root / "m.bin"
+
+
+def _fused_moe_decode(mf, ids, n_prefill, graphs, on, monkeypatch):
+    """Logits of decoding ids[n_prefill:] after a prefill with the one-launch MoE FFN on or off, and the
+    routing log of the decode steps (eager only: [step * MoE layers + layer] -> ids [1, k])."""
+    monkeypatch.setattr(oc, "DECODE_MOE", "1" if on else "0")
+    m = Qwen3(mf, oc.CupyOps, 64)
+    assert (m.ops._moe is not None) == on, m.ops.decode_moe_why
+    m.ops.graphs = graphs
+    m.prefill(ids[:n_prefill])
+    m.ops.routing_log = []
+    if on:  # poison what the separate path writes: a stale read by the fused path would pass unnoticed
+        for key in ("moe_logits", "moe_act", "moe_w", "x", "qrot", "part_o", "part_ml"):
+            m.ops.d[key].fill(np.nan)
+        m.ops.d["moe_ids"].fill(-1)
+    out = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
+    return m, out, m.ops.routing_log
+
+
+def _first_rerouted(log, ref_log, n_steps):
+    """The first decode step at which some MoE layer picked other experts than in ref_log (n_steps if none)."""
+    n = len(ref_log) // n_steps
+    assert n > 0 and len(log) == len(ref_log) == n * n_steps
+    for t in range(n_steps):
+        if any(set(log[t * n + i].ravel()) != set(ref_log[t * n + i].ravel()) for i in range(n)):
+            return t
+    return n_steps
+
+
+def test_one_launch_moe_matches_separate_kernels_and_reference(fused_moe_bin, monkeypatch):
+    """Eager decode against the separate kernels and the CPU engine, compared up to the first token
+    whose experts differ from the CPU's in some layer (a near-tied router; three draws at most); graph
+    replay equal to eager decode."""
+    mf = load(fused_moe_bin)
+    for _ in range(3):
+        ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
+        cpu = Qwen3(mf, NumpyOps, 64)
+        cpu.prefill(ids[:10])
+        cpu.ops.routing_log = []
+        ref = np.stack([cpu.decode(t) for t in ids[10:]])
+        cpu_log = [np.asarray(r).reshape(1, -1) for r in cpu.ops.routing_log]
+        m, fused, log_f = _fused_moe_decode(mf, ids, 10, False, True, monkeypatch)
+        print("plan:", m.ops.decode_moe_why)
+        assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0  # the final norm finished the last sums and cleared them
+        _, separate, log_s = _fused_moe_decode(mf, ids, 10, False, False, monkeypatch)
+        first = min(_first_rerouted(log_f, cpu_log, 30), _first_rerouted(log_s, cpu_log, 30))
+        if first >= 10:
+            assert_as_accurate("one-launch MoE", fused[:first], separate[:first], ref[:first])
+            _, graph, _ = _fused_moe_decode(mf, ids, 10, True, True, monkeypatch)
+            assert rel(graph, fused) < 1e-3
+            return
+    pytest.fail("the GPU and the CPU chose different experts within the first 10 decode tokens in 3 draws")
+
+
+def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
+    """Greedy tokens (eager decode) equal to the CPU engine's up to the first decode step whose experts
+    differ from the CPU's in some layer (after a near-tied router both continuations are right; at
+    least 10 tokens compared, three random prompts at most); one step repeated from the same cache
+    bitwise equal, the accumulators left zero."""
+    mf = load(fused_moe_bin)
+    monkeypatch.setattr(oc, "DECODE_MOE", "1")
+    for _ in range(3):
+        prompt = np.random.default_rng().integers(0, 151643, size=8).tolist()
+        runs = {}
+        for name, ops in (("cpu", NumpyOps), ("gpu", oc.CupyOps)):
+            m = Qwen3(mf, ops, len(prompt) + 24)
+            m.ops.graphs = False
+            m.ops.routing_log = []
+            toks = greedy_tokens(m, prompt, 24)
+            runs[name] = toks, [np.asarray(r).reshape(-1, np.asarray(r).shape[-1]) for r in m.ops.routing_log]
+        (tg, lg), (tc, lc) = runs["gpu"], runs["cpu"]
+        n_moe = sum(1 for r in lc if r.shape[0] == len(prompt))  # the prefill's entries come first
+        if any(not np.array_equal(np.sort(a_, axis=1), np.sort(b_, axis=1)) for a_, b_ in zip(lg[:n_moe], lc[:n_moe])):
+            continue  # the prefill itself rerouted (its kernels are not the ones under test)
+        first = _first_rerouted(lg[n_moe:], lc[n_moe:], 23)  # decode step s makes token s + 1
+        if first >= 9:
+            assert tg[:first + 1] == tc[:first + 1], (first, tg, tc)
+            break
+    else:
+        pytest.fail("the GPU and the CPU chose different experts within the first 10 tokens in 3 draws")
+    ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
+    assert ops._moe is not None
+    assert np.array_equal(a, b)  # fixed-point sums, rank-ordered cluster sums: bitwise the same
     assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0

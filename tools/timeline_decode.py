@@ -64,9 +64,10 @@ def main(model, ctx, save):
             launches.append((t[sel, 0].min(), tag, t[sel]))
     launches.sort(key=lambda z: z[0])
     n_layers = m.args.num_hidden_layers
-    # a layer's stamped kernels (the MoE router is not stamped); otherwise each launch on its own row.
-    # ffn (KUIPER_DECODE_FFN=1, ffn_decode.cu): its "prologue done" is gate/up done, "loop done" the
-    # cluster's sums read
+    # a layer's stamped kernels (the MoE router of KUIPER_DECODE_MOE=0 is not stamped); otherwise each
+    # launch on its own row. ffn (ffn_decode.cu): its "prologue done" is gate/up done (moe_ffn_decode:
+    # the experts picked), "loop done" the cluster's gate/up sums read. (The stamps are not memory
+    # operations: the compiler may move independent work across them, so sub-phase splits are rough.)
     kinds = (["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else
              ["qkv", "attention", "o", "ffn"] if len(launches) == 4 * n_layers else None)
     per = len(kinds) if kinds else 1
