@@ -181,3 +181,31 @@ def assert_as_accurate(name, fused, separate, cpu):
     assert e_fused < 1e-2
     assert e_fused < 1.5 * e_sep
     assert rel(fused, separate) < 2 * e_sep
+
+
+def cluster_plan_or_skip(plan_fn, CL, TB, n_clusters):
+    """A cluster kernel's plan from plan_fn (ops_cupy.ffn_cluster_plan or moe_ffn_cluster_plan) for its
+    (CL, TB) instantiation over n_clusters, or a skip where clusters or the driver's occupancy query are
+    missing (before sm_90); its clusters must all be resident."""
+    import pytest
+    from kuiper_py import ops_cupy as oc
+    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    plan = plan_fn(CL, TB, n_clusters)
+    assert plan["clusters"] >= n_clusters
+    return plan
+
+
+def pending_row_inputs(rng, D, massive):
+    """A one-token FFN half's inputs in accumulating mode: the residual row h (fp32), the norm weight w
+    (fp16), the o projection's pending sums (int64, 32 fraction bits) and the row they make, h + fp16(o)
+    added in fp32 as the kernels add it. massive: three channels at 1e5 with norm weight 40 (x = h * w
+    past fp16's range before the deferred 1/rms), so the kernels' overflow guards run."""
+    h = rng.standard_normal(D).astype(np.float32)
+    w = (rng.random(D) + 0.5).astype(np.float16)
+    if massive:
+        rows = rng.choice(D, 3, replace=False)
+        h[rows], w[rows] = 1e5, 40
+    pend = np.round(rng.standard_normal(D) * 2**32).astype(np.int64)
+    row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)
+    return h, w, pend, row

@@ -13,7 +13,7 @@ import pytest
 
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
-from reference import dequant_reference, rand_awq_tensors, rel
+from reference import cluster_plan_or_skip, dequant_reference, pending_row_inputs, rand_awq_tensors, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -713,16 +713,6 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
-def _ffn_plan(CL, TB, n_clusters):
-    """ffn_decode.cu's (CL, TB) instantiation as decode_ffn wants it, or a skip where clusters or the
-    driver's occupancy query are missing (before sm_90); its clusters must all be resident."""
-    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
-        pytest.skip("thread-block clusters need compute capability 9.0")
-    plan = oc.ffn_cluster_plan(CL, TB, n_clusters)
-    assert plan["clusters"] >= n_clusters
-    return plan
-
-
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
 def test_ffn_decode_cluster_kernel(CL, TB, massive):
@@ -734,15 +724,9 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive):
     in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same."""
     rng = np.random.default_rng()
     D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
-    plan = _ffn_plan(CL, TB, I // 256)
+    plan = cluster_plan_or_skip(oc.ffn_cluster_plan, CL, TB, I // 256)
     (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
-    h = rng.standard_normal(D).astype(np.float32)
-    w = (rng.random(D) + 0.5).astype(np.float16)
-    if massive:
-        rows = rng.choice(D, 3, replace=False)
-        h[rows], w[rows] = 1e5, 40
-    pend = np.round(rng.standard_normal(D) * 2**32).astype(np.int64)
-    row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)  # fp32, as the kernel adds
+    h, w, pend, row = pending_row_inputs(rng, D, massive)
     x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
     g, u = x @ rg, x @ ru
     ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd

@@ -16,8 +16,8 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear
-from reference import (PROMPT, assert_as_accurate, decode_logits, decode_step_twice, greedy_tokens,
-                       rand_awq_tensors, rel)
+from reference import (PROMPT, assert_as_accurate, cluster_plan_or_skip, decode_logits, decode_step_twice,
+                       greedy_tokens, pending_row_inputs, rand_awq_tensors, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -203,14 +203,6 @@ _MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 51
                   (5, 2, 32, 4, 256), (5, 4, 16, 2, 256)]
 
 
-def _moe_ffn_plan(CL, TB, n_clusters):
-    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
-        pytest.skip("thread-block clusters need compute capability 9.0")
-    plan = oc.moe_ffn_cluster_plan(CL, TB, n_clusters)
-    assert plan["clusters"] >= n_clusters
-    return plan
-
-
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("CL,TB,n_exp,k,inter", _MOE_FFN_CASES)
@@ -224,19 +216,13 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     Launched twice on the same inputs with poisoned outputs: bitwise the same."""
     rng = np.random.default_rng()
     Dm = 256 * CL * TB
-    plan = _moe_ffn_plan(CL, TB, k * inter // 256)
+    plan = cluster_plan_or_skip(oc.moe_ffn_cluster_plan, CL, TB, k * inter // 256)
     if (Dm, n_exp, inter) == (D, E, INTER):
         w13, w13_d, w2, w2_d, router = layer["w13"], layer["w13_d"], layer["w2"], layer["w2_d"], layer["router"]
     else:
         (w13, w13_d), (w2, w2_d) = rand_stack(rng, n_exp, Dm, 2 * inter, segments=2), rand_stack(rng, n_exp, inter, Dm)
         router = (rng.standard_normal((n_exp, Dm)) / math.sqrt(Dm)).astype(np.float16)
-    h = rng.standard_normal(Dm).astype(np.float32)
-    w = (rng.random(Dm) + 0.5).astype(np.float16)
-    if massive:
-        rows = rng.choice(Dm, 3, replace=False)
-        h[rows], w[rows] = 1e5, 40
-    pend = np.round(rng.standard_normal(Dm) * 2**32).astype(np.int64)
-    row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)
+    h, w, pend, row = pending_row_inputs(rng, Dm, massive)
     r64 = row.astype(np.float64)
     x = r64 / np.sqrt(np.mean(r64 * r64) + 1e-6) * w.astype(np.float64)
     logits = router.astype(np.float64) @ x
@@ -329,6 +315,16 @@ def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
     pytest.fail("decode and prefill chose different experts within the first 10 decode tokens in 3 draws")
 
 
+def _cpu_decode_routed(mf, ids, n_prefill):
+    """The CPU engine's logits for the decode steps of ids after a prefill of ids[:n_prefill], and its
+    routing log of those steps ([step * MoE layers + layer] -> ids [1, k])."""
+    cpu = Qwen3(mf, NumpyOps, 64)
+    cpu.prefill(ids[:n_prefill])
+    cpu.ops.routing_log = []
+    ref = np.stack([cpu.decode(t) for t in ids[n_prefill:]])
+    return ref, [np.asarray(r).reshape(1, -1) for r in cpu.ops.routing_log]
+
+
 def test_moe_accumulating_decode(moe_bin, monkeypatch):
     """MoE models decode in accumulating mode (q|k|v finished by flash decoding, o's sums added to the
     residual by the router kernel, the experts' [gate | up] sums finished by the expert down GEMV, its
@@ -344,10 +340,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
     compared = 0
     for _ in range(3):
         ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
-        cpu = Qwen3(mf, NumpyOps, 64)
-        cpu.prefill(ids[:10])
-        cpu.ops.routing_log = []
-        ref = np.stack([cpu.decode(t) for t in ids[10:]])
+        ref, cpu_log = _cpu_decode_routed(mf, ids, 10)
         got, first = {}, 30
         for acc in (True, False):
             monkeypatch.setattr(oc, "GEMV_ACC", acc)
@@ -358,7 +351,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
             got[acc] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
             n = len(m.ops.routing_log) // 30
             for t in range(30):
-                if any(set(m.ops.routing_log[t * n + i][0]) != set(cpu.ops.routing_log[t * n + i][0])
+                if any(set(m.ops.routing_log[t * n + i][0]) != set(cpu_log[t * n + i][0])
                        for i in range(n)):
                     first = min(first, t)
                     break
@@ -431,11 +424,7 @@ def test_one_launch_moe_matches_separate_kernels_and_reference(fused_moe_bin, mo
     mf = load(fused_moe_bin)
     for _ in range(3):
         ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
-        cpu = Qwen3(mf, NumpyOps, 64)
-        cpu.prefill(ids[:10])
-        cpu.ops.routing_log = []
-        ref = np.stack([cpu.decode(t) for t in ids[10:]])
-        cpu_log = [np.asarray(r).reshape(1, -1) for r in cpu.ops.routing_log]
+        ref, cpu_log = _cpu_decode_routed(mf, ids, 10)
         m, fused, log_f = _fused_moe_decode(mf, ids, 10, False, True, monkeypatch)
         print("plan:", m.ops.decode_moe_why)
         assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0  # the final norm finished the last sums and cleared them
