@@ -82,8 +82,9 @@ __device__ __forceinline__ void ffn_span_dot(const u32* base, const u32* qz, con
 }
 
 // acc += a warp's share of a lane word's dot over rows row0 + k, k = k0, k0 + step, .. < k_end (as
-// ffn_span_dot), with NB steps' loads in flight at once: for a consumer whose weights cannot load before
-// its wait (the MoE experts), so that few warps still keep enough bytes in flight.
+// ffn_span_dot, without loads issued ahead of the call), NB steps' loads issued together. For the MoE
+// experts, whose weights cannot load before the top-k; NB = 2 and 4 measured slower than 1 there
+// (change 76), kept as the A/B knob MOE_FFN_NB.
 template <int NB>
 __device__ __forceinline__ void ffn_span_dot_nb(const u32* base, const u32* qz, const half* sc, int W, int word,
                                                 int row0, int k0, int k_end, int step, const half* x, float (&acc)[8]) {

@@ -1060,7 +1060,7 @@ def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
-    if a.group_size != 128 or mI % FFN_CH or E > MOE_MAX_EXPERTS or k > 32:
+    if a.group_size != 128 or mI % FFN_CH or E > MOE_MAX_EXPERTS or k > MOE_MAX_TOPK:
         return None, f"shape not served (group size {a.group_size}, expert intermediate {mI}, {E} experts, top {k})"
     n, tried = k * mI // FFN_CH, []
     for CL, TB in FFN_PAIRS:  # most blocks first
@@ -1412,7 +1412,8 @@ class CupyOps:
         self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and self._da is None and o_clears else
                                           (None, "needs accumulating mode, the o GEMV's merge prologue and no fused "
                                                  "attention half"))
-        # the MoE FFN half in one launch (routing and experts): also cleared for by the o GEMV
+        # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
+        # cleared by the o GEMV before it
         self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
