@@ -502,20 +502,11 @@ __device__ __forceinline__ void moe_topk_regs(float (&p)[MOE_MAX_E / 32], int E,
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j)
             if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
-#ifdef MOE_TOPK_SHFL  // (A/B: the shuffle butterfly, 10 dependent shuffles per round)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float op = __shfl_xor_sync(0xffffffffu, bp, o);
-            int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (moe_better(op, oe, bp, be)) { bp = op; be = oe; }
-        }
-#else
         {  // the warp's best: the largest probability (as an order-preserving key), then the lowest id holding it
             const unsigned key = moe_float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
             be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)be : 0xffffffffu);
             bp = __uint_as_float(top & 0x80000000u ? top ^ 0x80000000u : ~top);
         }
-#endif
         // the owner retires the winner; lane r keeps slot r
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j)

@@ -990,19 +990,33 @@ FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
-def ffn_cluster_plan(CL: int, TB: int, n: int) -> dict:
-    """decode_ffn's plan for ffn_decode.cu's (CL, TB) instantiation over n clusters: kernel, launch
-    attributes and how many of its clusters can be resident at once (all n must be: the caller checks)."""
-    fn = _compiled("ffn", f"ffn_decode<{CL}, {TB}>")
+def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode") -> dict:
+    """The plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB) instantiation
+    over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
+    (all n must be: the caller checks)."""
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
+
+
+def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
+    """(plan, why) of ffn_decode.cu's kernel over n clusters: of the (CL, TB) pairs that tile the hidden
+    size D, the one with the most blocks whose clusters all fit at once (a second wave would double the
+    FFN's time), or None and the counts tried."""
+    tried = []
+    for CL, TB in FFN_PAIRS:  # most blocks first
+        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN:
+            continue
+        plan = ffn_cluster_plan(CL, TB, n, kernel)
+        tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
+        if plan["clusters"] >= n:
+            return plan, f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({plan['clusters']} fit)"
+    return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
 
 
 def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for ffn_decode (the FFN half of a dense decode layer in one cluster launch): the plan
     (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
-    line saying why not. A cluster owns 256 intermediate channels; every cluster must be resident at
-    once (a second wave would double the FFN's time): of the (CL, TB) pairs that tile the hidden size,
-    the one with the most blocks whose clusters all fit."""
+    line saying why not. A cluster owns 256 intermediate channels (_ffn_first_fit picks the pair)."""
     if DECODE_FFN not in ("auto", "1"):
         return None, "off (KUIPER_DECODE_FFN=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
@@ -1010,18 +1024,12 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     D, I = a.hidden_size, a.intermediate_size
     if a.group_size != 128 or I % FFN_CH:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
-    n, tried = I // FFN_CH, []
-    for CL, TB in FFN_PAIRS:  # most blocks first
-        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN or (D // CL) % 64:
-            continue
-        plan = ffn_cluster_plan(CL, TB, n)
-        tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
-        if plan["clusters"] >= n and DECODE_FFN == "auto" and CL * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
-            return None, (f"auto: off at {CL * n} blocks for {sm_count()} SMs (a grid this small streams the weights "
-                          f"slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
-        if plan["clusters"] >= n:
-            return plan, f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({plan['clusters']} fit)"
-    return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
+    n = I // FFN_CH
+    plan, why = _ffn_first_fit("ffn_decode", D, n)
+    if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
+        return None, (f"auto: off at {plan['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
+                      f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
+    return plan, why
 
 
 def decode_ffn(plan: dict, x, layer, acc, eps: float):
@@ -1044,17 +1052,10 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
 
 
-def moe_ffn_cluster_plan(CL: int, TB: int, n: int) -> dict:
-    """decode_moe_ffn's plan for moe_ffn_decode's (CL, TB) instantiation over n clusters (as ffn_cluster_plan)."""
-    fn = _compiled("ffn", f"moe_ffn_decode<{CL}, {TB}>")
-    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
-
-
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's routing and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
-    k * moe_intermediate / 256 clusters in all, and every cluster must be resident at once: of the
-    (CL, TB) pairs that tile the hidden size, the one with the most blocks whose clusters all fit."""
+    k * moe_intermediate / 256 clusters in all (_ffn_first_fit picks the pair)."""
     if DECODE_MOE not in ("auto", "1"):
         return None, "off (KUIPER_DECODE_MOE=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
@@ -1062,15 +1063,7 @@ def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
     if a.group_size != 128 or mI % FFN_CH or E > MOE_MAX_EXPERTS or k > MOE_MAX_TOPK:
         return None, f"shape not served (group size {a.group_size}, expert intermediate {mI}, {E} experts, top {k})"
-    n, tried = k * mI // FFN_CH, []
-    for CL, TB in FFN_PAIRS:  # most blocks first
-        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN:
-            continue
-        plan = moe_ffn_cluster_plan(CL, TB, n)
-        tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
-        if plan["clusters"] >= n:
-            return plan, f"on: {n} clusters of {CL} blocks, {TB} down tiles per block ({plan['clusters']} fit)"
-    return None, f"no (CL, TB) whose clusters all fit at once ({'; '.join(tried) or f'hidden {D} not tiled'})"
+    return _ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
 
 
 def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool):
@@ -1340,6 +1333,13 @@ class _Deferred:
 
     def __init__(self, run, run_acc=None):
         self.run, self.run_acc = run, run_acc
+
+
+def _acc_only(what: str):
+    """A _Deferred's run for a launch that exists in accumulating mode only (a fused half)."""
+    def run(h):
+        raise AssertionError(f"{what} runs in accumulating mode only")
+    return run
 
 
 class _Normed:
@@ -1760,9 +1760,7 @@ class CupyOps:
                                         self.args.rms_norm_eps, self.args.num_attention_heads,
                                         self.args.num_key_value_heads)
 
-            def no_plain(h):
-                raise AssertionError("the fused attention half runs in accumulating mode only")
-            return _Deferred(no_plain, attn_half)
+            return _Deferred(_acc_only("the fused attention half"), attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc():
@@ -1777,10 +1775,7 @@ class CupyOps:
 
             def ffn_half():
                 return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
-
-            def no_plain_ffn(h):
-                raise AssertionError("the one-launch FFN half runs in accumulating mode only")
-            return _Deferred(no_plain_ffn, ffn_half)
+            return _Deferred(_acc_only("the one-launch FFN half"), ffn_half)
         if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
             ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
 
@@ -1826,10 +1821,7 @@ class CupyOps:
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))
                 return d["acc_d"]
-
-            def no_plain_moe(h):
-                raise AssertionError("the one-launch MoE FFN half runs in accumulating mode only")
-            return _Deferred(no_plain_moe, moe_half)
+            return _Deferred(_acc_only("the one-launch MoE FFN half"), moe_half)
         if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
             # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
             ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],

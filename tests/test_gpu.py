@@ -724,7 +724,7 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive):
     in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same."""
     rng = np.random.default_rng()
     D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
-    plan = cluster_plan_or_skip(oc.ffn_cluster_plan, CL, TB, I // 256)
+    plan = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256)
     (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
     h, w, pend, row = pending_row_inputs(rng, D, massive)
     x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)

@@ -216,7 +216,7 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     Launched twice on the same inputs with poisoned outputs: bitwise the same."""
     rng = np.random.default_rng()
     Dm = 256 * CL * TB
-    plan = cluster_plan_or_skip(oc.moe_ffn_cluster_plan, CL, TB, k * inter // 256)
+    plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256)
     if (Dm, n_exp, inter) == (D, E, INTER):
         w13, w13_d, w2, w2_d, router = layer["w13"], layer["w13_d"], layer["w2"], layer["w2_d"], layer["router"]
     else:
@@ -325,6 +325,16 @@ def _cpu_decode_routed(mf, ids, n_prefill):
     return ref, [np.asarray(r).reshape(1, -1) for r in cpu.ops.routing_log]
 
 
+def _first_rerouted(log, ref_log, n_steps):
+    """The first decode step at which some MoE layer picked other experts than in ref_log (n_steps if none)."""
+    n = len(ref_log) // n_steps
+    assert n > 0 and len(log) == len(ref_log) == n * n_steps
+    for t in range(n_steps):
+        if any(set(log[t * n + i].ravel()) != set(ref_log[t * n + i].ravel()) for i in range(n)):
+            return t
+    return n_steps
+
+
 def test_moe_accumulating_decode(moe_bin, monkeypatch):
     """MoE models decode in accumulating mode (q|k|v finished by flash decoding, o's sums added to the
     residual by the router kernel, the experts' [gate | up] sums finished by the expert down GEMV, its
@@ -349,12 +359,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
             m.prefill(ids[:10])
             m.ops.routing_log = []
             got[acc] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
-            n = len(m.ops.routing_log) // 30
-            for t in range(30):
-                if any(set(m.ops.routing_log[t * n + i][0]) != set(cpu_log[t * n + i][0])
-                       for i in range(n)):
-                    first = min(first, t)
-                    break
+            first = min(first, _first_rerouted(m.ops.routing_log, cpu_log, 30))
             if acc:
                 np.testing.assert_allclose(decode_logits(mf, ids, 10, 64, True), got[acc], rtol=0, atol=1e-3 *
                                            np.abs(got[acc]).max())
@@ -405,16 +410,6 @@ def _fused_moe_decode(mf, ids, n_prefill, graphs, on, monkeypatch):
         m.ops.d["moe_ids"].fill(-1)
     out = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
     return m, out, m.ops.routing_log
-
-
-def _first_rerouted(log, ref_log, n_steps):
-    """The first decode step at which some MoE layer picked other experts than in ref_log (n_steps if none)."""
-    n = len(ref_log) // n_steps
-    assert n > 0 and len(log) == len(ref_log) == n * n_steps
-    for t in range(n_steps):
-        if any(set(log[t * n + i].ravel()) != set(ref_log[t * n + i].ravel()) for i in range(n)):
-            return t
-    return n_steps
 
 
 def test_one_launch_moe_matches_separate_kernels_and_reference(fused_moe_bin, monkeypatch):
