@@ -473,6 +473,33 @@ __device__ __forceinline__ unsigned moe_float_key(float v) {
     return u & 0x80000000u ? ~u : u | 0x80000000u;
 }
 
+// The k largest of a warp's values (lane l holds entries l, l + 32, .. in p), ties to the lower index,
+// in descending order: lane r < k gets pick r's index and value; picked = the sum of the picks' values.
+// Picked entries are set to `gone`, which must not be above any candidate.
+__device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k, float gone, int& my_id, float& my_v,
+                                              float& picked) {
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < k; ++r) {
+        // this lane's best remaining expert, then the warp's
+        float bp = gone;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
+        {  // the warp's best: the largest value (as an order-preserving key), then the lowest id holding it
+            const unsigned key = moe_float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
+            be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)be : 0xffffffffu);
+            bp = __uint_as_float(top & 0x80000000u ? top ^ 0x80000000u : ~top);
+        }
+        // the owner retires the winner; lane r keeps slot r
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j)
+            if (lane + 32 * j == be) p[j] = gone;
+        picked += bp;
+        if (lane == r) { my_v = bp; my_id = be; }
+    }
+}
+
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp: lane l holds the
 // logits of experts l, l + 32, .. in p (-inf past E). Lane r < k writes slot r of ids and weights
 // (global or shared memory). Deterministic: the same logits give the same bits in every warp.
@@ -495,25 +522,7 @@ __device__ __forceinline__ void moe_topk_regs(float (&p)[MOE_MAX_E / 32], int E,
 
     float picked = 0.f, my_w = 0.f;
     int my_id = 0;
-    for (int r = 0; r < k; ++r) {
-        // this lane's best remaining expert, then the warp's
-        float bp = -2.f;
-        int be = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j)
-            if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
-        {  // the warp's best: the largest probability (as an order-preserving key), then the lowest id holding it
-            const unsigned key = moe_float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
-            be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)be : 0xffffffffu);
-            bp = __uint_as_float(top & 0x80000000u ? top ^ 0x80000000u : ~top);
-        }
-        // the owner retires the winner; lane r keeps slot r
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j)
-            if (lane + 32 * j == be) p[j] = -2.f;
-        picked += bp;
-        if (lane == r) { my_w = bp; my_id = be; }
-    }
+    moe_topk_pick(p, k, -2.f, my_id, my_w, picked);  // (probabilities >= 0; -1 past E)
     if (lane < k) {
         ids[lane] = my_id;
         weights[lane] = norm_topk ? my_w / picked : my_w;

@@ -162,7 +162,7 @@ __device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, fl
 // After the cluster barrier: the cluster's gate and up sums of channel tid and its spans' sums of
 // squares, added in rank order (the same bits in every block), the 1/rms, SwiGLU rounded to fp16.
 template <int CL>
-__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps) {
+__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps, float& inv) {
     const int tid = threadIdx.x;
     float ss = 0.f, sg = 0.f, su = 0.f;
 #pragma unroll 4  // (fully unrolled, CL = 8 spills: down's first step is held in registers meanwhile)
@@ -171,8 +171,14 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
         sg += cl_ld(cl_map(smem_u32(&part[0][tid]), r));
         su += cl_ld(cl_map(smem_u32(&part[1][tid]), r));
     }
-    const float inv = rsqrtf(ss / D + eps), gg = sg * inv, uu = su * inv;
+    inv = rsqrtf(ss / D + eps);
+    const float gg = sg * inv, uu = su * inv;
     return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+}
+template <int CL>
+__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps) {
+    float inv;
+    return ffn_cluster_swiglu<CL>(part, misc, D, eps, inv);
 }
 
 // down's x: the SwiGLU av of channel tid, divided by 2^dexp (returned) where the largest |av| passes
@@ -272,42 +278,25 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     diag_record((unsigned long long)gq);
 }
 
-// v[16] summed over the warp, transposed: lanes 2j and 2j + 1 both return the sum of v[j] (j = (lane >> 1)
-// & 15), in 16 shuffles instead of 16 warp_sums' 80. A fixed tree: the same bits in every warp.
-__device__ __forceinline__ float warp_sum16_transposed(float (&v)[16]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int n = 8; n >= 1; n >>= 1) {  // shuffle distance 2 n: keep the half of v that bit says
-        const bool hi = lane & (2 * n);
-#pragma unroll
-        for (int i = 0; i < n; ++i) {
-            const float keep = hi ? v[n + i] : v[i], give = hi ? v[i] : v[n + i];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, give, 2 * n);
-        }
-    }
-    return v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
-}
-
-// A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, the router, softmax and top-k, and the k
-// selected experts' gate and up, SwiGLU and down with the routing-weighted sum. Separately that is the
-// routing kernel and two expert GEMVs, each waiting for the whole grid before it (the routing kernel's
-// last block picks the experts, and no expert weight can load before it has). Here every cluster routes
-// for itself: block b computes the router's partial logits over its span of x (the same rows it takes
-// of gate and up), the cluster adds them in rank order through distributed shared memory, and each
-// block runs the same softmax and top-k on the same bits, so all clusters agree without a grid-wide
-// step. Cluster g then owns 256 channels of one selected expert: slot g / (mI / 256), channel tile
-// g % (mI / 256); from there it is ffn_decode with the expert's matrices and its routing weight applied
-// to down's sums. Cluster 0's block 0 also stores the ids and weights (read by tests only).
-// Numerics: the router's logits are inv_rms * sum(fp16(h * w) . router) (the scaled norm of the
-// GEMVs), where the routing kernel rounds x after the 1/rms; both against fp32 logits. Measured on H100
-// (PERFORMANCE.md change 76): the Qwen3-30B-A3B decode step 2.6-2.9% shorter than the routing kernel and
-// expert GEMVs; routing in the cluster (x, router, exchange, top-k) takes as long as the routing kernel
-// did, so the gain is the two grid-wide boundaries it removes.
+// A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, softmax and top-k of the router's logits,
+// and the k selected experts' gate and up, SwiGLU and down with the routing-weighted sum. Separately that
+// is the routing kernel and two expert GEMVs, each waiting for the whole grid before it (the routing
+// kernel's last block picks the experts, and no expert weight can load before it has). The logits
+// come from the o GEMV before us (its router rows, gemv_w4a16.cu gemv_rt_tile: z = router . (w * (h +
+// o)) without the 1/rms), so every block reads the same E words, runs the same top-k on the same bits,
+// and all clusters agree without a grid-wide step. Cluster g then owns 256 channels of one selected
+// expert: slot g / (mI / 256), channel tile g % (mI / 256); from there it is ffn_decode with the
+// expert's matrices and its routing weight applied to down's sums; the weights (softmax of z / rms, the
+// 1/rms known after the cluster's exchange) are only needed there. Cluster 0's block 0 also stores the
+// ids and weights (read by tests only). Measured on H100 (PERFORMANCE.md changes 76-77): with the
+// router dot product and its cluster exchange in this kernel, the Qwen3-30B-A3B decode step was
+// 2.6-2.9% shorter than the routing kernel and expert GEMVs; with the logits from the o GEMV, see 77.
 //
 // Supported (the host checks): as ffn_decode, with mI % 256 == 0 for I, E <= MOE_MAX_E, k <= 32.
 // grid (CL, k mI / 256), cluster (CL, 1, 1), block FFN_THREADS.
-#define MOE_FFN_MIN_BLOCKS 2  // per SM: the router's first loads take 64 registers across the PDL wait
-#define MOE_RPRE 16           // router words per lane loaded before the wait: 16 experts x 8 of x's span
+#ifndef MOE_FFN_MIN_BLOCKS
+#define MOE_FFN_MIN_BLOCKS 2  // per SM (128 registers)
+#endif
 #ifndef MOE_FFN_NB
 #define MOE_FFN_NB 1          // gate/up steps in flight per warp (2 and 4 measured slower: change 76)
 #endif
@@ -321,7 +310,8 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
                float* __restrict__ hout,               // [D] h + fp16(pend), written by cluster 0 (pend set)
                const half* __restrict__ nw, float eps, // [D] the norm weight
-               const half* __restrict__ router,        // [E, D] fp16
+               const long long* __restrict__ zacc,     // [E] the router's logits before the 1/rms (fixed point):
+                                                       // router . (w * (h + o)), the o GEMV's router rows
                const u32* wq, const u32* wz, const half* ws,  // [gate | up] stack: [E][2][D, mI] tiled, [E, D/128, 2 mI/8],
                                                                // [E, D/128, 2 mI]
                const u32* dq, const u32* dz, const half* ds,  // down stack: [E][mI, D] tiled, [E, mI/128, D/8], [E, mI/128, D]
@@ -336,79 +326,41 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];
     __shared__ float part[2][FFN_CH];
     __shared__ float misc[2 * FFN_WARPS + 1];
-    __shared__ float rpart[MOE_MAX_E];  // this block's partial router logits (read by the cluster)
     __shared__ float lg[MOE_MAX_E];     // the logits, -inf past E
     __shared__ int sel_id[32];
-    __shared__ float sel_w[32];
+    __shared__ float sel_z[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.x, g = blockIdx.y;
     const int SP = D / CL, k_lo = b * SP;
     const int slot = g / (mI / FFN_CH), t = g % (mI / FFN_CH);
 
-    // the router is a weight: the first 256 columns of the span for the warp's experts warp + 8 j fly
-    // while the kernel before us finishes (PDL); the expert weights wait for the top-k
-    uint4 rw[MOE_RPRE];
-#pragma unroll
-    for (int j = 0; j < MOE_RPRE; ++j)
-        if (warp + 8 * j < E) rw[j] = __ldg(reinterpret_cast<const uint4*>(router + (size_t)(warp + 8 * j) * D + k_lo) + lane);
-    pdl_wait();
+    // ---- the router's logits before the 1/rms, z = router . (w * (h + o)): the o GEMV's router rows
+    // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
+    pdl_wait();  // pend, zacc and acc belong to the kernels before us
     pdl_trigger();
     diag_stamp(1);
+    const long long za = tid < E ? __ldcg(zacc + tid) : 0;
 
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
 
-    // ---- the router's partial logits over the span: warp = experts warp + 8 j, lane = 8 columns of 256 ----
-    {
-        const uint4* xv = reinterpret_cast<const uint4*>(xsm);
-        const float up = exp2f((float)xexp);  // undo the span's scaling (exact)
-        float s[MOE_RPRE];
-#pragma unroll
-        for (int j = 0; j < MOE_RPRE; ++j) s[j] = warp + 8 * j < E ? dot8(xv[lane], rw[j]) : 0.f;
-        for (int c = 1; c < SP / 256; ++c) {
-#pragma unroll
-            for (int j = 0; j < MOE_RPRE; ++j)
-                if (warp + 8 * j < E)
-                    s[j] += dot8(xv[32 * c + lane],
-                                 __ldg(reinterpret_cast<const uint4*>(router + (size_t)(warp + 8 * j) * D + k_lo) + 32 * c + lane));
-        }
-        const float v = warp_sum16_transposed(s) * up;
-        const int e = warp + 8 * ((lane >> 1) & 15);
-        if (!(lane & 1) && e < E) rpart[e] = v;
-        for (int e2 = warp + 8 * MOE_RPRE; e2 < E; e2 += 8) {  // E > 128
-            const uint4* rr = reinterpret_cast<const uint4*>(router + (size_t)e2 * D + k_lo);
-            float s2 = 0.f;
-            for (int c = 0; c < SP / 256; ++c) s2 += dot8(xv[32 * c + lane], __ldg(rr + 32 * c + lane));
-            s2 = warp_sum(s2);
-            if (lane == 0) rpart[e2] = s2 * up;
-        }
-    }
-    cl_arrive();  // release rpart and the span's sum of squares to the cluster
-    cl_wait();
-
-    // ---- the logits in rank order (the same bits in every block of every cluster), softmax, top-k ----
-    {
-        float ss = 0.f, s = 0.f;
-#pragma unroll 4
-        for (int r = 0; r < CL; ++r) {
-            ss += cl_ld(cl_map(smem_u32(&misc[2 * FFN_WARPS]), r));
-            s += tid < E ? cl_ld(cl_map(smem_u32(&rpart[tid]), r)) : 0.f;
-        }
-        lg[tid] = tid < E ? s * rsqrtf(ss / D + eps) : -INFINITY;
-    }
+    // ---- top-k of z (1/rms > 0 keeps the order; the weights apply it later). The same bits in every
+    // block: every cluster picks the same experts ----
+    lg[tid] = tid < E ? fix_f(za) : -INFINITY;
     __syncthreads();
     if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
         float p[MOE_MAX_E / 32];
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lg[lane + 32 * j];
-        moe_topk_regs(p, E, k, norm_topk, sel_id, sel_w);
-        if (g == 0 && b == 0 && lane < k) {
-            ids_out[lane] = sel_id[lane];
-            w_out[lane] = sel_w[lane];
+        int my_id = 0;
+        float my_z = 0.f, sum = 0.f;
+        moe_topk_pick(p, k, -INFINITY, my_id, my_z, sum);
+        if (lane < k) {
+            sel_id[lane] = my_id;
+            sel_z[lane] = my_z;
         }
     }
     __syncthreads();
     const int ex = sel_id[slot];
-    const float wgt = sel_w[slot];
     diag_stamp(2);  // (routed; 3: the cluster's gate/up sums read)
 
     // ---- ffn_decode on the expert's 256 channels t*256.. of gate, up and down ----
@@ -424,7 +376,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     for (int i = 0; i < 8; ++i) a8[i] = 0.f;
     ffn_span_dot_nb<MOE_FFN_NB>(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, a8);
     ffn_part_sums(a8, xexp, red, part);
-    cl_arrive();  // release part (rpart was read by every block before this)
+    cl_arrive();  // release part
 
     // down: the first MOE_DOWN_NB steps' loads go out between the arrive and the wait
     const int DW = D / 8;
@@ -444,7 +396,26 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
         }
     cl_wait();
 
-    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
+    float inv;  // the row's 1/rms
+    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps, inv), xd, misc);
+    // the routing weight: the softmax of inv * z (its largest is the first pick), renormalised over the
+    // picks with norm_topk; each warp sums the denominator itself (the same bits in every warp)
+    float wgt;
+    {
+        const float z0 = sel_z[0];
+        float tsum = 0.f;
+        if (norm_topk) {
+            if (lane < k) tsum = __expf(inv * (sel_z[lane] - z0));
+        } else {
+            for (int e = lane; e < E; e += 32) tsum += __expf(inv * (lg[e] - z0));
+        }
+        const float den = warp_sum(tsum);
+        wgt = __expf(inv * (sel_z[slot] - z0)) / den;
+        if (g == 0 && b == 0 && warp == 0 && lane < k) {
+            ids_out[lane] = sel_id[lane];
+            w_out[lane] = __expf(inv * (sel_z[lane] - z0)) / den;
+        }
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) a8[i] = 0.f;
 #pragma unroll

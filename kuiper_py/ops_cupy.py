@@ -122,7 +122,7 @@ def gpu_memory_used_mib() -> float:
 
 _MODULES: dict[str, object] = {}
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>"]),
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>"]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
@@ -144,7 +144,7 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
-PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
+PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
 _PDL: dict[int, bool] = {}
@@ -467,7 +467,7 @@ GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared m
 
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
          x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False,
-         acc_out=None, pend=None, hout=None, zero=None, ss_out=None, ss_in=None):
+         acc_out=None, pend=None, hout=None, zero=None, ss_out=None, ss_in=None, router=None):
     """Decode projections sharing the input x [1, K] (or one x row per slot): split-K GEMV over up to
     three matrices with the reduction fused ("plain": out = [y0 | y1 | y2], "swiglu": out = silu(y0) * y1,
     "moe_sum": out = sum_j slot_w[j] * y_j). With ids [slots], the matrices are expert stacks' first
@@ -488,10 +488,24 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     fp16, or silu(pend[:, :K]) * pend[:, K:] for pend [slots, 2K]. zero
     (int64): cleared after the PDL wait. ss_out (fp32, >= S; with norm and acc_out): the scaled norm,
     x = h * w with 1/rms left to the consumer, the splits' sums of squares stored there (returns S);
-    ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first."""
+    ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first.
+    router=(R, Rh, h, acc_z) (the MoE o projection: att, acc_out): two more column tiles, x @ R + h @ Rh
+    added into acc_z (int64 [E], fixed point) for fp16 R [K, E] and Rh [D, E] and the fp32 residual row h
+    [1, D] (E <= 256, E % 8 == 0)."""
     K, g = mats[0].K, mats[0].group_size
     slots = 1 if ids is None else ids.size
     tiles = sum(math.ceil(m.N / GEMV_COLS) for m in mats)
+    null = np.uint64(0)
+    rt_args = (null, null, null, _i(0), _i(0), null)
+    if router is not None:
+        R, Rh, h_row, acc_z = router
+        E = R.shape[1]
+        assert att is not None and acc_out is not None and slots == 1 and out_kind == "plain"
+        assert R.shape[0] == K and E <= 256 and E % 8 == 0 and R.dtype == Rh.dtype == cp.float16
+        assert Rh.shape == (h_row.size, E) and h_row.dtype == cp.float32 and R.flags.c_contiguous
+        assert acc_z.dtype == cp.int64 and acc_z.size == E and Rh.flags.c_contiguous
+        rt_args = (R, Rh, h_row, _i(h_row.size), _i(E), acc_z)
+        tiles += 2  # the last two column tiles: gemv_rt_tile, gemv_rt_h_tile
     moe2 = out_kind == "moe_sum" and GEMV_MOE2
     S, rps = gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0) if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
@@ -501,7 +515,6 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
-    null = np.uint64(0)
     if acc_out is not None:
         assert resid is None and acc_out.dtype == cp.int64
         if out_kind == "moe_sum":  # sum over the slots of slot_w[j] * y_j
@@ -545,13 +558,14 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
-    kernel("gemv", f"gemv_w4a16<{'true' if moe2 else 'false'}>")((tiles, S, slots), (256,), (
+    name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
+    kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
         resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
         _i(GEMV_EPI[out_kind]), _i(ids_early), acc_out if acc_out is not None else null,
         pend if pend is not None else null, hout if hout is not None else null,
-        zero if zero is not None else null, _i(zero.size if zero is not None else 0), *ss_args))
+        zero if zero is not None else null, _i(zero.size if zero is not None else 0), *ss_args, *rt_args))
     return S if ss_out is not None else out
 
 
@@ -848,6 +862,7 @@ class _AttnParts:
         self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
         self.n_keys, self.pos_dev = n_keys, pos_dev
         self.shape = (1, heads * hd)
+        self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
 
 # The attention half of a dense decode layer as one launch (decode_attn.cu): q|k|v GEMV, q/k norm,
@@ -1066,17 +1081,18 @@ def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     return _ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
 
 
-def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool):
+def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc):
     """One MoE decode layer's FFN half (moe_ffn_decode): x a _Normed (h, the norm weight, the o
     projection's pending sums and the row they make, or neither); the k experts picked to ids (int32
     [k]) and their weights to weights (fp32 [k]); the weighted sum of their down outputs added into acc
-    (int64 [D], zero on entry: the o GEMV before clears it)."""
+    (int64 [D], zero on entry: the o GEMV before clears it). zacc (int64 [E], fixed point): the router's
+    logits before the 1/rms, router . (w * (h + fp32 o)), as the o GEMV's router rows add them."""
     null = np.uint64(0)
     w13, w2 = layer.experts_w13, layer.experts_w2
     E, D, mI = w13.E, x.h.size, w2.qweight.shape[1]
     launch_ex(plan["fn"], (plan["CL"], k * mI // FFN_CH), (FFN_THREADS,), (
         x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
-        layer.router, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
+        zacc, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
         _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk))), 0, plan["attrs"])
     return acc
 
@@ -1328,8 +1344,8 @@ class _QkvInput:
 
 class _Deferred:
     """A decode projection not yet launched: add_rmsnorm launches it with the residual add fused
-    (run(h)), or in accumulating mode (run_acc(), which returns the int64 accumulator the next
-    GEMV finishes); any other consumer gets its fp16 output (run(None))."""
+    (run(h)), or in accumulating mode (run_acc(h), h the residual row it will be added to; it returns
+    the int64 accumulator the next GEMV finishes); any other consumer gets its fp16 output (run(None))."""
 
     def __init__(self, run, run_acc=None):
         self.run, self.run_acc = run, run_acc
@@ -1417,6 +1433,7 @@ class CupyOps:
         self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
+        self._router_o = self._router_o_rows() if self._moe is not None else {}
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -1481,6 +1498,23 @@ class CupyOps:
                                 a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
                                 a.head_dim, self.attn_splits, self._dl["ring"], a.rms_norm_eps,
                                 math.log2(math.e) / math.sqrt(a.head_dim))
+
+    def _router_o_rows(self) -> dict:
+        """For the one-launch MoE FFN half: per MoE layer i, (R, Rh) = (W_o diag(ffn_norm) router^T
+        [q_dim, E], diag(ffn_norm) router^T [D, E]) fp16: the router's logits before the 1/rms as a
+        function of the attention output and of the residual row, which the o GEMV computes beside o
+        (gemv_w4a16.cu gemv_rt_tile). Made once here, R from the dequantized o matrix in fp32: 1.5 MB
+        per Qwen3-30B-A3B layer."""
+        out = {}
+        for i, L in enumerate(self.weights.layers):
+            if L.router is None:
+                continue
+            rt = L.ffn_norm.astype(cp.float32)[:, None] * L.router.astype(cp.float32).T  # [D, E]
+            wo = awq_dequant(L.wo).astype(cp.float32)  # [q_dim, D]
+            out[i] = (cp.ascontiguousarray((wo @ rt).astype(cp.float16)), cp.ascontiguousarray(rt.astype(cp.float16)))
+            del wo, rt
+        cp.get_default_memory_pool().free_all_blocks()
+        return out
 
     def decode_layers(self, h, pos0: int) -> bool:
         """Every decoder layer of a one-token step in one persistent kernel (decode_layers.cu), h
@@ -1597,9 +1631,11 @@ class CupyOps:
         self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
         if self.acc_attn:
             G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
-            acc = cp.zeros((D + G + D + qd + 2 * kvd,), cp.int64)  # [o | gate, up | down | q, k, v]
-            e = D + G
-            self.d.update(acc_o=acc[:D], acc_gu=acc[D:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
+            # [o | gate, up | router z | down | q, k, v]: the router logits' o part (the one-launch MoE
+            # FFN half's o GEMV) is cleared with o by the next q|k|v GEMV
+            acc = cp.zeros((D + G + E + D + qd + 2 * kvd,), cp.int64)
+            e = D + G + E
+            self.d.update(acc_o=acc[:D], acc_gu=acc[D:D + G], acc_z=acc[D + G:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
                           acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32),
                           ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
             self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
@@ -1631,7 +1667,7 @@ class CupyOps:
         if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_attn:
             # the projection adds into an accumulator; the consumer adds it to h, writing the other row
             hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
-            return hout, _Normed(h, w, r.run_acc(), hout)
+            return hout, _Normed(h, w, r.run_acc(h), hout)
         if isinstance(r, _Deferred):
             if FUSE_NORM:
                 r.run(h)  # h += r in the projection's epilogue
@@ -1714,9 +1750,12 @@ class CupyOps:
                            sin=self.sin, eps=self.args.rms_norm_eps,
                            ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
                 q = q.q
-            return attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
-                                    self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
-                                    self.d["pos"] if self.graphs else None, finish=fin)
+            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
+                                     self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
+                                     self.d["pos"] if self.graphs else None, finish=fin)
+            if isinstance(parts, _AttnParts):
+                parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
+            return parts
         return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
@@ -1752,7 +1791,7 @@ class CupyOps:
         if isinstance(x, _AttnHalf):  # the whole attention half, its o sums to acc_o (the next norm adds them)
             assert lin is x.layer.wo
 
-            def attn_half():
+            def attn_half(h):
                 # clears the gate/up accumulator (last read by the down GEMV before, next written by the
                 # gate/up GEMV after); acc_o was cleared by that down GEMV
                 return decode_attn_half(self._da, x.x, x.layer, self.k_cache[x.i], self.v_cache[x.i], self.cos,
@@ -1763,23 +1802,25 @@ class CupyOps:
             return _Deferred(_acc_only("the fused attention half"), attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
-                def o_acc():
+                def o_acc(h):
                     # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
+                    R = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
                     gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
-                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None)
+                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None,
+                         router=(*R, h, d["acc_z"]) if R is not None else None)
                     return d["acc_o"]
                 return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
         if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
             assert lin is x.layer.w2
 
-            def ffn_half():
+            def ffn_half(h):
                 return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
             return _Deferred(_acc_only("the one-launch FFN half"), ffn_half)
         if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
             ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
 
-            def down_acc():
+            def down_acc(h):
                 # with the fused attention half, also clears acc_o (last read by the gate/up GEMV before,
                 # next written by the next layer's attention half; after the last layer, zero for the next step)
                 gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss,
@@ -1815,9 +1856,9 @@ class CupyOps:
         a, d = self.args, self.d
         k = a.num_experts_per_tok
         if isinstance(x, _Normed) and self._moe is not None:  # decode: routing and experts in one launch
-            def moe_half():  # the weighted sum to acc_d (the next norm's consumer adds it to h)
+            def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
                 decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"], a.rms_norm_eps, k,
-                               a.norm_topk_prob)
+                               a.norm_topk_prob, d["acc_z"])
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))
                 return d["acc_d"]
@@ -1843,7 +1884,7 @@ class CupyOps:
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
                                   d["proj"], resid=h, zero=zero)
 
-            def run_acc():  # the sums to acc_d: the next norm's consumer adds them to h
+            def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
                                   zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
             return _Deferred(run, run_acc if self.acc_moe else None)

@@ -584,6 +584,53 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
+# (H, KV, hd, D, E): Qwen3-30B-A3B's o projection and 128 experts; 160 (lanes per router row 32), 64, 8 (1)
+@pytest.mark.parametrize("H,KV,hd,D,E", [(32, 4, 128, 2048, 128), (16, 8, 64, 1024, 160), (8, 2, 128, 1024, 64),
+                                         (4, 2, 64, 512, 8)])
+@pytest.mark.parametrize("massive", [False, True])
+def test_o_gemv_router_rows(H, KV, hd, D, E, massive):
+    """The MoE o projection in accumulating mode with the router rows as two more column tiles, R
+    [q_dim, E] against the attention output and Rh [D, E] against the fp32 residual row h (fp16 both):
+    acc_z = attention @ R + h @ Rh beside acc_o = attention @ W_o, both fixed point, against float64 on
+    the merged attention output rounded to fp16 (as the kernel stages it). massive: a value channel at
+    3000, so the staged span is scaled down (the overflow guard) and the router sums scaled back, and
+    residual channels at 1e4. Two launches from zeroed accumulators: bitwise the same; the arrival
+    counters untouched."""
+    rng = np.random.default_rng()
+    n = 300
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    if massive:
+        Vc[:, 0, 3] = 3000
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    m, r = rand_awq(rng, H * hd, D)
+    R = (rng.standard_normal((H * hd, E)) / 50).astype(np.float16)
+    Rh = (rng.standard_normal((D, E)) / 50).astype(np.float16)
+    h = rng.standard_normal((1, D)).astype(np.float32)
+    if massive:
+        h[0, rng.choice(D, 3, replace=False)] = 1e4
+    splits = 24
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
+                                None, cp.full((1,), n - 1, cp.int32))
+    partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)
+    att = attention_ref(q, Kc, Vc, n - 1).reshape(-1).astype(np.float16).astype(np.float64)
+    outs = []
+    for _ in range(2):
+        acc_o, acc_z = cp.zeros((D,), cp.int64), cp.zeros((E,), cp.int64)
+        oc.gemv(None, [m], "plain", None, partial, att=parts, acc_out=acc_o,
+                router=(cp.asarray(R), cp.asarray(Rh), cp.asarray(h), acc_z))
+        outs.append((cp.asnumpy(acc_o), cp.asnumpy(acc_z)))
+    o = outs[0][0].astype(np.float64) / 2**32
+    z = outs[0][1].astype(np.float64) / 2**32
+    assert rel(o, att @ r) < 1e-2
+    z_ref = att @ R.astype(np.float64) + h[0].astype(np.float64) @ Rh.astype(np.float64)
+    assert rel(z, z_ref) < 1e-3, rel(z, z_ref)
+    for a_, b_ in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(a_, b_)
+    assert int(cp.count_nonzero(oc.gemv_counters())) == 0
+
+
 @pytest.mark.parametrize("H,KV,hd,T,pos0", [(32, 8, 128, 1, 9), (64, 8, 128, 37, 0), (4, 2, 64, 5, 3)])
 def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
     from kuiper_py.config import ModelArgs, rope_tables

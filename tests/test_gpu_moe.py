@@ -207,10 +207,11 @@ _MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 51
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("CL,TB,n_exp,k,inter", _MOE_FFN_CASES)
 def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive):
-    """The row h + fp16(pending o) (written to hout exactly), its RMSNorm, the router's logits, softmax
-    and top-k, and the picked experts' gate/up, SwiGLU and down times their routing weights, summed
-    into a fixed-point accumulator. The picks must be a top-k of the exact (float64) logits, ties within
-    2e-3 allowed (the kernel rounds x = h * w to fp16 before the 1/rms); the weights and the output are
+    """The row h + fp16(pending o) (written to hout exactly), its RMSNorm, softmax and top-k of the
+    router's logits (given before the 1/rms in fixed point, as the o GEMV's router rows add them; the
+    kernel applies the 1/rms of the row), and the picked experts' gate/up, SwiGLU and down times their
+    routing weights, summed into a fixed-point accumulator. The picks must be a top-k of the exact
+    (float64) logits, ties within 2e-3 allowed; the weights and the output are
     checked against the exact values for the experts picked. massive: three residual channels at 1e5
     with norm weight 40 (past fp16's range before the deferred 1/rms), so the overflow guards run.
     Launched twice on the same inputs with poisoned outputs: bitwise the same."""
@@ -229,12 +230,14 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     p = np.exp(logits - logits.max())
     p /= p.sum()
     lay = types.SimpleNamespace(router=cp.asarray(router), experts_w13=w13_d, experts_w2=w2_d)
+    # the logits before the 1/rms in fixed point, as the o GEMV's router rows add them: router . (w * row)
+    zacc = cp.asarray(np.round(router.astype(np.float64) @ (r64 * w.astype(np.float64)) * 2**32).astype(np.int64))
     outs = []
     for _ in range(2):
         hout, acc = poisoned((1, Dm), np.float32), cp.zeros((Dm,), cp.int64)
         ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
         xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
-        oc.decode_moe_ffn(plan, xin, lay, ids, wts, acc, 1e-6, k, norm_topk)
+        oc.decode_moe_ffn(plan, xin, lay, ids, wts, acc, 1e-6, k, norm_topk, zacc)
         np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
         outs.append((cp.asnumpy(ids)[0], cp.asnumpy(wts)[0], cp.asnumpy(acc)))
     got_ids, got_w, got = outs[0]
