@@ -1061,14 +1061,16 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
     return acc
 
 
-# the one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: routing and the selected experts in one
-# cluster launch; Qwen3-30B-A3B's decode step 2.6-2.9% shorter on H100, PERFORMANCE.md change 76): "auto"
-# (default) and "1" wherever it is served, "0" off (the routing kernel and the two expert GEMVs)
+# the one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: the top-k and the selected experts in one
+# cluster launch, the router's logits from the o GEMV before it; Qwen3-30B-A3B's decode step 2.6-2.9%
+# shorter on H100 with the router in the cluster, PERFORMANCE.md change 76, and 6.3% more with the logits
+# from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
+# and the two expert GEMVs)
 DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
 
 
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
-    """(plan, why) for moe_ffn_decode (a MoE decode layer's routing and experts in one cluster launch):
+    """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
     k * moe_intermediate / 256 clusters in all (_ffn_first_fit picks the pair)."""
     if DECODE_MOE not in ("auto", "1"):
@@ -1631,8 +1633,8 @@ class CupyOps:
         self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
         if self.acc_attn:
             G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
-            # [o | gate, up | router z | down | q, k, v]: the router logits' o part (the one-launch MoE
-            # FFN half's o GEMV) is cleared with o by the next q|k|v GEMV
+            # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
+            # half's, added by the o GEMV) are cleared with o by the next q|k|v GEMV
             acc = cp.zeros((D + G + E + D + qd + 2 * kvd,), cp.int64)
             e = D + G + E
             self.d.update(acc_o=acc[:D], acc_gu=acc[D:D + G], acc_z=acc[D + G:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
@@ -1855,7 +1857,8 @@ class CupyOps:
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
-        if isinstance(x, _Normed) and self._moe is not None:  # decode: routing and experts in one launch
+        if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
+            # logits from this layer's o GEMV, its router rows)
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
                 decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"], a.rms_norm_eps, k,
                                a.norm_topk_prob, d["acc_z"])

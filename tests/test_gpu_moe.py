@@ -194,11 +194,11 @@ def test_moe_route_decode_topk_matches_prefill_topk_with_ties(layer, norm_topk):
 
 
 # ---------------------------------------------------------------------------------------------
-# The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, router, top-k and the selected
-# experts' SwiGLU FFN with the weighted sum, every cluster routing for itself), against float64 NumPy.
-# (CL, TB, experts, top-k, expert intermediate): every (CL, TB) instantiation; Qwen3-30B-A3B's layer
-# (the module's fixture, 24 clusters of 8) and 160 experts (past the 128 whose router words load before
-# the PDL wait) among them.
+# The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, softmax and top-k of the logits
+# the o GEMV computed, and the selected experts' SwiGLU FFN with the weighted sum, every cluster routing
+# for itself), against float64 NumPy. (CL, TB, experts, top-k, expert intermediate): every (CL, TB)
+# instantiation; Qwen3-30B-A3B's layer (the module's fixture, 24 clusters of 8) and 160 experts (past a
+# top-k lane's first 4 values) among them.
 _MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 512), (4, 2, 32, 3, 512),
                   (5, 2, 32, 4, 256), (5, 4, 16, 2, 256)]
 
