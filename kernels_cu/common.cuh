@@ -443,22 +443,9 @@ __device__ __forceinline__ half decode_merge(const float* __restrict__ part_o, c
 }
 
 // ---------------------------------------------------------------------------------------------
-// Qwen3-MoE routing pieces shared by moe.cu's router kernels and ffn_decode.cu's one-launch MoE FFN.
+// Qwen3-MoE top-k pieces shared by moe.cu's router kernels and ffn_decode.cu's one-launch MoE FFN.
 // ---------------------------------------------------------------------------------------------
 #define MOE_MAX_E 256  // experts held per warp lane: 8 per lane
-
-// 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
-    const half2* ah = reinterpret_cast<const half2*>(&a);
-    const half2* bh = reinterpret_cast<const half2*>(&b);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
-        s += fa.x * fb.x + fa.y * fb.y;
-    }
-    return s;
-}
 
 // The better of two (probability, expert) candidates: higher probability, ties to the lower id
 // (the reference's stable sort).

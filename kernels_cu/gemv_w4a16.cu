@@ -106,9 +106,9 @@ __device__ __forceinline__ int gemv_rt_lpr(int E) {
 }
 
 // The lane's rows k0 + sub + RP j (j in [j0, j0 + GEMV_RT_LOADS), below k0 + GEMV_ROWS and k_end) of R,
-// its chunk c (zeros where out of range)
-__device__ __forceinline__ void gemv_rt_load(const half* rt, int E, int k0, int c, int sub, int RP, int j0,
-                                             int k_end, u32 (&rv)[GEMV_ROWS]) {
+// its chunk c (zeros where out of range); lane = (sub, c), RP = 32 / lpr rows side by side
+__device__ __forceinline__ void gemv_rt_load(const half* rt, int E, int k0, int j0, int k_end, u32 (&rv)[GEMV_ROWS]) {
+    const int lane = threadIdx.x & 31, lpr = gemv_rt_lpr(E), c = lane % lpr, sub = lane / lpr, RP = 32 / lpr;
 #pragma unroll
     for (int j = 0; j < GEMV_RT_LOADS; ++j) {
         const int r = sub + RP * (j0 + j), k = k0 + r;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void gemv_rt_tile(const half* rt, int E, long long* r
     for (int i = 0; i < 8; ++i) a[i] = 0.f;
     for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
         for (int j0 = 0; j0 * RP < GEMV_ROWS; j0 += GEMV_RT_LOADS) {
-            if (k0 != k_first || j0 != 0) gemv_rt_load(rt, E, k0, c, sub, RP, j0, k_end, rv);
+            if (k0 != k_first || j0 != 0) gemv_rt_load(rt, E, k0, j0, k_end, rv);
 #pragma unroll
             for (int j = 0; j < GEMV_RT_LOADS; ++j) {
                 const int r = sub + RP * (j0 + j);
@@ -163,15 +163,15 @@ __device__ __forceinline__ void gemv_rt_tile(const half* rt, int E, long long* r
 }
 
 // The residual row's router tile: rows [split rph, (split + 1) rph) of Rh against h (fp32) into rt_acc,
-// its first step's rows loaded before the PDL wait.
+// its first step's rows loaded before the PDL wait. Not inlined: inlined beside gemv_tile it raised the
+// RT instantiation's spills under the 64-register bound (360 bytes against 272).
 __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int D, int E, long long* rt_acc,
-                                               int split, int S) {
+                                            int split, int S) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = gemv_rt_lpr(E);
     const int rph = (D + S - 1) / S, k_lo = split * rph, k_end = min(D, k_lo + rph);
-    const int k_first = k_lo + warp * GEMV_ROWS;
+    const int k_first = k_lo + (threadIdx.x >> 5) * GEMV_ROWS;
     u32 rv[GEMV_ROWS];
-    if (k_first < k_end) gemv_rt_load(rh, E, k_first, lane % lpr, lane / lpr, 32 / lpr, 0, k_end, rv);
+    if (k_first < k_end) gemv_rt_load(rh, E, k_first, 0, k_end, rv);
     pdl_wait();  // h was written by the kernels before us
     pdl_trigger();
     gemv_rt_tile(rh, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
@@ -209,10 +209,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     if (active && k_first < k_end) gemv_load_step(m, la, k_first, word, group, wv, zw, sv);
     // the router tile (RT, rt set): its first step's fp16 rows, also ahead of the wait (into wv)
     if constexpr (RT) {
-        if (rt && k_first < k_end) {
-            const int lpr = gemv_rt_lpr(rt_E);
-            gemv_rt_load(rt, rt_E, k_first, lane % lpr, lane / lpr, 32 / lpr, 0, k_end, wv);
-        }
+        if (rt && k_first < k_end) gemv_rt_load(rt, rt_E, k_first, 0, k_end, wv);
     }
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
@@ -286,7 +283,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             mx = block_max_nonneg<GEMV_WARPS>(mx, wmax);
         }
         if (mx > GEMV_X_BIG) {  // rare: rescale the span in place (scaled: from h again, h * w may pass fp16's range)
-            xexp = min(64, (int)ceilf(log2f(mx / GEMV_X_BIG)));
+            xexp = x_scale_exp(mx);
             const float down = exp2f(-(float)xexp);
             for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
                 const int k = k_lo + e;

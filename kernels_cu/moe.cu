@@ -15,6 +15,19 @@
 #define MOE_MAP_WARPS 32    // warps of the single-block map builder
 #define MOE_TILE_M 64       // rows per grouped-GEMM tile (BM of gemm_w4a16.cu)
 
+// 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+    const half2* ah = reinterpret_cast<const half2*>(&a);
+    const half2* bh = reinterpret_cast<const half2*>(&b);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 fa = __half22float2(ah[j]), fb = __half22float2(bh[j]);
+        s += fa.x * fb.x + fa.y * fb.y;
+    }
+    return s;
+}
+
 // x . w in fp32 over D fp16 elements (D % 8 == 0) by one warp, the result in every lane: the
 // router logit of one expert. x may be in shared memory, w (a router row) is read through L1.
 // Lane l takes 16-byte chunks l, l + 32, ... from chunk `from` on, added to s in that order.

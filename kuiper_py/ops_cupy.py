@@ -1807,10 +1807,10 @@ class CupyOps:
                 def o_acc(h):
                     # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
-                    R = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
+                    rows = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
                     gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
                          zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None,
-                         router=(*R, h, d["acc_z"]) if R is not None else None)
+                         router=(*rows, h, d["acc_z"]) if rows is not None else None)
                     return d["acc_o"]
                 return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
         if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
