@@ -32,6 +32,15 @@
 #define FFN_SPW 4             // gate/up: warps per matrix (warps 0, 2, .. gate; 1, 3, .. up)
 #define FFN_MIN_BLOCKS 4      // per SM (64 registers): 32 rows per step need 80 registers, 3 blocks per SM,
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
+// Diagnosis only (KUIPER_DIAG_DEFINES, PERFORMANCE.md change 78): FFN_DIAG_NOMATH=1 skips the dot
+// products (wrong results: the loads alone); FFN_DIAG_LOOPEND=1 moves moe_ffn_decode's stamp 3 from
+// after the cluster's sums to the end of the block's gate/up loop.
+#ifndef FFN_DIAG_NOMATH
+#define FFN_DIAG_NOMATH 0
+#endif
+#ifndef FFN_DIAG_LOOPEND
+#define FFN_DIAG_LOOPEND 0
+#endif
 
 // A lane's FFN_ROWS rows of one packed word of a tiled matrix (common.cuh's layout, full 32-word
 // tiles): row quads of 16 bytes, issued together. base = the word's row quad 0; a row quad is 128 words.
@@ -58,6 +67,15 @@ __device__ __forceinline__ void ffn_dot(const u32 (&w)[FFN_ROWS], u32 zw, uint4 
 #pragma unroll
     for (int i = 0; i < FFN_ROWS / 8; ++i) xv[i] = reinterpret_cast<const uint4*>(x)[i];
     const half* xs = reinterpret_cast<const half*>(xv);
+#if FFN_DIAG_NOMATH  // (diagnosis: the loads without the dot product)
+    {
+        u32 v = zw ^ sv.x ^ sv.w ^ xv[0].x;
+#pragma unroll
+        for (int r = 0; r < FFN_ROWS; ++r) v ^= w[r];
+        acc[0] += (float)(v & 1u);
+        return;
+    }
+#endif
     half2 zb[4], s2[4];
     awq_zero_bias(zw, zb);
     awq_scales8(sv, s2);
@@ -165,7 +183,9 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
 __device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc) {
     // relaxed: a release arrive would wait for down's loads in flight
     cl_arrive_relaxed();
+#if !FFN_DIAG_LOOPEND
     diag_stamp(3);
+#endif
     const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
     xd[threadIdx.x] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
     __syncthreads();
@@ -350,6 +370,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(qz, sc, W2, gword, k_lo + wr * FFN_ROWS, zw, sv);
     float a8[8];
     ffn_span_dot(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
+#if FFN_DIAG_LOOPEND
+    diag_stamp(3);
+#endif
     ffn_part_sums(a8, xexp, red, part);
     cl_arrive();  // release part
 

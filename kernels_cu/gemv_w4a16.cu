@@ -174,6 +174,9 @@ __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int 
     if (k_first < k_end) gemv_rt_load(rh, E, k_first, 0, k_end, rv);
     pdl_wait();  // h was written by the kernels before us
     pdl_trigger();
+    diag_stamp(1);  // (no prologue: stamps 2 and 3 at once)
+    diag_stamp(2);
+    diag_stamp(3);
     gemv_rt_tile(rh, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
 }
 
@@ -347,6 +350,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
     if constexpr (RT) {
         if (rt) {  // the router rows: fp32 sums, no overflow guard needed beyond undoing xexp
+            diag_stamp(3);
             gemv_rt_tile(rt, rt_E, rt_acc, xsm, nullptr, k_lo, k_first, k_end, xexp, wv, red);
             return;
         }

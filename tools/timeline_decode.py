@@ -66,7 +66,8 @@ def main(model, ctx, save):
     n_layers = m.args.num_hidden_layers
     # a layer's stamped kernels (the MoE router of KUIPER_DECODE_MOE=0 is not stamped); otherwise each
     # launch on its own row. ffn (ffn_decode.cu): its "prologue done" is gate/up done (moe_ffn_decode:
-    # the experts picked), "loop done" the cluster's gate/up sums read. (The stamps are not memory
+    # the experts picked), "loop done" the cluster's gate/up sums read (built with -DFFN_DIAG_LOOPEND=1 too:
+    # the end of the block's own gate/up loop). (The stamps are not memory
     # operations: the compiler may move independent work across them, so sub-phase splits are rough.)
     kinds = (["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else
              ["qkv", "attention", "o", "ffn"] if len(launches) == 4 * n_layers else None)
