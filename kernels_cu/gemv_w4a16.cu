@@ -91,12 +91,14 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& 
 // ---- the o projection's router rows (MoE decode, RT): z = attn R + h Rh into acc_z [E] ----
 // The router's logits before the 1/rms, z = router . (ffn_norm * (h + o)), are linear in the attention
 // output and the residual row h, so the o GEMV computes them beside o: R = W_o diag(ffn_norm) router^T
-// [q_dim, E] and Rh = diag(ffn_norm) router^T [D, E], fp16, made at load. Two more column tiles: one
-// takes R against the block's staged span of the attention output, one Rh against the split's rows of
-// h. The MoE kernel after us then reads z and starts its top-k at once, instead of a router dot
-// product and a cluster exchange after its wait (PERFORMANCE.md change 77). A row of R is E/8
-// 16-byte chunks; lane = (row phase, chunk), 32 / lpr rows side by side, a warp's GEMV_ROWS rows in
-// batches of GEMV_RT_LOADS.
+// [q_dim, E] and Rh = diag(ffn_norm) router^T [D, E], fp16, made at load. More column tiles: R's take
+// it against the block's staged span of the attention output, the last takes Rh against the split's
+// rows of h. The MoE kernel after us then reads z and starts its top-k at once, instead of a router dot
+// product and a cluster exchange after its wait (PERFORMANCE.md change 77). R's columns may be split
+// over several tiles (the host's choice: the tiles between o's and the last): a block of one R tile
+// then reads what a block of an int4 tile does, instead of being the GEMV's straggler (change 79). A
+// tile's row of R is E/8 16-byte chunks (E its columns, ld the row stride); lane = (row phase,
+// chunk), 32 / lpr rows side by side, a warp's GEMV_ROWS rows in batches of GEMV_RT_LOADS.
 #define GEMV_RT_LOADS (GEMV_ROWS / 4)  // 16-byte router loads in flight per lane: in the registers of a
                                       // step's packed words (wv), which a router tile does not use
 
@@ -105,15 +107,16 @@ __device__ __forceinline__ int gemv_rt_lpr(int E) {
     return E <= 64 ? (E <= 32 ? (E <= 16 ? (E <= 8 ? 1 : 2) : 4) : 8) : (E <= 128 ? 16 : 32);
 }
 
-// The lane's rows k0 + sub + RP j (j in [j0, j0 + GEMV_RT_LOADS), below k0 + GEMV_ROWS and k_end) of R,
-// its chunk c (zeros where out of range); lane = (sub, c), RP = 32 / lpr rows side by side
-__device__ __forceinline__ void gemv_rt_load(const half* rt, int E, int k0, int j0, int k_end, u32 (&rv)[GEMV_ROWS]) {
+// The lane's rows k0 + sub + RP j (j in [j0, j0 + GEMV_RT_LOADS), below k0 + GEMV_ROWS and k_end) of R
+// (row stride ld), its chunk c (zeros where out of range); lane = (sub, c), RP = 32 / lpr rows side by side
+__device__ __forceinline__ void gemv_rt_load(const half* rt, int ld, int E, int k0, int j0, int k_end,
+                                             u32 (&rv)[GEMV_ROWS]) {
     const int lane = threadIdx.x & 31, lpr = gemv_rt_lpr(E), c = lane % lpr, sub = lane / lpr, RP = 32 / lpr;
 #pragma unroll
     for (int j = 0; j < GEMV_RT_LOADS; ++j) {
         const int r = sub + RP * (j0 + j), k = k0 + r;
         const uint4 v = (r < GEMV_ROWS && k < k_end && c * 8 < E)
-                            ? __ldg(reinterpret_cast<const uint4*>(rt + (size_t)k * E) + c) : make_uint4(0, 0, 0, 0);
+                            ? __ldg(reinterpret_cast<const uint4*>(rt + (size_t)k * ld) + c) : make_uint4(0, 0, 0, 0);
         rv[4 * j] = v.x; rv[4 * j + 1] = v.y; rv[4 * j + 2] = v.z; rv[4 * j + 3] = v.w;
     }
 }
@@ -121,7 +124,7 @@ __device__ __forceinline__ void gemv_rt_load(const half* rt, int E, int k0, int 
 // A router tile's whole job once x is at hand: the warp's steps over rows [k_first, k_end) (first batch
 // already in rv), x[k] = xsm[k - k_lo] (fp16, the staged span) or xg[k] (fp32, global, xg set), per-lane
 // fp32 sums of 8 columns, summed over row phases and warps, times 2^xexp, into rt_acc.
-__device__ __forceinline__ void gemv_rt_tile(const half* rt, int E, long long* rt_acc, const half* xsm,
+__device__ __forceinline__ void gemv_rt_tile(const half* rt, int ld, int E, long long* rt_acc, const half* xsm,
                                              const float* xg, int k_lo, int k_first, int k_end, int xexp,
                                              u32 (&rv)[GEMV_ROWS], float (*red)[GEMV_COLS + GEMV_COLS / 32]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -131,7 +134,7 @@ __device__ __forceinline__ void gemv_rt_tile(const half* rt, int E, long long* r
     for (int i = 0; i < 8; ++i) a[i] = 0.f;
     for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
         for (int j0 = 0; j0 * RP < GEMV_ROWS; j0 += GEMV_RT_LOADS) {
-            if (k0 != k_first || j0 != 0) gemv_rt_load(rt, E, k0, j0, k_end, rv);
+            if (k0 != k_first || j0 != 0) gemv_rt_load(rt, ld, E, k0, j0, k_end, rv);
 #pragma unroll
             for (int j = 0; j < GEMV_RT_LOADS; ++j) {
                 const int r = sub + RP * (j0 + j);
@@ -171,13 +174,13 @@ __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int 
     const int rph = (D + S - 1) / S, k_lo = split * rph, k_end = min(D, k_lo + rph);
     const int k_first = k_lo + (threadIdx.x >> 5) * GEMV_ROWS;
     u32 rv[GEMV_ROWS];
-    if (k_first < k_end) gemv_rt_load(rh, E, k_first, 0, k_end, rv);
+    if (k_first < k_end) gemv_rt_load(rh, E, E, k_first, 0, k_end, rv);
     pdl_wait();  // h was written by the kernels before us
     pdl_trigger();
     diag_stamp(1);  // (no prologue: stamps 2 and 3 at once)
     diag_stamp(2);
     diag_stamp(3);
-    gemv_rt_tile(rh, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
+    gemv_rt_tile(rh, E, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
 }
 
 // partial[split][col_off + col] = sum over rows [split*rps, (split+1)*rps) of x[k] * W[k, col] for
@@ -191,8 +194,8 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
                                           const float* att_o, const float* att_ml, int att_S, int hd,
                                           int pos0, const int* pos_dev, long long* acc_out, const long long* pend,
                                           float* hout, float* ss_out, const float* ss_in, int ss_n, int ss_D,
-                                          bool pend_glu, const float* acc_w, const half* rt, int rt_E,
-                                          long long* rt_acc) {
+                                          bool pend_glu, const float* acc_w, const half* rt, int rt_ld,
+                                          int rt_E, long long* rt_acc) {
     __shared__ float red[GEMV_WARPS][GEMV_COLS + GEMV_COLS / 32];  // +1 word per 32: lane-strided stores spread over banks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int word = tile * (GEMV_COLS / 8) + lane;
@@ -212,7 +215,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     if (active && k_first < k_end) gemv_load_step(m, la, k_first, word, group, wv, zw, sv);
     // the router tile (RT, rt set): its first step's fp16 rows, also ahead of the wait (into wv)
     if constexpr (RT) {
-        if (rt && k_first < k_end) gemv_rt_load(rt, rt_E, k_first, 0, k_end, wv);
+        if (rt && k_first < k_end) gemv_rt_load(rt, rt_ld, rt_E, k_first, 0, k_end, wv);
     }
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
@@ -351,7 +354,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     if constexpr (RT) {
         if (rt) {  // the router rows: fp32 sums, no overflow guard needed beyond undoing xexp
             diag_stamp(3);
-            gemv_rt_tile(rt, rt_E, rt_acc, xsm, nullptr, k_lo, k_first, k_end, xexp, wv, red);
+            gemv_rt_tile(rt, rt_ld, rt_E, rt_acc, xsm, nullptr, k_lo, k_first, k_end, xexp, wv, red);
             return;
         }
     }
@@ -495,9 +498,10 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // a pend input from a scaled GEMV: its ss_n split sums of squares of a row of ss_D
            const float* __restrict__ ss_in, int ss_n, int ss_D,
            int pend_glu,                         // pend input [gate K | up K]: x = silu(g) * u
-           // RT (the MoE o projection, accumulating): two more column tiles, the router rows R [K, rt_E]
-           // against the input and Rh [rt_D, rt_E] against the residual row rt_h [rt_D] (fp32), their
-           // sums added into rt_acc [rt_E]
+           // RT (the MoE o projection, accumulating): more column tiles, the router rows R [K, rt_E]
+           // (its columns split evenly, in multiples of 8, over the tiles between o's and the last)
+           // against the input and Rh [rt_D, rt_E] (the last tile) against the residual row rt_h [rt_D]
+           // (fp32), their sums added into rt_acc [rt_E]
            const half* __restrict__ rt, const half* __restrict__ rt_hw, const float* __restrict__ rt_h, int rt_D,
            int rt_E, long long* __restrict__ rt_acc) {
     diag_stamp(0);
@@ -531,13 +535,17 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int n_total = N0 + (n_mats > 1 ? N1 : 0) + (n_mats > 2 ? N2 : 0);
     float* part = partial + (size_t)slot * S * n_total;
     const bool msum = epi == GEMV_EPI_MOE_SUM;
-    const bool rtile = RT && blockIdx.x == gridDim.x - 2;
+    // R's tiles: gridDim.x - 1 - t0 of them (one matrix), part p taking columns [p EC, p EC + EC)
+    const int rparts = RT ? (int)gridDim.x - 1 - t0 : 0, rp = blockIdx.x - t0;
+    const bool rtile = RT && rp >= 0 && rp < rparts;
+    const int rEC = RT ? (rt_E / 8 + rparts - 1) / rparts * 8 : 0, rc0 = rtile ? rp * rEC : 0;
     if (RT && blockIdx.x == gridDim.x - 1) gemv_rt_h_tile(rt_hw, rt_h, rt_D, rt_E, rt_acc, blockIdx.y, S);
     else gemv_tile<RT>(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
               !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev,
               acc_out && !msum ? acc_out + (size_t)slot * n_total : acc_out,
               pend ? pend + (size_t)slot * (pend_glu ? 2 * K : K) : pend, hout, ss_out, ss_in, ss_n, ss_D, pend_glu,
-              acc_out && msum ? slot_w + slot : nullptr, rtile ? rt : nullptr, rt_E, rt_acc);
+              acc_out && msum ? slot_w + slot : nullptr, rtile ? rt + rc0 : nullptr, rt_E, min(rEC, rt_E - rc0),
+              rt_acc + rc0);
     if (zero_p) {  // after the wait (in gemv_tile): the accumulators' last readers have finished
         const int nb = gridDim.x * gridDim.y * gridDim.z;
         const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;

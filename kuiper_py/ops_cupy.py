@@ -39,6 +39,9 @@ GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
 GEMV_MOE2 = os.environ.get("KUIPER_GEMV_MOE2", "1") != "0"
 GEMV_MOE_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_MOE_BLOCKS_PER_SM", "0")) or None
 GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
+# the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
+# an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
+GEMV_RT_COLS = int(os.environ.get("KUIPER_GEMV_RT_COLS", "64"))
 GEMV_SUM_BATCH = int(os.environ.get("KUIPER_GEMV_SUM_BATCH", "16"))  # partials the fused reduction loads at once (A/B)
 # KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
 GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""), 0)
@@ -489,7 +492,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     (int64): cleared after the PDL wait. ss_out (fp32, >= S; with norm and acc_out): the scaled norm,
     x = h * w with 1/rms left to the consumer, the splits' sums of squares stored there (returns S);
     ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first.
-    router=(R, Rh, h, acc_z) (the MoE o projection: att, acc_out): two more column tiles, x @ R + h @ Rh
+    router=(R, Rh, h, acc_z) (the MoE o projection: att, acc_out): more column tiles (R's columns over
+    ceil(E / GEMV_RT_COLS) of them, then Rh's), x @ R + h @ Rh
     added into acc_z (int64 [E], fixed point) for fp16 R [K, E] and Rh [D, E] and the fp32 residual row h
     [1, D] (E <= 256, E % 8 == 0)."""
     K, g = mats[0].K, mats[0].group_size
@@ -505,7 +509,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         assert Rh.shape == (h_row.size, E) and h_row.dtype == cp.float32 and R.flags.c_contiguous
         assert acc_z.dtype == cp.int64 and acc_z.size == E and Rh.flags.c_contiguous
         rt_args = (R, Rh, h_row, _i(h_row.size), _i(E), acc_z)
-        tiles += 2  # the last two column tiles: gemv_rt_tile, gemv_rt_h_tile
+        # R's columns over ceil(E / GEMV_RT_COLS) tiles (gemv_rt_tile), then Rh's tile (gemv_rt_h_tile)
+        tiles += (math.ceil(E / GEMV_RT_COLS) if GEMV_RT_COLS else 1) + 1
     moe2 = out_kind == "moe_sum" and GEMV_MOE2
     S, rps = gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0) if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
