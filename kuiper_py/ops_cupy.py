@@ -510,7 +510,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         assert acc_z.dtype == cp.int64 and acc_z.size == E and Rh.flags.c_contiguous
         rt_args = (R, Rh, h_row, _i(h_row.size), _i(E), acc_z)
         # R's columns over ceil(E / GEMV_RT_COLS) tiles (gemv_rt_tile), then Rh's tile (gemv_rt_h_tile)
-        tiles += (math.ceil(E / GEMV_RT_COLS) if GEMV_RT_COLS else 1) + 1
+        tiles += (math.ceil(E / max(8, GEMV_RT_COLS)) if GEMV_RT_COLS > 0 else 1) + 1
     moe2 = out_kind == "moe_sum" and GEMV_MOE2
     S, rps = gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0) if out_kind == "moe_sum" else None)
     n_total = sum(m.N for m in mats)
