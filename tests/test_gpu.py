@@ -584,14 +584,15 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
-# (H, KV, hd, D, E): Qwen3-30B-A3B's o projection and 128 experts; 160 (lanes per router row 32), 64, 8 (1)
+# (H, KV, hd, D, E): Qwen3-30B-A3B's o projection and 128 experts; 160, 64, 8. R's columns go over
+# ceil(E / 64) tiles (2; 3 of 56, 56, 48 columns; 1; 1), Rh's tile takes all E (lanes per row 16, 32, 8, 1)
 @pytest.mark.parametrize("H,KV,hd,D,E", [(32, 4, 128, 2048, 128), (16, 8, 64, 1024, 160), (8, 2, 128, 1024, 64),
                                          (4, 2, 64, 512, 8)])
 @pytest.mark.parametrize("massive", [False, True])
 def test_o_gemv_router_rows(H, KV, hd, D, E, massive):
-    """The MoE o projection in accumulating mode with the router rows as two more column tiles, R
-    [q_dim, E] against the attention output and Rh [D, E] against the fp32 residual row h (fp16 both):
-    acc_z = attention @ R + h @ Rh beside acc_o = attention @ W_o, both fixed point, against float64 on
+    """The MoE o projection in accumulating mode with the router rows as more column tiles, R [q_dim, E]
+    (its columns over one or more tiles) against the attention output and Rh [D, E] against the fp32
+    residual row h (fp16 both): acc_z = attention @ R + h @ Rh beside acc_o = attention @ W_o, both fixed point, against float64 on
     the merged attention output rounded to fp16 (as the kernel stages it). massive: a value channel at
     3000, so the staged span is scaled down (the overflow guard) and the router sums scaled back, and
     residual channels at 1e4. Two launches from zeroed accumulators: bitwise the same; the arrival
