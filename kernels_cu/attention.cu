@@ -174,7 +174,8 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
                                                   half* q_sm, half* q_out, half* Kc, half* Vc, const half* qn,
                                                   const half* kn, const float* cosb, const float* sinb, float eps,
                                                   int h0, int nh, int kvh, int H, int KV, int pos, bool newest,
-                                                  float sc) {  // the GEMV's deferred 1/rms, or 1
+                                                  // the GEMV's splits' sums of squares (its deferred 1/rms), or null
+                                                  const float* ss_in, int ss_n, int ss_D) {
     constexpr int P = HD / 64, HH = HD / 2;  // a lane holds dims d and d + HH, the rotation's pairs
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ntask = nh + (newest ? 2 : 0);
@@ -194,6 +195,12 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
             wa[i] = __half2float(nw[d]);
             wb[i] = __half2float(nw[d + HH]);
         }
+        // the 1/rms's partial sums load beside the task's: one L2 round trip, not two (deferred_rms_inv's
+        // order, so the same bits)
+        float sst = 0.f;
+        if (ss_in)
+            for (int i = lane; i < ss_n; i += 32) sst += __ldcg(ss_in + i);
+        const float sc = ss_in ? rsqrtf(warp_sum(sst) / ss_D + eps) : 1.f;
         float a[P], b[P], ss = 0.f;
 #pragma unroll
         for (int i = 0; i < P; ++i) {
@@ -260,7 +267,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
                                                             cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
                                                             kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk,
-                                                            ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f);
+                                                            ss_in, ss_n, ss_D);
                                       __syncthreads();  // q_sm and the block's cache writes visible to its reads
                                   }
                                   diag_stamp(2);

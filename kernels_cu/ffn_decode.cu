@@ -309,8 +309,18 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const u32* dq, const u32* dz, const half* ds,  // down stack: [E][mI, D] tiled, [E, mI/128, D/8], [E, mI/128, D]
                int* __restrict__ ids_out, float* __restrict__ w_out,  // [k] the experts picked and their weights
                long long* __restrict__ acc,            // [D] the weighted sum of down's outputs (fixed point), zero on entry
-               int D, int mI, int E, int k, int norm_topk) {
+               int D, int mI, int E, int k, int norm_topk,
+               const unsigned long long* __restrict__ pf,  // [pf_n][2] (address, bytes): the next layer's weights
+               int pf_n, int pf_after) {                   // to start towards L2; after the PDL wait, or before
     diag_stamp(0);
+    // Routing leaves DRAM idle for ~2 µs (change 78's timeline); the next layer's q|k|v weights,
+    // which depend on nothing here, can stream into L2 then: the table's chunks spread over the blocks.
+    const int pf_b = blockIdx.y * gridDim.x + blockIdx.x, pf_nb = gridDim.x * gridDim.y;
+    auto prefetch = [&] {
+        for (int i = pf_b + threadIdx.x * pf_nb; i < pf_n; i += pf_nb * blockDim.x)
+            bulk_prefetch_l2(reinterpret_cast<const void*>(pf[2 * i]), (u32)pf[2 * i + 1]);
+    };
+    if (!pf_after) prefetch();
     constexpr int WPT = FFN_WARPS / TB;
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
@@ -330,6 +340,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
     pdl_wait();  // pend, zacc and acc belong to the kernels before us
     pdl_trigger();
+    if (pf_after) prefetch();
     diag_stamp(1);
     const long long za = tid < E ? __ldcg(zacc + tid) : 0;
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);

@@ -1072,6 +1072,11 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 # from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
 DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
+# moe_ffn_decode starts the next layer's q|k|v weights towards L2 (cp.async.bulk.prefetch.L2, one chunk of
+# MOE_PREFETCH_KB per block) while its routing leaves DRAM idle: "0" off, "1" before its PDL wait, "2"
+# after it (PERFORMANCE.md change 80)
+MOE_PREFETCH = os.environ.get("KUIPER_MOE_PREFETCH", "1")
+MOE_PREFETCH_KB = int(os.environ.get("KUIPER_MOE_PREFETCH_KB", "32"))
 
 
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
@@ -1088,19 +1093,37 @@ def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     return _ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
 
 
-def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc):
+def moe_prefetch_table(arrays, chunk: int):
+    """(table, n) for moe_ffn_decode's prefetch: the device arrays cut into n chunks of at most `chunk`
+    bytes, as uint64 [n, 2] (address, bytes); each chunk's bytes a multiple of 16 (a tail under 16
+    bytes is left out)."""
+    rows = []
+    for a in arrays:
+        ptr, nbytes = a.data.ptr, a.nbytes
+        for o in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - o) & ~15
+            if n:
+                rows.append((ptr + o, n))
+    assert all(p % 16 == 0 for p, _ in rows), "bulk prefetch needs 16-byte aligned chunks"
+    return cp.asarray(np.array(rows, dtype=np.uint64).reshape(-1, 2)), len(rows)
+
+
+def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc,
+                   pf=None):
     """One MoE decode layer's FFN half (moe_ffn_decode): x a _Normed (h, the norm weight, the o
     projection's pending sums and the row they make, or neither); the k experts picked to ids (int32
     [k]) and their weights to weights (fp32 [k]); the weighted sum of their down outputs added into acc
     (int64 [D], zero on entry: the o GEMV before clears it). zacc (int64 [E], fixed point): the router's
-    logits before the 1/rms, router . (w * (h + fp32 o)), as the o GEMV's router rows add them."""
+    logits before the 1/rms, router . (w * (h + fp32 o)), as the o GEMV's router rows add them.
+    pf: None, or (table, n, after) of moe_prefetch_table, started towards L2 after (or before) the PDL wait."""
     null = np.uint64(0)
     w13, w2 = layer.experts_w13, layer.experts_w2
     E, D, mI = w13.E, x.h.size, w2.qweight.shape[1]
     launch_ex(plan["fn"], (plan["CL"], k * mI // FFN_CH), (FFN_THREADS,), (
         x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
         zacc, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
-        _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk))), 0, plan["attrs"])
+        _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk)), pf[0] if pf else null, _i(pf[1] if pf else 0),
+        _i(int(pf[2]) if pf else 0)), 0, plan["attrs"])
     return acc
 
 
@@ -1441,6 +1464,12 @@ class CupyOps:
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
         self._router_o = self._router_o_rows() if self._moe is not None else {}
+        self._moe_pf = {}  # id(layer) -> the next layer's q|k|v weights for moe_ffn_decode's prefetch
+        if self._moe is not None and MOE_PREFETCH in ("1", "2"):
+            Ls = self.weights.layers
+            for L, nxt in ((L, nxt) for L, nxt in zip(Ls, Ls[1:]) if L.router is not None):
+                arrs = [m for lin in (nxt.wq, nxt.wk, nxt.wv) for m in (lin.qweight, lin.qzeros, lin.scales)]
+                self._moe_pf[id(L)] = (*moe_prefetch_table(arrs, MOE_PREFETCH_KB << 10), MOE_PREFETCH == "2")
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -1866,7 +1895,7 @@ class CupyOps:
             # logits from this layer's o GEMV, its router rows)
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
                 decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"], a.rms_norm_eps, k,
-                               a.norm_topk_prob, d["acc_z"])
+                               a.norm_topk_prob, d["acc_z"], self._moe_pf.get(id(layer)))
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))
                 return d["acc_d"]
