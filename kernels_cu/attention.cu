@@ -195,12 +195,9 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
             wa[i] = __half2float(nw[d]);
             wb[i] = __half2float(nw[d + HH]);
         }
-        // the 1/rms's partial sums load beside the task's: one L2 round trip, not two (deferred_rms_inv's
-        // order, so the same bits)
-        float sst = 0.f;
-        if (ss_in)
-            for (int i = lane; i < ss_n; i += 32) sst += __ldcg(ss_in + i);
-        const float sc = ss_in ? rsqrtf(warp_sum(sst) / ss_D + eps) : 1.f;
+        // the 1/rms after the task's loads are issued: its partial sums' loads fly beside them, one L2
+        // round trip instead of two (PERFORMANCE.md change 80)
+        const float sc = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
         float a[P], b[P], ss = 0.f;
 #pragma unroll
         for (int i = 0; i < P; ++i) {
