@@ -82,6 +82,7 @@ MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp;
 SUPPORTED_HEAD_DIMS = (64, 128)
 ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
 ATTN_MAX_HEADS_PER_BLOCK = int(os.environ.get("KUIPER_ATTN_MAX_HB", "4"))  # query heads per decode block (A/B; 8 measured slower)
+ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding blocks per SM at least (A/B)
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 
@@ -185,6 +186,7 @@ _CU_ARGTYPES = {  # the driver entry points called through ctypes (each returns 
     "cuTensorMapEncodeTiled": [_V, _I, ctypes.c_uint, _V, _V, _V, _V, _V, _I, _I, _I, _I],
     "cuOccupancyMaxActiveClusters": [ctypes.POINTER(_I), _V, ctypes.POINTER(_LaunchConfig)],
     "cuFuncSetAttribute": [_V, _I, _I],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(_I), _V, _I, ctypes.c_size_t],
 }
 
 
@@ -276,8 +278,8 @@ class _PdlKernel:
         self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction (its module stays in _MODULES)
         self.attr = _pdl_attr()
 
-    def __call__(self, grid, block, args):
-        launch_ex(self.ptr, grid, block, args, attr=self.attr)
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        launch_ex(self.ptr, grid, block, args, smem=shared_mem, attr=self.attr)
 
 
 def launch_ex(fn, grid, block, args, smem: int = 0, attr=None):
@@ -434,6 +436,53 @@ _COUNTERS: dict[int, object] = {}
 _SM_COUNT: dict[int, int] = {}
 
 
+# Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
+# (the decode GEMVs); KUIPER_SPREAD=none turns it off (A/B). Not the one-launch FFN: its clusters need
+# a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step)
+SPREAD = set(os.environ.get("KUIPER_SPREAD", "attn,gemv").split(","))
+_SPREAD: dict[tuple, int] = {}
+_SMEM_SM: dict[int, tuple[int, int]] = {}
+
+
+def spread_smem(fn, blocks: int, threads: int) -> int:
+    """Dynamic shared memory (bytes, unused by the kernel) that lets at most ceil(blocks / SMs) blocks
+    of fn sit on one SM, or 0 where its registers already do (or no size does). A grid of fewer blocks
+    than the SMs could hold is otherwise placed where space frees first: flash decoding's 264 blocks
+    landed on ~93 SMs, up to 4 per SM, beside idle ones (PERFORMANCE.md change 82)."""
+    key = (getattr(fn, "kernel", fn).ptr, blocks, threads)
+    pad = _SPREAD.get(key)
+    if pad is None:
+        pad = _SPREAD[key] = _spread_smem(fn, blocks, threads)
+    return pad
+
+
+def _spread_smem(fn, blocks: int, threads: int) -> int:
+    occ = _cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    if occ is None:
+        return 0
+    ptr = getattr(fn, "kernel", fn).ptr
+
+    def fit(smem: int) -> int:
+        n = ctypes.c_int(0)
+        return -1 if occ(ctypes.byref(n), ptr, threads, smem) else n.value
+
+    want = -(-blocks // sm_count())
+    if fit(0) <= want:
+        return 0
+    dev = _dev_id()
+    if dev not in _SMEM_SM:
+        a = cp.cuda.Device(dev).attributes
+        _SMEM_SM[dev] = (a["MaxSharedMemoryPerMultiprocessor"], a.get("ReservedSharedMemoryPerBlock", 1024))
+    per_sm, reserved = _SMEM_SM[dev]
+    # want blocks of (static + reserved + pad) bytes fit on an SM, want + 1 do not
+    pad = per_sm // (want + 1) + 1 - reserved - fn.shared_size_bytes
+    if pad <= 0 or want * (fn.shared_size_bytes + reserved + pad) > per_sm:
+        return 0
+    if fn.max_dynamic_shared_size_bytes < pad:
+        fn.max_dynamic_shared_size_bytes = pad
+    return pad if fit(pad) == want else 0
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the current device, queried once (Device.attributes reads every
     attribute, too slow for a per-launch call)."""
@@ -564,13 +613,15 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
+    pad = spread_smem(_compiled("gemv", name), tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
         resid if resid is not None else np.uint64(0), *rope_args, *att_args, _i(K), _i(rps), _i(g),
         _i(GEMV_EPI[out_kind]), _i(ids_early), acc_out if acc_out is not None else null,
         pend if pend is not None else null, hout if hout is not None else null,
-        zero if zero is not None else null, _i(zero.size if zero is not None else 0), *ss_args, *rt_args))
+        zero if zero is not None else null, _i(zero.size if zero is not None else 0), *ss_args, *rt_args),
+        shared_mem=pad)
     return S if ss_out is not None else out
 
 
@@ -844,9 +895,12 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
                                                                       f["sin"], _f(f["eps"]))
     fin += (null, _i(0), _i(0)) if f is None or "ss" not in f else (f["ss"][0], _i(f["ss"][1]), _i(f["ss"][2]))
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
-    kernel("attn", f"attn_decode_gqa<{hd},{hb}>")((n_kv_heads, H // n_kv_heads // hb, S), (128,), (
+    name = f"attn_decode_gqa<{hd},{hb}>"
+    grid = (n_kv_heads, H // n_kv_heads // hb, S)
+    pad = spread_smem(_compiled("attn", name), grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
+    kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
-        *fin))
+        *fin), shared_mem=pad)
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev)
     return parts if out is None else attention_combine(parts, out)
 
@@ -1506,7 +1560,7 @@ class CupyOps:
         # while the context is short (attention.cu decode_chunk).
         H = a.num_attention_heads
         groups = H // decode_heads_per_block(H, a.num_key_value_heads)
-        self.attn_splits = max(1, math.ceil(2 * self.n_sm / groups),
+        self.attn_splits = max(1, math.ceil(ATTN_PER_SM * self.n_sm / groups),
                                min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT), math.ceil(8 * self.n_sm / groups)))
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)

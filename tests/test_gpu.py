@@ -559,6 +559,28 @@ def test_flash_decoding(H, KV, hd, n, splits, on_device):
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
 
 
+@pytest.mark.parametrize("name,threads,blocks_per_sm", [("attn_decode_gqa<128,4>", 128, 2), ("attn_decode_gqa<128,4>", 128, 3),
+                                                         ("attn_decode_gqa<128,2>", 128, 1), ("attn_decode_gqa<64,1>", 128, 5)])
+def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
+    """spread_smem's pad lets exactly ceil(blocks / SMs) blocks sit on an SM (the driver's occupancy
+    calculator, asked independently here), and none where the registers already cap it lower."""
+    fn = oc._compiled("attn", name)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    occ = oc._cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+
+    def fit(smem):
+        n = ctypes.c_int(-1)
+        assert occ(ctypes.byref(n), fn.kernel.ptr, threads, smem) == 0
+        return n.value
+
+    blocks = sms * blocks_per_sm - sms // 2  # a partial last row: ceil gives blocks_per_sm
+    pad = oc.spread_smem(fn, blocks, threads)
+    if fit(0) <= blocks_per_sm:
+        assert pad == 0
+    else:
+        assert pad > 0 and fit(pad) == blocks_per_sm
+
+
 @pytest.mark.parametrize("H,KV,hd,D", [(32, 8, 128, 4096), (64, 4, 128, 4096), (16, 8, 64, 1024), (40, 8, 128, 5120)])
 @pytest.mark.parametrize("n,on_device", [(1, True), (700, False), (9000, True)])
 def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
