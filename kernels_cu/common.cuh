@@ -493,6 +493,12 @@ __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k,
     }
 }
 
+// The same without the sum, for a caller that weighs the picks itself (moe_ffn_decode: raw logits)
+__device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k, float gone, int& my_id, float& my_v) {
+    float unused = 0.f;
+    moe_topk_pick(p, k, gone, my_id, my_v, unused);
+}
+
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp: lane l holds the
 // logits of experts l, l + 32, .. in p (-inf past E). Lane r < k writes slot r of ids and weights
 // (global or shared memory). Deterministic: the same logits give the same bits in every warp.

@@ -354,8 +354,8 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lg[lane + 32 * j];
         int my_id = 0;
-        float my_z = 0.f, sum = 0.f;
-        moe_topk_pick(p, k, -INFINITY, my_id, my_z, sum);
+        float my_z = 0.f;
+        moe_topk_pick(p, k, -INFINITY, my_id, my_z);
         if (lane < k) {
             sel_id[lane] = my_id;
             sel_z[lane] = my_z;
