@@ -444,15 +444,16 @@ _SPREAD: dict[tuple, int] = {}
 _SMEM_SM: dict[int, tuple[int, int]] = {}
 
 
-def spread_smem(fn, blocks: int, threads: int) -> int:
+def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
     """Dynamic shared memory (bytes, unused by the kernel) that lets at most ceil(blocks / SMs) blocks
-    of fn sit on one SM, or 0 where its registers already do (or no size does). A grid of fewer blocks
-    than the SMs could hold is otherwise placed where space frees first: flash decoding's 264 blocks
-    landed on ~93 SMs, up to 4 per SM, beside idle ones (PERFORMANCE.md change 82)."""
-    key = (getattr(fn, "kernel", fn).ptr, blocks, threads)
+    of kernel `name` of `family` sit on one SM, or 0 where its registers already do (or no size does). A
+    grid of fewer blocks than the SMs could hold is otherwise placed where space frees first: flash
+    decoding's 264 blocks landed on ~93 SMs, up to 4 per SM, beside idle ones (PERFORMANCE.md change
+    82). Worked out once per (device, kernel, grid, block); a launch then costs one dict lookup."""
+    key = (_dev_id(), family, name, blocks, threads)
     pad = _SPREAD.get(key)
     if pad is None:
-        pad = _SPREAD[key] = _spread_smem(fn, blocks, threads)
+        pad = _SPREAD[key] = _spread_smem(_compiled(family, name), blocks, threads)
     return pad
 
 
@@ -613,7 +614,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
-    pad = spread_smem(_compiled("gemv", name), tiles * S * slots, 256) if "gemv" in SPREAD else 0
+    pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
@@ -897,7 +898,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
     name = f"attn_decode_gqa<{hd},{hb}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
-    pad = spread_smem(_compiled("attn", name), grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
+    pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
         *fin), shared_mem=pad)

@@ -574,7 +574,7 @@ def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
         return n.value
 
     blocks = sms * blocks_per_sm - sms // 2  # a partial last row: ceil gives blocks_per_sm
-    pad = oc.spread_smem(fn, blocks, threads)
+    pad = oc.spread_smem("attn", name, blocks, threads)
     if fit(0) <= blocks_per_sm:
         assert pad == 0
     else:
