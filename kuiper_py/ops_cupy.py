@@ -32,6 +32,15 @@ GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
 # the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before)
 GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
+# the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
+# GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
+# fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
+# loads out (change 71's residency gap). Qwen3-8B's o then takes 16 splits of 256 rows instead of 32 of
+# 128, two heads merged per block: 0.6% shorter steps at 512 and 8k (33 attention splits), 0.7% longer
+# at 32k (65), hence the bound (PERFORMANCE.md change 83). The other projections stay at 4: 3 for all of
+# them made Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
+GEMV_O_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_O_BLOCKS_PER_SM", "3"))
+GEMV_O_COARSE_SPLITS = 48
 # the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
 # (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
@@ -509,6 +518,13 @@ def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, in
     return math.ceil(K / rps), rps
 
 
+def o_split(K: int, tiles: int, attn_splits: int = 0) -> tuple[int, int]:
+    """gemv_split for the o GEMV over flash decoding's attn_splits partials (GEMV_O_BLOCKS_PER_SM up to
+    GEMV_O_COARSE_SPLITS of them); attn_splits 0: the coarsest split it may take (for checks that it fits)."""
+    coarse = attn_splits <= GEMV_O_COARSE_SPLITS
+    return gemv_split(K, tiles, min(GEMV_O_BLOCKS_PER_SM, GEMV_BLOCKS_PER_SM) if coarse else None)
+
+
 def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
     """Floats of partial sums a gemv over matrices of widths ns needs."""
     S, _ = gemv_split(K, slots * sum(math.ceil(n / GEMV_COLS) for n in ns))
@@ -562,7 +578,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         # R's columns over ceil(E / GEMV_RT_COLS) tiles (gemv_rt_tile), then Rh's tile (gemv_rt_h_tile)
         tiles += (math.ceil(E / max(8, GEMV_RT_COLS)) if GEMV_RT_COLS > 0 else 1) + 1
     moe2 = out_kind == "moe_sum" and GEMV_MOE2
-    S, rps = gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0) if out_kind == "moe_sum" else None)
+    S, rps = (gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0)) if out_kind == "moe_sum" else
+              o_split(K, tiles, att.splits) if att is not None else gemv_split(K, slots * tiles))
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
     assert slots * tiles + tiles <= gemv_counters().size
@@ -1509,7 +1526,7 @@ class CupyOps:
                           da_part_ml=cp.empty((a.num_attention_heads * S * 2,), cp.float32))
         # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its
         # accumulator (the fused attention half has no slot for that: one or the other)
-        o_clears = FUSE_COMBINE and gemv_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
+        o_clears = FUSE_COMBINE and o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
         self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and self._da is None and o_clears else
                                           (None, "needs accumulating mode, the o GEMV's merge prologue and no fused "
                                                  "attention half"))
@@ -1892,7 +1909,7 @@ class CupyOps:
 
             return _Deferred(_acc_only("the fused attention half"), attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
-            if gemv_split(lin.K, math.ceil(lin.N / GEMV_COLS))[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc(h):
                     # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
