@@ -442,7 +442,7 @@ def _f(v):
 
 
 _COUNTERS: dict[int, object] = {}
-_SM_COUNT: dict[int, int] = {}
+_DEV_ATTRS: dict[int, dict] = {}
 
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
@@ -450,7 +450,6 @@ _SM_COUNT: dict[int, int] = {}
 # a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step)
 SPREAD = set(os.environ.get("KUIPER_SPREAD", "attn,gemv").split(","))
 _SPREAD: dict[tuple, int] = {}
-_SMEM_SM: dict[int, tuple[int, int]] = {}
 
 
 def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
@@ -479,11 +478,8 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
     want = -(-blocks // sm_count())
     if fit(0) <= want:
         return 0
-    dev = _dev_id()
-    if dev not in _SMEM_SM:
-        a = cp.cuda.Device(dev).attributes
-        _SMEM_SM[dev] = (a["MaxSharedMemoryPerMultiprocessor"], a.get("ReservedSharedMemoryPerBlock", 1024))
-    per_sm, reserved = _SMEM_SM[dev]
+    a = device_attrs()
+    per_sm, reserved = a["MaxSharedMemoryPerMultiprocessor"], a.get("ReservedSharedMemoryPerBlock", 1024)
     # want blocks of (static + reserved + pad) bytes fit on an SM, want + 1 do not
     pad = per_sm // (want + 1) + 1 - reserved - fn.shared_size_bytes
     if pad <= 0 or want * (fn.shared_size_bytes + reserved + pad) > per_sm:
@@ -493,13 +489,18 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
     return pad if fit(pad) == want else 0
 
 
-def sm_count() -> int:
-    """Streaming multiprocessors of the current device, queried once (Device.attributes reads every
-    attribute, too slow for a per-launch call)."""
+def device_attrs() -> dict:
+    """The current device's attributes, read once (Device.attributes reads every attribute, too slow
+    for a per-launch call)."""
     dev = _dev_id()
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = cp.cuda.Device(dev).attributes["MultiProcessorCount"]
-    return _SM_COUNT[dev]
+    if dev not in _DEV_ATTRS:
+        _DEV_ATTRS[dev] = cp.cuda.Device(dev).attributes
+    return _DEV_ATTRS[dev]
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device."""
+    return device_attrs()["MultiProcessorCount"]
 
 
 def gemv_counters():
