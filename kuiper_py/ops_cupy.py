@@ -30,8 +30,28 @@ except ImportError:  # pragma: no cover - CPU-only installs
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
-# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before)
-GEMV_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM", "4"))
+# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). KUIPER_GEMV_BLOCKS_PER_SM sets it
+# on every GPU and shape; unset, a GEMV takes DEVICE_TUNING's target for its shape on this GPU, else
+# GEMV_BASE_BLOCKS_PER_SM (gemv_blocks_per_sm)
+GEMV_BASE_BLOCKS_PER_SM = 4.0
+GEMV_BLOCKS_PER_SM = float(os.environ["KUIPER_GEMV_BLOCKS_PER_SM"]) if os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM") else None
+# a target below the base never takes a projection under min(GEMV_MIN_SPLITS, its splits at the base):
+# 3 per SM would give Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step (change 83; with
+# KUIPER_GEMV_BLOCKS_PER_SM=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
+GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
+# per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
+# its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
+# decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
+# where the one-launch FFN is off under KUIPER_DECODE_FFN=auto (PERFORMANCE.md change 84). H200: Qwen3-8B
+# with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
+# q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
+# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%
+_QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
+DEVICE_TUNING = {
+    "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
+             "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3}},  # 8B gate|up, down
+    "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3)},
+}
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
 # fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
@@ -443,6 +463,7 @@ def _f(v):
 
 _COUNTERS: dict[int, object] = {}
 _DEV_ATTRS: dict[int, dict] = {}
+_DEV_NAMES: dict[int, str] = {}
 
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
@@ -503,6 +524,29 @@ def sm_count() -> int:
     return device_attrs()["MultiProcessorCount"]
 
 
+def device_name() -> str:
+    """The current device's name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"), read once."""
+    dev = _dev_id()
+    if dev not in _DEV_NAMES:
+        name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
+        _DEV_NAMES[dev] = name.decode() if isinstance(name, bytes) else str(name)
+    return _DEV_NAMES[dev]
+
+
+def device_tuning() -> dict:
+    """DEVICE_TUNING's entry for the current device ({} where none matches its name)."""
+    name = device_name()
+    return next((t for key, t in DEVICE_TUNING.items() if key in name), {})
+
+
+def gemv_blocks_per_sm(K: int = 0, tiles: int = 0) -> float:
+    """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: KUIPER_GEMV_BLOCKS_PER_SM,
+    else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
+    if GEMV_BLOCKS_PER_SM:
+        return GEMV_BLOCKS_PER_SM
+    return device_tuning().get("gemv_blocks_per_sm", {}).get((K, tiles * GEMV_COLS), GEMV_BASE_BLOCKS_PER_SM)
+
+
 def gemv_counters():
     """The GEMV's arrival counters (zero between launches; each launch leaves them zero), per device."""
     dev = _dev_id()
@@ -512,9 +556,13 @@ def gemv_counters():
 
 
 def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
-    """(splits S, rows per split): about per_sm blocks per SM in one wave, rows a multiple of GEMV_STEP.
-    A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
-    want = max(1, round((per_sm or GEMV_BLOCKS_PER_SM) * sm_count() / tiles))
+    """(splits S, rows per split): about per_sm blocks per SM in one wave (default gemv_blocks_per_sm(K, tiles)),
+    rows a multiple of GEMV_STEP; below GEMV_BASE_BLOCKS_PER_SM, never fewer than min(GEMV_MIN_SPLITS, the
+    splits at the base). A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
+    per_sm = per_sm or gemv_blocks_per_sm(K, tiles)
+    want = max(1, round(per_sm * sm_count() / tiles))
+    if per_sm < GEMV_BASE_BLOCKS_PER_SM:
+        want = max(want, min(GEMV_MIN_SPLITS, round(GEMV_BASE_BLOCKS_PER_SM * sm_count() / tiles)))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
@@ -523,7 +571,7 @@ def o_split(K: int, tiles: int, attn_splits: int = 0) -> tuple[int, int]:
     """gemv_split for the o GEMV over flash decoding's attn_splits partials (GEMV_O_BLOCKS_PER_SM up to
     GEMV_O_COARSE_SPLITS of them); attn_splits 0: the coarsest split it may take (for checks that it fits)."""
     coarse = attn_splits <= GEMV_O_COARSE_SPLITS
-    return gemv_split(K, tiles, min(GEMV_O_BLOCKS_PER_SM, GEMV_BLOCKS_PER_SM) if coarse else None)
+    return gemv_split(K, tiles, min(GEMV_O_BLOCKS_PER_SM, gemv_blocks_per_sm(K, tiles)) if coarse else None)
 
 
 def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
@@ -1119,6 +1167,9 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
     n = I // FFN_CH
     plan, why = _ffn_first_fit("ffn_decode", D, n)
+    if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
+        return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
+                      f"there, DEVICE_TUNING; KUIPER_DECODE_FFN=1 forces it)")
     if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {plan['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
                       f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")

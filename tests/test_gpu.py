@@ -22,6 +22,7 @@ oc = pytest.importorskip("kuiper_py.ops_cupy")
 # (K, N) projections: Qwen3-0.6B, 8B, 32B (q, kv, o, gate/up, down)
 SHAPES = {
     "0.6b": dict(D=1024, q=2048, kv=1024, I=3072),
+    "4b": dict(D=2560, q=4096, kv=1024, I=9728),
     "8b": dict(D=4096, q=4096, kv=1024, I=12288),
     "32b": dict(D=5120, q=8192, kv=1024, I=25600),
 }

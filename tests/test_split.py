@@ -8,8 +8,9 @@ import kuiper_py.ops_cupy as oc
 
 @pytest.fixture
 def sms(monkeypatch):
-    def set_count(n):
+    def set_count(n, name="mocked GPU"):
         monkeypatch.setattr(oc, "sm_count", lambda: n)
+        monkeypatch.setattr(oc, "device_name", lambda: name)
     return set_count
 
 
@@ -21,7 +22,7 @@ def test_gemv_split_covers_k_in_whole_steps(sms, n_sm, K, N):
     S, rps = oc.gemv_split(K, tiles)
     assert rps % oc.GEMV_STEP == 0 and S * rps >= K > (S - 1) * rps
     # fewer blocks per SM never means more splits (gemv_partial_size sizes the buffer at the default)
-    for per_sm in (1.0, 2.0, 3.0, oc.GEMV_BLOCKS_PER_SM):
+    for per_sm in (1.0, 2.0, 3.0, oc.gemv_blocks_per_sm()):
         assert oc.gemv_split(K, tiles, per_sm)[0] <= S
 
 
@@ -30,7 +31,7 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md change 83
     coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 65)
     assert fine == oc.gemv_split(4096, 16)
-    if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.GEMV_BLOCKS_PER_SM == 4:
+    if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.gemv_blocks_per_sm() == 4:
         assert coarse == (16, 256) and fine == (32, 128)
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS + 1) == fine
@@ -38,3 +39,52 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     for K, tiles in ((4096, 16), (8192, 20), (4096, 8 + 3), (2048, 4)):
         rows = oc.o_split(K, tiles)[1]
         assert rows >= oc.o_split(K, tiles, 1)[1] and rows >= oc.o_split(K, tiles, 1000)[1]
+
+
+# Qwen3 dense FFN shapes (hidden D, intermediate I) and their splits on 132 SMs at 4 and 3 blocks per SM
+# (PERFORMANCE.md Next levers 0000 / change 84): (gate/up at 4, at 3), (down at 4, at 3)
+FFN_SPLITS = {(2560, 9728): ((7, 384), (5, 512), (38, 256), (38, 256)),
+              (4096, 12288): ((6, 768), (4, 1024), (32, 384), (24, 512)),
+              (5120, 17408): ((4, 1280), (3, 1792), (23, 768), (20, 896)),
+              (5120, 25600): ((3, 1792), (3, 1792), (25, 1024), (20, 1280))}
+
+
+@pytest.mark.parametrize("D,I", list(FFN_SPLITS))
+def test_lower_target_keeps_the_split_floor(sms, monkeypatch, D, I):
+    sms(132)
+    monkeypatch.setattr(oc, "GEMV_MIN_SPLITS", 3)
+    gu, dn = 2 * math.ceil(I / oc.GEMV_COLS), math.ceil(D / oc.GEMV_COLS)
+    assert (oc.gemv_split(D, gu, 4.0), oc.gemv_split(D, gu, 3.0), oc.gemv_split(I, dn, 4.0),
+            oc.gemv_split(I, dn, 3.0)) == FFN_SPLITS[(D, I)]
+    # the floor never adds splits beyond the base target's, and never acts at the base
+    for per_sm in (1.0, 2.0, 3.0):
+        S = oc.gemv_split(D, gu, per_sm)[0]
+        assert min(3, oc.gemv_split(D, gu, 4.0)[0]) <= S <= oc.gemv_split(D, gu, 4.0)[0]
+
+
+@pytest.mark.parametrize("name,tuned", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False),
+                                        ("NVIDIA A100-SXM4-80GB", False)])
+def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name, tuned):
+    sms(132, name)
+    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", None)  # no KUIPER_GEMV_BLOCKS_PER_SM
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}, "gemv_blocks_per_sm": {
+        (4096, 24576): 3.0, (12288, 4096): 3.0}}})
+    # Qwen3-8B's gate|up (K 4096, 2 x 48 tiles) and down (K 12288, 16 tiles) take the GPU's entry ...
+    for K, tiles, at3 in ((4096, 96, (4, 1024)), (12288, 16, (24, 512))):
+        assert oc.gemv_blocks_per_sm(K, tiles) == (3.0 if tuned else 4.0)
+        assert oc.gemv_split(K, tiles) == (at3 if tuned else oc.gemv_split(K, tiles, 4.0))
+    assert ((4096, 12288) in oc.device_tuning().get("ffn_off", ())) == tuned
+    # ... other shapes (8B's q|k|v and o, 14B's FFN) keep the base target
+    for K, tiles in ((4096, 24), (4096, 16), (5120, 136), (17408, 20)):
+        assert oc.gemv_blocks_per_sm(K, tiles) == 4.0
+    # the environment's value overrides the table
+    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", 4.0)
+    assert oc.gemv_blocks_per_sm(4096, 96) == 4.0 and oc.gemv_split(4096, 96) == (6, 768)
+
+
+def test_device_tuning_table_is_well_formed():
+    # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
+    for key, t in oc.DEVICE_TUNING.items():
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm"} and key
+        for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
+            assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
