@@ -539,7 +539,7 @@ def device_tuning() -> dict:
     return next((t for key, t in DEVICE_TUNING.items() if key in name), {})
 
 
-def gemv_blocks_per_sm(K: int = 0, tiles: int = 0) -> float:
+def gemv_blocks_per_sm(K: int, tiles: int) -> float:
     """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: KUIPER_GEMV_BLOCKS_PER_SM,
     else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
     if GEMV_BLOCKS_PER_SM:
@@ -1165,11 +1165,11 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     D, I = a.hidden_size, a.intermediate_size
     if a.group_size != 128 or I % FFN_CH:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
-    n = I // FFN_CH
-    plan, why = _ffn_first_fit("ffn_decode", D, n)
-    if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
+    if DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):  # before building its plan
         return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
                       f"there, DEVICE_TUNING; KUIPER_DECODE_FFN=1 forces it)")
+    n = I // FFN_CH
+    plan, why = _ffn_first_fit("ffn_decode", D, n)
     if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {plan['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
                       f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")

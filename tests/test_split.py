@@ -22,7 +22,7 @@ def test_gemv_split_covers_k_in_whole_steps(sms, n_sm, K, N):
     S, rps = oc.gemv_split(K, tiles)
     assert rps % oc.GEMV_STEP == 0 and S * rps >= K > (S - 1) * rps
     # fewer blocks per SM never means more splits (gemv_partial_size sizes the buffer at the default)
-    for per_sm in (1.0, 2.0, 3.0, oc.gemv_blocks_per_sm()):
+    for per_sm in (1.0, 2.0, 3.0, oc.gemv_blocks_per_sm(K, tiles)):
         assert oc.gemv_split(K, tiles, per_sm)[0] <= S
 
 
@@ -31,7 +31,7 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md change 83
     coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 65)
     assert fine == oc.gemv_split(4096, 16)
-    if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.gemv_blocks_per_sm() == 4:
+    if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
         assert coarse == (16, 256) and fine == (32, 128)
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS + 1) == fine
@@ -88,3 +88,24 @@ def test_device_tuning_table_is_well_formed():
         assert set(t) <= {"ffn_off", "gemv_blocks_per_sm"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
+
+
+def test_ffn_off_entry_skips_building_the_one_launch_plan(sms, monkeypatch):
+    from types import SimpleNamespace
+    sms(132, "NVIDIA H200")
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}}})
+    monkeypatch.setattr(oc, "pdl_enabled", lambda: True)
+    monkeypatch.setattr(oc, "_cu_occupancy_clusters", lambda: object())
+
+    def first_fit(kernel, D, n):
+        raise AssertionError("the plan was built for a shape the table turns off")
+    monkeypatch.setattr(oc, "_ffn_first_fit", first_fit)
+    a8b = SimpleNamespace(hidden_size=4096, intermediate_size=12288, group_size=128)
+    monkeypatch.setattr(oc, "DECODE_FFN", "auto")
+    plan, why = oc.decode_ffn_plan(a8b)
+    assert plan is None and "H200" in why
+    # KUIPER_DECODE_FFN=1 and other shapes still build it
+    for ffn, a in (("1", a8b), ("auto", SimpleNamespace(hidden_size=5120, intermediate_size=17408, group_size=128))):
+        monkeypatch.setattr(oc, "DECODE_FFN", ffn)
+        with pytest.raises(AssertionError, match="plan was built"):
+            oc.decode_ffn_plan(a)
