@@ -88,6 +88,16 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& 
     sv = __ldg(reinterpret_cast<const uint4*>(m.sc + (size_t)gi * m.ld + word * 8));
 }
 
+// The prologue's staging (gemv_tile): four values to xsm (8-byte aligned) as fp16 (inf past 65504,
+// which only the scaled norm can reach and the rescale redoes); returns the running max |x|.
+__device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], float mx) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mx = fmaxf(mx, fabsf(f[i]));
+    const half2 lo = __floats2half2_rn(f[0], f[1]), hi = __floats2half2_rn(f[2], f[3]);
+    *reinterpret_cast<uint2*>(xsm) = make_uint2(*reinterpret_cast<const u32*>(&lo), *reinterpret_cast<const u32*>(&hi));
+    return mx;
+}
+
 // ---- the o projection's router rows (MoE decode, RT): z = attn R + h Rh into acc_z [E] ----
 // The router's logits before the 1/rms, z = router . (ffn_norm * (h + o)), are linear in the attention
 // output and the residual row h, so the o GEMV computes them beside o: R = W_o diag(ffn_norm) router^T
@@ -250,34 +260,73 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         __shared__ float nred[32];
         inv = row_rms_inv(hn, K, eps, nred, pend);
     }
-    // a pending input's own deferred 1/rms (the producer ran scaled): its splits' sums of squares
-    const float pinv = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
     float mx = 0.f;  // the span's largest |x|
     int xexp = 0;    // x was divided by 2^xexp
     if (x_in_smem) {
-        const int n_keys = att_o ? (pos_dev ? *pos_dev : pos0) + 1 : 0;
+        const int span = k_end - k_lo;
         float ssl = 0.f;
-        for (int e = threadIdx.x; e < k_end - k_lo; e += blockDim.x) {
-            const int k = k_lo + e;
-            float f;
-            if (hn) {
-                // the residual add of the projection before us, done here (see gemv_w4a16)
-                const float hv = resid_pending(hn, pend, k);
-                if (pend && blockIdx.x == 0) hout[k] = hv;
-                ssl += hv * hv;
-                f = scaled ? hv * __half2float(wn[k]) : __half2float(__float2half(hv * inv * __half2float(wn[k])));
-            } else if (att_o) {
-                f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys));
-            } else if (pend && pend_glu) {  // SwiGLU of the gate/up GEMV's sums [gate K | up K]
-                const float g = fix_f(__ldcg(pend + k)) * pinv, u = fix_f(__ldcg(pend + K + k)) * pinv;
-                f = __half2float(__float2half(g / (1.f + __expf(-g)) * u));
-            } else if (pend) {  // a projection's sums, rounded to fp16 as its output
-                f = __half2float(__float2half(fix_f(__ldcg(pend + k)) * pinv));
-            } else {
-                f = __half2float(x[k]);
+        if (att_o) {
+            const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
+            for (int e = threadIdx.x; e < span; e += blockDim.x) {
+                const int k = k_lo + e;
+                const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys));
+                mx = fmaxf(mx, fabsf(f));
+                xsm[e] = __float2half(f);
             }
-            mx = fmaxf(mx, fabsf(f));
-            xsm[e] = __float2half(f);  // inf past 65504 (scaled only), redone below
+        } else {
+            // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an
+            // iteration's loads issued before any is used: this runs after the PDL wait, where every
+            // dependent L2 round trip lengthens the step, and a span of 4 x 256 rows is one round trip
+            // instead of four (change 85). One loop per source, so each holds only its own loads in
+            // registers beside the first step's weights (one loop for all spilled).
+            const int e0 = 4 * threadIdx.x, step = 4 * blockDim.x;
+            if (hn) {
+#pragma unroll 1
+                for (int e = e0; e < span; e += step) {
+                    const int k = k_lo + e;
+                    // the residual add of the projection before us, done here (see gemv_w4a16)
+                    const float4 h4 = resid_pending4(hn + k, pend ? pend + k : nullptr, 0);
+                    const uint2 w4 = __ldg(reinterpret_cast<const uint2*>(wn + k));
+                    if (pend && blockIdx.x == 0) *reinterpret_cast<float4*>(hout + k) = h4;
+                    const float hv[4] = {h4.x, h4.y, h4.z, h4.w};
+                    const half* w = reinterpret_cast<const half*>(&w4);
+                    float f[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        ssl += hv[i] * hv[i];
+                        const float wi = __half2float(w[i]);
+                        f[i] = scaled ? hv[i] * wi : __half2float(__float2half(hv[i] * inv * wi));
+                    }
+                    mx = gemv_store_x4(xsm + e, f, mx);
+                }
+            } else if (pend) {
+                // a projection's sums, rounded to fp16 as its output, or SwiGLU of the gate/up GEMV's
+                // sums [gate K | up K], times the producer's deferred 1/rms. Two elements per thread (a
+                // span of 512 in one round trip); four, or these loads issued before the deferred 1/rms's,
+                // spilled beside the first step's weights.
+                const float pinv = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
+                for (int e = 2 * threadIdx.x; e < span; e += 2 * blockDim.x) {
+                    const longlong2 y = __ldcg(reinterpret_cast<const longlong2*>(pend + k_lo + e));
+                    const longlong2 u = pend_glu ? __ldcg(reinterpret_cast<const longlong2*>(pend + K + k_lo + e))
+                                                 : make_longlong2(0, 0);
+                    const long long yy[2] = {y.x, y.y}, uu[2] = {u.x, u.y};
+                    float f[2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float g = fix_f(yy[i]) * pinv;
+                        f[i] = __half2float(__float2half(pend_glu ? g / (1.f + __expf(-g)) * (fix_f(uu[i]) * pinv) : g));
+                        mx = fmaxf(mx, fabsf(f[i]));
+                    }
+                    *reinterpret_cast<half2*>(xsm + e) = __floats2half2_rn(f[0], f[1]);
+                }
+            } else {
+                for (int e = e0; e < span; e += step) {
+                    float f[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) f[i] = __half2float(x[k_lo + e + i]);  // (a slot's x: 2-byte aligned)
+                    mx = gemv_store_x4(xsm + e, f, mx);
+                }
+            }
         }
         if (scaled && blockIdx.x == 0) {
             __shared__ float sred[32];

@@ -636,6 +636,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
     assert norm is None or (norm[0].size == K and x_slot_stride == 0)
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
+    if norm is not None:  # the prologue's vector loads (change 85): the row and hout by 16 bytes, the weight by 8
+        assert hn.data.ptr % 16 == 0 and wn.data.ptr % 8 == 0 and (hout is None or hout.data.ptr % 16 == 0)
     if acc_out is not None:
         assert resid is None and acc_out.dtype == cp.int64
         if out_kind == "moe_sum":  # sum over the slots of slot_w[j] * y_j
@@ -644,6 +646,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
             assert out_kind in ("plain", "swiglu") and acc_out.size == slots * n_total
     if pend is not None:
         assert pend.dtype == cp.int64 and rps <= GEMV_ATT_ROWS and att is None  # the input staged in shared memory
+        assert pend.data.ptr % 16 == 0  # read by 16-byte loads
         if norm is not None:
             assert pend.size == K and hout is not None and hout.size == K and slots == 1
         else:
@@ -1793,9 +1796,9 @@ class CupyOps:
             G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
             # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
             # half's, added by the o GEMV) are cleared with o by the next q|k|v GEMV
-            acc = cp.zeros((D + G + E + D + qd + 2 * kvd,), cp.int64)
-            e = D + G + E
-            self.d.update(acc_o=acc[:D], acc_gu=acc[D:D + G], acc_z=acc[D + G:e], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
+            e = D + G + E + E % 2  # down's sums start 16-byte aligned: their consumers load them in pairs
+            acc = cp.zeros((e + D + qd + 2 * kvd,), cp.int64)
+            self.d.update(acc_o=acc[:D], acc_gu=acc[D:D + G], acc_z=acc[D + G:D + G + E], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
                           acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32),
                           ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
             self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
