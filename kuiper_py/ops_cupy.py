@@ -583,6 +583,17 @@ def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
 GEMV_ATT_ROWS = 4096  # gemv_w4a16.cu: rows per split a block stages in shared memory (the merge prologue needs it)
 
 
+def decode_acc_layout(D: int, G: int, E: int, qkv: int) -> tuple[int, dict[str, slice]]:
+    """Accumulating decode's int64 accumulators in one buffer: [o | gate, up | router z | down | q, k, v]
+    (D, G, E, D, qkv elements), the size and each part's slice; acc_o_gu and acc_d_qkv are the two
+    halves cleared together. Every part but z starts 16-byte aligned (an even offset), since its
+    consumers read it in pairs (the GEMV prologue's longlong2 loads, change 85): z is padded to even."""
+    e = D + G + E + E % 2
+    return e + D + qkv, {"acc_o": slice(0, D), "acc_gu": slice(D, D + G), "acc_z": slice(D + G, D + G + E),
+                         "acc_d": slice(e, e + D), "acc_qkv": slice(e + D, e + D + qkv),
+                         "acc_o_gu": slice(0, e), "acc_d_qkv": slice(e, e + D + qkv)}
+
+
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
          x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False,
          acc_out=None, pend=None, hout=None, zero=None, ss_out=None, ss_in=None, router=None):
@@ -1796,10 +1807,10 @@ class CupyOps:
             G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
             # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
             # half's, added by the o GEMV) are cleared with o by the next q|k|v GEMV
-            e = D + G + E + E % 2  # down's sums start 16-byte aligned: their consumers load them in pairs
-            acc = cp.zeros((e + D + qd + 2 * kvd,), cp.int64)
-            self.d.update(acc_o=acc[:D], acc_gu=acc[D:D + G], acc_z=acc[D + G:D + G + E], acc_d=acc[e:e + D], acc_qkv=acc[e + D:],
-                          acc_o_gu=acc[:e], acc_d_qkv=acc[e:], h2=cp.empty((1, D), cp.float32),
+            size, parts = decode_acc_layout(D, G, E, qd + 2 * kvd)
+            acc = cp.zeros((size,), cp.int64)
+            self.d.update({name: acc[sl] for name, sl in parts.items()})
+            self.d.update(h2=cp.empty((1, D), cp.float32),
                           ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
             self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
         if E:

@@ -109,3 +109,20 @@ def test_ffn_off_entry_skips_building_the_one_launch_plan(sms, monkeypatch):
         monkeypatch.setattr(oc, "DECODE_FFN", ffn)
         with pytest.raises(AssertionError, match="plan was built"):
             oc.decode_ffn_plan(a)
+
+
+@pytest.mark.parametrize("D,G,E,qkv", [(4096, 24576, 0, 6144), (2048, 12288, 128, 5120), (512, 1024, 7, 768),
+                                       (128, 256, 1, 256)])
+def test_decode_acc_layout_parts_aligned_and_disjoint(D, G, E, qkv):
+    """The accumulators' parts tile the buffer in order (z padded to even), each pair-loaded part starts
+    16-byte aligned even for an odd expert count, and the two cleared halves cover exactly their parts."""
+    size, p = oc.decode_acc_layout(D, G, E, qkv)
+    order = ["acc_o", "acc_gu", "acc_z", "acc_d", "acc_qkv"]
+    widths = [D, G, E, D, qkv]
+    assert [p[n].stop - p[n].start for n in order] == widths
+    assert p["acc_o"].start == 0 and p["acc_qkv"].stop == size == D + G + E + E % 2 + D + qkv
+    for a, b in zip(order, order[1:]):
+        assert p[b].start - p[a].stop == (E % 2 if a == "acc_z" else 0)
+    for n in ("acc_o", "acc_gu", "acc_d", "acc_qkv"):
+        assert p[n].start % 2 == 0, n  # int64: an even index is a 16-byte boundary
+    assert p["acc_o_gu"] == slice(0, p["acc_d"].start) and p["acc_d_qkv"] == slice(p["acc_d"].start, size)
