@@ -645,10 +645,10 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert slots * tiles + tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
-    assert norm is None or (norm[0].size == K and x_slot_stride == 0)
+    # the prologue's vector loads (change 85): the row and hout by 16 bytes, the norm weight by 8
+    assert norm is None or (norm[0].size == K and x_slot_stride == 0 and norm[0].data.ptr % 16 == 0
+                            and norm[1].data.ptr % 8 == 0 and (hout is None or hout.data.ptr % 16 == 0))
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
-    if norm is not None:  # the prologue's vector loads (change 85): the row and hout by 16 bytes, the weight by 8
-        assert hn.data.ptr % 16 == 0 and wn.data.ptr % 8 == 0 and (hout is None or hout.data.ptr % 16 == 0)
     if acc_out is not None:
         assert resid is None and acc_out.dtype == cp.int64
         if out_kind == "moe_sum":  # sum over the slots of slot_w[j] * y_j
@@ -656,8 +656,8 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         else:
             assert out_kind in ("plain", "swiglu") and acc_out.size == slots * n_total
     if pend is not None:
-        assert pend.dtype == cp.int64 and rps <= GEMV_ATT_ROWS and att is None  # the input staged in shared memory
-        assert pend.data.ptr % 16 == 0  # read by 16-byte loads
+        # the input staged in shared memory, read by 16-byte loads
+        assert pend.dtype == cp.int64 and pend.data.ptr % 16 == 0 and rps <= GEMV_ATT_ROWS and att is None
         if norm is not None:
             assert pend.size == K and hout is not None and hout.size == K and slots == 1
         else:
