@@ -378,6 +378,15 @@ __device__ __forceinline__ float4 resid_pending4(const float* __restrict__ h, co
     }
     return v;
 }
+// Elements 2i, 2i+1 of the row h + fp16(pend) (pend null: h), by 8- and 16-byte loads from L2.
+__device__ __forceinline__ float2 resid_pending2(const float* __restrict__ h, const long long* pend, int i) {
+    float2 v = __ldcg(reinterpret_cast<const float2*>(h) + i);
+    if (pend) {
+        const longlong2 p = __ldcg(reinterpret_cast<const longlong2*>(pend) + i);
+        v = make_float2(v.x + fix_h(p.x), v.y + fix_h(p.y));
+    }
+    return v;
+}
 // A float4's sum of squares, in the order every row norm here adds them.
 __device__ __forceinline__ float sumsq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 

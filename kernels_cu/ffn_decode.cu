@@ -114,14 +114,9 @@ __device__ __forceinline__ int ffn_stage_x(const float* __restrict__ h, const lo
     // even): 8B's 512-row span is one L2 round trip after the PDL wait, not two (change 85)
     for (int e = 2 * tid; e < SP; e += 2 * FFN_THREADS) {
         const int k = k_lo + e;
-        float2 hv = __ldcg(reinterpret_cast<const float2*>(h + k));
+        const float2 hv = resid_pending2(h, pend, k / 2);
         const half2 w2 = __ldg(reinterpret_cast<const half2*>(nw + k));
-        if (pend) {
-            const longlong2 p = __ldcg(reinterpret_cast<const longlong2*>(pend + k));
-            hv.x += fix_h(p.x);
-            hv.y += fix_h(p.y);
-            if (write_h) *reinterpret_cast<float2*>(hout + k) = hv;
-        }
+        if (pend && write_h) *reinterpret_cast<float2*>(hout + k) = hv;
         ssl += hv.x * hv.x;
         ssl += hv.y * hv.y;
         const float f0 = hv.x * __low2float(w2), f1 = hv.y * __high2float(w2);
