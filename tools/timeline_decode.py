@@ -5,9 +5,16 @@ Run with KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES: the decode GEMVs and flash dec
 %globaltimer in every block (entry, past the PDL wait, prologue done, loop done, end; common.cuh)
 and this prints, per kernel kind averaged over the middle layers, when its blocks pass their wait,
 how long the phases take, how the end times spread and the gap to the next kernel's wait. The
-timer ticks in ~0.25 µs steps; the stamps add ~1% to a step.
+timer ticks in 32 ns steps (H200); the records are subtracted as integers, since their absolute
+nanoseconds (~1.8e18) converted to float64 first, as this tool did before session 30, round to 256 ns.
+The stamps add ~1% to a step.
 
-    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz]
+--waves adds the same phases per residency wave (a block's linear index // the SM count: under PDL
+the first wave is resident earliest, the last wave latest; PERFORMANCE.md change 88). --save keeps
+the raw records; --load reads such a file back and prints the tables without a GPU.
+
+    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz] [--waves]
+    python tools/timeline_decode.py --load F.npz [--waves] [--layers N]
 """
 import sys
 import time
@@ -17,24 +24,136 @@ import click
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cupy as cp  # noqa: E402
 
-from bench_e2e import warm_session  # noqa: E402
-from kuiper_py import ops_cupy as oc  # noqa: E402
-from kuiper_py.generate import Engine  # noqa: E402
+DENSE_KINDS = ["qkv", "attention", "o", "gate/up", "down"]
+FFN_KINDS = ["qkv", "attention", "o", "ffn"]  # the one-launch FFN (dense or MoE)
 
 
 def records(mod):
-    """The block records a module's kernels appended: [n, 8] int64."""
+    """The block records a module's kernels appended: [n, 8] int64 (common.cuh diag_record)."""
+    import cupy as cp
+
     n = int(cp.ndarray((1,), cp.uint32, mod.get_global("g_diag_n")).get()[0])
     return cp.ndarray((n, 8), cp.uint64, mod.get_global("g_diag")).get().astype(np.int64)
 
 
+def split_launches(rec, tags):
+    """The records as launches in start order: [(first entry, tag, row indices)]. A launch is one
+    module's blocks with one id (its weight or cache pointer)."""
+    out = []
+    for tag in np.unique(tags):
+        for ident in np.unique(rec[tags == tag, 0]):
+            rows = np.flatnonzero((tags == tag) & (rec[:, 0] == ident))
+            out.append((rec[rows, 2].min(), str(tag), rows))
+    out.sort(key=lambda z: z[0])
+    return out
+
+
+def layer_kinds(n_launches, n_layers):
+    """A layer's stamped kernels, or None where the launches do not split into layers (the MoE router
+    of KUIPER_DECODE_MOE=0 is not stamped). ffn (ffn_decode.cu): its "prologue done" is gate/up done
+    (moe_ffn_decode: the experts picked), "loop done" the cluster's gate/up sums read."""
+    for kinds in (DENSE_KINDS, FFN_KINDS):
+        if n_launches == len(kinds) * n_layers:
+            return kinds
+    return None
+
+
+def _middle(j, per, n_layers, kinds):
+    """Whether launch j counts: the middle layers only (the first and last two differ)."""
+    return not (kinds and n_layers > 4) or 2 <= j // per < n_layers - 2
+
+
+def kernel_table(rec, tags, n_layers):
+    """Per kernel kind, the mean over the middle layers of [blocks, wait spread, wait -> prologue done
+    (median), prologue -> loop done (median), end min, end median, end p90, end max, end max -> the next
+    launch's first wait]: µs, each launch's times from its first block past the wait."""
+    t = (rec[:, 2:7] - rec[:, 2].min()) / 1000.0
+    launches = split_launches(rec, tags)
+    kinds = layer_kinds(len(launches), n_layers)
+    per = len(kinds) if kinds else 1
+    rows = {}
+    for j, (_, tag, ix) in enumerate(launches):
+        tt = t[ix]
+        w0 = tt[:, 1].min()
+        nxt = t[launches[j + 1][2], 1].min() if j + 1 < len(launches) else np.nan
+        r = [len(tt), tt[:, 1].max() - w0, np.median(tt[:, 2] - tt[:, 1]), np.median(tt[:, 3] - tt[:, 2]),
+             tt[:, 4].min() - w0, np.median(tt[:, 4]) - w0, np.percentile(tt[:, 4], 90) - w0, tt[:, 4].max() - w0,
+             nxt - tt[:, 4].max()]
+        if _middle(j, per, n_layers, kinds):
+            rows.setdefault(kinds[j % per] if kinds else f"{tag} {j}", []).append(r)
+    return {k: np.nanmean(np.array(v), axis=0) for k, v in rows.items()}
+
+
+def wave_table(rec, tags, n_layers, n_sm):
+    """Per kernel kind and residency wave w (blocks whose linear index in the grid // n_sm is w), the
+    mean over the middle layers of [blocks, entry, prologue done, loop (prologue done -> loop done),
+    end mean, end max]: µs from the launch's first block past the wait (entry < 0: resident before it)."""
+    t = (rec[:, 2:7] - rec[:, 2].min()) / 1000.0
+    launches = split_launches(rec, tags)
+    kinds = layer_kinds(len(launches), n_layers)
+    per = len(kinds) if kinds else 1
+    out = {}
+    for j, (_, tag, ix) in enumerate(launches):
+        if not _middle(j, per, n_layers, kinds):
+            continue
+        tt = t[ix] - t[ix, 1].min()
+        b = rec[ix, 1] >> 8  # blockIdx.x + 1024 (blockIdx.y + 1024 blockIdx.z)
+        bx, by, bz = b & 1023, (b >> 10) & 1023, b >> 20
+        gx, gy = bx.max() + 1, by.max() + 1
+        wave = ((bz * gy + by) * gx + bx) // n_sm
+        kind = out.setdefault(kinds[j % per] if kinds else f"{tag} {j}", {})
+        for w in np.unique(wave):
+            s = wave == w
+            kind.setdefault(int(w), []).append([s.sum(), tt[s, 0].mean(), tt[s, 2].mean(),
+                                                (tt[s, 3] - tt[s, 2]).mean(), tt[s, 4].mean(), tt[s, 4].max()])
+    return {k: {w: np.mean(np.array(v), axis=0) for w, v in sorted(ws.items())} for k, ws in out.items()}
+
+
+def print_tables(rec, tags, n_layers, n_sm, waves):
+    print("| kernel | blocks | wait spread | wait -> prologue done | prologue -> loop done | end min | end median "
+          "| end p90 | end max | end max -> next wait |")
+    print("| --- |" + " ---: |" * 9)
+    for k, a in kernel_table(rec, tags, n_layers).items():
+        print(f"| {k} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
+    print("(µs; 'wait' is the moment a block passes its PDL wait, the columns after it are measured from the "
+          "launch's first such moment)")
+    if waves:
+        print(f"\n| kernel | wave (block index // {n_sm}) | blocks | entry | prologue done | loop | end mean | end max |")
+        print("| --- |" + " ---: |" * 7)
+        for k, ws in wave_table(rec, tags, n_layers, n_sm).items():
+            for w, a in ws.items():
+                print(f"| {k} | {w} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
+        print("(µs from the launch's first block past its wait; entry < 0: resident before it)")
+
+
 @click.command()
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=click.Path(exists=True), required=False)
 @click.option("--ctx", default=512)
 @click.option("--save", default=None, help="write the raw records (npz)")
-def main(model, ctx, save):
+@click.option("--load", "load_path", default=None, type=click.Path(exists=True),
+              help="print the tables of records saved with --save (no GPU)")
+@click.option("--waves", is_flag=True, help="also the phases per residency wave")
+@click.option("--layers", default=0, help="with --load: the model's layers (files saved before they were recorded)")
+def main(model, ctx, save, load_path, waves, layers):
+    if load_path:
+        z = np.load(load_path)
+        n_layers = layers or (int(z["n_layers"]) if "n_layers" in z else 0)
+        if not n_layers:
+            raise SystemExit(f"{load_path} does not record the model's layers: pass --layers")
+        rec, tags = z["rec"], z["tags"]
+        n_sm = int(z["n_sm"]) if "n_sm" in z else int((rec[:, 1] & 0xFF).max()) + 1
+        print(f"# {load_path}: {len(rec)} blocks, {len(split_launches(rec, tags))} launches")
+        print_tables(rec, tags, n_layers, n_sm, waves)
+        return
+    if model is None:
+        raise SystemExit("give MODEL.bin, or --load F.npz")
+    import cupy as cp
+
+    from bench_e2e import warm_session
+    from kuiper_py import ops_cupy as oc
+    from kuiper_py.generate import Engine
+
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m, _ = warm_session(eng, ctx, ctx + 64, np.random.default_rng(0))
     ops = m.ops
@@ -55,45 +174,12 @@ def main(model, ctx, save):
     parts = {tag: records(mod) for tag, mod in mods.items()}
     rec = np.concatenate(list(parts.values()))
     tags = np.concatenate([np.full(len(r), tag) for tag, r in parts.items()])
-    t = rec[:, 2:7].astype(np.float64)
-    t = (t - t[:, 0].min()) / 1000.0  # µs from the step's first stamped block
-    launches = []  # a launch: one module's blocks with one id (its weight or cache pointer)
-    for tag in parts:
-        for ident in np.unique(rec[tags == tag, 0]):
-            sel = (tags == tag) & (rec[:, 0] == ident)
-            launches.append((t[sel, 0].min(), tag, t[sel]))
-    launches.sort(key=lambda z: z[0])
-    n_layers = m.args.num_hidden_layers
-    # a layer's stamped kernels (the MoE router of KUIPER_DECODE_MOE=0 is not stamped); otherwise each
-    # launch on its own row. ffn (ffn_decode.cu): its "prologue done" is gate/up done (moe_ffn_decode:
-    # the experts picked), "loop done" the cluster's gate/up sums read (built with -DFFN_DIAG_LOOPEND=1 too:
-    # the end of the block's own gate/up loop). (The stamps are not memory
-    # operations: the compiler may move independent work across them, so sub-phase splits are rough.)
-    kinds = (["qkv", "attention", "o", "gate/up", "down"] if len(launches) == 5 * n_layers else
-             ["qkv", "attention", "o", "ffn"] if len(launches) == 4 * n_layers else None)
-    per = len(kinds) if kinds else 1
+    n_layers, n_sm = m.args.num_hidden_layers, oc.sm_count()
     print(f"# {model}, context {ctx}: one step {wall:.0f} µs (host-timed, stamps on), {len(rec)} blocks, "
-          f"{len(launches)} launches")
-    print("| kernel | blocks | wait spread | wait -> prologue done | prologue -> loop done | end min | end median "
-          "| end p90 | end max | end max -> next wait |")
-    print("| --- |" + " ---: |" * 9)
-    rows = {}
-    for j, (_, tag, tt) in enumerate(launches):
-        w0 = tt[:, 1].min()
-        nxt = launches[j + 1][2][:, 1].min() if j + 1 < len(launches) else np.nan
-        r = [len(tt), tt[:, 1].max() - w0, np.median(tt[:, 2] - tt[:, 1]), np.median(tt[:, 3] - tt[:, 2]),
-             tt[:, 4].min() - w0, np.median(tt[:, 4]) - w0, np.percentile(tt[:, 4], 90) - w0, tt[:, 4].max() - w0,
-             nxt - tt[:, 4].max()]
-        if kinds and n_layers > 4 and not (2 <= j // per < n_layers - 2):
-            continue  # the middle layers only
-        rows.setdefault(kinds[j % per] if kinds else f"{tag} {j}", []).append(r)
-    for k, v in rows.items():
-        a = np.nanmean(np.array(v), axis=0)
-        print(f"| {k} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
-    print("(µs; 'wait' is the moment a block passes its PDL wait, the columns after it are measured from the "
-          "launch's first such moment)")
+          f"{len(split_launches(rec, tags))} launches")
+    print_tables(rec, tags, n_layers, n_sm, waves)
     if save:
-        np.savez(save, rec=rec, tags=np.array(tags))
+        np.savez(save, rec=rec, tags=np.array(tags), n_layers=n_layers, n_sm=n_sm)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""tools/timeline_decode.py's tables from synthetic block records (no GPU): every phase of a block is
+known, so each column is checked against the value it must have, to the timer's 32 ns."""
+import sys
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import timeline_decode as tl  # noqa: E402
+
+T0 = 1_795_452_701_454_129_120  # a real %globaltimer reading (ns): float64 resolves it to 256 ns only
+LAYERS, GX, GY, SM = 6, 4, 3, 4  # a launch: 4 column tiles x 3 splits, on 4 SMs: waves = splits
+GAP = 100_000  # ns between launches' waits
+
+
+def block_times(x, y):
+    """Entry, wait, prologue done, loop done, end of block (x, y) relative to its launch's first wait."""
+    wait = 32 * x
+    pro = wait + 500 + 32 * y
+    loop = pro + 2000 + 100 * y
+    return [-1000 * (3 - y), wait, pro, loop, loop + 64]
+
+
+def records():
+    rows, tags = [], []
+    for j in range(LAYERS * 5):
+        base = T0 + j * GAP
+        tag = "attn" if j % 5 == 1 else "gemv"
+        for y in range(GY):
+            for x in range(GX):
+                sm = (y * GX + x) % SM
+                rows.append([1000 + j, sm | ((x + 1024 * y) << 8), *[base + v for v in block_times(x, y)], GX * GY])
+                tags.append(tag)
+    return np.array(rows, np.int64), np.array(tags)
+
+
+def test_kernel_table_columns():
+    rec, tags = records()
+    table = tl.kernel_table(rec, tags, LAYERS)
+    assert list(table) == tl.DENSE_KINDS
+    t = np.array([[block_times(x, y) for x in range(GX)] for y in range(GY)]).reshape(-1, 5)
+    end = t[:, 4]
+    want = [GX * GY, 32 * (GX - 1), np.median(t[:, 2] - t[:, 1]), np.median(t[:, 3] - t[:, 2]), end.min(),
+            np.median(end), np.percentile(end, 90), end.max(), GAP - end.max()]
+    for kind, got in table.items():
+        assert got[0] == want[0], kind
+        np.testing.assert_allclose(got[1:], np.array(want[1:]) / 1000.0, atol=1e-9, err_msg=kind)
+    # the spread is 96 ns: it would read 0 or 256 if the absolute times went through float64 first
+    assert abs(table["o"][1] - 0.096) < 1e-9
+
+
+def test_wave_table_groups_by_residency():
+    rec, tags = records()
+    waves = tl.wave_table(rec, tags, LAYERS, SM)
+    assert list(waves) == tl.DENSE_KINDS
+    for kind, ws in waves.items():
+        assert list(ws) == list(range(GY)), kind
+        for y, got in ws.items():
+            t = np.array([block_times(x, y) for x in range(GX)])
+            want = [GX, t[:, 0].mean(), t[:, 2].mean(), (t[:, 3] - t[:, 2]).mean(), t[:, 4].mean(), t[:, 4].max()]
+            assert got[0] == want[0]
+            np.testing.assert_allclose(got[1:], np.array(want[1:]) / 1000.0, atol=1e-9, err_msg=f"{kind} {y}")
+
+
+def test_layer_kinds():
+    assert tl.layer_kinds(5 * 36, 36) == tl.DENSE_KINDS
+    assert tl.layer_kinds(4 * 48, 48) == tl.FFN_KINDS
+    assert tl.layer_kinds(7, 36) is None
+
+
+def test_load_prints_tables(tmp_path):
+    rec, tags = records()
+    f = tmp_path / "t.npz"
+    np.savez(f, rec=rec, tags=tags, n_layers=LAYERS, n_sm=SM)
+    r = CliRunner().invoke(tl.main, ["--load", str(f), "--waves"])
+    assert r.exit_code == 0, r.output
+    assert "| gate/up | 12 | 0.10 |" in r.output and "| down | 2 | 4 | -1.00 |" in r.output
+    old = tmp_path / "old.npz"  # saved before the layer count was recorded
+    np.savez(old, rec=rec, tags=tags)
+    r = CliRunner().invoke(tl.main, ["--load", str(old)])
+    assert r.exit_code != 0 and "--layers" in r.output
+    assert CliRunner().invoke(tl.main, ["--load", str(old), "--layers", str(LAYERS)]).exit_code == 0
