@@ -59,29 +59,33 @@ def layer_kinds(n_launches, n_layers):
     return None
 
 
-def _middle(j, per, n_layers, kinds):
-    """Whether launch j counts: the middle layers only (the first and last two differ)."""
-    return not (kinds and n_layers > 4) or 2 <= j // per < n_layers - 2
+def _launches(rec, tags, n_layers):
+    """The stamps in µs from the step's first ([n, 5]: subtracted as integers, see above) and
+    [(j, launch's row indices, its kind)] for the launches that count: the middle layers only (the first
+    and last two differ), every launch where they do not split into layers."""
+    t = (rec[:, 2:7] - rec[:, 2].min()) / 1000.0
+    launches = split_launches(rec, tags)
+    kinds = layer_kinds(len(launches), n_layers)
+    per = len(kinds) if kinds else 1
+    keep = [(j, ix, kinds[j % per] if kinds else f"{tag} {j}") for j, (_, tag, ix) in enumerate(launches)
+            if not (kinds and n_layers > 4) or 2 <= j // per < n_layers - 2]
+    return t, launches, keep
 
 
 def kernel_table(rec, tags, n_layers):
     """Per kernel kind, the mean over the middle layers of [blocks, wait spread, wait -> prologue done
     (median), prologue -> loop done (median), end min, end median, end p90, end max, end max -> the next
     launch's first wait]: µs, each launch's times from its first block past the wait."""
-    t = (rec[:, 2:7] - rec[:, 2].min()) / 1000.0
-    launches = split_launches(rec, tags)
-    kinds = layer_kinds(len(launches), n_layers)
-    per = len(kinds) if kinds else 1
+    t, launches, keep = _launches(rec, tags, n_layers)
     rows = {}
-    for j, (_, tag, ix) in enumerate(launches):
+    for j, ix, kind in keep:
         tt = t[ix]
         w0 = tt[:, 1].min()
         nxt = t[launches[j + 1][2], 1].min() if j + 1 < len(launches) else np.nan
-        r = [len(tt), tt[:, 1].max() - w0, np.median(tt[:, 2] - tt[:, 1]), np.median(tt[:, 3] - tt[:, 2]),
+        rows.setdefault(kind, []).append(
+            [len(tt), tt[:, 1].max() - w0, np.median(tt[:, 2] - tt[:, 1]), np.median(tt[:, 3] - tt[:, 2]),
              tt[:, 4].min() - w0, np.median(tt[:, 4]) - w0, np.percentile(tt[:, 4], 90) - w0, tt[:, 4].max() - w0,
-             nxt - tt[:, 4].max()]
-        if _middle(j, per, n_layers, kinds):
-            rows.setdefault(kinds[j % per] if kinds else f"{tag} {j}", []).append(r)
+             nxt - tt[:, 4].max()])
     return {k: np.nanmean(np.array(v), axis=0) for k, v in rows.items()}
 
 
@@ -89,23 +93,18 @@ def wave_table(rec, tags, n_layers, n_sm):
     """Per kernel kind and residency wave w (blocks whose linear index in the grid // n_sm is w), the
     mean over the middle layers of [blocks, entry, prologue done, loop (prologue done -> loop done),
     end mean, end max]: µs from the launch's first block past the wait (entry < 0: resident before it)."""
-    t = (rec[:, 2:7] - rec[:, 2].min()) / 1000.0
-    launches = split_launches(rec, tags)
-    kinds = layer_kinds(len(launches), n_layers)
-    per = len(kinds) if kinds else 1
+    t, _, keep = _launches(rec, tags, n_layers)
     out = {}
-    for j, (_, tag, ix) in enumerate(launches):
-        if not _middle(j, per, n_layers, kinds):
-            continue
+    for _, ix, kind in keep:
         tt = t[ix] - t[ix, 1].min()
         b = rec[ix, 1] >> 8  # blockIdx.x + 1024 (blockIdx.y + 1024 blockIdx.z)
         bx, by, bz = b & 1023, (b >> 10) & 1023, b >> 20
         gx, gy = bx.max() + 1, by.max() + 1
         wave = ((bz * gy + by) * gx + bx) // n_sm
-        kind = out.setdefault(kinds[j % per] if kinds else f"{tag} {j}", {})
+        per_wave = out.setdefault(kind, {})
         for w in np.unique(wave):
             s = wave == w
-            kind.setdefault(int(w), []).append([s.sum(), tt[s, 0].mean(), tt[s, 2].mean(),
+            per_wave.setdefault(int(w), []).append([s.sum(), tt[s, 0].mean(), tt[s, 2].mean(),
                                                 (tt[s, 3] - tt[s, 2]).mean(), tt[s, 4].mean(), tt[s, 4].max()])
     return {k: {w: np.mean(np.array(v), axis=0) for w, v in sorted(ws.items())} for k, ws in out.items()}
 
