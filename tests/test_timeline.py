@@ -22,14 +22,14 @@ def block_times(x, y):
     return [-1000 * (3 - y), wait, pro, loop, loop + 64]
 
 
-def records():
+def records(sm_of=lambda x, y: (y * GX + x) % SM):
     rows, tags = [], []
     for j in range(LAYERS * 5):
         base = T0 + j * GAP
         tag = "attn" if j % 5 == 1 else "gemv"
         for y in range(GY):
             for x in range(GX):
-                sm = (y * GX + x) % SM
+                sm = sm_of(x, y)
                 rows.append([1000 + j, sm | ((x + 1024 * y) << 8), *[base + v for v in block_times(x, y)], GX * GY])
                 tags.append(tag)
     return np.array(rows, np.int64), np.array(tags)
@@ -63,6 +63,32 @@ def test_wave_table_groups_by_residency():
             np.testing.assert_allclose(got[1:], np.array(want[1:]) / 1000.0, atol=1e-9, err_msg=f"{kind} {y}")
 
 
+def test_rank_table_groups_by_entry_order_on_each_sm():
+    # two SMs holding 6 blocks each (columns 0, 2 and 1, 3 of every split), and split 0 entering last
+    # (100 ns before its launch's first wait): ranks by entry stamp, ties (a split's two blocks on one SM)
+    # by linear index, so rank r holds split (1, 1, 2, 2, 0, 0)[r], columns 2 (r % 2) and 2 (r % 2) + 1
+    rec, tags = records(lambda x, y: x % 2)
+    y_of = (rec[:, 1] >> 18) & 1023
+    late = y_of == 0
+    rec[late, 2] = rec[late, 2] - block_times(0, 0)[0] - 100  # was 3000 ns before the first wait
+    ranks = tl.rank_table(rec, tags, LAYERS)
+    assert list(ranks) == tl.DENSE_KINDS
+    for kind, gs in ranks.items():
+        assert list(gs) == [(6, r) for r in range(6)], kind
+        for (_, r), got in gs.items():
+            y, x0 = (1, 1, 2, 2, 0, 0)[r], 2 * (r % 2)
+            t = np.array([block_times(x, y) for x in (x0, x0 + 1)], float)  # one block on each SM
+            if y == 0:
+                t[:, 0] = -100
+            want = [2, t[:, 0].mean(), t[:, 2].mean(), (t[:, 3] - t[:, 2]).mean(), t[:, 4].mean(), t[:, 4].max()]
+            assert got[0] == want[0]
+            np.testing.assert_allclose(got[1:], np.array(want[1:]) / 1000.0, atol=1e-9, err_msg=f"{kind} {r}")
+    # the stamps, not the order of the records, set the rank
+    perm = np.random.default_rng(0).permutation(len(rec))
+    again = tl.rank_table(rec[perm], tags[perm], LAYERS)
+    assert all(np.array_equal(again[k][g], ranks[k][g]) for k in ranks for g in ranks[k])
+
+
 def test_layer_kinds():
     assert tl.layer_kinds(5 * 36, 36) == tl.DENSE_KINDS
     assert tl.layer_kinds(4 * 48, 48) == tl.FFN_KINDS
@@ -73,9 +99,10 @@ def test_load_prints_tables(tmp_path):
     rec, tags = records()
     f = tmp_path / "t.npz"
     np.savez(f, rec=rec, tags=tags, n_layers=LAYERS, n_sm=SM)
-    r = CliRunner().invoke(tl.main, ["--load", str(f), "--waves"])
+    r = CliRunner().invoke(tl.main, ["--load", str(f), "--waves", "--ranks"])
     assert r.exit_code == 0, r.output
     assert "| gate/up | 12 | 0.10 |" in r.output and "| down | 2 | 4 | -1.00 |" in r.output
+    assert "| o | 3 | 2 | 4 | -1.00 |" in r.output  # 3 blocks per SM, the last to enter: split 2
     old = tmp_path / "old.npz"  # saved before the layer count was recorded
     np.savez(old, rec=rec, tags=tags)
     r = CliRunner().invoke(tl.main, ["--load", str(old)])

@@ -10,11 +10,13 @@ nanoseconds (~1.8e18) converted to float64 first, as this tool did before sessio
 The stamps add ~1% to a step.
 
 --waves adds the same phases per residency wave (a block's linear index // the SM count: under PDL
-the first wave is resident earliest, the last wave latest; PERFORMANCE.md change 88). --save keeps
+the first wave is resident earliest, the last wave latest; PERFORMANCE.md change 88), --ranks per
+entry rank among the launch's blocks on the same SM (change 92: that rank sets a GEMV block's loop,
+not its wave). --save keeps
 the raw records; --load reads such a file back and prints the tables without a GPU.
 
-    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz] [--waves]
-    python tools/timeline_decode.py --load F.npz [--waves] [--layers N]
+    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz] [--waves] [--ranks]
+    python tools/timeline_decode.py --load F.npz [--waves] [--ranks] [--layers N]
 """
 import sys
 import time
@@ -89,27 +91,56 @@ def kernel_table(rec, tags, n_layers):
     return {k: np.nanmean(np.array(v), axis=0) for k, v in rows.items()}
 
 
-def wave_table(rec, tags, n_layers, n_sm):
-    """Per kernel kind and residency wave w (blocks whose linear index in the grid // n_sm is w), the
-    mean over the middle layers of [blocks, entry, prologue done, loop (prologue done -> loop done),
-    end mean, end max]: µs from the launch's first block past the wait (entry < 0: resident before it)."""
+def _linear_index(rows):
+    """The blocks' linear indices in their grid (x fastest) from their records."""
+    b = rows[:, 1] >> 8  # blockIdx.x + 1024 (blockIdx.y + 1024 blockIdx.z)
+    bx, by, bz = b & 1023, (b >> 10) & 1023, b >> 20
+    gx, gy = bx.max() + 1, by.max() + 1
+    return (bz * gy + by) * gx + bx
+
+
+def _grouped(rec, tags, n_layers, group):
+    """Per kernel kind and group key (group(record rows) gives one key per block), the mean over the middle
+    layers of [blocks, entry, prologue done, loop (prologue done -> loop done), end mean, end max]: µs from
+    the launch's first block past the wait (entry < 0: resident before it)."""
     t, _, keep = _launches(rec, tags, n_layers)
     out = {}
     for _, ix, kind in keep:
         tt = t[ix] - t[ix, 1].min()
-        b = rec[ix, 1] >> 8  # blockIdx.x + 1024 (blockIdx.y + 1024 blockIdx.z)
-        bx, by, bz = b & 1023, (b >> 10) & 1023, b >> 20
-        gx, gy = bx.max() + 1, by.max() + 1
-        wave = ((bz * gy + by) * gx + bx) // n_sm
-        per_wave = out.setdefault(kind, {})
-        for w in np.unique(wave):
-            s = wave == w
-            per_wave.setdefault(int(w), []).append([s.sum(), tt[s, 0].mean(), tt[s, 2].mean(),
-                                                (tt[s, 3] - tt[s, 2]).mean(), tt[s, 4].mean(), tt[s, 4].max()])
-    return {k: {w: np.mean(np.array(v), axis=0) for w, v in sorted(ws.items())} for k, ws in out.items()}
+        keys = group(rec[ix])
+        per = out.setdefault(kind, {})
+        for key in sorted(set(keys)):
+            s = np.array([k == key for k in keys])
+            per.setdefault(key, []).append([s.sum(), tt[s, 0].mean(), tt[s, 2].mean(),
+                                            (tt[s, 3] - tt[s, 2]).mean(), tt[s, 4].mean(), tt[s, 4].max()])
+    return {k: {g: np.mean(np.array(v), axis=0) for g, v in sorted(gs.items())} for k, gs in out.items()}
 
 
-def print_tables(rec, tags, n_layers, n_sm, waves):
+def wave_table(rec, tags, n_layers, n_sm):
+    """_grouped by residency wave w: the blocks whose linear index in the grid // n_sm is w."""
+    return _grouped(rec, tags, n_layers, lambda rows: [int(w) for w in _linear_index(rows) // n_sm])
+
+
+def sm_rank(rows):
+    """Per block, (blocks of its launch on its SM, its entry rank among them: 0 = resident first; ties by
+    linear index)."""
+    sm, lin = rows[:, 1] & 0xFF, _linear_index(rows)
+    order = np.lexsort((lin, rows[:, 2], sm))  # by SM, then entry stamp, then linear index
+    first = np.r_[0, np.flatnonzero(np.diff(sm[order])) + 1]
+    count = np.diff(np.r_[first, len(order)])
+    rank, n_on = np.empty(len(rows), int), np.empty(len(rows), int)
+    rank[order] = np.arange(len(order)) - np.repeat(first, count)
+    n_on[order] = np.repeat(count, count)
+    return list(zip(n_on.tolist(), rank.tolist()))
+
+
+def rank_table(rec, tags, n_layers):
+    """_grouped by (blocks on the SM, entry rank on the SM): change 92 found a GEMV block's loop set by
+    how many blocks of its launch reached its SM before it, not by its wave."""
+    return _grouped(rec, tags, n_layers, sm_rank)
+
+
+def print_tables(rec, tags, n_layers, n_sm, waves, ranks=False):
     print("| kernel | blocks | wait spread | wait -> prologue done | prologue -> loop done | end min | end median "
           "| end p90 | end max | end max -> next wait |")
     print("| --- |" + " ---: |" * 9)
@@ -124,6 +155,14 @@ def print_tables(rec, tags, n_layers, n_sm, waves):
             for w, a in ws.items():
                 print(f"| {k} | {w} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
         print("(µs from the launch's first block past its wait; entry < 0: resident before it)")
+    if ranks:
+        print("\n| kernel | blocks on its SM | entry rank on its SM | blocks | entry | prologue done | loop | end mean "
+              "| end max |")
+        print("| --- |" + " ---: |" * 8)
+        for k, gs in rank_table(rec, tags, n_layers).items():
+            for (n_on, r), a in gs.items():
+                print(f"| {k} | {n_on} | {r} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
+        print("(µs as above; rank 0: the first of the launch's blocks to start on that SM)")
 
 
 @click.command()
@@ -133,8 +172,9 @@ def print_tables(rec, tags, n_layers, n_sm, waves):
 @click.option("--load", "load_path", default=None, type=click.Path(exists=True),
               help="print the tables of records saved with --save (no GPU)")
 @click.option("--waves", is_flag=True, help="also the phases per residency wave")
+@click.option("--ranks", is_flag=True, help="also the phases by entry rank on the block's SM")
 @click.option("--layers", default=0, help="with --load: the model's layers (files saved before they were recorded)")
-def main(model, ctx, save, load_path, waves, layers):
+def main(model, ctx, save, load_path, waves, ranks, layers):
     if load_path:
         z = np.load(load_path)
         n_layers = layers or (int(z["n_layers"]) if "n_layers" in z else 0)
@@ -143,7 +183,7 @@ def main(model, ctx, save, load_path, waves, layers):
         rec, tags = z["rec"], z["tags"]
         n_sm = int(z["n_sm"]) if "n_sm" in z else int((rec[:, 1] & 0xFF).max()) + 1
         print(f"# {load_path}: {len(rec)} blocks, {len(split_launches(rec, tags))} launches")
-        print_tables(rec, tags, n_layers, n_sm, waves)
+        print_tables(rec, tags, n_layers, n_sm, waves, ranks)
         return
     if model is None:
         raise SystemExit("give MODEL.bin, or --load F.npz")
@@ -176,7 +216,7 @@ def main(model, ctx, save, load_path, waves, layers):
     n_layers, n_sm = m.args.num_hidden_layers, oc.sm_count()
     print(f"# {model}, context {ctx}: one step {wall:.0f} µs (host-timed, stamps on), {len(rec)} blocks, "
           f"{len(split_launches(rec, tags))} launches")
-    print_tables(rec, tags, n_layers, n_sm, waves)
+    print_tables(rec, tags, n_layers, n_sm, waves, ranks)
     if save:
         np.savez(save, rec=rec, tags=np.array(tags), n_layers=n_layers, n_sm=n_sm)
 
