@@ -149,20 +149,22 @@ def print_tables(rec, tags, n_layers, n_sm, waves, ranks=False):
     print("(µs; 'wait' is the moment a block passes its PDL wait, the columns after it are measured from the "
           "launch's first such moment)")
     if waves:
-        print(f"\n| kernel | wave (block index // {n_sm}) | blocks | entry | prologue done | loop | end mean | end max |")
-        print("| --- |" + " ---: |" * 7)
-        for k, ws in wave_table(rec, tags, n_layers, n_sm).items():
-            for w, a in ws.items():
-                print(f"| {k} | {w} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
-        print("(µs from the launch's first block past its wait; entry < 0: resident before it)")
+        _print_grouped([f"wave (block index // {n_sm})"], wave_table(rec, tags, n_layers, n_sm),
+                       "(µs from the launch's first block past its wait; entry < 0: resident before it)")
     if ranks:
-        print("\n| kernel | blocks on its SM | entry rank on its SM | blocks | entry | prologue done | loop | end mean "
-              "| end max |")
-        print("| --- |" + " ---: |" * 8)
-        for k, gs in rank_table(rec, tags, n_layers).items():
-            for (n_on, r), a in gs.items():
-                print(f"| {k} | {n_on} | {r} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
-        print("(µs as above; rank 0: the first of the launch's blocks to start on that SM)")
+        _print_grouped(["blocks on its SM", "entry rank on its SM"], rank_table(rec, tags, n_layers),
+                       "(µs as above; rank 0: the first of the launch's blocks to start on that SM)")
+
+
+def _print_grouped(key_columns, table, note):
+    """One of _grouped's tables: a row per kernel kind and group key (an int, or a tuple of key_columns' cells)."""
+    print(f"\n| kernel | {' | '.join(key_columns)} | blocks | entry | prologue done | loop | end mean | end max |")
+    print("| --- |" + " ---: |" * (len(key_columns) + 6))
+    for k, gs in table.items():
+        for key, a in gs.items():
+            cells = " | ".join(str(c) for c in (key if isinstance(key, tuple) else (key,)))
+            print(f"| {k} | {cells} | {a[0]:.0f} | " + " | ".join(f"{x:.2f}" for x in a[1:]) + " |")
+    print(note)
 
 
 @click.command()
