@@ -42,6 +42,34 @@ __device__ __forceinline__ void diag_record(unsigned long long id) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// Streamed reads: data a decode step reads exactly once (packed weights, lm_head rows).
+// ---------------------------------------------------------------------------------------------
+#ifndef KUIPER_LD_STREAM
+#define KUIPER_LD_STREAM 1  // 0: plain __ldg, for A/B (PERFORMANCE.md change 94)
+#endif
+
+// A 16-byte read-only load that does not allocate in L1: a streamed line is never read again, and
+// allocating it only evicts lines that are (the step's staged inputs, zeros and scales shared by a
+// block's warps). -1% per 8B decode step on the H200 (change 94).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+#if KUIPER_LD_STREAM == 0
+    return __ldg(reinterpret_cast<const uint4*>(p));
+#else
+    uint4 v;
+#if KUIPER_LD_STREAM == 2  // and evict-first in L2 (the modifier itself needs 32-byte loads: a cache policy)
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+#else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+    return v;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // AWQ 4-bit -> fp16 with the LOP3 magic-number trick.
 // A packed word holds column c of its 8 in nibble {0,4,1,5,2,6,3,7}[c], so nibbles (0,4),
 // (1,5), (2,6), (3,7) are the column pairs (0,1), (2,3), (4,5), (6,7): masking a nibble into the

@@ -48,7 +48,7 @@ __device__ __forceinline__ void ffn_load_rows(const u32* base, int k0, u32 (&w)[
     const u32* p = base + (size_t)(k0 >> 2) * 128;
 #pragma unroll
     for (int j = 0; j < FFN_ROWS / 4; ++j) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + j * 128));
+        const uint4 v = ld_stream16(p + j * 128);
         w[4 * j] = v.x; w[4 * j + 1] = v.y; w[4 * j + 2] = v.z; w[4 * j + 3] = v.w;
     }
 }

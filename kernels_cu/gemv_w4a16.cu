@@ -80,7 +80,7 @@ __device__ __forceinline__ void gemv_load_step(const AwqMat& m, const LaneAddr& 
     const u32* p = a.base + (size_t)(k0 >> 2) * a.quad;
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r += 4) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + (r >> 2) * a.quad));
+        const uint4 v = ld_stream16(p + (r >> 2) * a.quad);
         wv[r] = v.x; wv[r + 1] = v.y; wv[r + 2] = v.z; wv[r + 3] = v.w;
     }
     const int gi = a.gshift >= 0 ? k0 >> a.gshift : k0 / group;

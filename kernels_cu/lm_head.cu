@@ -27,7 +27,7 @@ lm_head_gemv(const half* __restrict__ x,   // [D]
 #pragma unroll
         for (int r = 0; r < LMH_ROWS; ++r) {
             if (v0 + r >= V) break;
-            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(&W[(size_t)(v0 + r) * D + c]));
+            const uint4 wv = ld_stream16(&W[(size_t)(v0 + r) * D + c]);
             const half2* wh = reinterpret_cast<const half2*>(&wv);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
