@@ -56,15 +56,8 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 #else
     uint4 v;
-#if KUIPER_LD_STREAM == 2  // and evict-first in L2 (the modifier itself needs 32-byte loads: a cache policy)
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
-#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
     return v;
 #endif
 }
