@@ -1,14 +1,28 @@
 // The flash-decoding split as a device function, for the attention kernel (attention.cu
 // attn_decode_gqa: one 128-thread block per split) and for the persistent decode kernel
 // (decode_layers.cu: a 128-thread quarter or half of a block per split, its own named barrier).
-// Every read of q and the cache is an L2 (.cg) load: in the persistent kernel another block wrote
-// them earlier in the same launch, so a line in this SM's L1 from an earlier layer may be stale.
+// q and the newest key's row are read from L2 (.cg): the kernel before, or in the persistent kernel
+// another block of the same launch, wrote them, so a line in this SM's L1 may be stale. The older
+// rows no launch of this step writes: they stream through the read-only path without L1 allocation.
 #pragma once
 #include "common.cuh"
 
 #ifndef ATTN_DECODE_U
 #define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
 #endif
+
+#ifndef KUIPER_ATTN_KV_NC
+#define KUIPER_ATTN_KV_NC 1  // A/B: 0 reads every cache row through L2 (__ldcg) as before
+#endif
+// A cache row of an earlier step: unchanged for the whole launch and read once per block, so the
+// non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100, change 95)
+__device__ __forceinline__ uint4 kv_load16(const half* p) {
+#if KUIPER_ATTN_KV_NC
+    return ld_stream16(p);
+#else
+    return __ldcg(reinterpret_cast<const uint4*>(p));
+#endif
+}
 
 template <int HD, int HB>
 struct AttnSplitSmem {                            // the merge of a block's key slots
@@ -74,13 +88,16 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     for (int base = k_begin; base < k_end; base += KPB) {
         uint4 kraw[U], vraw[U];
         bool valid[U];
+        // the newest key's row may have been written by this launch (decode_finish_qkv): L2 only for
+        // an iteration that can hold it, the older rows (read-only here) through kv_load16
+        const bool fresh = k_end == n_keys && base + KPB >= n_keys;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int key = base + u * NG + slot;
             valid[u] = key < k_end;
             const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
-            kraw[u] = __ldcg(reinterpret_cast<const uint4*>(kb + off));
-            vraw[u] = __ldcg(reinterpret_cast<const uint4*>(vb + off));
+            kraw[u] = fresh ? __ldcg(reinterpret_cast<const uint4*>(kb + off)) : kv_load16(kb + off);
+            vraw[u] = fresh ? __ldcg(reinterpret_cast<const uint4*>(vb + off)) : kv_load16(vb + off);
         }
         float dot[U][HB];
 #pragma unroll
