@@ -1,8 +1,9 @@
 // The flash-decoding split as a device function, for the attention kernel (attention.cu
-// attn_decode_gqa: one 128-thread block per split) and for the persistent decode kernel
-// (decode_layers.cu: a 128-thread quarter or half of a block per split, its own named barrier).
-// q and the newest key's row are read from L2 (.cg): the kernel before, or in the persistent kernel
-// another block of the same launch, wrote them, so a line in this SM's L1 may be stale. The older
+// attn_decode_gqa: one 128-thread block per split), the persistent decode kernel (decode_layers.cu:
+// a 128-thread quarter or half of a block per split, its own named barrier) and the fused attention
+// half (decode_attn.cu: 128-thread quarters of a cluster's blocks). q and the newest key's row are
+// read from L2 (.cg): they were written by the kernel before or earlier in the same launch (this
+// block, or another block of the grid or cluster), so a line in this SM's L1 may be stale. The older
 // rows no launch of this step writes: they stream through the read-only path without L1 allocation.
 #pragma once
 #include "common.cuh"
@@ -14,14 +15,14 @@
 #ifndef KUIPER_ATTN_KV_NC
 #define KUIPER_ATTN_KV_NC 1  // A/B: 0 reads every cache row through L2 (__ldcg) as before
 #endif
-// A cache row of an earlier step: unchanged for the whole launch and read once per block, so the
+// 16 bytes of a cache row. fresh: the row may be the newest, written in this launch, so from L2 only;
+// otherwise a row of an earlier step, unchanged for the whole launch and read once per block, so the
 // non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100, change 95)
-__device__ __forceinline__ uint4 kv_load16(const half* p) {
+__device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
 #if KUIPER_ATTN_KV_NC
-    return ld_stream16(p);
-#else
-    return __ldcg(reinterpret_cast<const uint4*>(p));
+    if (!fresh) return ld_stream16(p);
 #endif
+    return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
 template <int HD, int HB>
@@ -88,16 +89,14 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     for (int base = k_begin; base < k_end; base += KPB) {
         uint4 kraw[U], vraw[U];
         bool valid[U];
-        // the newest key's row may have been written by this launch (decode_finish_qkv): L2 only for
-        // an iteration that can hold it, the older rows (read-only here) through kv_load16
-        const bool fresh = k_end == n_keys && base + KPB >= n_keys;
+        const bool fresh = k_end == n_keys && base + KPB >= n_keys;  // this iteration can hold the newest key
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int key = base + u * NG + slot;
             valid[u] = key < k_end;
             const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
-            kraw[u] = fresh ? __ldcg(reinterpret_cast<const uint4*>(kb + off)) : kv_load16(kb + off);
-            vraw[u] = fresh ? __ldcg(reinterpret_cast<const uint4*>(vb + off)) : kv_load16(vb + off);
+            kraw[u] = kv_load16(kb + off, fresh);
+            vraw[u] = kv_load16(vb + off, fresh);
         }
         float dot[U][HB];
 #pragma unroll
