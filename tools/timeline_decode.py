@@ -12,8 +12,8 @@ The stamps add ~1% to a step.
 --waves adds the same phases per residency wave (a block's linear index // the SM count: under PDL
 the first wave is resident earliest, the last wave latest; PERFORMANCE.md change 88), --ranks per
 entry rank among the launch's blocks on the same SM (change 92: that rank sets a GEMV block's loop,
-not its wave). --save keeps
-the raw records; --load reads such a file back and prints the tables without a GPU.
+not its wave). --save keeps the raw records; --load reads such a file back and prints the tables
+without a GPU.
 
     KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz] [--waves] [--ranks]
     python tools/timeline_decode.py --load F.npz [--waves] [--ranks] [--layers N]
