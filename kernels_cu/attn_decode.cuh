@@ -39,6 +39,9 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 // latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
 // against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a prefetched line of the
 // newest key, which the predecessor writes, is never stale.
+#ifndef ATTN_KV_PF
+#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B)
+#endif
 template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
@@ -58,7 +61,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
     const half* kb = Kc + (size_t)kvh * HD + dl * 8;
     const half* vb = Vc + (size_t)kvh * HD + dl * 8;
-    if (k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+    if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int key = k_begin + u * NG + slot;

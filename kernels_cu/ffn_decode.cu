@@ -41,6 +41,10 @@
 #ifndef FFN_DIAG_LOOPEND
 #define FFN_DIAG_LOOPEND 0
 #endif
+#ifndef FFN_PF_STEPS
+#define FFN_PF_STEPS 1  // ffn_decode's gate/up steps after the first whose rows go towards L2 before the
+                        // PDL wait (0: none, A/B; PERFORMANCE.md change 99)
+#endif
 
 // A lane's FFN_ROWS rows of one packed word of a tiled matrix (common.cuh's layout, full 32-word
 // tiles): row quads of 16 bytes, issued together. base = the word's row quad 0; a row quad is 128 words.
@@ -51,6 +55,14 @@ __device__ __forceinline__ void ffn_load_rows(const u32* base, int k0, u32 (&w)[
         const uint4 v = ld_stream16(p + j * 128);
         w[4 * j] = v.x; w[4 * j + 1] = v.y; w[4 * j + 2] = v.z; w[4 * j + 3] = v.w;
     }
+}
+
+// The warp's ffn_load_rows rows from k0 towards L2, holding no register and not waiting: the 4 row
+// quads of 512 bytes, one 128-byte line per lane 0-15. tile0 = the column tile's row quad 0.
+__device__ __forceinline__ void ffn_prefetch_rows(const u32* tile0, int k0) {
+    const int lane = threadIdx.x & 31;
+    if (lane < 16)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(tile0 + (lane & 3) * 32 + (size_t)((k0 >> 2) + (lane >> 2)) * 128));
 }
 
 // A step's group data for the lane's word: the zero word and its 8 columns' scales (group 128).
@@ -252,6 +264,12 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     // weights never change: the first step's loads fly while the kernel before us finishes (PDL)
     ffn_load_rows(qb, k_lo + wr * FFN_ROWS, wv);
     ffn_load_group(qz, sc, IW, gword, k_lo + wr * FFN_ROWS, zw, sv);
+    // and the next step's rows towards L2: otherwise they go out only after the prologue and the first
+    // step's sums, a DRAM round trip with DRAM idle (H100: -0.4 to -0.8% per 8B step, H200 neutral; two
+    // steps, down's, the MoE kernel's or the GEMVs' measured slower, the GEMVs +6% on the H200)
+#pragma unroll
+    for (int s = 1; s <= FFN_PF_STEPS; ++s)
+        if ((wr + s * FFN_SPW) * FFN_ROWS < SP) ffn_prefetch_rows(qb - lane * 4, k_lo + (wr + s * FFN_SPW) * FFN_ROWS);
     pdl_wait();  // h, pend and acc belong to the kernels before us
     pdl_trigger();
     diag_stamp(1);
