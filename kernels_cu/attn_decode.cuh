@@ -32,6 +32,10 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     static constexpr int ml_floats = NG * HB * 2;  // [NG][HB][2]
 };
 
+#ifndef ATTN_KV_PF
+#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B; PERFORMANCE.md change 102)
+#endif
+
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
 // the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
@@ -39,9 +43,6 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 // latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
 // against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a prefetched line of the
 // newest key, which the predecessor writes, is never stale.
-#ifndef ATTN_KV_PF
-#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B)
-#endif
 template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
