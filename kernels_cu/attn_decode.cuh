@@ -67,8 +67,8 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
         for (int u = 0; u < U; ++u) {
             const int key = k_begin + u * NG + slot;
             if (key < k_end) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + (size_t)key * rs));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + (size_t)key * rs));
+                prefetch_l2(kb + (size_t)key * rs);
+                prefetch_l2(vb + (size_t)key * rs);
             }
         }
     }

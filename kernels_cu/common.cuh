@@ -283,6 +283,12 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
 
+// Starts the 128-byte line holding p towards L2 without waiting or holding a register: flash
+// decoding's first K/V rows and the one-launch FFN's next step, before their PDL waits.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Starts `bytes` (a multiple of 16, 16-byte aligned) of global memory towards L2 and does not wait
 // (sm_90): the MoE FFN half warms the next layer's q|k|v weights while its routing leaves DRAM idle.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {

@@ -61,8 +61,7 @@ __device__ __forceinline__ void ffn_load_rows(const u32* base, int k0, u32 (&w)[
 // quads of 512 bytes, one 128-byte line per lane 0-15. tile0 = the column tile's row quad 0.
 __device__ __forceinline__ void ffn_prefetch_rows(const u32* tile0, int k0) {
     const int lane = threadIdx.x & 31;
-    if (lane < 16)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(tile0 + (lane & 3) * 32 + (size_t)((k0 >> 2) + (lane >> 2)) * 128));
+    if (lane < 16) prefetch_l2(tile0 + (lane & 3) * 32 + (size_t)((k0 >> 2) + (lane >> 2)) * 128);
 }
 
 // A step's group data for the lane's word: the zero word and its 8 columns' scales (group 128).
