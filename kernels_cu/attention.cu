@@ -157,7 +157,7 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 // (~1.3 TB/s of KV at 8k on H100). LPK = HD/8 lanes own a key (16 bytes of its K and V each); a
 // warp holds 32/LPK keys per step and issues U steps of loads before it uses any, so each lane has
 // 2U 16-byte loads in flight. The grid has S splits sized on the host for the cache's capacity (a
-// graph is captured once); the keys present now are cut into chunks of at least DECODE_MIN_CHUNK
+// graph is captured once); the keys present now are cut into chunks of at least min_chunk
 // (common.cuh decode_chunk), so at a short context only the first splits work and the rest exit.
 // ---------------------------------------------------------------------------------------------
 
@@ -245,7 +245,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 // null, or the q|k|v GEMV's fixed-point sums: q/k norm, RoPE and the cache write here
                 const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
                 const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
-                const float* __restrict__ ss_in, int ss_n, int ss_D) {  // the scaled GEMV's sums of squares
+                const float* __restrict__ ss_in, int ss_n, int ss_D,  // the scaled GEMV's sums of squares
+                int min_chunk) {                                       // fewest keys per split (decode_chunk)
     __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
     __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
     __shared__ __align__(16) half q_sm[HB * HD];
@@ -253,9 +254,9 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     // The position was written at the end of the previous step (advance_position), long finished
     // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
-    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S);
+    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
-    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, H, KV, scale_log2, sm_o,
+    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2, sm_o,
                               sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
@@ -281,10 +282,10 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
 // (Decode normally merges in the o-projection GEMV's prologue instead: gemv_w4a16.cu.)
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     half* __restrict__ out, int S, int HD,
-                                    int n_keys, const int* __restrict__ pos_dev) {  // as the split kernel's
+                                    int n_keys, const int* __restrict__ pos_dev, int min_chunk) {  // as the split kernel's
     pdl_wait();
     pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;
     if (pos_dev) n_keys = *pos_dev + 1;
-    out[(size_t)h * HD + d] = decode_merge(part_o, part_ml, h, d, S, HD, n_keys);
+    out[(size_t)h * HD + d] = decode_merge(part_o, part_ml, h, d, S, HD, n_keys, min_chunk);
 }

@@ -47,7 +47,8 @@ template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
                                                   const half* Vc, float* part_o, float* part_ml, int kvh, int hb,
-                                                  int s, int S, int n_keys, int H, int KV, float scale_log2,
+                                                  int s, int S, int n_keys, int min_chunk, int H, int KV,
+                                                  float scale_log2,
                                                   float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait,
                                                   const half* q_sm = nullptr) {  // [HB, HD]: q from shared memory
     using L = AttnSplitSmem<HD, HB>;
@@ -57,7 +58,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const int h0 = kvh * (H / KV) + hb * HB;
     const int lane = tid & 31, warp = tid >> 5;
     const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
-    const int chunk = decode_chunk(n_keys, S);  // in-kernel, so a captured graph serves every length
+    const int chunk = decode_chunk(n_keys, S, min_chunk);  // in-kernel, so a captured graph serves every length
     const int k_begin = s * chunk, k_end = min(n_keys, k_begin + chunk);
     const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
     const half* kb = Kc + (size_t)kvh * HD + dl * 8;

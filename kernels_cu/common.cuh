@@ -454,11 +454,13 @@ __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D,
 // Flash-decoding's split rule and merge (attention.cu writes the partials; the merge runs in
 // attn_decode_combine or in the o-projection GEMV's prologue).
 // ---------------------------------------------------------------------------------------------
-#define DECODE_MIN_CHUNK 32
+#define DECODE_MIN_CHUNK 32  // fewest keys per split where the host passes none (the persistent and fused kernels)
 
-// Keys per split for n_keys keys over S splits (the split kernel and every merge agree on it).
-__device__ __forceinline__ int decode_chunk(int n_keys, int S) {
-    return max((n_keys + S - 1) / S, DECODE_MIN_CHUNK);
+// Keys per split for n_keys keys over S splits, at least min_chunk (the split kernel and every merge
+// agree on it; the host picks min_chunk per model and GPU, PERFORMANCE.md change 105: fewer splits at a
+// short context mean fewer partials for the merge to read).
+__device__ __forceinline__ int decode_chunk(int n_keys, int S, int min_chunk) {
+    return max((n_keys + S - 1) / S, min_chunk);
 }
 
 // Element d of head h of the attention output: the splits' partial softmaxes (part_o [H, S, HD]
@@ -467,8 +469,8 @@ __device__ __forceinline__ int decode_chunk(int n_keys, int S) {
 // max over all splits, unrolled so the splits' loads are in flight together: a merge is L2-latency
 // bound, not bandwidth bound.
 __device__ __forceinline__ half decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                             int h, int d, int S, int HD, int n_keys) {
-    const int chunk = decode_chunk(n_keys, S), used = min(S, (n_keys + chunk - 1) / chunk);
+                                             int h, int d, int S, int HD, int n_keys, int min_chunk) {
+    const int chunk = decode_chunk(n_keys, S, min_chunk), used = min(S, (n_keys + chunk - 1) / chunk);
     const float* ml = part_ml + (size_t)h * S * 2;
     const float* po = part_o + (size_t)h * S * HD + d;
     float M = -INFINITY, L = 0.f, od = 0.f;

@@ -306,7 +306,8 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
     {
         const int j = tid >> 7;
         attn_decode_split<DA_HD, QH>(nullptr, Kc, Vc, part_o, part_ml, c, (blockIdx.y % NS), j * CL + b, S, n_keys,
-                                     H, KV, scale_log2, sm_o + j * AS::o_floats, att_ml + j * AS::ml_floats, tid & 127,
+                                     DECODE_MIN_CHUNK, H, KV, scale_log2, sm_o + j * AS::o_floats,
+                                     att_ml + j * AS::ml_floats, tid & 127,
                                      [j] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + j) : "memory"); }, [] {},
                                      qatt_sm);
     }
@@ -314,7 +315,8 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
 
     // ---- merge elements [b E/CL, (b+1) E/CL): a warp per element, lanes over the splits ----
     {
-        const int epb = E / CL, chunk = decode_chunk(n_keys, S), used = min(S, (n_keys + chunk - 1) / chunk);
+        const int epb = E / CL, chunk = decode_chunk(n_keys, S, DECODE_MIN_CHUNK);
+        const int used = min(S, (n_keys + chunk - 1) / chunk);
         for (int e = warp; e < epb; e += DA_THREADS / 32) {
             const int ge = b * epb + e, hh = hq0 + ge / DA_HD, d = ge % DA_HD;
             float M = -INFINITY, L = 0.f, od = 0.f;

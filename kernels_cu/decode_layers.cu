@@ -251,7 +251,8 @@ __device__ __forceinline__ void dl_stage_x(const DlArgs& a, const DlPhase& p, ha
         for (int e = 0; e < 4; ++e) {
             const int k = k0 + e;
             if (SRC == 0) v[e] = __float2half(__ldcg(a.h + k) * inv * __half2float(w[k]));
-            else if (SRC == 1) v[e] = decode_merge(a.att_o, a.att_ml, k / a.hd, k % a.hd, a.S, a.hd, n_keys);
+            else if (SRC == 1)
+                v[e] = decode_merge(a.att_o, a.att_ml, k / a.hd, k % a.hd, a.S, a.hd, n_keys, DECODE_MIN_CHUNK);
             else v[e] = __ldcg(a.act + k);
         }
         bool big = false;
@@ -328,11 +329,12 @@ __device__ __forceinline__ void dl_attention(const DlArgs& a, const DlLayer& Lr,
     const int sub = threadIdx.x / 128, tid = threadIdx.x % 128;
     float* sm_o = scratch + sub * (SM::o_floats + SM::ml_floats);
     float* sm_ml = sm_o + SM::o_floats;
-    const int chunk = decode_chunk(n_keys, a.S), used = min(a.S, (n_keys + chunk - 1) / chunk);
+    const int chunk = decode_chunk(n_keys, a.S, DECODE_MIN_CHUNK), used = min(a.S, (n_keys + chunk - 1) / chunk);
     const int nhb = a.H / a.KV / HB, items = a.KV * nhb * used;
     for (int item = blockIdx.x * NSUB + sub; item < items; item += gridDim.x * NSUB) {
         const int s = item % used, r = item / used;
-        attn_decode_split<HD, HB>(a.q, Lr.Kc, Lr.Vc, a.att_o, a.att_ml, r / nhb, r % nhb, s, a.S, n_keys, a.H, a.KV,
+        attn_decode_split<HD, HB>(a.q, Lr.Kc, Lr.Vc, a.att_o, a.att_ml, r / nhb, r % nhb, s, a.S, n_keys,
+                                  DECODE_MIN_CHUNK, a.H, a.KV,
                                   a.scale_log2, sm_o, sm_ml, tid,
                                   [sub] { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + sub) : "memory"); },
                                   [] {});  // q and the newest key were written before a grid barrier

@@ -201,7 +201,7 @@ template <bool RT>
 __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqMat& m, int tile, int col_off,
                                           int n_total, float* __restrict__ partial, int split, int rps, int K,
                                           int group, bool wait, const float* hn, const half* wn, float eps,
-                                          const float* att_o, const float* att_ml, int att_S, int hd,
+                                          const float* att_o, const float* att_ml, int att_S, int att_mc, int hd,
                                           int pos0, const int* pos_dev, long long* acc_out, const long long* pend,
                                           float* hout, float* ss_out, const float* ss_in, int ss_n, int ss_D,
                                           bool pend_glu, const float* acc_w, const half* rt, int rt_ld,
@@ -269,7 +269,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
             for (int e = threadIdx.x; e < span; e += blockDim.x) {
                 const int k = k_lo + e;
-                const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys));
+                const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys, att_mc));
                 mx = fmaxf(mx, fabsf(f));
                 xsm[e] = __float2half(f);
             }
@@ -527,6 +527,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // the flash-decoding merge prologue (x unused): attention partials [H, att_S, hd] and [H, att_S, 2]
            // of a decode at position pos_dev / pos0 (as QKV_ROPE's), merged into x
            const float* __restrict__ att_o, const float* __restrict__ att_ml, int att_S,
+           int att_mc,                           // the split's fewest keys (common.cuh decode_chunk)
            int K, int rps,                       // rows per split (a multiple of GEMV_WARPS * GEMV_ROWS)
            int group, int epi,
            int ids_early,                        // the ids were written before the previous kernel
@@ -590,7 +591,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const int rEC = RT ? (rt_E / 8 + rparts - 1) / rparts * 8 : 0, rc0 = rtile ? rp * rEC : 0;
     if (RT && blockIdx.x == gridDim.x - 1) gemv_rt_h_tile(rt_hw, rt_h, rt_D, rt_E, rt_acc, blockIdx.y, S);
     else gemv_tile<RT>(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
-              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, hd, pos0, pos_dev,
+              !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, att_mc, hd, pos0, pos_dev,
               acc_out && !msum ? acc_out + (size_t)slot * n_total : acc_out,
               pend ? pend + (size_t)slot * (pend_glu ? 2 * K : K) : pend, hout, ss_out, ss_in, ss_n, ss_D, pend_glu,
               acc_out && msum ? slot_w + slot : nullptr, rtile ? rt + rc0 : nullptr, rt_E, min(rEC, rt_E - rc0),

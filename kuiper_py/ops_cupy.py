@@ -45,12 +45,16 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # where the one-launch FFN is off under KUIPER_DECODE_FFN=auto (PERFORMANCE.md change 84). H200: Qwen3-8B
 # with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
 # q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
-# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%
+# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
+# "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
+# (change 105). H100: Qwen3-8B at 64, -1.4% per step at 512 (8 splits for the o GEMV's merge to read, not
+# 16); 30B-A3B at 64 measured +0.6 to 1.5%
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3}},  # 8B gate|up, down
-    "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3)},
+    "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
+             "attn_min_chunk": {(4096, 32, 8, 128): 64}},  # Qwen3-8B
 }
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
@@ -112,6 +116,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
 ATTN_MAX_HEADS_PER_BLOCK = int(os.environ.get("KUIPER_ATTN_MAX_HB", "4"))  # query heads per decode block (A/B; 8 measured slower)
 ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding blocks per SM at least (A/B)
+# flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): DEVICE_TUNING's
+# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
+DECODE_MIN_CHUNK = 32
+ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 
@@ -539,6 +547,12 @@ def device_tuning() -> dict:
     return next((t for key, t in DEVICE_TUNING.items() if key in name), {})
 
 
+def attn_min_chunk(a: ModelArgs) -> int:
+    """Flash decoding's fewest keys per split for this model on this GPU (ATTN_MIN_CHUNK)."""
+    key = (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
+    return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(key, DECODE_MIN_CHUNK)
+
+
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
     """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: KUIPER_GEMV_BLOCKS_PER_SM,
     else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
@@ -671,11 +685,11 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
                _i(pend is not None and norm is None and pend.size == slots * 2 * K))
     if ss_in is not None:
         eps = ss_in[3]
-    att_args = (null, null, _i(0))
+    att_args = (null, null, _i(0), _i(0))
     if att is not None:
         assert x is None and norm is None and slots == 1 and out_kind == "plain" and K == att.heads * att.hd
         assert rps <= GEMV_ATT_ROWS
-        att_args = (att.part_o, att.part_ml, _i(att.splits))
+        att_args = (att.part_o, att.part_ml, _i(att.splits), _i(att.min_chunk))
         x = att.part_o
     x = hn if x is None else x
     if out_kind == "qkv_rope":
@@ -957,16 +971,18 @@ def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, finish=None):
+                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
     finish=dict(acc, q_norm, k_norm, cos, sin, eps[, ss=(ss, n, D)]): q|k|v are the q|k|v GEMV's
     fixed-point sums acc (its accumulating mode; ss: its scaled norm's split sums of squares); the
     kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
-    rows (position n_keys - 1) into the cache."""
+    rows (position n_keys - 1) into the cache. A split takes at least min_chunk keys (decode_chunk): the
+    splits past the keys present exit, and whoever merges reads only those that held keys."""
     _, H, hd = q.shape
-    S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / 32)))
+    assert min_chunk >= 1
+    S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
     assert H * S * hd <= part_o.size
     hb = decode_heads_per_block(H, n_kv_heads)
     pos_arg = pos_dev if pos_dev is not None else np.uint64(0)
@@ -981,8 +997,8 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
-        *fin), shared_mem=pad)
-    parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev)
+        *fin, _i(min_chunk)), shared_mem=pad)
+    parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk)
     return parts if out is None else attention_combine(parts, out)
 
 
@@ -990,7 +1006,8 @@ def attention_combine(p, out):
     """Merge flash-decoding partials p (_AttnParts) into out [1, H*hd] fp16 (attn_decode_combine)."""
     kernel("attn", "attn_decode_combine")((p.heads,), (p.hd,), (p.part_o, p.part_ml, out, _i(p.splits), _i(p.hd),
                                                                 _i(p.n_keys),
-                                                                p.pos_dev if p.pos_dev is not None else np.uint64(0)))
+                                                                p.pos_dev if p.pos_dev is not None else np.uint64(0),
+                                                                _i(p.min_chunk)))
     return out
 
 
@@ -998,9 +1015,9 @@ class _AttnParts:
     """A decode step's flash-decoding partials, not yet merged: the o projection merges them in its
     GEMV prologue (gemv(att=...)); any other consumer gets attn_decode_combine's output (CupyOps._x)."""
 
-    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev):
+    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk):
         self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
-        self.n_keys, self.pos_dev = n_keys, pos_dev
+        self.n_keys, self.pos_dev, self.min_chunk = n_keys, pos_dev, min_chunk
         self.shape = (1, heads * hd)
         self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
@@ -1574,6 +1591,7 @@ class CupyOps:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
         self.n_sm = sm_count()
+        self.attn_min_chunk = attn_min_chunk(a)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
@@ -1926,7 +1944,8 @@ class CupyOps:
                 q = q.q
             parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
-                                     self.d["pos"] if self.graphs else None, finish=fin)
+                                     self.d["pos"] if self.graphs else None, finish=fin,
+                                     min_chunk=self.attn_min_chunk)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts

@@ -543,11 +543,15 @@ def test_flash_attention_prefill_long():
 @pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (64, 4, 128), (40, 8, 128), (4, 2, 64), (8, 8, 64)])
 @pytest.mark.parametrize("n", [1, 31, 1000, 4097, 32768])
 @pytest.mark.parametrize("splits,on_device", [(16, False), (70, True)])
-def test_flash_decoding(H, KV, hd, n, splits, on_device):
+@pytest.mark.parametrize("min_chunk", [32, 64, 7])
+def test_flash_decoding(H, KV, hd, n, splits, on_device, min_chunk):
     """on_device: the length comes from device memory (graph replay) and all splits launch; with a
-    short context most of them hold no keys, and the combine must skip exactly those."""
-    if n == 32768 and (H != 32 or on_device):
+    short context most of them hold no keys, and the combine must skip exactly those. min_chunk: the
+    fewest keys per split (the default, Qwen3-8B's on the H100, and one that is no power of two)."""
+    if n == 32768 and (H != 32 or on_device or min_chunk != 32):
         pytest.skip("one 32k case is enough")
+    if min_chunk != 32 and (H, KV) not in ((32, 8), (4, 2)):
+        pytest.skip("the split rule is the same code for every grouping")
     rng = np.random.default_rng()
     Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
     Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
@@ -556,7 +560,7 @@ def test_flash_decoding(H, KV, hd, n, splits, on_device):
     part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
     oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
-                        part_o, part_ml, out, pos_dev)
+                        part_o, part_ml, out, pos_dev, min_chunk=min_chunk)
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
 
 
@@ -583,10 +587,13 @@ def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
 
 
 @pytest.mark.parametrize("H,KV,hd,D", [(32, 8, 128, 4096), (64, 4, 128, 4096), (16, 8, 64, 1024), (40, 8, 128, 5120)])
-@pytest.mark.parametrize("n,on_device", [(1, True), (700, False), (9000, True)])
-def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
+@pytest.mark.parametrize("n,on_device", [(1, True), (700, False), (9000, True), (511, True)])
+@pytest.mark.parametrize("min_chunk", [32, 64])
+def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_chunk):
     """The o projection with the flash-decoding merge in its prologue (x = attention output never
-    materialised) and the residual add in its epilogue, against float64 attention @ W_o + h."""
+    materialised) and the residual add in its epilogue, against float64 attention @ W_o + h. The
+    splits past the keys hold NaN: the merge must read exactly those that flash decoding wrote, for
+    the fewest keys per split that both were given (min_chunk)."""
     rng = np.random.default_rng()
     Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
     Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
@@ -596,7 +603,7 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device):
     part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
-                                part_o, part_ml, None, pos_dev)
+                                part_o, part_ml, None, pos_dev, min_chunk=min_chunk)
     h0 = rng.standard_normal((1, D)).astype(np.float32)
     h = cp.asarray(h0)
     partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)
@@ -740,13 +747,15 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
 @pytest.mark.parametrize("D,H,KV,hd,pos0,splits", [(4096, 32, 8, 128, 0, 16), (4096, 32, 8, 128, 777, 16),
                                                    (2048, 32, 4, 128, 300, 70), (1024, 16, 8, 64, 5, 4),
                                                    (512, 4, 2, 64, 100, 9)])
-def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, splits):
+@pytest.mark.parametrize("min_chunk", [32, 64])
+def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, splits, min_chunk):
     """Decode's q|k|v GEMV in accumulating mode (fixed-point sums, no reduction tail; it adds the
     previous down projection's pending output to the residual first, and leaves the RMSNorm's 1/rms
     to its consumer) and the flash-decoding kernel that applies it and finishes q, k and v (per-head
     norm, RoPE, the newest K/V row into the cache) before
     attending, against NumPy: the rotated q, the cache rows and the attention output. Every other
-    cache row must be left as it was; outputs are poisoned first."""
+    cache row must be left as it was; outputs are poisoned first. min_chunk moves the newest key to
+    another split (the one that writes it)."""
     rng = np.random.default_rng()
     ctx, eps = pos0 + 4, 1e-6
     cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
@@ -769,7 +778,7 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     pos_dev = cp.full((1,), pos0, cp.int32)
     oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, pos_dev,
                         finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)))
+                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
     hs = h.astype(np.float64) + (pend / 2**32).astype(np.float16)
     np.testing.assert_allclose(cp.asnumpy(hout)[0], hs, rtol=1e-6, atol=1e-6)
     q_ref, k_ref, v = qkv_rope_ref(hs, w, mats, qn, kn, cos, sin, pos0, hd, eps)

@@ -85,9 +85,25 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
     for key, t in oc.DEVICE_TUNING.items():
-        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm"} and key
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
+        for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():
+            assert isinstance(keys, int) and keys >= 1 and H % KV == 0 and D % 32 == 0 and hd in (64, 128)
+
+
+def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
+    from types import SimpleNamespace
+    a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    a30 = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"attn_min_chunk": {(4096, 32, 8, 128): 64}}})
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 0)
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert oc.attn_min_chunk(a8b) == 64 and oc.attn_min_chunk(a30) == oc.DECODE_MIN_CHUNK == 32
+    sms(132, "NVIDIA H200")
+    assert oc.attn_min_chunk(a8b) == 32
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 48)  # KUIPER_ATTN_MIN_CHUNK wins everywhere
+    assert oc.attn_min_chunk(a8b) == oc.attn_min_chunk(a30) == 48
 
 
 def test_ffn_off_entry_skips_building_the_one_launch_plan(sms, monkeypatch):
