@@ -47,14 +47,14 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
 # 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
 # "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
-# (change 105). H100: Qwen3-8B at 64, -1.4% per step at 512 (8 splits for the o GEMV's merge to read, not
-# 16); 30B-A3B at 64 measured +0.6 to 1.5%
+# (change 105). H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
+# 16), 14B -0.7%; measured no better there: 4B (neutral), 30B-A3B (+0.6 to 1.5%). H200: 8B and 30B-A3B neutral
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3}},  # 8B gate|up, down
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
-             "attn_min_chunk": {(4096, 32, 8, 128): 64}},  # Qwen3-8B
+             "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64}},  # Qwen3-8B, 14B
 }
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
