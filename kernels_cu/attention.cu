@@ -256,8 +256,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
     const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
-    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2, sm_o,
-                              sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
+    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2,
+                              sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
                                   diag_stamp(1);

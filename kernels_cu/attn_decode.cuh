@@ -35,12 +35,23 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 #ifndef ATTN_KV_PF
 #define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B; PERFORMANCE.md change 102)
 #endif
+// A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched whole, a longer one its first iteration
+// only (ATTN_KV_PF_WHOLE 0: the first ATTN_KV_PF_ITERS of every chunk; A/B). At a short context the
+// second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at 512 on the
+// H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5%
+// at 32k (change 108)
+#ifndef ATTN_KV_PF_ITERS
+#define ATTN_KV_PF_ITERS 2
+#endif
+#ifndef ATTN_KV_PF_WHOLE
+#define ATTN_KV_PF_WHOLE 1
+#endif
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
 // the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
-// PDL wait), after L2 prefetches of the first iteration's K and V rows: under PDL their DRAM
-// latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
+// PDL wait), after L2 prefetches of the first iteration's K and V rows (a short chunk's all): under
+// PDL their DRAM latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
 // against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a prefetched line of the
 // newest key, which the predecessor writes, is never stale.
 template <int HD, int HB, class Sync, class Wait>
@@ -64,12 +75,16 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const half* kb = Kc + (size_t)kvh * HD + dl * 8;
     const half* vb = Vc + (size_t)kvh * HD + dl * 8;
     if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+        const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = k_begin + u * NG + slot;
-            if (key < k_end) {
-                prefetch_l2(kb + (size_t)key * rs);
-                prefetch_l2(vb + (size_t)key * rs);
+        for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int key = k_begin + it * KPB + u * NG + slot;
+                if (it < its && key < k_end) {
+                    prefetch_l2(kb + (size_t)key * rs);
+                    prefetch_l2(vb + (size_t)key * rs);
+                }
             }
         }
     }
