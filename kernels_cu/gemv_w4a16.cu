@@ -34,6 +34,9 @@
 #ifndef GEMV_DIAG_NOMATH
 #define GEMV_DIAG_NOMATH 0    // PERFORMANCE.md change 62: the step's bound with a free dot product
 #endif
+#ifndef GEMV_POS_EARLY
+#define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B; change 109)
+#endif
 #ifndef GEMV_PIPE
 #define GEMV_PIPE 0           // 1: software-pipelined, the next step's loads fly during this step's math
 #endif
@@ -227,6 +230,12 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     if constexpr (RT) {
         if (rt && k_first < k_end) gemv_rt_load(rt, rt_ld, rt_E, k_first, 0, k_end, wv);
     }
+    // the merge's length: written at the end of the previous step (advance_position), finished under
+    // PDL's transitive waits, so it may be read before ours (from L2: this SM's L1 may hold an older
+    // line), and the merge's loads then go out right after the wait (H100 8B -0.6% per step). Not in
+    // the router-row instantiation (RT), where the register it holds across the wait adds spills.
+    constexpr bool pos_early = GEMV_POS_EARLY && !RT;
+    const int n_keys_early = pos_early && att_o ? (pos_dev ? __ldcg(pos_dev) : pos0) + 1 : 0;
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
@@ -266,7 +275,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         const int span = k_end - k_lo;
         float ssl = 0.f;
         if (att_o) {
-            const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
+            const int n_keys = pos_early ? n_keys_early : (pos_dev ? *pos_dev : pos0) + 1;
             for (int e = threadIdx.x; e < span; e += blockDim.x) {
                 const int k = k_lo + e;
                 const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys, att_mc));
