@@ -282,7 +282,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
 // (Decode normally merges in the o-projection GEMV's prologue instead: gemv_w4a16.cu.)
 __global__ void attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                     half* __restrict__ out, int S, int HD,
-                                    int n_keys, const int* __restrict__ pos_dev, int min_chunk) {  // as the split kernel's
+                                    int n_keys, const int* __restrict__ pos_dev,  // as the split kernel's
+                                    int min_chunk) {
     pdl_wait();
     pdl_trigger();
     const int h = blockIdx.x, d = threadIdx.x;

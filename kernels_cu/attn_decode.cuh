@@ -51,9 +51,9 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
 // the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
 // PDL wait), after L2 prefetches of the first iteration's K and V rows (a short chunk's all): under
-// PDL their DRAM latency overlaps the predecessor's tail. (Loads into registers there instead took 155 registers
-// against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a prefetched line of the
-// newest key, which the predecessor writes, is never stale.
+// PDL their DRAM latency overlaps the predecessor's tail. (Loads into registers there instead took
+// 155 registers against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a
+// prefetched line of the newest key, which the predecessor writes, is never stale.
 template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
