@@ -463,6 +463,12 @@ __device__ __forceinline__ int decode_chunk(int n_keys, int S, int min_chunk) {
     return max((n_keys + S - 1) / S, min_chunk);
 }
 
+// The splits that hold keys under decode_chunk's rule: the ones a merge reads.
+__device__ __forceinline__ int decode_splits_used(int n_keys, int S, int min_chunk) {
+    const int chunk = decode_chunk(n_keys, S, min_chunk);
+    return min(S, (n_keys + chunk - 1) / chunk);
+}
+
 // Element d of head h of the attention output: the splits' partial softmaxes (part_o [H, S, HD]
 // unnormalised, part_ml [H, S, 2] max in the log2 domain and sum) merged over the splits that held
 // keys, rounded to fp16. One pass with a running max, so a split's three loads do not wait for a
@@ -470,7 +476,7 @@ __device__ __forceinline__ int decode_chunk(int n_keys, int S, int min_chunk) {
 // bound, not bandwidth bound.
 __device__ __forceinline__ half decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              int h, int d, int S, int HD, int n_keys, int min_chunk) {
-    const int chunk = decode_chunk(n_keys, S, min_chunk), used = min(S, (n_keys + chunk - 1) / chunk);
+    const int used = decode_splits_used(n_keys, S, min_chunk);
     const float* ml = part_ml + (size_t)h * S * 2;
     const float* po = part_o + (size_t)h * S * HD + d;
     float M = -INFINITY, L = 0.f, od = 0.f;

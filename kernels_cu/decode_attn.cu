@@ -315,8 +315,7 @@ decode_attn_half(const float* __restrict__ h,         // [D] residual row
 
     // ---- merge elements [b E/CL, (b+1) E/CL): a warp per element, lanes over the splits ----
     {
-        const int epb = E / CL, chunk = decode_chunk(n_keys, S, DECODE_MIN_CHUNK);
-        const int used = min(S, (n_keys + chunk - 1) / chunk);
+        const int epb = E / CL, used = decode_splits_used(n_keys, S, DECODE_MIN_CHUNK);
         for (int e = warp; e < epb; e += DA_THREADS / 32) {
             const int ge = b * epb + e, hh = hq0 + ge / DA_HD, d = ge % DA_HD;
             float M = -INFINITY, L = 0.f, od = 0.f;

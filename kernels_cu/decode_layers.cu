@@ -329,7 +329,7 @@ __device__ __forceinline__ void dl_attention(const DlArgs& a, const DlLayer& Lr,
     const int sub = threadIdx.x / 128, tid = threadIdx.x % 128;
     float* sm_o = scratch + sub * (SM::o_floats + SM::ml_floats);
     float* sm_ml = sm_o + SM::o_floats;
-    const int chunk = decode_chunk(n_keys, a.S, DECODE_MIN_CHUNK), used = min(a.S, (n_keys + chunk - 1) / chunk);
+    const int used = decode_splits_used(n_keys, a.S, DECODE_MIN_CHUNK);
     const int nhb = a.H / a.KV / HB, items = a.KV * nhb * used;
     for (int item = blockIdx.x * NSUB + sub; item < items; item += gridDim.x * NSUB) {
         const int s = item % used, r = item / used;
