@@ -1,15 +1,18 @@
 // Token selection on the GPU so that only one int32 crosses to the host per step.
 //
-// sample_token runs in ONE block of 1024 threads over the fp32 logits, in the order of Hugging
-// Face's processors: repetition penalty, temperature, top-k, top-p, min-p; then an exact draw
-// from the kept softmax by the Gumbel-max trick. Top-k and top-p thresholds are found by radix
-// selection on order-preserving integer keys (4 rounds of 8 bits), so nothing is sorted; with top-k
-// they run on a few candidates gathered into shared memory, not on the whole vocabulary.
-// A temperature of 0 is greedy (lowest index among equal maxima, like numpy.argmax).
+// The draw runs in blocks of 1024 threads over the fp32 logits, in the order of Hugging Face's
+// processors: repetition penalty, temperature, top-k, top-p, min-p; then an exact draw from the kept
+// softmax by the Gumbel-max trick. Top-k and top-p thresholds are found by radix selection on
+// order-preserving integer keys (4 rounds of 8 bits), so nothing is sorted; with top-k they run on a
+// few candidates gathered into shared memory, not on the whole vocabulary. A temperature of 0 is
+// greedy (lowest index among equal maxima, like numpy.argmax). sample_token_mb spreads the scan of
+// the vocabulary over many blocks (greedy, and top-k up to its candidate room); sample_token does
+// everything in one block.
 #include "common.cuh"
 
 #define SMP_THREADS 1024
 #define SMP_CAND 4096  // top-k candidates kept in shared memory (more: the filters scan every logit)
+#define SMP_MAX_BLOCKS 256  // sample_token_mb's largest grid
 
 // float -> uint32 whose unsigned order is the float order
 __device__ __forceinline__ u32 fkey(float f) {
@@ -26,15 +29,15 @@ __device__ __forceinline__ float uniform01(unsigned long long seed, unsigned lon
     return ((float)(z >> 40) + 0.5f) * (1.0f / 16777216.0f);
 }
 
-// Calls f(i, x[i]) for every i < n this thread owns. One block scans the whole vocabulary while
-// the rest of the GPU idles, so each pass is bound by load latency: 16-byte loads, four in flight
-// per thread (a scalar strided loop took ~56 µs per pass over 151936 logits on H100). Visiting
+// Calls f(i, x[i]) for every i in [lo, n) this thread owns (lo a multiple of 4). One block scans its
+// range while the rest of the GPU idles, so each pass is bound by load latency: 16-byte loads, four in
+// flight per thread (a scalar strided loop took ~56 µs per pass over 151936 logits on H100). Visiting
 // order is not increasing per thread, so callers break ties by index explicitly.
 template <class F>
-__device__ __forceinline__ void scan_logits(const float* __restrict__ x, int n, F f) {
+__device__ __forceinline__ void scan_logits(const float* __restrict__ x, int n, F f, int lo = 0) {
     const int n4 = n >> 2, B = blockDim.x;
     const float4* x4 = reinterpret_cast<const float4*>(x);  // logits buffers are 256-byte aligned
-    int i = threadIdx.x;
+    int i = (lo >> 2) + threadIdx.x;
     for (; i + 3 * B < n4; i += 4 * B) {
         float4 a[4];
 #pragma unroll
@@ -49,7 +52,7 @@ __device__ __forceinline__ void scan_logits(const float* __restrict__ x, int n, 
         float4 a = x4[i];
         f(4 * i, a.x); f(4 * i + 1, a.y); f(4 * i + 2, a.z); f(4 * i + 3, a.w);
     }
-    for (int j = 4 * n4 + threadIdx.x; j < n; j += B) f(j, x[j]);
+    for (int j = max(4 * n4, lo) + threadIdx.x; j < n; j += B) f(j, x[j]);
 }
 
 // keep (v, idx) or take (ov, oi): the larger value, the lower index among equals
@@ -136,97 +139,107 @@ __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mas
     return prefix;
 }
 
-__global__ void __launch_bounds__(SMP_THREADS)
-sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and scaled when top-k is off) in place
-             int n_valid,                       // ids >= n_valid (vocabulary padding) never chosen
-             const int* __restrict__ hist_ids,  // [n_hist] recent tokens for the repetition penalty
-             int n_hist, float penalty, float temperature, int top_k, float top_p, float min_p,
-             unsigned long long seed, unsigned long long* __restrict__ step,
-             int* __restrict__ out) {
-    __shared__ float sv[32], hist[256], red[32];
-    __shared__ int si[32], n_cand;
-    __shared__ __align__(16) float tmax[SMP_THREADS];  // each thread's largest scaled logit
-    __shared__ __align__(16) float cand_v[SMP_CAND];    // top-k candidates: scaled logit, vocabulary index
-    __shared__ int cand_i[SMP_CAND];
-    __shared__ u32 sorted_k[SMP_THREADS];               // ranked candidates' keys, descending
-    __shared__ float wmax[32];                          // each warp's largest scaled logit
-    // repetition penalty: every read happens before any write, so duplicate ids apply once
-    if (penalty != 1.f) {
-        float pv = 0.f;
-        int id = -1;
-        if ((int)threadIdx.x < n_hist) {
-            id = hist_ids[threadIdx.x];
-            if (id >= 0 && id < n_valid) { pv = logits[id]; pv = pv > 0.f ? pv / penalty : pv * penalty; }
-            else id = -1;
-        }
-        __syncthreads();
-        if (id >= 0) logits[id] = pv;
-        __syncthreads();
+// Shared memory of one sampling block (1024 threads).
+struct SmpSmem {
+    float sv[32], hist[256], red[32];
+    int si[32], n_cand;
+    __align__(16) float tmax[SMP_THREADS];  // each thread's largest scaled logit
+    __align__(16) float cand_v[SMP_CAND];   // top-k candidates: scaled logit, vocabulary index
+    int cand_i[SMP_CAND];
+    u32 sorted_k[SMP_THREADS];              // ranked candidates' keys, descending
+    float wmax[32];                         // each warp's largest scaled logit
+    int off[SMP_MAX_BLOCKS + 1];            // sample_token_mb: each block's first slot in the union
+};
+
+// The repetition penalty on the ids of [lo, hi): every read happens before any write, so duplicate
+// ids apply once.
+__device__ void smp_penalty(float* logits, int lo, int hi, const int* hist_ids, int n_hist, float penalty) {
+    float pv = 0.f;
+    int id = -1;
+    if ((int)threadIdx.x < n_hist) {
+        id = hist_ids[threadIdx.x];
+        if (id >= lo && id < hi) { pv = logits[id]; pv = pv > 0.f ? pv / penalty : pv * penalty; }
+        else id = -1;
     }
-    if (temperature == 0.f) {
-        float v = -INFINITY;
-        int idx = 0x7fffffff;
-        scan_logits(logits, n_valid, [&](int i, float x) {
-            if (better(x, i, v, idx)) { v = x; idx = i; }
-        });
-        block_argmax(v, idx, sv, si);
-        if (threadIdx.x == 0) { *out = idx == 0x7fffffff ? -1 : idx; *step += 1; }  // -1: all NaN
-        return;
-    }
-    const float invt = 1.f / temperature;
+    __syncthreads();
+    if (id >= 0) logits[id] = pv;
+    __syncthreads();
+}
+
+// Greedy over [lo, n): (value, index) of the largest logit, the lower index among equals; idx stays
+// 0x7fffffff when every logit is NaN. Valid in every thread.
+__device__ void smp_argmax(const float* logits, int lo, int n, float& v, int& idx, SmpSmem& S) {
+    v = -INFINITY;
+    idx = 0x7fffffff;
+    scan_logits(logits, n, [&](int i, float x) {
+        if (better(x, i, v, idx)) { v = x; idx = i; }
+    }, lo);
+    block_argmax(v, idx, S.sv, S.si);
+}
+
+// The largest scaled logit of [lo, n) (returned, valid in every thread) and, with 0 < top_k <= SMP_THREADS,
+// every element of the range that can be among its top_k gathered into S.cand_v / cand_i (S.n_cand of
+// them, which may exceed SMP_CAND: then only the first SMP_CAND are stored). The k-th largest of the
+// warps' maxima (k <= 32) or of the threads' maxima is a lower bound of the range's k-th largest logit (k
+// distinct elements are at least it), so every element the filters can keep is at or above it and only
+// threads whose maximum reaches it rescan. The candidates are a few dozen for k = 20: radix passes over
+// the whole vocabulary had all 1024 threads adding into the same few histogram bins (~0.3 ms a round).
+// Since a range's k-th largest is at most the vocabulary's, the candidates of all ranges hold the top k.
+__device__ float smp_gather(const float* logits, int lo, int n, float invt, int top_k, SmpSmem& S) {
     float mx = -INFINITY;
-    scan_logits(logits, n_valid, [&](int, float x) { mx = fmaxf(mx, x * invt); });
+    scan_logits(logits, n, [&](int, float x) { mx = fmaxf(mx, x * invt); }, lo);
     const float my_max = mx;
-    tmax[threadIdx.x] = mx;
+    S.tmax[threadIdx.x] = mx;
     {
         float wm = mx;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, o));
-        if ((threadIdx.x & 31) == 0) wmax[threadIdx.x >> 5] = wm;
+        if ((threadIdx.x & 31) == 0) S.wmax[threadIdx.x >> 5] = wm;
     }
     {
         int dummy = 0;
-        block_argmax(mx, dummy, sv, si);
+        block_argmax(mx, dummy, S.sv, S.si);
     }
-    // Top-k candidates: the k-th largest of the warps' maxima (k <= 32) or of the threads' maxima is
-    // a lower bound of the k-th largest logit (k distinct elements are at least it), so every element
-    // the filters can keep is at or above it and only threads whose maximum reaches it rescan. The
-    // candidates (a few dozen for k = 20) go to shared memory and every later pass runs on them:
-    // radix passes over the whole vocabulary had all 1024 threads adding into the same few
-    // histogram bins (~0.3 ms a round).
-    const float* vals = logits;  // what the filters and the draw scan: all logits, or the candidates
-    const int* ids = nullptr;    // candidate -> vocabulary index (nullptr: the identity)
-    int n = n_valid;
-    if (top_k > 0 && top_k < n_valid && top_k <= SMP_THREADS) {
-        u32 floor_key;
-        if (top_k <= 32) {  // every warp ranks the 32 warp maxima itself: no barrier, no histogram
-            const int lane = threadIdx.x & 31;
-            const u32 kv = fkey(wmax[lane]);
-            int r = 0;
+    if (threadIdx.x == 0) S.n_cand = 0;
+    if (top_k <= 0 || top_k > SMP_THREADS) {
+        __syncthreads();
+        return mx;
+    }
+    u32 floor_key;
+    if (top_k <= 32) {  // every warp ranks the 32 warp maxima itself: no barrier, no histogram
+        const int lane = threadIdx.x & 31;
+        const u32 kv = fkey(S.wmax[lane]);
+        int r = 0;
 #pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                const u32 kj = fkey(wmax[j]);
-                r += kj > kv || (kj == kv && j < lane);
-            }
-            const unsigned b = __ballot_sync(0xffffffffu, r == top_k - 1);
-            floor_key = __shfl_sync(0xffffffffu, kv, __ffs(b) - 1);
-        } else {
-            floor_key = radix_threshold(tmax, SMP_THREADS, 0u, false, (float)top_k, mx, hist, red);
+        for (int j = 0; j < 32; ++j) {
+            const u32 kj = fkey(S.wmax[j]);
+            r += kj > kv || (kj == kv && j < lane);
         }
-        if (threadIdx.x == 0) n_cand = 0;
-        __syncthreads();
-        if (fkey(my_max) >= floor_key)
-            scan_logits(logits, n_valid, [&](int i, float x) {
-                x *= invt;
-                if (fkey(x) < floor_key) return;
-                const int c = atomicAdd(&n_cand, 1);
-                if (c < SMP_CAND) { cand_v[c] = x; cand_i[c] = i; }
-            });
-        __syncthreads();
-        if (n_cand <= SMP_CAND) { vals = cand_v; ids = cand_i; n = n_cand; }  // else: many ties, scan all
+        const unsigned b = __ballot_sync(0xffffffffu, r == top_k - 1);
+        floor_key = __shfl_sync(0xffffffffu, kv, __ffs(b) - 1);
+    } else {
+        floor_key = radix_threshold(S.tmax, SMP_THREADS, 0u, false, (float)top_k, mx, S.hist, S.red);
     }
+    __syncthreads();
+    if (fkey(my_max) >= floor_key)
+        scan_logits(logits, n, [&](int i, float x) {
+            x *= invt;
+            if (x != x || fkey(x) < floor_key) return;  // NaN is never drawn: not a candidate either
+            const int c = atomicAdd(&S.n_cand, 1);
+            if (c < SMP_CAND) { S.cand_v[c] = x; S.cand_i[c] = i; }
+        }, lo);
+    __syncthreads();
+    return mx;
+}
+
+// Top-k, top-p and min-p over vals [n] (scaled logits; ids[c] their vocabulary indices, or null: the
+// identity), whose maximum is mx, then the Gumbel-max draw into *out. vals of all n_valid logits are
+// scaled in place first (each thread its own elements).
+__device__ void smp_finish(float* vals, const int* ids, int n, float mx, float invt, int top_k, float top_p,
+                           float min_p, unsigned long long seed, unsigned long long* step, int* out,
+                           int* out_host, SmpSmem& S) {
     if (!ids) {  // the filters scan every logit: scale them in place once (each thread its own elements)
-        scan_logits(logits, n_valid, [&](int i, float x) { logits[i] = x * invt; });
+        scan_logits(vals, n, [&](int i, float x) { vals[i] = x * invt; });
         __syncthreads();
     }
     u32 thr = 0;  // keep keys >= thr
@@ -235,30 +248,30 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and sc
         // k-th key and top-p the first prefix whose mass reaches top_p, the thresholds the radix
         // passes would find. tmax (no longer needed) holds the sorted values.
         const int t = threadIdx.x;
-        float* sorted_v = tmax;
+        float* sorted_v = S.tmax;
         __syncthreads();  // every warp is past its last read of tmax
         if (t < n) {
-            const u32 kv = fkey(cand_v[t]);
+            const u32 kv = fkey(vals[t]);
             int r = 0;
             for (int j = 0; j < n; ++j) {
-                const u32 kj = fkey(cand_v[j]);
+                const u32 kj = fkey(vals[j]);
                 r += kj > kv || (kj == kv && j < t);
             }
-            sorted_k[r] = kv;
-            sorted_v[r] = cand_v[t];
+            S.sorted_k[r] = kv;
+            sorted_v[r] = vals[t];
         }
         __syncthreads();
-        if (top_k < n) thr = sorted_k[top_k - 1];
+        if (top_k > 0 && top_k < n) thr = S.sorted_k[top_k - 1];
         if (top_p < 1.f) {
             if (t < 32) {
                 float z = 0.f;
-                for (int i = t; i < n && sorted_k[i] >= thr; i += 32) z += __expf(sorted_v[i] - mx);
+                for (int i = t; i < n && S.sorted_k[i] >= thr; i += 32) z += __expf(sorted_v[i] - mx);
                 const float target = top_p * warp_sum(z);
                 float carry = 0.f;
                 u32 tp = thr;  // nothing reaches the target (rounding): keep all, as the radix pass does
                 for (int base = 0; base < n; base += 32) {
                     const int i = base + t;
-                    const bool in = i < n && sorted_k[i] >= thr;
+                    const bool in = i < n && S.sorted_k[i] >= thr;
                     float incl = in ? __expf(sorted_v[i] - mx) : 0.f;
 #pragma unroll
                     for (int o = 1; o < 32; o <<= 1) {
@@ -266,25 +279,25 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and sc
                         if (t >= o) incl += v;
                     }
                     const unsigned hit = __ballot_sync(0xffffffffu, in && carry + incl >= target);
-                    if (hit) { tp = sorted_k[base + __ffs(hit) - 1]; break; }
+                    if (hit) { tp = S.sorted_k[base + __ffs(hit) - 1]; break; }
                     carry += __shfl_sync(0xffffffffu, incl, 31);
                 }
-                if (t == 0) red[0] = __uint_as_float(tp);
+                if (t == 0) S.red[0] = __uint_as_float(tp);
             }
             __syncthreads();
-            thr = max(thr, __float_as_uint(red[0]));
+            thr = max(thr, __float_as_uint(S.red[0]));
         }
     } else {
         if (top_k > 0 && top_k < n)
-            thr = radix_threshold(vals, n, 0u, false, (float)top_k, mx, hist, red);
+            thr = radix_threshold(vals, n, 0u, false, (float)top_k, mx, S.hist, S.red);
         if (top_p < 1.f) {
             float z = 0.f;
             scan_logits(vals, n, [&](int, float x) {
                 if (fkey(x) >= thr) z += __expf(x - mx);
             });
-            z = block_sum(z, red);
+            z = block_sum(z, S.red);
             __syncthreads();
-            u32 tp = radix_threshold(vals, n, thr, true, top_p * z, mx, hist, red);
+            u32 tp = radix_threshold(vals, n, thr, true, top_p * z, mx, S.hist, S.red);
             thr = max(thr, tp);
         }
     }
@@ -292,13 +305,187 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and sc
     const unsigned long long st = *step;
     float best = -INFINITY;
     int idx = 0x7fffffff;
-    scan_logits(vals, n, [&](int c, float x) {
-        if (fkey(x) < thr) return;
-        const int i = ids ? ids[c] : c;  // the draw depends on the vocabulary index, not the candidate slot
-        float gmb = x - __logf(-__logf(uniform01(seed, st, (u32)i)));
-        if (better(gmb, i, best, idx)) { best = gmb; idx = i; }
-    });
-    block_argmax(best, idx, sv, si);
+    if (ids) {  // shared memory: a plain strided loop
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            const float x = vals[c];
+            if (fkey(x) < thr) continue;
+            const int i = ids[c];  // the draw depends on the vocabulary index, not the candidate slot
+            const float gmb = x - __logf(-__logf(uniform01(seed, st, (u32)i)));
+            if (better(gmb, i, best, idx)) { best = gmb; idx = i; }
+        }
+    } else {
+        scan_logits(vals, n, [&](int i, float x) {
+            if (fkey(x) < thr) return;
+            const float gmb = x - __logf(-__logf(uniform01(seed, st, (u32)i)));
+            if (better(gmb, i, best, idx)) { best = gmb; idx = i; }
+        });
+    }
+    block_argmax(best, idx, S.sv, S.si);
     __syncthreads();
-    if (threadIdx.x == 0) { *out = idx == 0x7fffffff ? -1 : idx; *step = st + 1; }
+    if (threadIdx.x == 0) {
+        const int tok = idx == 0x7fffffff ? -1 : idx;
+        *out = tok;
+        if (out_host) *(volatile int*)out_host = tok;
+        *step = st + 1;
+    }
+}
+
+// The whole draw in one block over the (penalised) logits [n_valid]: the vocabulary's top-k candidates,
+// or every logit when top-k is off or the candidates overflow shared memory.
+__device__ void smp_one_block(float* logits, int n_valid, float temperature, int top_k, float top_p, float min_p,
+                              unsigned long long seed, unsigned long long* step, int* out, int* out_host,
+                              SmpSmem& S) {
+    if (temperature == 0.f) {
+        float v;
+        int idx;
+        smp_argmax(logits, 0, n_valid, v, idx, S);
+        if (threadIdx.x == 0) {
+            const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
+            *out = tok;
+            if (out_host) *(volatile int*)out_host = tok;
+            *step += 1;
+        }
+        return;
+    }
+    const float invt = 1.f / temperature;
+    const bool gather = top_k > 0 && top_k < n_valid && top_k <= SMP_THREADS;
+    const float mx = smp_gather(logits, 0, n_valid, invt, gather ? top_k : 0, S);
+    if (gather && S.n_cand <= SMP_CAND)
+        smp_finish(S.cand_v, S.cand_i, S.n_cand, mx, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
+    else  // many ties, or top-k off: the filters scan every logit
+        smp_finish(logits, nullptr, n_valid, mx, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
+}
+
+// One block for the whole vocabulary (top-k off or beyond sample_token_mb's candidates). out_host:
+// null, or a mapped pinned int the id is also written to (no copy back to the host).
+__global__ void __launch_bounds__(SMP_THREADS)
+sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and scaled when top-k is off) in place
+             int n_valid,                       // ids >= n_valid (vocabulary padding) never chosen
+             const int* __restrict__ hist_ids,  // [n_hist] recent tokens for the repetition penalty
+             int n_hist, float penalty, float temperature, int top_k, float top_p, float min_p,
+             unsigned long long seed, unsigned long long* __restrict__ step,
+             int* __restrict__ out, int* out_host) {
+    __shared__ SmpSmem S;
+    if (penalty != 1.f) smp_penalty(logits, 0, n_valid, hist_ids, n_hist, penalty);
+    smp_one_block(logits, n_valid, temperature, top_k, top_p, min_p, seed, step, out, out_host, S);
+}
+
+// The same draw by gridDim.x blocks, each over `chunk` logits (a multiple of 4), so the vocabulary is read
+// by many SMs at once instead of one (sample_token: ~25 µs per greedy step on H100, most of it one block's
+// load latency). Each block applies the penalty to its ids and leaves its argmax (greedy) or its maximum
+// and top-k candidates in g_*; the last block to arrive merges them: the argmax of the blocks', or the
+// filters and the draw over the union of candidates, which holds the vocabulary's top k (smp_gather).
+// A block with more than cap candidates (many ties) sends the last block to the one-block draw over every
+// logit. Greedy, or 0 < top_k <= cap with cap * gridDim.x <= SMP_CAND (checked on the host).
+__global__ void __launch_bounds__(SMP_THREADS)
+sample_token_mb(float* __restrict__ logits, int n_valid, const int* __restrict__ hist_ids, int n_hist,
+                float penalty, float temperature, int top_k, float top_p, float min_p, unsigned long long seed,
+                unsigned long long* __restrict__ step, int* __restrict__ out, int* out_host, int chunk,
+                float* __restrict__ g_v,  // [blocks, cap] candidates' scaled logits (greedy: [blocks] maxima)
+                int* __restrict__ g_i,    // [blocks, cap] their vocabulary indices (greedy: [blocks] argmaxes)
+                float* __restrict__ g_mx, // [blocks] largest scaled logit
+                int* __restrict__ g_n,    // [blocks] candidates found
+                int* __restrict__ counter, int cap) {  // arrivals: zero before the first launch, left zero
+    __shared__ SmpSmem S;
+    const int b = blockIdx.x, lo = b * chunk, hi = min(n_valid, lo + chunk);
+    if (penalty != 1.f) smp_penalty(logits, lo, hi, hist_ids, n_hist, penalty);
+    const float invt = temperature == 0.f ? 1.f : 1.f / temperature;
+    if (temperature == 0.f) {
+        float v;
+        int idx;
+        smp_argmax(logits, lo, hi, v, idx, S);
+        if (threadIdx.x == 0) { g_v[b] = v; g_i[b] = idx; }
+    } else {
+        const float mx = smp_gather(logits, lo, hi, invt, top_k, S);
+        const int nc = S.n_cand;
+        for (int c = threadIdx.x; c < min(nc, cap); c += blockDim.x) {
+            g_v[(size_t)b * cap + c] = S.cand_v[c];
+            g_i[(size_t)b * cap + c] = S.cand_i[c];
+        }
+        if (threadIdx.x == 0) { g_mx[b] = mx; g_n[b] = nc; }
+    }
+    if (!block_arrives_last(counter, gridDim.x)) return;
+    const int G = gridDim.x;
+    if (temperature == 0.f) {
+        float v = -INFINITY;
+        int idx = 0x7fffffff;
+        for (int j = threadIdx.x; j < G; j += blockDim.x) {
+            const float ov = __ldcg(g_v + j);
+            const int oi = __ldcg(g_i + j);
+            if (oi != 0x7fffffff && better(ov, oi, v, idx)) { v = ov; idx = oi; }
+        }
+        block_argmax(v, idx, S.sv, S.si);
+        if (threadIdx.x == 0) {
+            const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
+            *out = tok;
+            if (out_host) *(volatile int*)out_host = tok;
+            *step += 1;
+        }
+        return;
+    }
+    // the union of the blocks' candidates into shared memory, in block order: their counts first, all
+    // loaded at once (a loop of dependent L2 loads cost ~10 µs)
+    float mx = -INFINITY;
+    bool over = false;
+    for (int j = threadIdx.x; j < G; j += blockDim.x) {
+        const int nj = __ldcg(g_n + j);
+        S.off[j + 1] = nj;
+        over |= nj > cap;
+        mx = fmaxf(mx, __ldcg(g_mx + j));
+    }
+    {
+        int dummy = 0;
+        block_argmax(mx, dummy, S.sv, S.si);  // (its barriers publish S.off)
+    }
+    if (__syncthreads_or(over)) {  // a block held more than cap candidates: every logit, in one block
+        const float m2 = smp_gather(logits, 0, n_valid, invt, top_k, S);  // (top_k <= SMP_THREADS: host)
+        if (S.n_cand <= SMP_CAND)
+            smp_finish(S.cand_v, S.cand_i, S.n_cand, m2, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
+        else
+            smp_finish(logits, nullptr, n_valid, m2, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
+        return;
+    }
+    if (threadIdx.x == 0) {
+        S.off[0] = 0;
+        for (int j = 0; j < G; ++j) S.off[j + 1] += S.off[j];
+        S.n_cand = S.off[G];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x >> 5; j < G; j += blockDim.x >> 5) {  // a warp per block's list
+        const int off = S.off[j], nj = S.off[j + 1] - off;
+        for (int c = threadIdx.x & 31; c < nj; c += 32) {
+            S.cand_v[off + c] = __ldcg(g_v + (size_t)j * cap + c);
+            S.cand_i[off + c] = __ldcg(g_i + (size_t)j * cap + c);
+        }
+    }
+    __syncthreads();
+    int n = S.n_cand;
+    if (n > SMP_THREADS) {
+        // more than the ranking path takes: keep the union's top k (the exact k-th largest key, ties
+        // included), as the one-block draw's candidates would be; through registers, since the slots
+        // are rewritten while others are still unread
+        constexpr int R = SMP_CAND / SMP_THREADS;
+        const u32 tk = radix_threshold(S.cand_v, n, 0u, false, (float)top_k, mx, S.hist, S.red);
+        float v[R];
+        int id[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int c = threadIdx.x + r * SMP_THREADS;
+            v[r] = c < n ? S.cand_v[c] : 0.f;
+            id[r] = c < n && fkey(v[r]) >= tk ? S.cand_i[c] : -1;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) S.n_cand = 0;
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (id[r] < 0) continue;
+            const int c = atomicAdd(&S.n_cand, 1);
+            S.cand_v[c] = v[r];
+            S.cand_i[c] = id[r];
+        }
+        __syncthreads();
+        n = S.n_cand;
+    }
+    smp_finish(S.cand_v, S.cand_i, n, mx, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
 }

@@ -143,35 +143,63 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     t_prompt = time.perf_counter() - t0
     t1 = time.perf_counter()
 
+    # With a GPU that replays graphs, each step is queued on the device's drawn token before the host
+    # reads that token back (Qwen3.decode_sampled), so the GPU is not idle while the host copies the id,
+    # decodes text and launches the next step. A step queued ahead of a token that ends the generation
+    # is taken back (discard).
+    ahead_ok = model.can_queue_ahead
+    ahead = None  # logits of the step queued ahead of the host, not yet taken
+
     def rec(tok, text, reason=None):
-        return Record(tok, text, reason, len(prompt_ids), t_prompt, len(out_ids),
-                      time.perf_counter() - t1, model.pos - len(prompt_ids), out_ids)
+        return Record(tok, text, reason, len(prompt_ids), t_prompt, len(out_ids), time.perf_counter() - t1,
+                      model.pos - len(prompt_ids) - (ahead is not None), out_ids)
 
     if max_tokens == 0:
         yield rec(None, "", "length")
         return
-    while True:
-        tok = model.ops.sample(logits, params, rng, history, engine.n_valid_tokens)
-        if tok in eos:
-            yield rec(None, pending + (dec.flush() if dec else ""), "stop")
-            return
-        out_ids.append(tok)
-        history.append(tok)
-        pending += dec.push(tok) if dec else ""
-        if stops:
-            hit = min((pending.find(s) for s in stops if s in pending), default=-1)
-            if hit >= 0:
-                yield rec(tok, pending[:hit], "stop")
+    n_valid = engine.n_valid_tokens
+    try:
+        if ahead_ok:
+            model.ops.sample_launch(logits, params, rng, history, n_valid)
+        while True:
+            pos = model.pos  # the position the next step (this token's) takes
+            if ahead_ok:
+                if len(out_ids) + 1 < max_tokens and pos < model.max_context:
+                    ahead = model.decode_sampled()
+                tok = model.ops.sample_result()
+            else:
+                tok = model.ops.sample(logits, params, rng, history, n_valid)
+            if tok in eos:
+                yield rec(None, pending + (dec.flush() if dec else ""), "stop")
                 return
-            keep = _held_back(pending, stops)
-            text, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        else:
-            text, pending = pending, ""
-        if len(out_ids) >= max_tokens:
-            yield rec(tok, text + pending + (dec.flush() if dec else ""), "length")
-            return
-        if model.pos >= model.max_context:
-            yield rec(tok, text + pending + (dec.flush() if dec else ""), "context")
-            return
-        yield rec(tok, text)
-        logits = model.decode(tok)
+            out_ids.append(tok)
+            history.append(tok)
+            pending += dec.push(tok) if dec else ""
+            if stops:
+                hit = min((pending.find(s) for s in stops if s in pending), default=-1)
+                if hit >= 0:
+                    yield rec(tok, pending[:hit], "stop")
+                    return
+                keep = _held_back(pending, stops)
+                text, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+            else:
+                text, pending = pending, ""
+            if len(out_ids) >= max_tokens:
+                yield rec(tok, text + pending + (dec.flush() if dec else ""), "length")
+                return
+            if pos >= model.max_context:
+                yield rec(tok, text + pending + (dec.flush() if dec else ""), "context")
+                return
+            yield rec(tok, text)
+            if ahead is not None:
+                logits, ahead = ahead, None
+                model.ops.sample_launch(logits, params, rng, history, n_valid)
+            else:
+                logits = model.decode(tok)
+                if ahead_ok:
+                    model.ops.sample_launch(logits, params, rng, history, n_valid)
+    finally:
+        if ahead_ok:
+            model.ops.cancel_draw()  # a draw left queued by an interruption
+        if ahead is not None:  # queued ahead of a token that ended the generation (or the consumer left)
+            model.discard()

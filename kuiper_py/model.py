@@ -81,3 +81,26 @@ class Qwen3:
         out = self.ops.decode_step(lambda: self._body([token], pos0), token, pos0)
         self.pos += 1
         return out
+
+    @property
+    def can_queue_ahead(self) -> bool:
+        """Whether decode_sampled() is served: a backend that draws on the device and replays graphs."""
+        return bool(getattr(self.ops, "graphs", False)) and hasattr(self.ops, "sample_launch")
+
+    def decode_sampled(self):
+        """decode() of the token the backend's last sample_launch drew, queued before the host has read
+        it: the GPU runs the step while the host turns the previous token into text, instead of idling
+        for the copy back and the next launch. discard() takes the step back if that token ends the
+        generation."""
+        if self.pos + 1 > self.max_context:
+            raise KuiperError(f"context full: {self.pos} + 1 tokens exceed --max-context {self.max_context}")
+        pos0 = self.pos
+        tok = self.ops.SAMPLED_TOKEN
+        out = self.ops.decode_step(lambda: self._body([tok], pos0), None, pos0)
+        self.pos += 1
+        return out
+
+    def discard(self) -> None:
+        """Take back the last decode_sampled() step: its cache row is overwritten by the next step."""
+        self.pos -= 1
+        self.ops.forget_position()

@@ -119,6 +119,26 @@ ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding
 # flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): DEVICE_TUNING's
 # "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
 DECODE_MIN_CHUNK = 32
+# the one-token id that means "the id the last sample_launch drew", read by the step from device memory
+SAMPLED_TOKEN = -1
+# sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
+# sample_token_mb scans. KUIPER_SAMPLE_MB=0 draws in one block (sample_token) always (A/B)
+SMP_THREADS, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS = 1024, 4096, 16384, 256
+SAMPLE_MB = os.environ.get("KUIPER_SAMPLE_MB", "1") != "0"
+
+
+def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
+    """(blocks, candidates per block) of sample_token_mb for a draw over n_valid logits, or None for the
+    one-block sample_token: top-k off or past the union's room (blocks x candidates <= SMP_CAND), or a
+    vocabulary one block covers."""
+    G = -(-n_valid // SMP_CHUNK)
+    if not SAMPLE_MB or G < 2:
+        return None
+    assert G <= SMP_MAX_BLOCKS, f"{n_valid} logits: more than {SMP_MAX_BLOCKS} sampling blocks"
+    cap = min(SMP_CAND // G, SMP_THREADS)
+    if p.temperature == 0 or 0 < p.top_k <= cap and p.top_k < n_valid:
+        return G, cap
+    return None
 ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
@@ -173,7 +193,7 @@ _FILES = {
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
     "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
-    "smp": ("sampling.cu", ["sample_token"]),
+    "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
@@ -1836,12 +1856,27 @@ class CupyOps:
                           moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
                           moe_counter=cp.zeros((1,), cp.int32))
         self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
+        self._init_draw()
+
+    def _init_draw(self) -> None:
+        """sample_launch's pinned host buffers (the draw's id back, the penalty's history out) and the
+        event that says the id has landed: the host reads it while the next step already runs."""
+        import cupyx
+        self._tok_host = cupyx.empty_pinned((1,), np.int32)
+        self._hist_host = cupyx.empty_pinned((self.d["hist"].size,), np.int32)
+        self._tok_event = cp.cuda.Event(disable_timing=True)
+        self._draw_queued = False
+        # sample_token_mb's per-block results (candidates, maxima, counts) and its arrival counter
+        self.d.update(smp_v=cp.empty((SMP_CAND,), cp.float32), smp_i=cp.empty((SMP_CAND,), cp.int32),
+                      smp_mx=cp.empty((SMP_MAX_BLOCKS,), cp.float32), smp_n=cp.empty((SMP_MAX_BLOCKS,), cp.int32),
+                      smp_counter=cp.zeros((1,), cp.int32))
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, ids: list[int]):
         T, D = len(ids), self.args.hidden_size
         if T == 1:
-            dev_ids = self.d["token"] if self._sampled is not None and ids[0] == self._sampled else None
+            on_dev = ids[0] == SAMPLED_TOKEN or (self._sampled is not None and ids[0] == self._sampled)
+            dev_ids = self.d["token"] if on_dev else None
             if dev_ids is None:
                 dev_ids = self.d["ids"]
                 dev_ids[0] = ids[0]
@@ -1958,9 +1993,13 @@ class CupyOps:
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
 
-    def decode_step(self, body, token: int, pos0: int):
-        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32."""
-        if self._sampled is None or token != self._sampled:
+    def decode_step(self, body, token: int | None, pos0: int):
+        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32.
+        token None: the id the last sample_launch drew, read by the graph from d["token"] (the host
+        may not know it yet)."""
+        if token is None:
+            assert self._draw_queued or self._sampled is not None, "no draw to decode"
+        elif self._sampled is None or token != self._sampled:
             self.d["token"].fill(token)
             self._sampled = token
         self.begin_step(pos0, 1)
@@ -1978,6 +2017,12 @@ class CupyOps:
         self._graph.launch(self._stream)
         self._dev_pos = pos0 + 1
         return self.d["logits"]
+
+    SAMPLED_TOKEN = SAMPLED_TOKEN
+
+    def forget_position(self) -> None:
+        """A queued step was discarded: the device's position no longer matches the host's."""
+        self._dev_pos = None
 
     def linear(self, x, lin: AwqLinear):
         d = self.d
@@ -2102,19 +2147,57 @@ class CupyOps:
 
     def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
         """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
+        self.sample_launch(logits, p, rng, history, n_valid)
+        return self.sample_result()
+
+    def sample_launch(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int],
+                      n_valid: int) -> None:
+        """Queue sample()'s draw without waiting for it: its id lands in d["token"] (where the next decode
+        step's graph reads it, so that step may be queued at once: Qwen3.decode_sampled) and in pinned
+        host memory for sample_result(). Nothing here waits for the GPU."""
+        assert not self._draw_queued, "sample_result() must follow each sample_launch()"
         if logits.data.ptr % 16 or not logits.flags.c_contiguous:  # the kernel reads 16-byte vectors
             logits = cp.ascontiguousarray(logits).copy()
         hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
         hist = hist[-1024:]
-        if hist:
-            self.d["hist"][:len(hist)].set(np.asarray(hist, dtype=np.int32))
-        if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
-            self._rng, self._seed = rng, np.uint64(rng.integers(0, 2**63))
-            self.d["step"].fill(0)
-        kernel("smp", "sample_token")((1,), (1024,), (
-            logits, _i(n_valid), self.d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
-            _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, self.d["step"], self.d["token"]))
-        tok = int(self.d["token"].get()[0])
+        # on the decode graphs' stream, so a step queued after the draw follows it without a cross-stream wait
+        stream = self._stream
+        if hist:  # from pinned memory: a pageable copy could wait for the step queued before it
+            self._hist_host[:len(hist)] = hist
+            cp.cuda.runtime.memcpyAsync(self.d["hist"].data.ptr, self._hist_host.ctypes.data, 4 * len(hist),
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        d = self.d
+        plan = draw_plan(n_valid, p)
+        with stream:
+            if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
+                self._rng, self._seed = rng, np.uint64(rng.integers(0, 2**63))
+                d["step"].fill(0)
+            # the id also goes straight to the pinned host int (mapped: its address is valid on the
+            # device), so no copy follows the kernel
+            args = (logits, _i(n_valid), d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
+                    _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, d["step"], d["token"],
+                    np.uint64(self._tok_host.ctypes.data))
+            if plan is None:
+                kernel("smp", "sample_token")((1,), (SMP_THREADS,), args)
+            else:
+                G, cap = plan
+                kernel("smp", "sample_token_mb")((G,), (SMP_THREADS,), args + (
+                    _i(SMP_CHUNK), d["smp_v"], d["smp_i"], d["smp_mx"], d["smp_n"], d["smp_counter"], _i(cap)))
+        self._tok_event.record(stream)
+        self._draw_queued = True
+
+    def cancel_draw(self) -> None:
+        """Wait out a queued draw whose id nobody will read (an interrupted generation)."""
+        if self._draw_queued:
+            self._tok_event.synchronize()
+            self._draw_queued = False
+
+    def sample_result(self) -> int:
+        """The id of the draw sample_launch queued (waits for it; the pinned history buffer is free again)."""
+        assert self._draw_queued, "sample_result() without sample_launch()"
+        self._tok_event.synchronize()
+        self._draw_queued = False
+        tok = int(self._tok_host[0])
         if tok < 0:
             raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be damaged")
         self._sampled = tok

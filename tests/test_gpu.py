@@ -854,6 +854,8 @@ def test_lm_head(V, D):
 def _gpu_sample(logits, params, n_valid, history=(), seed=0, n=1):
     ops = oc.CupyOps.__new__(oc.CupyOps)  # only the sampler's buffers are needed
     ops.d = {"hist": cp.zeros((1024,), cp.int32), "step": cp.zeros((1,), cp.uint64), "token": cp.zeros((1,), cp.int32)}
+    ops._stream = cp.cuda.Stream(non_blocking=False)
+    ops._init_draw()
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -913,6 +915,63 @@ def test_gpu_topk_many_ties_scan_everything():
                         seed=int(rng.integers(1 << 30)), n=200)
     assert set(draws) <= set(tied.tolist())
     assert len(set(draws)) > 150  # uniform over 5000: ~196 distinct expected; 20 if ties were cut
+
+
+@pytest.mark.parametrize("kw,hist", [
+    (dict(temperature=0.0, top_k=0, top_p=1.0), []),
+    (dict(temperature=0.0, top_k=0, top_p=1.0, repeat_penalty=1.5), [7, 151668, 8191, 8192, 7]),
+    (dict(temperature=0.6, top_k=20, top_p=0.95), []),
+    (dict(temperature=1.0, top_k=50, top_p=1.0), []),
+    (dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.3), [3, 8192, 70000, 3]),
+    (dict(temperature=1.0, top_k=409, top_p=0.99), []),  # sample_token_mb's most candidates per block
+    (dict(temperature=1.0, top_k=410, top_p=0.99), []),  # past them: one block
+])
+def test_gpu_multi_block_draw_equals_one_block(kw, hist, monkeypatch):
+    """sample_token_mb (10 blocks over the vocabulary, then the last block's filters and draw on the union
+    of their candidates) draws exactly the ids sample_token does: same seeds, same penalties, ties and NaN
+    logits among them, the most plausible tokens in different blocks."""
+    from kuiper_py.sampling import SamplingParams
+    p = SamplingParams(**kw).validate()
+    assert oc.draw_plan(151669, p) == ((10, 409) if p.temperature == 0 or p.top_k <= 409 else None)
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(151936) * 2.0).astype(np.float32)
+    top = rng.choice(151669, 60, replace=False)
+    x[top] = 9.0 + rng.standard_normal(60).astype(np.float32)
+    x[top[:3]] = x[top[3]]  # ties among the plausible ones
+    x[rng.choice(151669, 5, replace=False)] = np.nan
+    x[151700] = 40.0  # padding id: never chosen
+    seed = int(rng.integers(1 << 30))
+    draws = {}
+    for mb in (False, True):
+        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        draws[mb] = _gpu_sample(x, p, 151669, hist, seed=seed, n=200)
+    assert draws[True] == draws[False]
+    assert all(0 <= t < 151669 for t in draws[True])
+    if p.temperature:
+        assert len(set(draws[True])) > 3
+
+
+def test_gpu_multi_block_draw_overflow_and_all_nan(monkeypatch):
+    """A block of sample_token_mb with more tied candidates than it may keep sends the last block to the
+    draw over every logit (the same draws as one block); all-NaN logits give -1, an error."""
+    from kuiper_py.errors import KuiperError
+    from kuiper_py.sampling import SamplingParams
+    rng = np.random.default_rng()
+    x = np.full(151936, -5.0, dtype=np.float32)
+    x[16384 * 3:16384 * 3 + 600] = 3.0  # 600 tied maxima in one block's range (room for 409)
+    x[rng.choice(151669, 30, replace=False)] = 3.0
+    p = SamplingParams(temperature=1.0, top_k=20, top_p=1.0)
+    seed = int(rng.integers(1 << 30))
+    draws = {}
+    for mb in (False, True):
+        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        draws[mb] = _gpu_sample(x, p, 151669, seed=seed, n=100)
+    assert draws[True] == draws[False] and len(set(draws[True])) > 50
+    monkeypatch.setattr(oc, "SAMPLE_MB", True)
+    nan = np.full(151936, np.nan, dtype=np.float32)
+    for kw in (dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.0, top_k=20, top_p=1.0)):
+        with pytest.raises(KuiperError, match="no finite logit"):
+            _gpu_sample(nan, SamplingParams(**kw), 151669)
 
 
 @pytest.mark.parametrize("n_valid", [1, 3, 4097, 151669])

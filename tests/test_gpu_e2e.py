@@ -67,6 +67,47 @@ def test_cli_generate_cuda_matches_cpu(tiny_bin):
     assert {r["test"] for r in json.loads(b.stdout)} == {"pp64", "tg16"}
 
 
+def test_queued_ahead_generation_equals_serial(untied_bin, monkeypatch):
+    """generate() queues each step on the device's drawn token before the host reads it (a stop then
+    takes the queued step back): the same tokens, positions and following logits as the serial loop."""
+    from kuiper_py.generate import Engine, generate
+    from kuiper_py.sampling import SamplingParams
+    prompt = np.random.default_rng().integers(0, 151643, size=20).tolist()
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, repeat_penalty=1.3, seed=11)
+    ahead = []
+    orig = Qwen3.decode_sampled
+
+    def counted(self):
+        ahead.append(self.pos)
+        return orig(self)
+    monkeypatch.setattr(Qwen3, "decode_sampled", counted)
+
+    def run(queued, eos):
+        eng = Engine.load(untied_bin, "cuda", need_tokenizer=False)
+        m = eng.session(64)
+        ahead.clear()
+        with monkeypatch.context() as mp:
+            if not queued:  # the serial loop: sample() back to the host, then decode() of its token
+                mp.setattr(Qwen3, "can_queue_ahead", property(lambda self: False))
+            recs = list(generate(eng, prompt, 24, params, eos_ids=eos, max_context=64))
+        return m, [(r.token, r.finish_reason, r.decode_steps) for r in recs], len(ahead)
+
+    _, ref, n = run(False, [])
+    assert n == 0
+    _, got, n = run(True, [])
+    assert got == ref and ref[-1][1] == "length" and n == ref[-1][2]  # every step queued ahead
+    eos = [ref[7][0]]  # stop at the first occurrence of the 8th token
+    serial, ref, _ = run(False, eos)
+    queued, got, n = run(True, eos)
+    assert got == ref and ref[-1][1] == "stop"
+    assert n == ref[-1][2] + 1 and queued.pos == serial.pos  # the step queued ahead of the stop was undone
+    more = [151644, 872, 198]
+    a, b = cp.asnumpy(queued.prefill(more)), cp.asnumpy(serial.prefill(more))
+    np.testing.assert_array_equal(a, b)
+    t = int(np.argmax(a))
+    np.testing.assert_array_equal(cp.asnumpy(queued.decode(t)), cp.asnumpy(serial.decode(t)))
+
+
 def test_graph_decode_equals_eager_decode(untied_bin):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()

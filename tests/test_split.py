@@ -142,3 +142,22 @@ def test_decode_acc_layout_parts_aligned_and_disjoint(D, G, E, qkv):
     for n in ("acc_o", "acc_gu", "acc_d", "acc_qkv"):
         assert p[n].start % 2 == 0, n  # int64: an even index is a 16-byte boundary
     assert p["acc_o_gu"] == slice(0, p["acc_d"].start) and p["acc_d_qkv"] == slice(p["acc_d"].start, size)
+
+
+def test_draw_plan_blocks_and_candidate_room(monkeypatch):
+    """sample_token_mb serves greedy and top-k up to its per-block candidate room (blocks x room within
+    the last block's shared memory); anything else, or a vocabulary one block covers, takes sample_token."""
+    from kuiper_py.sampling import SamplingParams
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+    assert oc.draw_plan(151669, greedy) == (10, 409)
+    assert oc.draw_plan(151669, SamplingParams()) == (10, 409)  # the defaults: top-k 20
+    assert oc.draw_plan(151669, SamplingParams(top_k=409)) == (10, 409)
+    assert oc.draw_plan(151669, SamplingParams(top_k=410)) is None
+    assert oc.draw_plan(151669, SamplingParams(top_k=0)) is None  # top-p alone scans every logit
+    assert oc.draw_plan(16384, greedy) is None and oc.draw_plan(16385, greedy) == (2, 1024)
+    assert oc.draw_plan(16385, SamplingParams(top_k=1025)) is None
+    for n in (16385, 50000, 151669, 262144, 4194304):
+        G, cap = oc.draw_plan(n, greedy)
+        assert (G - 1) * oc.SMP_CHUNK < n <= G * oc.SMP_CHUNK and G * cap <= oc.SMP_CAND and cap <= oc.SMP_THREADS
+    monkeypatch.setattr(oc, "SAMPLE_MB", False)
+    assert oc.draw_plan(151669, greedy) is None

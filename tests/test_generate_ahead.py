@@ -1,0 +1,100 @@
+"""generate()'s queued-ahead decode (each step queued on the device's drawn token before the host reads
+it: Qwen3.decode_sampled) against the serial loop, on the CPU through a NumPy backend that mimics the
+CUDA backend's draw interface. The GPU runs the same checks in test_gpu_e2e."""
+import numpy as np
+import pytest
+
+from kuiper_py.generate import Engine, generate
+from kuiper_py.loader import load
+from kuiper_py.model import Qwen3
+from kuiper_py.ops_numpy import NumpyOps
+from kuiper_py.sampling import SamplingParams
+
+PROMPT = [785, 6722, 315, 9625, 374, 11, 323]
+
+
+class QueuedOps(NumpyOps):
+    """NumpyOps with CupyOps's draw interface: sample_launch keeps the id where only the next step
+    (token SAMPLED_TOKEN) reads it until sample_result hands it to the host."""
+    graphs = True
+    SAMPLED_TOKEN = -1
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.device_token, self.queued, self.ahead_steps, self.forgotten = None, False, 0, 0
+
+    def sample_launch(self, logits, p, rng, history, n_valid):
+        assert not self.queued
+        self.device_token, self.queued = self.sample(logits, p, rng, list(history), n_valid), True
+
+    def sample_result(self):
+        assert self.queued
+        self.queued = False
+        return self.device_token
+
+    def cancel_draw(self):
+        self.queued = False
+
+    def decode_step(self, body, token, pos0):
+        if token is None:
+            assert self.device_token is not None
+            self.ahead_steps += 1
+        else:
+            self.device_token = token
+        return body()
+
+    def embed(self, ids):
+        return super().embed([self.device_token] if ids == [self.SAMPLED_TOKEN] else ids)
+
+    def forget_position(self):
+        self.forgotten += 1
+
+
+def _engine(binf, ops_cls, ctx):
+    mf = load(binf)
+    eng = Engine(mf, "cpu", None)
+    eng.model = Qwen3(mf, ops_cls, ctx)
+    return eng
+
+
+def _run(binf, ops_cls, ctx, **kw):
+    eng = _engine(binf, ops_cls, ctx)
+    recs = list(generate(eng, PROMPT, params=SamplingParams(temperature=0.9, top_k=40, top_p=0.95,
+                                                            repeat_penalty=1.3, seed=11), max_context=ctx, **kw))
+    return eng.model, recs
+
+
+@pytest.mark.parametrize("case", ["length", "eos", "context"])
+def test_queued_ahead_generation_equals_serial(tiny_bin, case):
+    ctx = len(PROMPT) + (9 if case == "context" else 24)
+    serial, ref = _run(tiny_bin, NumpyOps, ctx, max_tokens=16, eos_ids=[])
+    eos = []
+    if case == "eos":  # end at the first occurrence of the 6th token
+        eos = [ref[5].token]
+    serial, ref = _run(tiny_bin, NumpyOps, ctx, max_tokens=16, eos_ids=eos)
+    model, recs = _run(tiny_bin, QueuedOps, ctx, max_tokens=16, eos_ids=eos)
+    assert [(r.token, r.finish_reason, r.gen_tokens, r.decode_steps) for r in recs] == \
+           [(r.token, r.finish_reason, r.gen_tokens, r.decode_steps) for r in ref]
+    assert recs[-1].finish_reason == {"length": "length", "eos": "stop", "context": "context"}[case]
+    assert model.pos == serial.pos and not model.ops.queued
+    # every step was queued ahead of the host, and one more before a stop
+    assert model.ops.ahead_steps == ref[-1].decode_steps + (case == "eos")
+    assert model.ops.forgotten == (1 if case == "eos" else 0)  # only a stop can leave a step queued ahead
+    if case == "context":
+        return
+    # the session goes on from the same place: the discarded step's cache row is overwritten
+    more = [151644, 872, 198]
+    a = model.prefill(more)
+    b = serial.prefill(more)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(model.decode(int(np.argmax(a))), serial.decode(int(np.argmax(b))))
+
+
+def test_consumer_leaving_takes_the_queued_step_back(tiny_bin):
+    eng = _engine(tiny_bin, QueuedOps, 64)
+    gen = generate(eng, PROMPT, 16, SamplingParams(temperature=0.0, top_k=0, top_p=1.0), eos_ids=[], max_context=64)
+    first = [next(gen) for _ in range(4)]
+    pos = eng.model.pos  # one step queued ahead of the host
+    gen.close()
+    assert eng.model.pos == pos - 1 == len(PROMPT) + 3 and eng.model.ops.forgotten == 1
+    assert first[-1].decode_steps == 3
