@@ -324,7 +324,7 @@ __device__ void smp_finish(float* vals, const int* ids, int n, float mx, float i
     __syncthreads();
     if (threadIdx.x == 0) {
         const int tok = idx == 0x7fffffff ? -1 : idx;
-        *out = tok;
+        *out = max(tok, 0);  // (a step queued behind the draw embeds a real row)
         if (out_host) *(volatile int*)out_host = tok;
         *step = st + 1;
     }
@@ -341,7 +341,7 @@ __device__ void smp_one_block(float* logits, int n_valid, float temperature, int
         smp_argmax(logits, 0, n_valid, v, idx, S);
         if (threadIdx.x == 0) {
             const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
-            *out = tok;
+            *out = max(tok, 0);
             if (out_host) *(volatile int*)out_host = tok;
             *step += 1;
         }
@@ -417,7 +417,7 @@ sample_token_mb(float* __restrict__ logits, int n_valid, const int* __restrict__
         block_argmax(v, idx, S.sv, S.si);
         if (threadIdx.x == 0) {
             const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
-            *out = tok;
+            *out = max(tok, 0);
             if (out_host) *(volatile int*)out_host = tok;
             *step += 1;
         }

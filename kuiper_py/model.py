@@ -102,5 +102,11 @@ class Qwen3:
 
     def discard(self) -> None:
         """Take back the last decode_sampled() step: its cache row is overwritten by the next step."""
-        self.pos -= 1
-        self.ops.forget_position()
+        self.rewind(self.pos - 1)
+
+    def rewind(self, pos: int) -> None:
+        """Go back to position pos (<= the current one): later steps overwrite the cache rows from there."""
+        assert 0 <= pos <= self.pos
+        self.pos = pos
+        if hasattr(self.ops, "forget_position"):
+            self.ops.forget_position()

@@ -125,6 +125,9 @@ SAMPLED_TOKEN = -1
 # sample_token_mb scans. KUIPER_SAMPLE_MB=0 draws in one block (sample_token) always (A/B)
 SMP_THREADS, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS = 1024, 4096, 16384, 256
 SAMPLE_MB = os.environ.get("KUIPER_SAMPLE_MB", "1") != "0"
+# greedy decode's argmax inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
+# greedy step; KUIPER_FUSED_ARGMAX=0 draws with the sampling kernel (A/B)
+FUSED_ARGMAX = os.environ.get("KUIPER_FUSED_ARGMAX", "1") != "0"
 
 
 def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
@@ -1408,10 +1411,12 @@ def add_rmsnorm(h, r, w, eps: float, out=None, pend=None):
     return out
 
 
-def lm_head(x, W, out):
-    """x [D] fp16, W [V, D] fp16 -> out [V] fp32."""
+def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
+    """x [D] fp16, W [V, D] fp16 -> out [V] fp32. arg_slot (uint64 [1], zero): the argmax of out[:n_arg]
+    (NaN never) is also max'ed into it as lm_head.cu's argmax_key, for greedy decode."""
     V, D = W.shape
-    kernel("lmh", "lm_head_gemv")((math.ceil(V / 32),), (256,), (x, W, out, _i(V), _i(D)))
+    kernel("lmh", "lm_head_gemv")((math.ceil(V / 32),), (256,), (
+        x, W, out, _i(V), _i(D), arg_slot if arg_slot is not None else np.uint64(0), _i(n_arg if arg_slot is not None else 0)))
     return out
 
 
@@ -1862,14 +1867,20 @@ class CupyOps:
         """sample_launch's pinned host buffers (the draw's id back, the penalty's history out) and the
         event that says the id has landed: the host reads it while the next step already runs."""
         import cupyx
-        self._tok_host = cupyx.empty_pinned((1,), np.int32)
+        # [0] the draw kernels' id, [1 + position % 2] the decode graph's greedy argmax (advance_position)
+        self._tok_host = cupyx.empty_pinned((3,), np.int32)
+        self._read_slot = 0
         self._hist_host = cupyx.empty_pinned((self.d["hist"].size,), np.int32)
         self._tok_event = cp.cuda.Event(disable_timing=True)
         self._draw_queued = False
+        # greedy decode's argmax from the graph (decode_step): the ids it covers, whether it is current
+        self._last_n_valid = self._capture_argmax = self._graph_argmax_n = 0
+        self._argmax_ready = False
+        self.fused_draws = 0  # draws served by the graph's argmax (tests)
         # sample_token_mb's per-block results (candidates, maxima, counts) and its arrival counter
         self.d.update(smp_v=cp.empty((SMP_CAND,), cp.float32), smp_i=cp.empty((SMP_CAND,), cp.int32),
                       smp_mx=cp.empty((SMP_MAX_BLOCKS,), cp.float32), smp_n=cp.empty((SMP_MAX_BLOCKS,), cp.int32),
-                      smp_counter=cp.zeros((1,), cp.int32))
+                      smp_counter=cp.zeros((1,), cp.int32), argmax=cp.zeros((1,), cp.uint64))
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, ids: list[int]):
@@ -1989,6 +2000,7 @@ class CupyOps:
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, pos0: int, n_tokens: int) -> None:
         """Single-token steps read their position from device memory (so a graph can replay them)."""
+        self._argmax_ready = False
         if n_tokens == 1 and self._dev_pos != pos0:
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
@@ -2005,17 +2017,29 @@ class CupyOps:
         self.begin_step(pos0, 1)
         if self._graph is None:
             stream = self._stream
+            # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
+            # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
+            # turns it into the id (d["token"] and the pinned host int), so sample_launch needs no kernel
+            d, n = self.d, (self._last_n_valid or self.args.vocab_size) if FUSED_ARGMAX else 0
+            self._capture_argmax = n
             with stream:
                 stream.begin_capture()
                 try:
                     out = body()
-                    kernel("rope", "advance_position")((1,), (1,), (self.d["pos"],))
+                    kernel("rope", "advance_position")((1,), (1,), (
+                        d["pos"], *((d["argmax"], d["token"], np.uint64(self._tok_host.ctypes.data)) if n
+                                    else (np.uint64(0),) * 3)))
                 finally:
                     graph = stream.end_capture()
+                    self._capture_argmax = 0
             assert out.data.ptr == self.d["logits"].data.ptr
-            self._graph = graph
+            self._graph, self._graph_argmax_n = graph, n
         self._graph.launch(self._stream)
         self._dev_pos = pos0 + 1
+        self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
+        self._argmax_slot = 1 + (pos0 + 1) % 2
+        if self._graph_argmax_n:  # the graph wrote its argmax to d["token"]: the host learns it in sample_result
+            self._sampled = None
         return self.d["logits"]
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
@@ -2138,8 +2162,10 @@ class CupyOps:
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size
         x = self._x(x)
-        if not all_positions:
-            return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"])
+        if not all_positions:  # (while a decode graph is captured, greedy's argmax rides along: decode_step)
+            n = self._capture_argmax
+            return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"],
+                           self.d["argmax"] if n else None, n or 0)
         out = cp.empty((x.shape[0], V), cp.float32)
         for r in range(x.shape[0]):
             lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
@@ -2167,6 +2193,18 @@ class CupyOps:
             cp.cuda.runtime.memcpyAsync(self.d["hist"].data.ptr, self._hist_host.ctypes.data, 4 * len(hist),
                                         cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         d = self.d
+        self._last_n_valid = n_valid
+        if (p.temperature == 0 and not hist and self._argmax_ready and logits is d["logits"]
+                and n_valid == self._graph_argmax_n):
+            # the step's graph already drew it (greedy's argmax in lm_head, the id in advance_position)
+            self._argmax_ready = False
+            self.fused_draws += 1
+            self._read_slot = self._argmax_slot
+            self._tok_event.record(stream)
+            self._draw_queued = True
+            return
+        self._argmax_ready = False
+        self._read_slot = 0
         plan = draw_plan(n_valid, p)
         with stream:
             if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
@@ -2197,7 +2235,7 @@ class CupyOps:
         assert self._draw_queued, "sample_result() without sample_launch()"
         self._tok_event.synchronize()
         self._draw_queued = False
-        tok = int(self._tok_host[0])
+        tok = int(self._tok_host[self._read_slot])
         if tok < 0:
             raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be damaged")
         self._sampled = tok

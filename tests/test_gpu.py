@@ -851,6 +851,41 @@ def test_lm_head(V, D):
     assert rel(cp.asnumpy(out), W.astype(np.float32) @ x.astype(np.float32)) < 1e-3
 
 
+@pytest.mark.parametrize("case", ["plain", "tie", "nan", "all_nan"])
+def test_lm_head_greedy_argmax(case):
+    """Greedy decode's argmax in the lm_head's blocks (one atomicMax of (order-preserving key, ~id) per
+    block) and advance_position's turning it into the id: numpy.argmax of the first n_valid logits the
+    kernel wrote, NaN never chosen, the lower id of a tie; all NaN: -1 to the host, 0 to the device token."""
+    rng = np.random.default_rng()
+    V, D, n_valid = 151936, 1024, 151669
+    W = (rng.standard_normal((V, D)) / math.sqrt(D)).astype(np.float16)
+    x = rng.standard_normal(D).astype(np.float16)
+    W[n_valid + 5] = x * 4  # past n_valid: the largest logit, never chosen
+    if case == "tie":
+        W[[777, 120000]] = x * 2  # two equal maxima: the lower id
+    if case == "nan":
+        W[int(rng.integers(n_valid))] = np.nan
+        W[int(rng.integers(n_valid)), 3] = np.nan
+    if case == "all_nan":
+        W[:] = np.nan
+    out = nan_like((V,), cp.float32)
+    slot = cp.zeros((1,), cp.uint64)
+    oc.lm_head(cp.asarray(x), cp.asarray(W), out, slot, n_valid)
+    pos, tok = cp.asarray([41], cp.int32), cp.full((1,), -7, cp.int32)
+    host = cp.full((3,), -9, cp.int32)  # device memory stands in for the pinned ints here
+    oc.kernel("rope", "advance_position")((1,), (1,), (pos, slot, tok, host))
+    logits = cp.asnumpy(out)
+    got = int(cp.asnumpy(host)[1 + 42 % 2])
+    assert int(pos[0]) == 42 and int(slot[0]) == 0 and int(cp.asnumpy(host)[1 + 43 % 2]) == -9
+    if case == "all_nan":
+        assert got == -1 and int(tok[0]) == 0
+        return
+    want = int(np.nanargmax(logits[:n_valid]))
+    assert got == want == int(tok[0])
+    if case == "tie":
+        assert want == 777
+
+
 def _gpu_sample(logits, params, n_valid, history=(), seed=0, n=1):
     ops = oc.CupyOps.__new__(oc.CupyOps)  # only the sampler's buffers are needed
     ops.d = {"hist": cp.zeros((1024,), cp.int32), "step": cp.zeros((1,), cp.uint64), "token": cp.zeros((1,), cp.int32)}

@@ -108,6 +108,27 @@ def test_queued_ahead_generation_equals_serial(untied_bin, monkeypatch):
     np.testing.assert_array_equal(cp.asnumpy(queued.decode(t)), cp.asnumpy(serial.decode(t)))
 
 
+def test_greedy_draw_in_graph_equals_draw_kernel(untied_bin, monkeypatch):
+    """Greedy decode's draw inside the decode graph (the lm_head's argmax, advance_position's id) gives
+    the tokens the sampling kernel draws, queued ahead or not, and takes over every decode step's draw."""
+    from kuiper_py.generate import Engine, generate
+    from kuiper_py.sampling import SamplingParams
+    prompt = np.random.default_rng().integers(0, 151643, size=20).tolist()
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(oc, "FUSED_ARGMAX", fused)
+        eng = Engine.load(untied_bin, "cuda", need_tokenizer=False)
+        m = eng.session(64)
+        recs = list(generate(eng, prompt, 30, greedy, eos_ids=[], max_context=64))
+        out[fused] = [r.token for r in recs]
+        assert m.ops.fused_draws == (29 if fused else 0)  # every draw but the prompt's
+        with monkeypatch.context() as mp:  # the serial loop too
+            mp.setattr(Qwen3, "can_queue_ahead", property(lambda self: False))
+            assert [r.token for r in generate(eng, prompt, 30, greedy, eos_ids=[], max_context=64)] == out[fused]
+    assert out[True] == out[False] and len(set(out[True])) > 5
+
+
 def test_graph_decode_equals_eager_decode(untied_bin):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
