@@ -119,6 +119,9 @@ ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding
 # flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): DEVICE_TUNING's
 # "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
 DECODE_MIN_CHUNK = 32
+ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
+ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
+
 # the one-token id that means "the id the last sample_launch drew", read by the step from device memory
 SAMPLED_TOKEN = -1
 # sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
@@ -142,8 +145,7 @@ def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
     if p.temperature == 0 or 0 < p.top_k <= cap and p.top_k < n_valid:
         return G, cap
     return None
-ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
-ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
+
 
 
 def kernel_dir() -> Path:
@@ -1415,8 +1417,8 @@ def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
     """x [D] fp16, W [V, D] fp16 -> out [V] fp32. arg_slot (uint64 [1], zero): the argmax of out[:n_arg]
     (NaN never) is also max'ed into it as lm_head.cu's argmax_key, for greedy decode."""
     V, D = W.shape
-    kernel("lmh", "lm_head_gemv")((math.ceil(V / 32),), (256,), (
-        x, W, out, _i(V), _i(D), arg_slot if arg_slot is not None else np.uint64(0), _i(n_arg if arg_slot is not None else 0)))
+    slot = (arg_slot, _i(n_arg)) if arg_slot is not None else (np.uint64(0), _i(0))
+    kernel("lmh", "lm_head_gemv")((math.ceil(V / 32),), (256,), (x, W, out, _i(V), _i(D), *slot))
     return out
 
 
