@@ -283,6 +283,21 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
 
+// A float as an unsigned int of the same order (negative values below positive ones): what redux.sync
+// and atomicMax can take the maximum of, and what radix selection splits (the MoE top-k, the sampler,
+// greedy decode's argmax in the lm_head).
+__device__ __forceinline__ unsigned float_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+// A drawn id to the decode step's device token and, if set, a mapped pinned host int: -1 (no finite
+// logit) goes to the host, which raises, and 0 to the device, so a step queued behind it reads a real row.
+__device__ __forceinline__ void publish_token(int tok, int* dev, int* host) {
+    *dev = max(tok, 0);
+    if (host) *(volatile int*)host = tok;
+}
+
 // Starts the 128-byte line holding p towards L2 without waiting or holding a register: flash
 // decoding's first K/V rows and the one-launch FFN's next step, before their PDL waits.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -503,13 +518,6 @@ __device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
     return pa > pb || (pa == pb && ea < eb);
 }
 
-// A float as an unsigned int of the same order (negative values below positive ones): what redux.sync
-// can take the maximum of.
-__device__ __forceinline__ unsigned moe_float_key(float v) {
-    const unsigned u = __float_as_uint(v);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-
 // The k largest of a warp's values (lane l holds entries l, l + 32, .. in p), ties to the lower index,
 // in descending order: lane r < k gets pick r's index and value; picked = the sum of the picks' values.
 // Picked entries are set to `gone`, which must not be above any candidate.
@@ -524,7 +532,7 @@ __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k,
         for (int j = 0; j < MOE_MAX_E / 32; ++j)
             if (moe_better(p[j], lane + 32 * j, bp, be)) { bp = p[j]; be = lane + 32 * j; }
         {  // the warp's best: the largest value (as an order-preserving key), then the lowest id holding it
-            const unsigned key = moe_float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
+            const unsigned key = float_key(bp), top = __reduce_max_sync(0xffffffffu, key);
             be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)be : 0xffffffffu);
             bp = __uint_as_float(top & 0x80000000u ? top ^ 0x80000000u : ~top);
         }

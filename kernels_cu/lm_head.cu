@@ -7,8 +7,7 @@
 // (logit, row) -> a 64-bit key whose unsigned order is "larger logit, then lower row": greedy decode's
 // argmax as one atomicMax per block. 0 means no row (every logit NaN).
 __device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
-    const u32 u = __float_as_uint(v), k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    return ((unsigned long long)k << 32) | (0xFFFFFFFFu - (u32)row);
+    return ((unsigned long long)float_key(v) << 32) | (0xFFFFFFFFu - (u32)row);
 }
 
 // grid ceil(V / (8 * LMH_ROWS)), block 256; D % 8 == 0, D <= 8192.

@@ -60,10 +60,9 @@ qk_norm_rope_store(const half* __restrict__ qin, int q_stride,   // [T, q_stride
 
 // The decode graph's last node: the next replay works one position further on.
 // The decode step's last kernel: the next position, and with arg_slot (greedy decode's argmax from
-// lm_head_gemv) the id itself: into token (the next step's embedding; 0 when every logit was NaN, so
-// a step queued behind it reads a real row) and the mapped pinned token_host[1 + new position % 2]
-// (-1 then, an error on the host; by parity, since the host may still be reading the previous step's
-// while this one runs), the slot cleared for the next step.
+// lm_head_gemv) the id itself (publish_token): into token, the next step's embedding, and the mapped
+// pinned token_host[1 + new position % 2] (by parity, since the host may still be reading the previous
+// step's while this one runs), the slot cleared for the next step.
 __global__ void advance_position(int* pos, unsigned long long* arg_slot, int* token, int* token_host) {
     pdl_wait();
     const int p = *pos + 1;
@@ -71,8 +70,6 @@ __global__ void advance_position(int* pos, unsigned long long* arg_slot, int* to
     if (arg_slot) {
         const unsigned long long k = *arg_slot;
         *arg_slot = 0;
-        const int t = k ? (int)(0xFFFFFFFFu - (unsigned)k) : -1;
-        *token = max(t, 0);
-        *(volatile int*)(token_host + 1 + (p & 1)) = t;
+        publish_token(k ? (int)(0xFFFFFFFFu - (unsigned)k) : -1, token, token_host + 1 + (p & 1));
     }
 }

@@ -14,12 +14,6 @@
 #define SMP_CAND 4096  // top-k candidates kept in shared memory (more: the filters scan every logit)
 #define SMP_MAX_BLOCKS 256  // sample_token_mb's largest grid
 
-// float -> uint32 whose unsigned order is the float order
-__device__ __forceinline__ u32 fkey(float f) {
-    u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 // counter-based uniform in (0, 1): a 64-bit mix of (seed, step, index)
 __device__ __forceinline__ float uniform01(unsigned long long seed, unsigned long long step, u32 i) {
     unsigned long long z = seed ^ (step * 0x9E3779B97F4A7C15ull) ^ ((unsigned long long)i * 0xD1B54A32D192ED03ull);
@@ -93,7 +87,7 @@ __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mas
         __syncthreads();
         const u32 hi_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
         scan_logits(x, n, [&](int, float v) {
-            u32 k = fkey(v);
+            u32 k = float_key(v);
             if (k >= floor_key && (k & hi_mask) == prefix)
                 atomicAdd(&hist[(k >> shift) & 0xFF], by_mass ? __expf(v - mx) : 1.f);
         });
@@ -208,11 +202,11 @@ __device__ float smp_gather(const float* logits, int lo, int n, float invt, int 
     u32 floor_key;
     if (top_k <= 32) {  // every warp ranks the 32 warp maxima itself: no barrier, no histogram
         const int lane = threadIdx.x & 31;
-        const u32 kv = fkey(S.wmax[lane]);
+        const u32 kv = float_key(S.wmax[lane]);
         int r = 0;
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
-            const u32 kj = fkey(S.wmax[j]);
+            const u32 kj = float_key(S.wmax[j]);
             r += kj > kv || (kj == kv && j < lane);
         }
         const unsigned b = __ballot_sync(0xffffffffu, r == top_k - 1);
@@ -221,10 +215,10 @@ __device__ float smp_gather(const float* logits, int lo, int n, float invt, int 
         floor_key = radix_threshold(S.tmax, SMP_THREADS, 0u, false, (float)top_k, mx, S.hist, S.red);
     }
     __syncthreads();
-    if (fkey(my_max) >= floor_key)
+    if (float_key(my_max) >= floor_key)
         scan_logits(logits, n, [&](int i, float x) {
             x *= invt;
-            if (x != x || fkey(x) < floor_key) return;  // NaN is never drawn: not a candidate either
+            if (x != x || float_key(x) < floor_key) return;  // NaN is never drawn: not a candidate either
             const int c = atomicAdd(&S.n_cand, 1);
             if (c < SMP_CAND) { S.cand_v[c] = x; S.cand_i[c] = i; }
         }, lo);
@@ -251,10 +245,10 @@ __device__ void smp_finish(float* vals, const int* ids, int n, float mx, float i
         float* sorted_v = S.tmax;
         __syncthreads();  // every warp is past its last read of tmax
         if (t < n) {
-            const u32 kv = fkey(vals[t]);
+            const u32 kv = float_key(vals[t]);
             int r = 0;
             for (int j = 0; j < n; ++j) {
-                const u32 kj = fkey(vals[j]);
+                const u32 kj = float_key(vals[j]);
                 r += kj > kv || (kj == kv && j < t);
             }
             S.sorted_k[r] = kv;
@@ -293,7 +287,7 @@ __device__ void smp_finish(float* vals, const int* ids, int n, float mx, float i
         if (top_p < 1.f) {
             float z = 0.f;
             scan_logits(vals, n, [&](int, float x) {
-                if (fkey(x) >= thr) z += __expf(x - mx);
+                if (float_key(x) >= thr) z += __expf(x - mx);
             });
             z = block_sum(z, S.red);
             __syncthreads();
@@ -301,21 +295,21 @@ __device__ void smp_finish(float* vals, const int* ids, int n, float mx, float i
             thr = max(thr, tp);
         }
     }
-    if (min_p > 0.f) thr = max(thr, fkey(mx + __logf(min_p)));
+    if (min_p > 0.f) thr = max(thr, float_key(mx + __logf(min_p)));
     const unsigned long long st = *step;
     float best = -INFINITY;
     int idx = 0x7fffffff;
     if (ids) {  // shared memory: a plain strided loop
         for (int c = threadIdx.x; c < n; c += blockDim.x) {
             const float x = vals[c];
-            if (fkey(x) < thr) continue;
+            if (float_key(x) < thr) continue;
             const int i = ids[c];  // the draw depends on the vocabulary index, not the candidate slot
             const float gmb = x - __logf(-__logf(uniform01(seed, st, (u32)i)));
             if (better(gmb, i, best, idx)) { best = gmb; idx = i; }
         }
     } else {
         scan_logits(vals, n, [&](int i, float x) {
-            if (fkey(x) < thr) return;
+            if (float_key(x) < thr) return;
             const float gmb = x - __logf(-__logf(uniform01(seed, st, (u32)i)));
             if (better(gmb, i, best, idx)) { best = gmb; idx = i; }
         });
@@ -323,9 +317,7 @@ __device__ void smp_finish(float* vals, const int* ids, int n, float mx, float i
     block_argmax(best, idx, S.sv, S.si);
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int tok = idx == 0x7fffffff ? -1 : idx;
-        *out = max(tok, 0);  // (a step queued behind the draw embeds a real row)
-        if (out_host) *(volatile int*)out_host = tok;
+        publish_token(idx == 0x7fffffff ? -1 : idx, out, out_host);
         *step = st + 1;
     }
 }
@@ -340,9 +332,7 @@ __device__ void smp_one_block(float* logits, int n_valid, float temperature, int
         int idx;
         smp_argmax(logits, 0, n_valid, v, idx, S);
         if (threadIdx.x == 0) {
-            const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
-            *out = max(tok, 0);
-            if (out_host) *(volatile int*)out_host = tok;
+            publish_token(idx == 0x7fffffff ? -1 : idx, out, out_host);  // -1: all NaN
             *step += 1;
         }
         return;
@@ -416,9 +406,7 @@ sample_token_mb(float* __restrict__ logits, int n_valid, const int* __restrict__
         }
         block_argmax(v, idx, S.sv, S.si);
         if (threadIdx.x == 0) {
-            const int tok = idx == 0x7fffffff ? -1 : idx;  // -1: all NaN
-            *out = max(tok, 0);
-            if (out_host) *(volatile int*)out_host = tok;
+            publish_token(idx == 0x7fffffff ? -1 : idx, out, out_host);  // -1: all NaN
             *step += 1;
         }
         return;
@@ -438,11 +426,7 @@ sample_token_mb(float* __restrict__ logits, int n_valid, const int* __restrict__
         block_argmax(mx, dummy, S.sv, S.si);  // (its barriers publish S.off)
     }
     if (__syncthreads_or(over)) {  // a block held more than cap candidates: every logit, in one block
-        const float m2 = smp_gather(logits, 0, n_valid, invt, top_k, S);  // (top_k <= SMP_THREADS: host)
-        if (S.n_cand <= SMP_CAND)
-            smp_finish(S.cand_v, S.cand_i, S.n_cand, m2, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
-        else
-            smp_finish(logits, nullptr, n_valid, m2, invt, top_k, top_p, min_p, seed, step, out, out_host, S);
+        smp_one_block(logits, n_valid, temperature, top_k, top_p, min_p, seed, step, out, out_host, S);
         return;
     }
     if (threadIdx.x == 0) {
@@ -472,7 +456,7 @@ sample_token_mb(float* __restrict__ logits, int n_valid, const int* __restrict__
         for (int r = 0; r < R; ++r) {
             const int c = threadIdx.x + r * SMP_THREADS;
             v[r] = c < n ? S.cand_v[c] : 0.f;
-            id[r] = c < n && fkey(v[r]) >= tk ? S.cand_i[c] : -1;
+            id[r] = c < n && float_key(v[r]) >= tk ? S.cand_i[c] : -1;
         }
         __syncthreads();
         if (threadIdx.x == 0) S.n_cand = 0;

@@ -191,13 +191,11 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
                 yield rec(tok, text + pending + (dec.flush() if dec else ""), "context")
                 return
             yield rec(tok, text)
-            if ahead is not None:
+            if ahead_ok:  # (a step was queued: every ending that does not queue one has returned above)
                 logits, ahead = ahead, None
                 model.ops.sample_launch(logits, params, rng, history, n_valid)
             else:
                 logits = model.decode(tok)
-                if ahead_ok:
-                    model.ops.sample_launch(logits, params, rng, history, n_valid)
     finally:
         if ahead_ok:
             model.ops.cancel_draw()  # a draw left queued by an interruption
