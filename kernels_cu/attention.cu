@@ -168,66 +168,96 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 // set: one split's blocks do it, for the record). A block whose split holds the newest key also
 // writes that key's K and V rows into the cache, which it reads back after the block barrier;
 // blocks of the split's other head subgroups write the same bits, and later steps read them from
-// there. Every load of a task is issued before any is used: one L2 round trip.
+// there. Every load of a warp's tasks is issued before any is used: one L2 round trip.
+#ifndef ATTN_FINISH_MT
+// tasks per warp in flight: 4 warps finish 4 query heads and the newest key's k and v in one round trip
+#define ATTN_FINISH_MT 2
+#endif
 template <int HD>
 __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ acc,  // [(H + 2 KV) * HD]
                                                   half* q_sm, half* q_out, half* Kc, half* Vc, const half* qn,
                                                   const half* kn, const float* cosb, const float* sinb, float eps,
                                                   int h0, int nh, int kvh, int H, int KV, int pos, bool newest,
                                                   // the GEMV's splits' sums of squares (its deferred 1/rms), or null
-                                                  const float* ss_in, int ss_n, int ss_D) {
+                                                  const float* ss_in, int ss_n, int ss_D,
+                                                  // the newest key's K and V rows in the split's stage, or null
+                                                  half* k_stage, half* v_stage) {
     constexpr int P = HD / 64, HH = HD / 2;  // a lane holds dims d and d + HH, the rotation's pairs
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int MT = ATTN_FINISH_MT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     const int ntask = nh + (newest ? 2 : 0);
-    for (int t = warp; t < ntask; t += blockDim.x >> 5) {  // warp-uniform: the shuffles below are safe
-        const bool isq = t < nh, isk = t == nh, isv = t == nh + 1;
-        const long long* src = acc + (isq ? (size_t)(h0 + t) * HD : (size_t)(H + (isk ? 0 : KV) + kvh) * HD);
-        const half* nw = isq ? qn : kn;
-        long long ra[P], rb[P];
-        float cs[P], sn[P], wa[P], wb[P];
+    float cs[P], sn[P];
 #pragma unroll
-        for (int i = 0; i < P; ++i) {
-            const int d = lane * P + i;
-            ra[i] = __ldcg(src + d);
-            rb[i] = __ldcg(src + HH + d);
-            cs[i] = cosb[(size_t)pos * HH + d];
-            sn[i] = sinb[(size_t)pos * HH + d];
-            wa[i] = __half2float(nw[d]);
-            wb[i] = __half2float(nw[d + HH]);
-        }
-        // the 1/rms after the task's loads are issued: its partial sums' loads fly beside them, one L2
-        // round trip instead of two (PERFORMANCE.md change 80)
-        const float sc = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
-        float a[P], b[P], ss = 0.f;
+    for (int i = 0; i < P; ++i) {
+        cs[i] = cosb[(size_t)pos * HH + lane * P + i];
+        sn[i] = sinb[(size_t)pos * HH + lane * P + i];
+    }
+    for (int t0 = warp; t0 < ntask; t0 += MT * nwarps) {  // warp-uniform: the shuffles below are safe
+        long long ra[MT][P], rb[MT][P];
+        float wa[MT][P], wb[MT][P];
 #pragma unroll
-        for (int i = 0; i < P; ++i) {
-            a[i] = __half2float(__float2half(fix_f(ra[i]) * sc));
-            b[i] = __half2float(__float2half(fix_f(rb[i]) * sc));
-            ss += a[i] * a[i] + b[i] * b[i];
-        }
-        if (isv) {  // v: stored as the fp16 projection output
-            half* dst = Vc + ((size_t)pos * KV + kvh) * HD;
+        for (int j = 0; j < MT; ++j) {
+            const int t = t0 + j * nwarps;
+            if (t >= ntask) continue;
+            const bool isq = t < nh, isk = t == nh;
+            const long long* src = acc + (isq ? (size_t)(h0 + t) * HD : (size_t)(H + (isk ? 0 : KV) + kvh) * HD);
+            const half* nw = isq ? qn : kn;
 #pragma unroll
             for (int i = 0; i < P; ++i) {
-                dst[lane * P + i] = __float2half(a[i]);
-                dst[HH + lane * P + i] = __float2half(b[i]);
+                const int d = lane * P + i;
+                ra[j][i] = __ldcg(src + d);
+                rb[j][i] = __ldcg(src + HH + d);
+                wa[j][i] = __half2float(nw[d]);
+                wb[j][i] = __half2float(nw[d + HH]);
             }
-            continue;
         }
-        const float inv = rsqrtf(warp_sum(ss) / HD + eps);
+        // the 1/rms after the tasks' loads are issued: its partial sums' loads fly beside them, one L2
+        // round trip instead of two (PERFORMANCE.md change 80)
+        const float sc = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
 #pragma unroll
-        for (int i = 0; i < P; ++i) {
-            const int d = lane * P + i;
-            const float xa = a[i] * inv * wa[i], xb = b[i] * inv * wb[i];
-            const half lo = __float2half(xa * cs[i] - xb * sn[i]), hi = __float2half(xb * cs[i] + xa * sn[i]);
-            if (isq) {
-                q_sm[t * HD + d] = lo;
-                q_sm[t * HD + d + HH] = hi;
-                if (q_out) { q_out[(size_t)(h0 + t) * HD + d] = lo; q_out[(size_t)(h0 + t) * HD + d + HH] = hi; }
-            } else {
-                half* dst = Kc + ((size_t)pos * KV + kvh) * HD;
-                dst[d] = lo;
-                dst[d + HH] = hi;
+        for (int j = 0; j < MT; ++j) {
+            const int t = t0 + j * nwarps;
+            if (t >= ntask) continue;
+            const bool isq = t < nh, isv = t == nh + 1;
+            float a[P], b[P], ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < P; ++i) {
+                a[i] = __half2float(__float2half(fix_f(ra[j][i]) * sc));
+                b[i] = __half2float(__float2half(fix_f(rb[j][i]) * sc));
+                ss += a[i] * a[i] + b[i] * b[i];
+            }
+            if (isv) {  // v: stored as the fp16 projection output
+                half* dst = Vc + ((size_t)pos * KV + kvh) * HD;
+#pragma unroll
+                for (int i = 0; i < P; ++i) {
+                    dst[lane * P + i] = __float2half(a[i]);
+                    dst[HH + lane * P + i] = __float2half(b[i]);
+                    if (v_stage) {
+                        v_stage[lane * P + i] = __float2half(a[i]);
+                        v_stage[HH + lane * P + i] = __float2half(b[i]);
+                    }
+                }
+                continue;
+            }
+            const float inv = rsqrtf(warp_sum(ss) / HD + eps);
+#pragma unroll
+            for (int i = 0; i < P; ++i) {
+                const int d = lane * P + i;
+                const float xa = a[i] * inv * wa[j][i], xb = b[i] * inv * wb[j][i];
+                const half lo = __float2half(xa * cs[i] - xb * sn[i]), hi = __float2half(xb * cs[i] + xa * sn[i]);
+                if (isq) {
+                    q_sm[t * HD + d] = lo;
+                    q_sm[t * HD + d + HH] = hi;
+                    if (q_out) { q_out[(size_t)(h0 + t) * HD + d] = lo; q_out[(size_t)(h0 + t) * HD + d + HH] = hi; }
+                } else {
+                    half* dst = Kc + ((size_t)pos * KV + kvh) * HD;
+                    dst[d] = lo;
+                    dst[d + HH] = hi;
+                    if (k_stage) {
+                        k_stage[d] = lo;
+                        k_stage[d + HH] = hi;
+                    }
+                }
             }
         }
     }
@@ -247,8 +277,10 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
                 const float* __restrict__ ss_in, int ss_n, int ss_D,  // the scaled GEMV's sums of squares
                 int min_chunk) {                                       // fewest keys per split (decode_chunk)
-    __shared__ float sm_o[AttnSplitSmem<HD, HB>::o_floats];
-    __shared__ float sm_ml[AttnSplitSmem<HD, HB>::ml_floats];
+    using L = AttnSplitSmem<HD, HB>;
+    // the merge's slots, and before them the staged keys (attn_decode_split)
+    __shared__ __align__(16) float sm_o[KUIPER_ATTN_STAGE ? L::shared_floats : L::o_floats];
+    __shared__ float sm_ml[L::ml_floats];
     __shared__ __align__(16) half q_sm[HB * HD];
     diag_stamp(0);
     // The position was written at the end of the previous step (advance_position), long finished
@@ -256,6 +288,12 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
     const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
+    uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
+    // the newest key's rows, which the finish writes, into the stage when it holds them
+    const int newest_kl = n_keys - 1 - s * chunk;
+    half* k_stage = nullptr;
+    if (stage && qkv_acc && newest_kl >= 0 && newest_kl < attn_staged_keys<HD, HB>(s * chunk, min(n_keys, (s + 1) * chunk)))
+        k_stage = reinterpret_cast<half*>(stage) + (size_t)2 * newest_kl * HD;
     attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2,
                               sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
@@ -265,11 +303,11 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
                                                             cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
                                                             kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk,
-                                                            ss_in, ss_n, ss_D);
-                                      __syncthreads();  // q_sm and the block's cache writes visible to its reads
+                                                            ss_in, ss_n, ss_D, k_stage, k_stage ? k_stage + HD : nullptr);
+                                      __syncthreads();  // q_sm, the stage and the block's cache writes visible
                                   }
                                   diag_stamp(2);
-                              }, qkv_acc ? q_sm : nullptr);
+                              }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr);
 #ifdef KUIPER_DIAG_TIMES
     diag_stamp(3);
     __syncthreads();

@@ -25,11 +25,24 @@ __device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
     return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
+#ifndef KUIPER_ATTN_STAGE
+#define KUIPER_ATTN_STAGE 1  // 0: no shared-memory staging of a split's first keys (A/B; PERFORMANCE.md change 115)
+#endif
+#ifndef ATTN_KV_PF_ITERS
+#define ATTN_KV_PF_ITERS 2
+#endif
+
 template <int HD, int HB>
 struct AttnSplitSmem {                            // the merge of a block's key slots
     static constexpr int LPK = HD / 8, KPW = 32 / LPK, NG = 4 * KPW;
+    static constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;  // warp steps whose loads fly together (registers)
+    static constexpr int KPB = NG * U;                     // keys per block iteration
     static constexpr int o_floats = NG * HB * HD;  // [NG][HB][HD]
     static constexpr int ml_floats = NG * HB * 2;  // [NG][HB][2]
+    // [ATTN_KV_PF_ITERS * KPB keys][K, V][HD] halves: a split's first keys copied in before the PDL wait
+    static constexpr int stage_floats = ATTN_KV_PF_ITERS * KPB * HD;
+    // sm_o once the loop is done, the staged keys before: one buffer
+    static constexpr int shared_floats = o_floats > stage_floats ? o_floats : stage_floats;
 };
 
 #ifndef ATTN_KV_PF
@@ -40,20 +53,36 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 // second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at 512 on the
 // H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5%
 // at 32k (change 108)
-#ifndef ATTN_KV_PF_ITERS
-#define ATTN_KV_PF_ITERS 2
-#endif
 #ifndef ATTN_KV_PF_WHOLE
 #define ATTN_KV_PF_WHOLE 1
 #endif
 
+// Keys a split takes into shared memory before its wait, counted from its first: a chunk of at most
+// ATTN_KV_PF_ITERS iterations whole, a longer one its first iteration (the L2 prefetch's rule, change 108).
+#ifndef ATTN_STAGE_LONG
+#define ATTN_STAGE_LONG 0  // 1: a long chunk stages its first iteration too (A/B)
+#endif
+template <int HD, int HB>
+__device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
+    constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
+    const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * KPB;
+    if (lng && !ATTN_STAGE_LONG) return 0;
+    const int its = ATTN_KV_PF_WHOLE && lng ? 1 : ATTN_KV_PF_ITERS;
+    return min(its * KPB, k_end - k_begin);
+}
+
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
 // the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
-// PDL wait), after L2 prefetches of the first iteration's K and V rows (a short chunk's all): under
-// PDL their DRAM latency overlaps the predecessor's tail. (Loads into registers there instead took
-// 155 registers against 128, and the lost occupancy cost 11% at 32k.) L2 is coherent, so a
-// prefetched line of the newest key, which the predecessor writes, is never stale.
+// PDL wait). Before it, the first iterations' K and V rows (a short chunk's all) are either copied
+// into stage (cp.async: no registers held across the wait, and after it no round trip at all; a lane
+// copies exactly the 16-byte pieces it reads back, so no barrier) or, without a stage, prefetched
+// into L2. Either way their DRAM latency overlaps the predecessor's tail. (Loads into registers there
+// took 155 registers against 128, and the lost occupancy cost 11% at 32k.) The newest key's rows are
+// never copied early: the predecessor or wait() writes them. newest_staged: wait() writes them into
+// the stage too (the attention kernel's q|k|v finish); otherwise they are read from L2 after it. L2 is
+// coherent, so a prefetched line of the newest key is never stale. stage aliases sm_o (the merge
+// below), so a barrier separates the loop's last stage reads from the merge's writes.
 template <int HD, int HB, class Sync, class Wait>
 __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] rotated
                                                   const half* Kc,  // [ctx, KV, HD] this layer
@@ -61,11 +90,13 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                                                   int s, int S, int n_keys, int min_chunk, int H, int KV,
                                                   float scale_log2,
                                                   float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait,
-                                                  const half* q_sm = nullptr) {  // [HB, HD]: q from shared memory
+                                                  const half* q_sm = nullptr,  // [HB, HD]: q from shared memory
+                                                  uint4* stage = nullptr,      // [staged keys][K, V][HD / 8]
+                                                  bool newest_staged = false) {
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
-    constexpr int U = HB <= 4 ? ATTN_DECODE_U : 2;          // warp steps whose loads fly together (registers)
-    constexpr int KPB = NG * U;                             // keys per block iteration
+    constexpr int U = L::U, KPB = L::KPB;                   // warp steps in flight, keys per block iteration
+    constexpr int RW = HD / 8;                              // 16-byte pieces per row
     const int h0 = kvh * (H / KV) + hb * HB;
     const int lane = tid & 31, warp = tid >> 5;
     const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
@@ -74,7 +105,20 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const size_t rs = (size_t)KV * HD;  // elements from one key's row to the next
     const half* kb = Kc + (size_t)kvh * HD + dl * 8;
     const half* vb = Vc + (size_t)kvh * HD + dl * 8;
-    if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+    const int n_stage = stage && k_begin < k_end ? attn_staged_keys<HD, HB>(k_begin, k_end) : 0;
+    if (n_stage) {
+#pragma unroll
+        for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int kl = it * KPB + u * NG + slot, key = k_begin + kl;
+                if (kl < n_stage && key != n_keys - 1) {
+                    cp_async16(stage + 2 * kl * RW + dl, kb + (size_t)key * rs, 16);
+                    cp_async16(stage + (2 * kl + 1) * RW + dl, vb + (size_t)key * rs, 16);
+                }
+            }
+        }
+    } else if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
         const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
 #pragma unroll
         for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {
@@ -97,6 +141,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
 #pragma unroll
         for (int i = 0; i < 8; ++i) qv[j][i] *= scale_log2;
     }
+    if (n_stage) cp_async_wait_all();  // this lane's own copies (the newest key's rows: wait()'s barrier)
     float acc[HB][8], m[HB], l[HB];
 #pragma unroll
     for (int j = 0; j < HB; ++j) {
@@ -112,11 +157,16 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
         const bool fresh = k_end == n_keys && base + KPB >= n_keys;  // this iteration can hold the newest key
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int key = base + u * NG + slot;
+            const int key = base + u * NG + slot, kl = key - k_begin;
             valid[u] = key < k_end;
-            const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
-            kraw[u] = kv_load16(kb + off, fresh);
-            vraw[u] = kv_load16(vb + off, fresh);
+            if (kl < n_stage && (key != n_keys - 1 || newest_staged)) {  // kl < n_stage: a valid key
+                kraw[u] = stage[2 * kl * RW + dl];
+                vraw[u] = stage[(2 * kl + 1) * RW + dl];
+            } else {
+                const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
+                kraw[u] = kv_load16(kb + off, fresh);
+                vraw[u] = kv_load16(vb + off, fresh);
+            }
         }
         float dot[U][HB];
 #pragma unroll
@@ -161,6 +211,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
             }
         }
     }
+    if (n_stage) sync();  // the merge's writes below reuse the stage
     // merge the NG key slots
 #pragma unroll
     for (int j = 0; j < HB; ++j) {

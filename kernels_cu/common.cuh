@@ -254,6 +254,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// Every cp.async of this thread complete and visible to it; a compiler barrier too, so the shared-memory
+// reads that follow are not hoisted above it.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // mbarrier handshakes between producers and consumers in one block (CTA scope; arrive releases,
 // the parity wait acquires, so a slot's shared-memory writes are visible to the waiting side;
