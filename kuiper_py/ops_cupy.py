@@ -49,12 +49,15 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
 # (change 105). H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
 # 16), 14B -0.7%; measured no better there: 4B (neutral), 30B-A3B (+0.6 to 1.5%). H200: 8B and 30B-A3B neutral
+# "attn_short": {(hidden, heads, kv heads, head dim): keys} flash decoding's short-context regime (change 116): up
+# to that many keys a decode graph of its own launches only the splits those keys can use
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3}},  # 8B gate|up, down
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
-             "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64}},  # Qwen3-8B, 14B
+             "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64},  # Qwen3-8B, 14B
+             "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024}},  # Qwen3-8B, 30B-A3B
 }
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
@@ -120,6 +123,9 @@ ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding
 # "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
 DECODE_MIN_CHUNK = 32
 ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
+# the short-context regime of flash decoding (attn_short; change 116): KUIPER_ATTN_SHORT keys, "0" off, unset:
+# DEVICE_TUNING's "attn_short" for the model's shape
+ATTN_SHORT = os.environ.get("KUIPER_ATTN_SHORT")
 ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
 
 # the one-token id that means "the id the last sample_launch drew", read by the step from device memory
@@ -578,6 +584,16 @@ def attn_min_chunk(a: ModelArgs) -> int:
     return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(key, DECODE_MIN_CHUNK)
 
 
+def attn_short(a: ModelArgs) -> int:
+    """Up to how many keys flash decoding runs in its short-context regime (a decode graph of its own whose
+    grid holds only the splits those keys can use; PERFORMANCE.md change 116), 0 for none:
+    KUIPER_ATTN_SHORT, else DEVICE_TUNING's "attn_short" for this model on this GPU."""
+    if ATTN_SHORT:
+        return int(ATTN_SHORT)
+    key = (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
+    return device_tuning().get("attn_short", {}).get(key, 0)
+
+
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
     """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: KUIPER_GEMV_BLOCKS_PER_SM,
     else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
@@ -986,17 +1002,17 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
     return out
 
 
-def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
+def decode_heads_per_block(n_heads: int, n_kv_heads: int, limit: int | None = None) -> int:
     """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the largest
-    divisor of the GQA group up to ATTN_MAX_HEADS_PER_BLOCK (registers), or the whole group when it
-    is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
+    divisor of the GQA group up to limit (default ATTN_MAX_HEADS_PER_BLOCK: registers), or the whole
+    group when it is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
     G = n_heads // n_kv_heads
-    best = max(d for d in range(1, min(G, ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
+    best = max(d for d in range(1, min(G, limit or ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
     return G if best == 1 and G <= 8 else best
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK):
+                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, max_hb: int | None = None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
@@ -1004,12 +1020,13 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     fixed-point sums acc (its accumulating mode; ss: its scaled norm's split sums of squares); the
     kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
     rows (position n_keys - 1) into the cache. A split takes at least min_chunk keys (decode_chunk): the
-    splits past the keys present exit, and whoever merges reads only those that held keys."""
+    splits past the keys present exit, and whoever merges reads only those that held keys. max_hb: the
+    most query heads per block (decode_heads_per_block's limit)."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
     assert H * S * hd <= part_o.size
-    hb = decode_heads_per_block(H, n_kv_heads)
+    hb = decode_heads_per_block(H, n_kv_heads, max_hb)
     pos_arg = pos_dev if pos_dev is not None else np.uint64(0)
     null = np.uint64(0)
     f = finish
@@ -1619,6 +1636,8 @@ class CupyOps:
         self.dev = cp.cuda.Device()
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
+        self.attn_short = attn_short(a)
+        self._graphs = {}  # short-context regime (attn_short) -> (graph, its argmax's n_valid)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
@@ -1694,7 +1713,7 @@ class CupyOps:
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
-        self._graph = None  # it holds the old cache's addresses
+        self._graph, self._graphs = None, {}  # they hold the old cache's addresses
         if self._dl is not None:
             self._dl_setup()
 
@@ -1990,7 +2009,7 @@ class CupyOps:
                            sin=self.sin, eps=self.args.rms_norm_eps,
                            ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
                 q = q.q
-            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self.attn_splits,
+            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                      self.d["pos"] if self.graphs else None, finish=fin,
                                      min_chunk=self.attn_min_chunk)
@@ -2017,7 +2036,8 @@ class CupyOps:
             self.d["token"].fill(token)
             self._sampled = token
         self.begin_step(pos0, 1)
-        if self._graph is None:
+        regime = self._attn_split_count(pos0 + 1)  # a graph per flash-decoding regime (attn_short)
+        if regime not in self._graphs:
             stream = self._stream
             # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
             # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
@@ -2035,7 +2055,8 @@ class CupyOps:
                     graph = stream.end_capture()
                     self._capture_argmax = 0
             assert out.data.ptr == self.d["logits"].data.ptr
-            self._graph, self._graph_argmax_n = graph, n
+            self._graphs[regime] = graph, n
+        self._graph, self._graph_argmax_n = self._graphs[regime]
         self._graph.launch(self._stream)
         self._dev_pos = pos0 + 1
         self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
@@ -2045,6 +2066,14 @@ class CupyOps:
         return self.d["logits"]
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
+
+    def _attn_split_count(self, n_keys: int) -> int:
+        """Flash decoding's grid of splits at n_keys keys: up to attn_short keys only the splits they can use
+        (at the capacity's split count the idle splits' blocks measured up to 2.8% per step at 512 keys), else
+        the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
+        if self.attn_short and n_keys <= self.attn_short:
+            return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk))
+        return self.attn_splits
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""

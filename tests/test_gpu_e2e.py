@@ -137,6 +137,28 @@ def test_graph_decode_equals_eager_decode(untied_bin):
     assert rel(runs[1], runs[0]) < 1e-3  # same kernels; only the split count of attention differs
 
 
+def test_short_context_attention_regime_switch(untied_bin, monkeypatch):
+    """attn_short: up to 25 keys flash decoding's grid holds only the splits 25 keys can use (the o GEMV's
+    merge the same count), past it the capacity's; the decode graph of each regime is captured once, the host
+    picks one per step. Logits across the switch (positions 10-39, min_chunk 7 so that the short regime has 4
+    splits against the capacity's) against the capacity's grid alone, with graphs and eagerly."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=40).tolist()
+    mf = load(untied_bin)
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 7)
+    monkeypatch.setattr(oc, "ATTN_SHORT", "0")
+    ref = decode_logits(mf, ids, 10, 64, True)
+    monkeypatch.setattr(oc, "ATTN_SHORT", "25")
+    for graphs in (True, False):
+        m = Qwen3(mf, oc.CupyOps, 64)
+        assert m.ops.attn_short == 25 and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
+        m.ops.graphs = graphs
+        m.prefill(ids[:10])
+        got = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
+        assert len(m.ops._graphs) == (2 if graphs else 0)
+        assert rel(got, ref) < 1e-3
+
+
 def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, monkeypatch):
     """Dense decode's accumulating mode (the default; split-K sums added in fixed point, residual add
     and SwiGLU in the consuming GEMV) against the last-block reductions and the NumPy reference, graph

@@ -85,11 +85,30 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
     for key, t in oc.DEVICE_TUNING.items():
-        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk"} and key
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
         for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():
             assert isinstance(keys, int) and keys >= 1 and H % KV == 0 and D % 32 == 0 and hd in (64, 128)
+        for (D, H, KV, hd), keys in t.get("attn_short", {}).items():
+            assert isinstance(keys, int) and keys >= 1 and H % KV == 0
+
+
+def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
+    from types import SimpleNamespace
+    a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"attn_short": {(4096, 32, 8, 128): 1024}}})
+    monkeypatch.setattr(oc, "ATTN_SHORT", None)
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert oc.attn_short(a8b) == 1024
+    sms(132, "NVIDIA H200")
+    assert oc.attn_short(a8b) == 0
+    monkeypatch.setattr(oc, "ATTN_SHORT", "300")  # KUIPER_ATTN_SHORT wins everywhere
+    assert oc.attn_short(a8b) == 300
+    monkeypatch.setattr(oc, "ATTN_SHORT", "0")
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert oc.attn_short(a8b) == 0
+    assert oc.decode_heads_per_block(32, 8) == 4 and oc.decode_heads_per_block(32, 8, 2) == 2
 
 
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
