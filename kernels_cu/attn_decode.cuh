@@ -57,18 +57,23 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 #define ATTN_KV_PF_WHOLE 1
 #endif
 
-// Keys a split takes into shared memory before its wait, counted from its first: a chunk of at most
-// ATTN_KV_PF_ITERS iterations whole, a longer one its first iteration (the L2 prefetch's rule, change 108).
+// Keys a split starts on before its wait, counted from its first: a chunk of at most ATTN_KV_PF_ITERS
+// iterations whole, a longer one its first iteration (change 108).
+template <int HD, int HB>
+__device__ __forceinline__ int attn_early_keys(int k_begin, int k_end) {
+    constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
+    const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
+    return min(its * KPB, k_end - k_begin);
+}
+
+// Of those, the keys copied into shared memory: a short chunk's (a long one's are prefetched into L2).
 #ifndef ATTN_STAGE_LONG
 #define ATTN_STAGE_LONG 0  // 1: a long chunk stages its first iteration too (A/B)
 #endif
 template <int HD, int HB>
 __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
-    constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
-    const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * KPB;
-    if (lng && !ATTN_STAGE_LONG) return 0;
-    const int its = ATTN_KV_PF_WHOLE && lng ? 1 : ATTN_KV_PF_ITERS;
-    return min(its * KPB, k_end - k_begin);
+    const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * AttnSplitSmem<HD, HB>::KPB;
+    return lng && !ATTN_STAGE_LONG ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
 }
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
@@ -119,13 +124,13 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
             }
         }
     } else if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
-        const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
+        const int n_early = attn_early_keys<HD, HB>(k_begin, k_end);
 #pragma unroll
         for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int key = k_begin + it * KPB + u * NG + slot;
-                if (it < its && key < k_end) {
+                const int kl = it * KPB + u * NG + slot, key = k_begin + kl;
+                if (kl < n_early) {
                     prefetch_l2(kb + (size_t)key * rs);
                     prefetch_l2(vb + (size_t)key * rs);
                 }

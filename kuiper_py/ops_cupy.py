@@ -1002,17 +1002,17 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
     return out
 
 
-def decode_heads_per_block(n_heads: int, n_kv_heads: int, limit: int | None = None) -> int:
+def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
     """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the largest
-    divisor of the GQA group up to limit (default ATTN_MAX_HEADS_PER_BLOCK: registers), or the whole
-    group when it is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
+    divisor of the GQA group up to ATTN_MAX_HEADS_PER_BLOCK (registers), or the whole group when it
+    is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
     G = n_heads // n_kv_heads
-    best = max(d for d in range(1, min(G, limit or ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
+    best = max(d for d in range(1, min(G, ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
     return G if best == 1 and G <= 8 else best
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, max_hb: int | None = None):
+                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
@@ -1020,13 +1020,12 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     fixed-point sums acc (its accumulating mode; ss: its scaled norm's split sums of squares); the
     kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
     rows (position n_keys - 1) into the cache. A split takes at least min_chunk keys (decode_chunk): the
-    splits past the keys present exit, and whoever merges reads only those that held keys. max_hb: the
-    most query heads per block (decode_heads_per_block's limit)."""
+    splits past the keys present exit, and whoever merges reads only those that held keys."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
     assert H * S * hd <= part_o.size
-    hb = decode_heads_per_block(H, n_kv_heads, max_hb)
+    hb = decode_heads_per_block(H, n_kv_heads)
     pos_arg = pos_dev if pos_dev is not None else np.uint64(0)
     null = np.uint64(0)
     f = finish
@@ -1637,7 +1636,7 @@ class CupyOps:
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
-        self._graphs = {}  # short-context regime (attn_short) -> (graph, its argmax's n_valid)
+        self._graphs = {}  # flash decoding's split count (_attn_split_count) -> (graph, its argmax's n_valid)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None

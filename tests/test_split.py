@@ -108,7 +108,6 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     monkeypatch.setattr(oc, "ATTN_SHORT", "0")
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_short(a8b) == 0
-    assert oc.decode_heads_per_block(32, 8) == 4 and oc.decode_heads_per_block(32, 8, 2) == 2
 
 
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
