@@ -1273,10 +1273,11 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 # from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
 DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
-# moe_ffn_decode starts the next layer's q|k|v weights towards L2 (cp.async.bulk.prefetch.L2, one chunk of
-# MOE_PREFETCH_KB per block) while its routing leaves DRAM idle: "0" off, "1" before its PDL wait, "2"
-# after it (PERFORMANCE.md change 80)
-MOE_PREFETCH = os.environ.get("KUIPER_MOE_PREFETCH", "1")
+# moe_ffn_decode can start the next layer's q|k|v weights towards L2 (cp.async.bulk.prefetch.L2, one chunk of
+# MOE_PREFETCH_KB per block) while its routing leaves DRAM idle: "1" before its PDL wait, "2" after it, "0"
+# off (default since change 120: with changes 115 and 118 the 30B-A3B step is 0.7-1.8% shorter without it on
+# the H100, 0.4% on the H200; change 80 had measured it 0.2-0.5% faster)
+MOE_PREFETCH = os.environ.get("KUIPER_MOE_PREFETCH", "0")
 MOE_PREFETCH_KB = int(os.environ.get("KUIPER_MOE_PREFETCH_KB", "32"))
 
 
