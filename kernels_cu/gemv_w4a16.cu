@@ -101,6 +101,78 @@ __device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], f
     return mx;
 }
 
+#ifndef GEMV_MERGE_BATCH
+#define GEMV_MERGE_BATCH 16   // flash-decoding partials a thread of the o merge loads at once
+#endif
+#ifndef GEMV_O_MIN_BLOCKS
+#define GEMV_O_MIN_BLOCKS 3   // the o instantiations with gemv_merge_span (OM): 80 registers
+#endif
+
+// The o projection's x (OM instantiations): the attention output over rows [k_lo, k_lo + span), whole
+// heads of HD rows, flash decoding's partials merged and rounded to fp16 into xsm; returns the
+// thread's |x|. One L2 round trip for up to GEMV_MERGE_BATCH splits: thread e's partials for its
+// element are in flight in registers while thread i < heads x splits loads pair i (max, sum) into
+// mls (shared memory, cap pairs); after one barrier each thread finds its head's weights there.
+// decode_merge's running max (the generic instantiation) spreads the same loads over 4-6 dependent
+// round trips: under the 64-register bound the compiler issues them between the exp2 steps, and
+// every split past a multiple of 8 adds two serial round trips of its own (PERFORMANCE.md change
+// 121). This form needs the 80 registers of 3 blocks per SM (16 partials spill at 64). Every thread
+// calls it (the barrier); a split count past the pairs' room takes decode_merge.
+__device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                 int S, int min_chunk, int HD, int n_keys, int k_lo, int span,
+                                                 half* xsm, float2* mls, int cap) {
+    const int used = decode_splits_used(n_keys, S, min_chunk);
+    const int h_lo = k_lo / HD, nh = (k_lo + span - 1) / HD - h_lo + 1;
+    if (nh * used > min(cap, (int)blockDim.x) || span > (int)blockDim.x) {  // (per element, as generic)
+        float mx = 0.f;
+        for (int e = threadIdx.x; e < span; e += blockDim.x) {
+            const int k = k_lo + e;
+            const float f = __half2float(decode_merge(part_o, part_ml, k / HD, k % HD, S, HD, n_keys, min_chunk));
+            mx = fmaxf(mx, fabsf(f));
+            xsm[e] = __float2half(f);
+        }
+        return mx;
+    }
+    constexpr int B = GEMV_MERGE_BATCH;
+    const int e = threadIdx.x, k = k_lo + e;
+    const bool mine = e < span;
+    const float* po = part_o + (size_t)(k / HD) * S * HD + k % HD;  // [S] at stride HD: the element's partials
+    float pv[B];  // [B] splits s0 .. s0 + B of them
+#pragma unroll
+    for (int j = 0; j < B; ++j) pv[j] = mine && j < used ? __ldcg(po + (size_t)j * HD) : 0.f;
+    if (e < nh * used) {
+        const int hh = e / used;
+        mls[e] = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(h_lo + hh) * S + (e - hh * used));
+    }
+    __syncthreads();  // mls
+    if (!mine) return 0.f;
+    const float2* mh = mls + (k / HD - h_lo) * used;  // (a warp's lanes read the same pairs: broadcasts)
+    float M = -INFINITY;
+    for (int s = 0; s < used; ++s) {
+        const float2 ml = mh[s];
+        if (ml.y != 0.f) M = fmaxf(M, ml.x);  // an empty split contributes nothing
+    }
+    float L = 0.f, od = 0.f;
+    for (int s0 = 0; s0 < used; s0 += B) {
+        if (s0) {
+#pragma unroll
+            for (int j = 0; j < B; ++j) pv[j] = s0 + j < used ? __ldcg(po + (size_t)(s0 + j) * HD) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const float2 ml = s0 + j < used ? mh[s0 + j] : make_float2(0.f, 0.f);
+            if (ml.y != 0.f) {
+                const float w = exp2f(ml.x - M);
+                L += ml.y * w;
+                od += pv[j] * w;
+            }
+        }
+    }
+    const half v = __float2half(L > 0.f ? od / L : 0.f);
+    xsm[e] = v;
+    return fabsf(__half2float(v));
+}
+
 // ---- the o projection's router rows (MoE decode, RT): z = attn R + h Rh into acc_z [E] ----
 // The router's logits before the 1/rms, z = router . (ffn_norm * (h + o)), are linear in the attention
 // output and the residual row h, so the o GEMV computes them beside o: R = W_o diag(ffn_norm) router^T
@@ -200,7 +272,7 @@ __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int 
 // the 256 columns of column tile `tile` of m. Lane l owns packed word tile*32 + l of every row;
 // warp w takes rows w*ROWS.. of each 8*ROWS-row step. Narrow tiles keep the split count (and so
 // the fused reduction's reads) small while the grid still fills the GPU.
-template <bool RT>
+template <bool RT, bool OM>  // OM: the o merge of gemv_merge_span (80 registers)
 __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqMat& m, int tile, int col_off,
                                           int n_total, float* __restrict__ partial, int split, int rps, int K,
                                           int group, bool wait, const float* hn, const half* wn, float eps,
@@ -276,11 +348,16 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         float ssl = 0.f;
         if (att_o) {
             const int n_keys = pos_early ? n_keys_early : (pos_dev ? *pos_dev : pos0) + 1;
-            for (int e = threadIdx.x; e < span; e += blockDim.x) {
-                const int k = k_lo + e;
-                const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys, att_mc));
-                mx = fmaxf(mx, fabsf(f));
-                xsm[e] = __float2half(f);
+            if constexpr (OM) {  // (red is free until the loop's sums: block_max's barrier below ends the reads)
+                mx = gemv_merge_span(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm,
+                                     reinterpret_cast<float2*>(&red[0][0]), GEMV_WARPS * (GEMV_COLS + GEMV_COLS / 32) / 2);
+            } else {
+                for (int e = threadIdx.x; e < span; e += blockDim.x) {
+                    const int k = k_lo + e;
+                    const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys, att_mc));
+                    mx = fmaxf(mx, fabsf(f));
+                    xsm[e] = __float2half(f);
+                }
             }
         } else {
             // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an
@@ -511,8 +588,10 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
 // the slots. In one level a single block per tile read slots x S partials, so the split aimed at one
 // block per SM (PERFORMANCE.md change 6). It is its own instantiation: beside every other epilogue
 // the second level spilled under the 64-register bound of 4 blocks per SM (change 39); alone it fits.
-template <bool MOE2, bool RT = false>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
+// OM: the o projection with gemv_merge_span's merge, at the 80 registers of GEMV_O_MIN_BLOCKS per SM
+// (the host takes it where o aims at no more blocks per SM than that).
+template <bool MOE2, bool RT = false, bool OM = false>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, OM ? GEMV_O_MIN_BLOCKS : GEMV_MIN_BLOCKS)
 gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_stride] or [K] (stride 0)
            const float* __restrict__ hn,         // [K] fp32 residual stream or null: x = rmsnorm(hn) * wn
            const half* __restrict__ wn, float eps,  // [K] the norm's weight
@@ -599,7 +678,7 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
     const bool rtile = RT && rp >= 0 && rp < rparts;
     const int rEC = RT ? (rt_E / 8 + rparts - 1) / rparts * 8 : 0, rc0 = rtile ? rp * rEC : 0;
     if (RT && blockIdx.x == gridDim.x - 1) gemv_rt_h_tile(rt_hw, rt_h, rt_D, rt_E, rt_acc, blockIdx.y, S);
-    else gemv_tile<RT>(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
+    else gemv_tile<RT, OM>(x + (size_t)slot * x_slot_stride, m, tile, col_off, n_total, part, blockIdx.y, rps, K, group,
               !expert_ids || ids_early, hn, wn, eps, att_o, att_ml, att_S, att_mc, hd, pos0, pos_dev,
               acc_out && !msum ? acc_out + (size_t)slot * n_total : acc_out,
               pend ? pend + (size_t)slot * (pend_glu ? 2 * K : K) : pend, hout, ss_out, ss_in, ss_n, ss_D, pend_glu,

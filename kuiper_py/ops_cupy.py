@@ -69,10 +69,20 @@ DEVICE_TUNING = {
 # fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
 # loads out (change 71's residency gap). Qwen3-8B's o then takes 16 splits of 256 rows instead of 32 of
 # 128, two heads merged per block: 0.6% shorter steps at 512 and 8k (33 attention splits), 0.7% longer
-# at 32k (65), hence the bound (PERFORMANCE.md change 83). The other projections stay at 4: 3 for all of
-# them made Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
+# at 32k (65) with decode_merge, hence a bound of 48 splits then (PERFORMANCE.md change 83); with
+# gemv_merge_span (below) 1.3% shorter at 32k, so the bound now covers the 80 splits of a 40960-position
+# cache (change 121). The other projections stay at 4: 3 for all of them made Qwen3-32B's gate/up two
+# splits of 2560 rows, 6.6% slower per step
 GEMV_O_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_O_BLOCKS_PER_SM", "3"))
-GEMV_O_COARSE_SPLITS = 48
+GEMV_O_COARSE_SPLITS = int(os.environ.get("KUIPER_GEMV_O_COARSE_SPLITS", "80"))
+# the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
+# instantiations, 80 registers: at most 3 blocks per SM) where flash decoding has more than
+# GEMV_O_MERGE_MIN_SPLITS splits and o's grid fits 3 per SM; else decode_merge's running max at 64
+# registers. H100 step timer (PERFORMANCE.md change 121): 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, 30B-A3B
+# -1.9 to -2.1% at 2000; at 512 keys (16 splits) +0.2 (8B) and +1.3% (30B-A3B), hence the bound.
+# KUIPER_GEMV_O_MERGE=0: always decode_merge (A/B)
+GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE", "1") != "0"
+GEMV_O_MERGE_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_O_MERGE_MIN_SPLITS", "16"))
 # the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
 # (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
@@ -199,7 +209,8 @@ def gpu_memory_used_mib() -> float:
 
 _MODULES: dict[str, object] = {}
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>"]),
+    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>",
+                               "gemv_w4a16<false, false, true>", "gemv_w4a16<false, true, true>"]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
@@ -221,7 +232,8 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
-PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
+PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>", "gemv_w4a16<false, false, true>",
+               "gemv_w4a16<false, true, true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
 _PDL: dict[int, bool] = {}
@@ -754,6 +766,9 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
+    if (att is not None and GEMV_O_MERGE and att.splits > GEMV_O_MERGE_MIN_SPLITS
+            and math.ceil(tiles * S / sm_count()) <= 3):
+        name = f"gemv_w4a16<false, {'true' if router is not None else 'false'}, true>"
     pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
