@@ -54,6 +54,11 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # "attn_short": {(hidden, heads, kv heads, head dim): keys} flash decoding's short-context regime (change 116): up
 # to that many keys a decode graph of its own launches only the splits those keys can use. With a 33000-position
 # cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119)
+# "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
+# change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
+# 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
+# H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512: o's 80 registers keep the
+# next GEMV's blocks from sitting resident beside it, so the H200 keeps decode_merge
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
@@ -62,26 +67,26 @@ DEVICE_TUNING = {
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
-             "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024}},  # Qwen3-8B, 30B-A3B
+             "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
+             "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B, 30B-A3B
 }
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
 # fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
 # loads out (change 71's residency gap). Qwen3-8B's o then takes 16 splits of 256 rows instead of 32 of
 # 128, two heads merged per block: 0.6% shorter steps at 512 and 8k (33 attention splits), 0.7% longer
-# at 32k (65) with decode_merge, hence a bound of 48 splits then (PERFORMANCE.md change 83); with
-# gemv_merge_span (below) 1.3% shorter at 32k, so the bound now covers the 80 splits of a 40960-position
-# cache (change 121). The other projections stay at 4: 3 for all of them made Qwen3-32B's gate/up two
-# splits of 2560 rows, 6.6% slower per step
+# at 32k (65) with decode_merge, hence the bound (PERFORMANCE.md change 83); with gemv_merge_span (below)
+# 1.3% shorter at 32k on the H100, so there the bound covers the 80 splits of a 40960-position cache
+# (GEMV_O_MERGE_COARSE_SPLITS, change 121). The other projections stay at 4: 3 for all of them made
+# Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
 GEMV_O_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_O_BLOCKS_PER_SM", "3"))
-GEMV_O_COARSE_SPLITS = int(os.environ.get("KUIPER_GEMV_O_COARSE_SPLITS", "80"))
+GEMV_O_COARSE_SPLITS = 48
+GEMV_O_MERGE_COARSE_SPLITS = 80
 # the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
-# instantiations, 80 registers: at most 3 blocks per SM) where flash decoding has more than
-# GEMV_O_MERGE_MIN_SPLITS splits and o's grid fits 3 per SM; else decode_merge's running max at 64
-# registers. H100 step timer (PERFORMANCE.md change 121): 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, 30B-A3B
-# -1.9 to -2.1% at 2000; at 512 keys (16 splits) +0.2 (8B) and +1.3% (30B-A3B), hence the bound.
-# KUIPER_GEMV_O_MERGE=0: always decode_merge (A/B)
-GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE", "1") != "0"
+# instantiations, 80 registers: at most 3 blocks per SM) for the shapes in DEVICE_TUNING's "o_merge", where
+# flash decoding has more than GEMV_O_MERGE_MIN_SPLITS splits and o's grid fits 3 per SM; else decode_merge's
+# running max at 64 registers. KUIPER_GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
+GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE")
 GEMV_O_MERGE_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_O_MERGE_MIN_SPLITS", "16"))
 # the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
@@ -601,6 +606,14 @@ def attn_min_chunk(a: ModelArgs) -> int:
     return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(key, DECODE_MIN_CHUNK)
 
 
+def o_merge(a: ModelArgs) -> bool:
+    """Whether the o GEMV may merge flash decoding's partials with gemv_merge_span (GEMV_O_MERGE, else
+    DEVICE_TUNING's "o_merge" for this model on this GPU)."""
+    if GEMV_O_MERGE is not None:
+        return GEMV_O_MERGE != "0"
+    return (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) in device_tuning().get("o_merge", ())
+
+
 def attn_short(a: ModelArgs) -> int:
     """Up to how many keys flash decoding runs in its short-context regime (a decode graph of its own whose
     grid holds only the splits those keys can use; PERFORMANCE.md change 116), 0 for none:
@@ -639,10 +652,11 @@ def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, in
     return math.ceil(K / rps), rps
 
 
-def o_split(K: int, tiles: int, attn_splits: int = 0) -> tuple[int, int]:
+def o_split(K: int, tiles: int, attn_splits: int = 0, merge: bool = False) -> tuple[int, int]:
     """gemv_split for the o GEMV over flash decoding's attn_splits partials (GEMV_O_BLOCKS_PER_SM up to
-    GEMV_O_COARSE_SPLITS of them); attn_splits 0: the coarsest split it may take (for checks that it fits)."""
-    coarse = attn_splits <= GEMV_O_COARSE_SPLITS
+    GEMV_O_COARSE_SPLITS of them, GEMV_O_MERGE_COARSE_SPLITS with gemv_merge_span's merge); attn_splits 0:
+    the coarsest split it may take (for checks that it fits)."""
+    coarse = attn_splits <= (GEMV_O_MERGE_COARSE_SPLITS if merge else GEMV_O_COARSE_SPLITS)
     return gemv_split(K, tiles, min(GEMV_O_BLOCKS_PER_SM, gemv_blocks_per_sm(K, tiles)) if coarse else None)
 
 
@@ -711,7 +725,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         tiles += (math.ceil(E / max(8, GEMV_RT_COLS)) if GEMV_RT_COLS > 0 else 1) + 1
     moe2 = out_kind == "moe_sum" and GEMV_MOE2
     S, rps = (gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0)) if out_kind == "moe_sum" else
-              o_split(K, tiles, att.splits) if att is not None else gemv_split(K, slots * tiles))
+              o_split(K, tiles, att.splits, att.o_merge) if att is not None else gemv_split(K, slots * tiles))
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
     assert slots * tiles + tiles <= gemv_counters().size
@@ -766,7 +780,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
-    if (att is not None and GEMV_O_MERGE and att.splits > GEMV_O_MERGE_MIN_SPLITS
+    if (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
             and math.ceil(tiles * S / sm_count()) <= 3):
         name = f"gemv_w4a16<false, {'true' if router is not None else 'false'}, true>"
     pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
@@ -1032,7 +1046,7 @@ def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
 
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK):
+                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, o_merge: bool = False):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
@@ -1040,7 +1054,8 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     fixed-point sums acc (its accumulating mode; ss: its scaled norm's split sums of squares); the
     kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
     rows (position n_keys - 1) into the cache. A split takes at least min_chunk keys (decode_chunk): the
-    splits past the keys present exit, and whoever merges reads only those that held keys."""
+    splits past the keys present exit, and whoever merges reads only those that held keys. o_merge: the o
+    GEMV that takes the returned partials may merge them with gemv_merge_span (see o_merge())."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
@@ -1059,7 +1074,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
         *fin, _i(min_chunk)), shared_mem=pad)
-    parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk)
+    parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge)
     return parts if out is None else attention_combine(parts, out)
 
 
@@ -1076,9 +1091,9 @@ class _AttnParts:
     """A decode step's flash-decoding partials, not yet merged: the o projection merges them in its
     GEMV prologue (gemv(att=...)); any other consumer gets attn_decode_combine's output (CupyOps._x)."""
 
-    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk):
+    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk, o_merge=False):
         self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
-        self.n_keys, self.pos_dev, self.min_chunk = n_keys, pos_dev, min_chunk
+        self.n_keys, self.pos_dev, self.min_chunk, self.o_merge = n_keys, pos_dev, min_chunk, o_merge
         self.shape = (1, heads * hd)
         self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
@@ -1657,6 +1672,7 @@ class CupyOps:
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
+        self.o_merge = o_merge(a)
         self._graphs = {}  # flash decoding's split count (_attn_split_count) -> (graph, its argmax's n_valid)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
@@ -2032,7 +2048,7 @@ class CupyOps:
             parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                      self.d["pos"] if self.graphs else None, finish=fin,
-                                     min_chunk=self.attn_min_chunk)
+                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
@@ -2114,7 +2130,7 @@ class CupyOps:
 
             return _Deferred(_acc_only("the fused attention half"), attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
-            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits, x.o_merge)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc(h):
                     # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)

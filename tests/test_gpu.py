@@ -589,14 +589,14 @@ def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
 @pytest.mark.parametrize("H,KV,hd,D", [(32, 8, 128, 4096), (64, 4, 128, 4096), (16, 8, 64, 1024), (40, 8, 128, 5120)])
 @pytest.mark.parametrize("n,on_device", [(1, True), (700, False), (9000, True), (511, True)])
 @pytest.mark.parametrize("min_chunk", [32, 64])
-@pytest.mark.parametrize("splits", [16, 40, 80])
-def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_chunk, splits):
+@pytest.mark.parametrize("splits,o_merge", [(16, True), (40, False), (40, True), (80, True)])
+def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_chunk, splits, o_merge):
     """The o projection with the flash-decoding merge in its prologue (x = attention output never
     materialised) and the residual add in its epilogue, against float64 attention @ W_o + h. The
     splits past the keys hold NaN: the merge must read exactly those that flash decoding wrote, for
-    the fewest keys per split that both were given (min_chunk). splits: 16 takes decode_merge's running
-    max, 40 and 80 gemv_merge_span (one to five batches of 16 partials; Qwen3-32B's 384-row span its
-    per-element fallback)."""
+    the fewest keys per split that both were given (min_chunk). o_merge: gemv_merge_span past 16 splits
+    (one to five batches of 16 partials at 40 and 80; Qwen3-32B's 384-row span takes its per-element
+    fallback), else and at 16 splits decode_merge's running max."""
     rng = np.random.default_rng()
     Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
     Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
@@ -605,7 +605,7 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_c
     part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
-                                part_o, part_ml, None, pos_dev, min_chunk=min_chunk)
+                                part_o, part_ml, None, pos_dev, min_chunk=min_chunk, o_merge=o_merge)
     h0 = rng.standard_normal((1, D)).astype(np.float32)
     h = cp.asarray(h0)
     partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)

@@ -28,9 +28,11 @@ def test_gemv_split_covers_k_in_whole_steps(sms, n_sm, K, N):
 
 def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     sms(132)
-    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md changes 83
-    # and 121 (the bound past every split count of a 40960-position cache: 80)
-    coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 81)
+    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md change 83;
+    # with gemv_merge_span's merge the bound covers every split count of a 40960-position cache (change 121)
+    coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 65)
+    assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS, merge=True) == coarse
+    assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS + 1, merge=True) == fine
     assert fine == oc.gemv_split(4096, 16)
     if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
         assert coarse == (16, 256) and fine == (32, 128)
@@ -86,13 +88,14 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
     for key, t in oc.DEVICE_TUNING.items():
-        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short"} and key
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
         for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():
             assert isinstance(keys, int) and keys >= 1 and H % KV == 0 and D % 32 == 0 and hd in (64, 128)
         for (D, H, KV, hd), keys in t.get("attn_short", {}).items():
             assert isinstance(keys, int) and keys >= 1 and H % KV == 0
+        assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
 
 
 def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
@@ -180,3 +183,20 @@ def test_draw_plan_blocks_and_candidate_room(monkeypatch):
         assert (G - 1) * oc.SMP_CHUNK < n <= G * oc.SMP_CHUNK and G * cap <= oc.SMP_CAND and cap <= oc.SMP_THREADS
     monkeypatch.setattr(oc, "SAMPLE_MB", False)
     assert oc.draw_plan(151669, greedy) is None
+
+
+def test_o_merge_follows_the_table_and_the_override(sms, monkeypatch):
+    from types import SimpleNamespace
+    a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    a14b = SimpleNamespace(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128)
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"o_merge": {(4096, 32, 8, 128)}}})
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", None)
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert oc.o_merge(a8b) and not oc.o_merge(a14b)
+    sms(132, "NVIDIA H200")
+    assert not oc.o_merge(a8b)
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")  # KUIPER_GEMV_O_MERGE wins everywhere
+    assert oc.o_merge(a8b) and oc.o_merge(a14b)
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", "0")
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert not oc.o_merge(a8b)
