@@ -108,7 +108,22 @@ __device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], f
 #define GEMV_O_MIN_BLOCKS 3   // the o instantiations with gemv_merge_span (OM): 80 registers
 #endif
 
-// The o projection's x (OM instantiations): the attention output over rows [k_lo, k_lo + span), whole
+// The o projection's x, element by element (decode_merge's running max per element): the attention
+// output over rows [k_lo, k_lo + span) rounded to fp16 into xsm; returns the thread's largest |x|.
+__device__ __forceinline__ float gemv_merge_each(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                 int S, int min_chunk, int HD, int n_keys, int k_lo, int span,
+                                                 half* xsm) {
+    float mx = 0.f;
+    for (int e = threadIdx.x; e < span; e += blockDim.x) {
+        const int k = k_lo + e;
+        const float f = __half2float(decode_merge(part_o, part_ml, k / HD, k % HD, S, HD, n_keys, min_chunk));
+        mx = fmaxf(mx, fabsf(f));
+        xsm[e] = __float2half(f);
+    }
+    return mx;
+}
+
+// The same in the OM instantiations (H100 only, by the host's table: the H200 measured it slower): over rows [k_lo, k_lo + span), whole
 // heads of HD rows, flash decoding's partials merged and rounded to fp16 into xsm; returns the
 // thread's |x|. One L2 round trip for up to GEMV_MERGE_BATCH splits: thread e's partials for its
 // element are in flight in registers while thread i < heads x splits loads pair i (max, sum) into
@@ -117,22 +132,15 @@ __device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], f
 // round trips: under the 64-register bound the compiler issues them between the exp2 steps, and
 // every split past a multiple of 8 adds two serial round trips of its own (PERFORMANCE.md change
 // 121). This form needs the 80 registers of 3 blocks per SM (16 partials spill at 64). Every thread
-// calls it (the barrier); a split count past the pairs' room takes decode_merge.
+// calls it (the barrier); more heads x splits than the pairs' room, or a span past the block's
+// threads, takes gemv_merge_each.
 __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                  int S, int min_chunk, int HD, int n_keys, int k_lo, int span,
                                                  half* xsm, float2* mls, int cap) {
     const int used = decode_splits_used(n_keys, S, min_chunk);
     const int h_lo = k_lo / HD, nh = (k_lo + span - 1) / HD - h_lo + 1;
-    if (nh * used > min(cap, (int)blockDim.x) || span > (int)blockDim.x) {  // (per element, as generic)
-        float mx = 0.f;
-        for (int e = threadIdx.x; e < span; e += blockDim.x) {
-            const int k = k_lo + e;
-            const float f = __half2float(decode_merge(part_o, part_ml, k / HD, k % HD, S, HD, n_keys, min_chunk));
-            mx = fmaxf(mx, fabsf(f));
-            xsm[e] = __float2half(f);
-        }
-        return mx;
-    }
+    if (nh * used > min(cap, (int)blockDim.x) || span > (int)blockDim.x)
+        return gemv_merge_each(part_o, part_ml, S, min_chunk, HD, n_keys, k_lo, span, xsm);
     constexpr int B = GEMV_MERGE_BATCH;
     const int e = threadIdx.x, k = k_lo + e;
     const bool mine = e < span;
@@ -348,17 +356,10 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         float ssl = 0.f;
         if (att_o) {
             const int n_keys = pos_early ? n_keys_early : (pos_dev ? *pos_dev : pos0) + 1;
-            if constexpr (OM) {  // (red is free until the loop's sums: block_max's barrier below ends the reads)
-                mx = gemv_merge_span(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm,
-                                     reinterpret_cast<float2*>(&red[0][0]), GEMV_WARPS * (GEMV_COLS + GEMV_COLS / 32) / 2);
-            } else {
-                for (int e = threadIdx.x; e < span; e += blockDim.x) {
-                    const int k = k_lo + e;
-                    const float f = __half2float(decode_merge(att_o, att_ml, k / hd, k % hd, att_S, hd, n_keys, att_mc));
-                    mx = fmaxf(mx, fabsf(f));
-                    xsm[e] = __float2half(f);
-                }
-            }
+            // (red is free until the loop's sums: block_max's barrier below ends the merge's reads)
+            mx = OM ? gemv_merge_span(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm,
+                                      reinterpret_cast<float2*>(&red[0][0]), GEMV_WARPS * (GEMV_COLS + GEMV_COLS / 32) / 2)
+                    : gemv_merge_each(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm);
         } else {
             // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an
             // iteration's loads issued before any is used: this runs after the PDL wait, where every
@@ -589,7 +590,7 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
 // block per SM (PERFORMANCE.md change 6). It is its own instantiation: beside every other epilogue
 // the second level spilled under the 64-register bound of 4 blocks per SM (change 39); alone it fits.
 // OM: the o projection with gemv_merge_span's merge, at the 80 registers of GEMV_O_MIN_BLOCKS per SM
-// (the host takes it where o aims at no more blocks per SM than that).
+// (the host takes it for DEVICE_TUNING's "o_merge" shapes past 16 splits, where o's grid fits 3 per SM).
 template <bool MOE2, bool RT = false, bool OM = false>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, OM ? GEMV_O_MIN_BLOCKS : GEMV_MIN_BLOCKS)
 gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_stride] or [K] (stride 0)
