@@ -58,7 +58,8 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
 # H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512, and +0.8 to +2.0% at 64
-# registers too (change 122, not explained), so the H200 keeps decode_merge
+# registers too (change 122, not explained), so the H200 keeps decode_merge. H100 14B and 4B measured mixed (4B
+# +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep it too
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
