@@ -89,6 +89,7 @@ GEMV_O_MERGE_COARSE_SPLITS = 80
 # running max at 64 registers. KUIPER_GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
 GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE")
 GEMV_O_MERGE_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_O_MERGE_MIN_SPLITS", "16"))
+GEMV_O_MERGE_PER_SM = 3  # the OM instantiations' blocks per SM at 80 registers (gemv_w4a16.cu GEMV_O_MIN_BLOCKS)
 # the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
 # (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
@@ -782,7 +783,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
     if (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
-            and math.ceil(tiles * S / sm_count()) <= 3):
+            and math.ceil(tiles * S / sm_count()) <= GEMV_O_MERGE_PER_SM):
         name = f"gemv_w4a16<false, {'true' if router is not None else 'false'}, true>"
     pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
