@@ -105,7 +105,7 @@ __device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], f
 #define GEMV_MERGE_BATCH 16   // flash-decoding partials a thread of the o merge loads at once
 #endif
 #ifndef GEMV_O_MIN_BLOCKS
-#define GEMV_O_MIN_BLOCKS 3   // the o instantiations with gemv_merge_span (OM): 80 registers
+#define GEMV_O_MIN_BLOCKS 3   // per SM, the o instantiations with gemv_merge_span (OM): 80 registers
 #endif
 
 // The o projection's x, element by element (decode_merge's running max per element): the attention
@@ -123,17 +123,16 @@ __device__ __forceinline__ float gemv_merge_each(const float* __restrict__ part_
     return mx;
 }
 
-// The same in the OM instantiations (H100 only, by the host's table: the H200 measured it slower): over rows [k_lo, k_lo + span), whole
-// heads of HD rows, flash decoding's partials merged and rounded to fp16 into xsm; returns the
-// thread's |x|. One L2 round trip for up to GEMV_MERGE_BATCH splits: thread e's partials for its
-// element are in flight in registers while thread i < heads x splits loads pair i (max, sum) into
-// mls (shared memory, cap pairs); after one barrier each thread finds its head's weights there.
-// decode_merge's running max (the generic instantiation) spreads the same loads over 4-6 dependent
-// round trips: under the 64-register bound the compiler issues them between the exp2 steps, and
-// every split past a multiple of 8 adds two serial round trips of its own (PERFORMANCE.md change
-// 121). This form needs the 80 registers of 3 blocks per SM (16 partials spill at 64). Every thread
-// calls it (the barrier); more heads x splits than the pairs' room, or a span past the block's
-// threads, takes gemv_merge_each.
+// The same in the OM instantiations (the host takes them on the H100 only, where they measured
+// faster); rows [k_lo, k_lo + span) are whole heads of HD rows. One L2 round trip for up to
+// GEMV_MERGE_BATCH splits: thread e's partials for its element are in flight in registers while
+// thread i < heads x splits loads pair i (max, sum) into mls (shared memory, cap pairs); after one
+// barrier each thread finds its head's weights there. decode_merge's running max (the generic
+// instantiation) spreads the same loads over 4-6 dependent round trips: under the 64-register bound
+// the compiler issues them between the exp2 steps, and every split past a multiple of 8 adds two
+// serial round trips of its own (PERFORMANCE.md change 121). This form needs the 80 registers of 3
+// blocks per SM (16 partials spill at 64). Every thread calls it (the barrier); more heads x splits
+// than the pairs' room, or a span past the block's threads, takes gemv_merge_each.
 __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                  int S, int min_chunk, int HD, int n_keys, int k_lo, int span,
                                                  half* xsm, float2* mls, int cap) {
@@ -358,7 +357,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             const int n_keys = pos_early ? n_keys_early : (pos_dev ? *pos_dev : pos0) + 1;
             // (red is free until the loop's sums: block_max's barrier below ends the merge's reads)
             mx = OM ? gemv_merge_span(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm,
-                                      reinterpret_cast<float2*>(&red[0][0]), GEMV_WARPS * (GEMV_COLS + GEMV_COLS / 32) / 2)
+                                      reinterpret_cast<float2*>(&red[0][0]), (int)(sizeof(red) / sizeof(float2)))
                     : gemv_merge_each(att_o, att_ml, att_S, att_mc, hd, n_keys, k_lo, span, xsm);
         } else {
             // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an

@@ -89,7 +89,7 @@ GEMV_O_MERGE_COARSE_SPLITS = 80
 # running max at 64 registers. KUIPER_GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
 GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE")
 GEMV_O_MERGE_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_O_MERGE_MIN_SPLITS", "16"))
-GEMV_O_MERGE_PER_SM = 3  # the OM instantiations' blocks per SM at 80 registers (gemv_w4a16.cu GEMV_O_MIN_BLOCKS)
+GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
 # the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
 # (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
@@ -475,7 +475,8 @@ def _compiled(family: str, name: str):
             opts += ("-arch=sm_90a",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                     f"-DGEMV_PIPE={GEMV_PIPE}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
+                     f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_PIPE={GEMV_PIPE}",
+                     f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
         # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
         opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
         try:
@@ -602,10 +603,14 @@ def device_tuning() -> dict:
     return next((t for key, t in DEVICE_TUNING.items() if key in name), {})
 
 
+def _attn_shape(a: ModelArgs) -> tuple[int, int, int, int]:
+    """DEVICE_TUNING's key for a model's attention settings: (hidden, heads, kv heads, head dim)."""
+    return (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
+
+
 def attn_min_chunk(a: ModelArgs) -> int:
     """Flash decoding's fewest keys per split for this model on this GPU (ATTN_MIN_CHUNK)."""
-    key = (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
-    return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(key, DECODE_MIN_CHUNK)
+    return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
 
 
 def o_merge(a: ModelArgs) -> bool:
@@ -613,7 +618,7 @@ def o_merge(a: ModelArgs) -> bool:
     DEVICE_TUNING's "o_merge" for this model on this GPU)."""
     if GEMV_O_MERGE is not None:
         return GEMV_O_MERGE != "0"
-    return (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) in device_tuning().get("o_merge", ())
+    return _attn_shape(a) in device_tuning().get("o_merge", ())
 
 
 def attn_short(a: ModelArgs) -> int:
@@ -622,8 +627,7 @@ def attn_short(a: ModelArgs) -> int:
     KUIPER_ATTN_SHORT, else DEVICE_TUNING's "attn_short" for this model on this GPU."""
     if ATTN_SHORT:
         return int(ATTN_SHORT)
-    key = (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
-    return device_tuning().get("attn_short", {}).get(key, 0)
+    return device_tuning().get("attn_short", {}).get(_attn_shape(a), 0)
 
 
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
@@ -783,7 +787,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
     if (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
-            and math.ceil(tiles * S / sm_count()) <= GEMV_O_MERGE_PER_SM):
+            and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS):
         name = f"gemv_w4a16<false, {'true' if router is not None else 'false'}, true>"
     pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
