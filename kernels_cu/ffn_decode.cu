@@ -193,12 +193,98 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
     return ffn_cluster_swiglu<CL>(part, misc, D, eps, inv);
 }
 
+// ---- the exchange by pushes (ffn_decode<CL, TB, true>, PERFORMANCE.md change 124) ----
+// Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
+// operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
+// Here each block stores its gate and up sums and its span's sum of squares straight into every block's
+// receive slots (st.async: fire and forget, each completing bytes on the receiver's mbarrier), and a
+// block waits only on its own mbarrier for all CL slots; no barrier or fence remains on the path.
+template <int CL>
+struct FfnPush {
+    float2 gu[CL][FFN_CH];  // [rank][channel] (gate, up) sums of block rank
+    float ss[CL];           // [rank] its span's sum of squares
+    unsigned long long bar; // completes when all CL ranks' bytes have landed
+    static constexpr u32 bytes = CL * (FFN_CH * 8 + 4);
+};
+
+__device__ __forceinline__ void st_async_v2(u32 addr, float2 v, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
+                 ::"r"(addr), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async_f32(u32 addr, float v, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
+                 ::"r"(addr), "r"(__float_as_uint(v)), "r"(bar) : "memory");
+}
+
+// Before the PDL wait: the receive barrier armed for the cluster's bytes, then the arrive that the
+// senders' wait (ffn_push_send) pairs with, so no block stores into a barrier not yet initialised.
+template <int CL>
+__device__ __forceinline__ void ffn_push_init(FfnPush<CL>& px) {
+    if (threadIdx.x == 0) {
+        mbar_init(smem_u32(&px.bar), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_arrive_expect_tx(smem_u32(&px.bar), FfnPush<CL>::bytes);
+    }
+    cl_arrive_relaxed();
+}
+
+// The block's gate/up sums (a8 per lane, as ffn_part_sums) and span sum of squares into slot `rank`
+// of every block of the cluster.
+template <int CL>
+__device__ __forceinline__ void ffn_push_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
+                                              const float* misc, FfnPush<CL>& px, int rank) {
+    const int tid = threadIdx.x, warp = tid >> 5;
+    stash_lane_sums(red[warp], a8, xexp);
+    __syncthreads();
+    float sg = 0.f, su = 0.f;
+#pragma unroll
+    for (int w = 0; w < FFN_SPW; ++w) {
+        sg += red[2 * w][tid + tid / 32];
+        su += red[2 * w + 1][tid + tid / 32];
+    }
+    cl_wait();  // every block's barrier initialised (their arrives went out before their PDL waits)
+    const u32 slot = smem_u32(&px.gu[rank][tid]), sss = smem_u32(&px.ss[rank]), bar = smem_u32(&px.bar);
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+        st_async_v2(cl_map(slot, r), make_float2(sg, su), cl_map(bar, r));
+        if (tid == 0) st_async_f32(cl_map(sss, r), misc[2 * FFN_WARPS], cl_map(bar, r));
+    }
+}
+
+// After this block's mbarrier completes: as ffn_cluster_swiglu, from the receive slots (the same sums
+// in the same rank order, so the same bits).
+template <int CL>
+__device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float eps, float& inv) {
+    const int tid = threadIdx.x;
+    asm volatile(
+        "{\n.reg .pred p;\nPW:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n"
+        "@!p bra PW;\n}\n" ::"r"(smem_u32(&px.bar)) : "memory");
+    float ss = 0.f, sg = 0.f, su = 0.f;
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+        ss += px.ss[r];
+        const float2 v = px.gu[r][tid];
+        sg += v.x;
+        su += v.y;
+    }
+    inv = rsqrtf(ss / D + eps);
+    const float gg = sg * inv, uu = su * inv;
+    return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+}
+template <int CL>
+__device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float eps) {
+    float inv;
+    return ffn_push_swiglu<CL>(px, D, eps, inv);
+}
+
 // down's x: the SwiGLU av of channel tid, divided by 2^dexp (returned) where the largest |av| passes
 // 1024. Starts with the relaxed arrive that says this block is done reading the others' shared memory
-// (av holds every value read); the kernel waits for it before exit.
-__device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc) {
+// (av holds every value read); the kernel waits for it before exit (arrive false: the push exchange,
+// which reads no other block's memory).
+__device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc, bool arrive = true) {
     // relaxed: a release arrive would wait for down's loads in flight
-    cl_arrive_relaxed();
+    if (arrive) cl_arrive_relaxed();
 #if !FFN_DIAG_LOOPEND
     diag_stamp(3);
 #endif
@@ -228,7 +314,8 @@ __device__ __forceinline__ void ffn_down_store(const float (&a8)[8], int dexp, i
 
 // ---- the kernels ----
 
-template <int CL, int TB>  // blocks per cluster; down column tiles per block (D = 256 CL TB)
+// PUSH: the cluster's exchange by pushes into receive slots (FfnPush) instead of the cluster barrier
+template <int CL, int TB, bool PUSH = false>  // blocks per cluster; down column tiles per block (D = 256 CL TB)
 __global__ void __launch_bounds__(FFN_THREADS, FFN_MIN_BLOCKS)
 ffn_decode(const float* __restrict__ h,            // [D] residual row
            const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
@@ -247,9 +334,11 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];       // per-warp column sums (+1 word per 32: banks)
     __shared__ float part[2][FFN_CH];                            // this block's gate, up sums (read by the cluster)
     __shared__ float misc[2 * FFN_WARPS + 1];                    // reductions; [2 FFN_WARPS]: the span's sum of squares
+    __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;          // PUSH: the receive slots
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.x, g = blockIdx.y;  // rank in the cluster; channel tile
     const int SP = D / CL, k_lo = b * SP;      // the block's gate/up rows
+    if constexpr (PUSH) ffn_push_init<CL>(px);
     const int IW = I / 8, DW = D / 8;          // row lengths in packed words
 
     // gate/up: warp = (matrix, rows wr R + 4 R j of the span, R = FFN_ROWS), lane = word g*32 + lane
@@ -277,8 +366,12 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     float a8[8];
     ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
     diag_stamp(2);
-    ffn_part_sums(a8, xexp, red, part);
-    cl_arrive();  // release this block's part and span sum of squares to the cluster
+    if constexpr (PUSH) {
+        ffn_push_send<CL>(a8, xexp, red, misc, px, b);
+    } else {
+        ffn_part_sums(a8, xexp, red, part);
+        cl_arrive();  // release this block's part and span sum of squares to the cluster
+    }
 
     // down's first step's loads go out between the barrier's arrive and wait: before the arrive, its
     // release would wait for them (measured: 3.7 µs from a cluster's last gate/up block to its sums)
@@ -288,12 +381,16 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     const int d_lo = g * FFN_CH;
     ffn_load_rows(db, d_lo + dr * FFN_ROWS, wv);
     ffn_load_group(dz, ds, DW, dword, d_lo + dr * FFN_ROWS, zw, sv);
-    cl_wait();
-
-    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
+    int dexp;
+    if constexpr (PUSH) {
+        dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps), xd, misc, false);
+    } else {
+        cl_wait();
+        dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
+    }
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
-    cl_wait();  // no block of the cluster still reads this block's shared memory
+    if constexpr (!PUSH) cl_wait();  // no block of the cluster still reads this block's shared memory
     diag_stamp(4);
     diag_record((unsigned long long)gq);
 }
@@ -318,7 +415,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 #define MOE_FFN_MIN_BLOCKS 2  // per SM (128 registers)
 #endif
 
-template <int CL, int TB>
+template <int CL, int TB, bool PUSH = false>  // PUSH: as ffn_decode's
 __global__ void __launch_bounds__(FFN_THREADS, MOE_FFN_MIN_BLOCKS)
 moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
@@ -353,10 +450,12 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     __shared__ float lg[MOE_MAX_E];     // the logits, -inf past E
     __shared__ int sel_id[32];
     __shared__ float sel_z[32];
+    __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.x, g = blockIdx.y;
     const int SP = D / CL, k_lo = b * SP;
     const int slot = g / (mI / FFN_CH), t = g % (mI / FFN_CH);
+    if constexpr (PUSH) ffn_push_init<CL>(px);
 
     // ---- the router's logits before the 1/rms, z = router . (w * (h + o)): the o GEMV's router rows
     // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
@@ -406,8 +505,12 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
 #if FFN_DIAG_LOOPEND
     diag_stamp(3);
 #endif
-    ffn_part_sums(a8, xexp, red, part);
-    cl_arrive();  // release part
+    if constexpr (PUSH) {
+        ffn_push_send<CL>(a8, xexp, red, misc, px, b);
+    } else {
+        ffn_part_sums(a8, xexp, red, part);
+        cl_arrive();  // release part
+    }
 
     // down's first step's loads go out between the arrive and the wait (as ffn_decode's)
     const int DW = D / 8;
@@ -419,10 +522,14 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     const int d_lo = t * FFN_CH, dstep = WPT * FFN_ROWS;
     ffn_load_rows(db, d_lo + dr * FFN_ROWS, wv);
     ffn_load_group(dzz, dss, DW, dword, d_lo + dr * FFN_ROWS, zw, sv);
-    cl_wait();
-
     float inv;  // the row's 1/rms
-    const int dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps, inv), xd, misc);
+    int dexp;
+    if constexpr (PUSH) {
+        dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps, inv), xd, misc, false);
+    } else {
+        cl_wait();
+        dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps, inv), xd, misc);
+    }
     // the routing weight: the softmax of inv * z (its largest is the first pick), renormalised over the
     // picks with norm_topk; each warp sums the denominator itself (the same bits in every warp)
     float wgt;
@@ -443,7 +550,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     }
     ffn_span_dot(db, dzz, dss, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, dstep, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, wgt, acc, red);
-    cl_wait();
+    if constexpr (!PUSH) cl_wait();
     diag_stamp(4);
     diag_record((unsigned long long)wq);
 }

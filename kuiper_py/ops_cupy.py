@@ -233,7 +233,9 @@ _FILES = {
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS])}
+                       + [f"ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS]
+                       + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
+                       + [f"moe_ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -1244,11 +1246,18 @@ FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
-def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode") -> dict:
+# the one-launch FFN kernels' cluster exchange by pushes into receive slots (st.async on mbarriers) instead of
+# the cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush, PERFORMANCE.md
+# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000): KUIPER_FFN_PUSH=0 the barrier (A/B)
+FFN_PUSH = os.environ.get("KUIPER_FFN_PUSH", "1") != "0"
+
+
+def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push: bool | None = None) -> dict:
     """The plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB) instantiation
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
-    (all n must be: the caller checks)."""
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}>")
+    (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
+    push = FFN_PUSH if push is None else push
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, true>" if push else f"{kernel}<{CL}, {TB}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 

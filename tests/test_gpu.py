@@ -795,18 +795,20 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
-def test_ffn_decode_cluster_kernel(CL, TB, massive):
+def test_ffn_decode_cluster_kernel(CL, TB, massive, push):
     """The FFN half of a dense decode layer in one cluster launch (ffn_decode.cu), every (CL, TB)
     instantiation at D = 256 CL TB and three clusters of channels, against float64 NumPy: the o
     projection's pending fixed-point sums added to the residual (the new row written exactly), RMSNorm,
     gate and up, SwiGLU, down into a fixed-point accumulator. massive: three residual channels at 1e5
     with norm weight 40 (x = h * w = 4e6 before the deferred 1/rms, past fp16's range; SwiGLU outputs
-    in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same."""
+    in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same.
+    push: the cluster's exchange by pushes into receive slots instead of the cluster barrier."""
     rng = np.random.default_rng()
     D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
-    plan = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256)
+    plan = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=push)
     (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
     h, w, pend, row = pending_row_inputs(rng, D, massive)
     x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
@@ -814,16 +816,18 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive):
     ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd
     layer = types.SimpleNamespace(w1=mg, w3=mu, w2=md)
     outs = []
-    for _ in range(2):
+    # push: a third launch through the barrier exchange, which sums the same values in the same order
+    for p in [plan, plan] + ([cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=False)] if push else []):
         hout, acc = nan_like((1, D), cp.float32), cp.zeros((D,), cp.int64)
         xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
-        oc.decode_ffn(plan, xin, layer, acc, eps)
+        oc.decode_ffn(p, xin, layer, acc, eps)
         got = cp.asnumpy(acc)
         np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
         outs.append(got)
     y = outs[0].astype(np.float64) / 2**32
     assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
 
 
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])

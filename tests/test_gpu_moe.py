@@ -203,10 +203,11 @@ _MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 51
                   (5, 2, 32, 4, 256), (5, 4, 16, 2, 256)]
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("CL,TB,n_exp,k,inter", _MOE_FFN_CASES)
-def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive):
+def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive, push):
     """The row h + fp16(pending o) (written to hout exactly), its RMSNorm, softmax and top-k of the
     router's logits (given before the 1/rms in fixed point, as the o GEMV's router rows add them; the
     kernel applies the 1/rms of the row), and the picked experts' gate/up, SwiGLU and down times their
@@ -214,10 +215,12 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     (float64) logits, ties within 2e-3 allowed; the weights and the output are
     checked against the exact values for the experts picked. massive: three residual channels at 1e5
     with norm weight 40 (past fp16's range before the deferred 1/rms), so the overflow guards run.
-    Launched twice on the same inputs with poisoned outputs: bitwise the same."""
+    Launched twice on the same inputs with poisoned outputs: bitwise the same. push: the cluster's
+    exchange by pushes into receive slots, and a third launch through the barrier exchange (the same sums
+    in the same order) bitwise the same too."""
     rng = np.random.default_rng()
     Dm = 256 * CL * TB
-    plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256)
+    plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=push)
     if (Dm, n_exp, inter) == (D, E, INTER):
         w13, w13_d, w2, w2_d, router = layer["w13"], layer["w13_d"], layer["w2"], layer["w2_d"], layer["router"]
     else:
@@ -233,11 +236,12 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     # the logits before the 1/rms in fixed point, as the o GEMV's router rows add them: router . (w * row)
     zacc = cp.asarray(np.round(router.astype(np.float64) @ (r64 * w.astype(np.float64)) * 2**32).astype(np.int64))
     outs = []
-    for _ in range(2):
+    for pl in [plan, plan] + ([cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=False)]
+                              if push else []):
         hout, acc = poisoned((1, Dm), np.float32), cp.zeros((Dm,), cp.int64)
         ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
         xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
-        oc.decode_moe_ffn(plan, xin, lay, ids, wts, acc, 1e-6, k, norm_topk, zacc)
+        oc.decode_moe_ffn(pl, xin, lay, ids, wts, acc, 1e-6, k, norm_topk, zacc)
         np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
         outs.append((cp.asnumpy(ids)[0], cp.asnumpy(wts)[0], cp.asnumpy(acc)))
     got_ids, got_w, got = outs[0]
@@ -254,8 +258,9 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
         ref += we * awq_linear(act[None], w2.expert(int(e)))[0]
     y = got.astype(np.float64) / 2**32
     assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
-    for a_, b_ in zip(outs[0], outs[1]):
-        np.testing.assert_array_equal(a_, b_)
+    for other in outs[1:]:
+        for a_, b_ in zip(outs[0], other):
+            np.testing.assert_array_equal(a_, b_)
 
 
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
