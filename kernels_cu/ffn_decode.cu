@@ -11,7 +11,8 @@
 // distributed shared memory (a cluster barrier, not a grid one), and then block b takes the 256
 // channels' rows of down for its D/CL output columns and adds them into the fixed-point accumulator
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
-// other; no block waits on the grid. Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
+// other; no block waits on the grid. By default the exchange is by pushes into each block's receive
+// slots on an mbarrier rather than the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
 // next to empty ones.
 //
