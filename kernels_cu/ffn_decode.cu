@@ -155,10 +155,9 @@ __device__ __forceinline__ int ffn_stage_x(const float* __restrict__ h, const lo
     return xexp;
 }
 
-// The block's 256 gate and 256 up sums to part, from each lane's 8 column sums a8 over the span (warp =
+// The block's gate and up sums of channel tid, from each lane's 8 column sums a8 over the span (warp =
 // matrix warp & 1; times 2^xexp, undoing the span's scaling).
-__device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
-                                              float (*part)[FFN_CH]) {
+__device__ __forceinline__ float2 ffn_block_gu(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32]) {
     const int tid = threadIdx.x, warp = tid >> 5;
     stash_lane_sums(red[warp], a8, xexp);
     __syncthreads();
@@ -168,8 +167,15 @@ __device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, fl
         sg += red[2 * w][tid + tid / 32];
         su += red[2 * w + 1][tid + tid / 32];
     }
-    part[0][tid] = sg;
-    part[1][tid] = su;
+    return make_float2(sg, su);
+}
+
+// ffn_block_gu's sums to part (read by the cluster).
+__device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
+                                              float (*part)[FFN_CH]) {
+    const float2 v = ffn_block_gu(a8, xexp, red);
+    part[0][threadIdx.x] = v.x;
+    part[1][threadIdx.x] = v.y;
 }
 
 // After the cluster barrier: the cluster's gate and up sums of channel tid and its spans' sums of
@@ -234,20 +240,13 @@ __device__ __forceinline__ void ffn_push_init(FfnPush<CL>& px) {
 template <int CL>
 __device__ __forceinline__ void ffn_push_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
                                               const float* misc, FfnPush<CL>& px, int rank) {
-    const int tid = threadIdx.x, warp = tid >> 5;
-    stash_lane_sums(red[warp], a8, xexp);
-    __syncthreads();
-    float sg = 0.f, su = 0.f;
-#pragma unroll
-    for (int w = 0; w < FFN_SPW; ++w) {
-        sg += red[2 * w][tid + tid / 32];
-        su += red[2 * w + 1][tid + tid / 32];
-    }
+    const int tid = threadIdx.x;
+    const float2 v = ffn_block_gu(a8, xexp, red);
     cl_wait();  // every block's barrier initialised (their arrives went out before their PDL waits)
     const u32 slot = smem_u32(&px.gu[rank][tid]), sss = smem_u32(&px.ss[rank]), bar = smem_u32(&px.bar);
 #pragma unroll
     for (int r = 0; r < CL; ++r) {
-        st_async_v2(cl_map(slot, r), make_float2(sg, su), cl_map(bar, r));
+        st_async_v2(cl_map(slot, r), v, cl_map(bar, r));
         if (tid == 0) st_async_f32(cl_map(sss, r), misc[2 * FFN_WARPS], cl_map(bar, r));
     }
 }
