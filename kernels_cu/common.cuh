@@ -273,6 +273,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
         "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
+// The same wait acquiring at cluster scope: for bytes other blocks of the cluster stored (st.async).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
                  : "memory");

@@ -11,10 +11,10 @@
 // distributed shared memory (a cluster barrier, not a grid one), and then block b takes the 256
 // channels' rows of down for its D/CL output columns and adds them into the fixed-point accumulator
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
-// other; no block waits on the grid. By default the exchange is by pushes into each block's receive
-// slots on an mbarrier rather than the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
+// other; no block waits on the grid. Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
-// next to empty ones.
+// next to empty ones. By default the exchange is by pushes into each block's receive slots on an
+// mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124).
 //
 // Numerics as the accumulating-mode GEMVs (gemv_w4a16.cu, scaled norm): x = (h + fp16(o)) * w in
 // fp16, the 1/rms applied to the gate and up sums, SwiGLU rounded to fp16, the same 4-row fp16 dot
@@ -178,6 +178,14 @@ __device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, fl
     part[1][threadIdx.x] = v.y;
 }
 
+// SwiGLU rounded to fp16 of the cluster's gate and up sums sg, su of a channel, from the spans' summed
+// squares ss (inv: the row's 1/rms). Both exchanges end here, so they give the same bits.
+__device__ __forceinline__ float ffn_swiglu(float ss, float sg, float su, int D, float eps, float& inv) {
+    inv = rsqrtf(ss / D + eps);
+    const float gg = sg * inv, uu = su * inv;
+    return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+}
+
 // After the cluster barrier: the cluster's gate and up sums of channel tid and its spans' sums of
 // squares, added in rank order (the same bits in every block), the 1/rms, SwiGLU rounded to fp16.
 template <int CL>
@@ -190,9 +198,7 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
         sg += cl_ld(cl_map(smem_u32(&part[0][tid]), r));
         su += cl_ld(cl_map(smem_u32(&part[1][tid]), r));
     }
-    inv = rsqrtf(ss / D + eps);
-    const float gg = sg * inv, uu = su * inv;
-    return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+    return ffn_swiglu(ss, sg, su, D, eps, inv);
 }
 template <int CL>
 __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps) {
@@ -256,10 +262,7 @@ __device__ __forceinline__ void ffn_push_send(const float (&a8)[8], int xexp, fl
 template <int CL>
 __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float eps, float& inv) {
     const int tid = threadIdx.x;
-    asm volatile(
-        "{\n.reg .pred p;\nPW:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], 0;\n"
-        "@!p bra PW;\n}\n" ::"r"(smem_u32(&px.bar)) : "memory");
+    mbar_wait_cluster(smem_u32(&px.bar), 0);  // the barrier's one phase: armed once per launch
     float ss = 0.f, sg = 0.f, su = 0.f;
 #pragma unroll
     for (int r = 0; r < CL; ++r) {
@@ -268,9 +271,7 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
         sg += v.x;
         su += v.y;
     }
-    inv = rsqrtf(ss / D + eps);
-    const float gg = sg * inv, uu = su * inv;
-    return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
+    return ffn_swiglu(ss, sg, su, D, eps, inv);
 }
 template <int CL>
 __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float eps) {
@@ -332,7 +333,8 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
     __shared__ __align__(16) half xd[FFN_CH];                    // SwiGLU of the cluster's channels: down's x
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];       // per-warp column sums (+1 word per 32: banks)
-    __shared__ float part[2][FFN_CH];                            // this block's gate, up sums (read by the cluster)
+    __shared__ float part[PUSH ? 1 : 2][FFN_CH];                 // this block's gate, up sums (read by the cluster;
+                                                                 // PUSH: unused)
     __shared__ float misc[2 * FFN_WARPS + 1];                    // reductions; [2 FFN_WARPS]: the span's sum of squares
     __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;          // PUSH: the receive slots
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -373,8 +375,9 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
         cl_arrive();  // release this block's part and span sum of squares to the cluster
     }
 
-    // down's first step's loads go out between the barrier's arrive and wait: before the arrive, its
-    // release would wait for them (measured: 3.7 µs from a cluster's last gate/up block to its sums)
+    // down's first step's loads go out between the barrier's arrive and wait (PUSH: the pushes and the
+    // mbarrier's wait): before the arrive, its release would wait for them (measured: 3.7 µs from a
+    // cluster's last gate/up block to its sums)
     const int dt = warp / WPT, dr = warp % WPT;
     const int dword = (b * TB + dt) * 32 + lane;
     const u32* db = dq + (size_t)(b * TB + dt) * 32 * I + lane * 4;
@@ -445,7 +448,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
     __shared__ __align__(16) half xd[FFN_CH];
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];
-    __shared__ float part[2][FFN_CH];
+    __shared__ float part[PUSH ? 1 : 2][FFN_CH];
     __shared__ float misc[2 * FFN_WARPS + 1];
     __shared__ float lg[MOE_MAX_E];     // the logits, -inf past E
     __shared__ int sel_id[32];
