@@ -185,8 +185,9 @@ def assert_as_accurate(name, fused, separate, cpu):
 
 def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=None):
     """ops_cupy.ffn_cluster_plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB)
-    instantiation over n_clusters (push: ffn_decode's exchange by pushes, None: the default), or a skip where
-    clusters or the driver's occupancy query are missing (before sm_90); its clusters must all be resident."""
+    instantiation over n_clusters (push: the cluster's exchange by pushes into receive slots, False: through the
+    cluster barrier, None: the default), or a skip where clusters or the driver's occupancy query are missing
+    (before sm_90); its clusters must all be resident."""
     import pytest
     from kuiper_py import ops_cupy as oc
     if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
