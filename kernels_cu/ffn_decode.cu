@@ -13,8 +13,11 @@
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
 // other; no block waits on the grid. Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
-// next to empty ones. By default the exchange is by pushes into each block's receive slots on an
-// mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124).
+// next to empty ones. The cluster's exchange is by pushes into each block's receive slots on an
+// mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Where the
+// grid needs 3 blocks per SM (Qwen3-8B on an H100), the host runs the form without a cluster launch
+// instead: registers for 3 blocks per SM spread it evenly, and a tile's blocks exchange through global
+// memory (FfnSlots below, change 129).
 //
 // Numerics as the accumulating-mode GEMVs (gemv_w4a16.cu, scaled norm): x = (h + fp16(o)) * w in
 // fp16, the 1/rms applied to the gate and up sums, SwiGLU rounded to fp16, the same 4-row fp16 dot
@@ -22,7 +25,7 @@
 //
 // Supported (the host checks; anything else runs the separate GEMVs): group size 128, I % 256 == 0,
 // D = 256 * CL * TB with (CL, TB) an instantiated pair, D / CL <= FFN_MAX_SPAN. grid (CL, I / 256),
-// cluster (CL, 1, 1), block FFN_THREADS.
+// cluster (CL, 1, 1) (the global exchange: no cluster, the whole grid resident at once), block FFN_THREADS.
 #include "common.cuh"
 
 #define FFN_THREADS 256
@@ -279,6 +282,70 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
     return ffn_push_swiglu<CL>(px, D, eps, inv);
 }
 
+// ---- the exchange through global memory (ffn_decode<CL, TB, FFN_XCH_GLOBAL>) ----
+// Why: a cluster launch is placed by GPC (clusters reach ~124 of an H100's 132 SMs), and the dense FFN's
+// 384 blocks land up to 4 per SM next to SMs holding 0 or 1; the SMs holding 4 end the FFN last (PERFORMANCE.md
+// changes 125-129). Without clusters, and with registers for only 3 blocks per SM, the grid spreads 3 per
+// SM (capped by shared-memory padding instead, its blocks could only land as the o GEMV's left: change 125);
+// the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each stores its slot
+// and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
+// (relaxed polling, then an acquire fence). The counter only grows (64 bits: no wrap, no reset), so a
+// launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
+// tile must be resident at once: the host launches this form only where the whole grid fits (a stuck wait
+// traps after ~2 s).
+struct FfnSlots {           // one channel tile's exchange, in global memory
+    float2 gu[8][FFN_CH];   // [rank][channel] (gate, up) sums of block rank (CL <= 8)
+    float ss[8];            // [rank] its span's sum of squares
+};
+
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The block's sums (as ffn_push_send) into slot `rank` of its tile, then its arrival on cnt.
+__device__ __forceinline__ void ffn_global_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
+                                                const float* misc, FfnSlots* xs, unsigned long long* cnt, int rank) {
+    const int tid = threadIdx.x;
+    const float2 v = ffn_block_gu(a8, xexp, red);
+    __stcg(&xs->gu[rank][tid], v);
+    if (tid == 0) __stcg(&xs->ss[rank], misc[2 * FFN_WARPS]);
+    __syncthreads();  // the block's stores before its arrival (thread 0's release covers them: cumulativity)
+    if (tid == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;\n" ::"l"(cnt) : "memory");
+}
+
+// After the tile's counter reaches target: as ffn_push_swiglu, from the slots in global memory (the same
+// sums in the same rank order, so the same bits).
+template <int CL>
+__device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const unsigned long long* cnt,
+                                                   unsigned long long target, int D, float eps) {
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        long long spins = 0;
+        while (ld_relaxed_u64(cnt) < target)
+            if (++spins > (1ll << 26)) __trap();  // a peer never arrived (not all blocks resident): fail loudly
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // the acquire that pairs with the peers' release adds
+    }
+    __syncthreads();  // thread 0's acquire before every thread's reads of the slots
+    float ss = 0.f, sg = 0.f, su = 0.f;
+    float2 v[CL];
+    float s[CL];
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+        v[r] = __ldcg(&xs->gu[r][tid]);
+        s[r] = __ldcg(&xs->ss[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+        ss += s[r];
+        sg += v[r].x;
+        su += v[r].y;
+    }
+    float inv;
+    return ffn_swiglu(ss, sg, su, D, eps, inv);
+}
+
 // down's x: the SwiGLU av of channel tid, divided by 2^dexp (returned) where the largest |av| passes
 // 1024. Starts with the relaxed arrive that says this block is done reading the others' shared memory
 // (av holds every value read); the kernel waits for it before exit (arrive false: the push exchange,
@@ -315,9 +382,14 @@ __device__ __forceinline__ void ffn_down_store(const float (&a8)[8], int dexp, i
 
 // ---- the kernels ----
 
-// PUSH: the cluster's exchange by pushes into receive slots (FfnPush) instead of the cluster barrier
-template <int CL, int TB, bool PUSH = false>  // blocks per cluster; down column tiles per block (D = 256 CL TB)
-__global__ void __launch_bounds__(FFN_THREADS, FFN_MIN_BLOCKS)
+// XCH: the exchange of the CL blocks' sums: FFN_XCH_BARRIER the cluster barrier, FFN_XCH_PUSH pushes into
+// receive slots (FfnPush), FFN_XCH_GLOBAL slots in global memory without a cluster launch (FfnSlots).
+// MINB: blocks per SM that __launch_bounds__ asks registers for (the global exchange: 3, which caps it there)
+#define FFN_XCH_BARRIER 0
+#define FFN_XCH_PUSH 1
+#define FFN_XCH_GLOBAL 2
+template <int CL, int TB, int XCH = FFN_XCH_BARRIER, int MINB = FFN_MIN_BLOCKS>  // blocks per cluster; down column
+__global__ void __launch_bounds__(FFN_THREADS, MINB)                             // tiles per block (D = 256 CL TB)
 ffn_decode(const float* __restrict__ h,            // [D] residual row
            const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
            float* __restrict__ hout,               // [D] h + fp16(pend), written by cluster 0 (pend set)
@@ -326,15 +398,18 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
            const u32* uq, const u32* uz, const half* us,  // up, the same
            const u32* dq, const u32* dz, const half* ds,  // down [I, D] tiled, [I/128, D/8], [I/128, D]
            long long* __restrict__ acc,            // [D] down's sums (fixed point), zero on entry
-           int D, int I) {
+           int D, int I,
+           FfnSlots* xslots, unsigned long long* xcnt) {  // FFN_XCH_GLOBAL: [I/256] slots, arrival counts
+    constexpr bool PUSH = XCH == FFN_XCH_PUSH, GLOBAL = XCH == FFN_XCH_GLOBAL;
+    static_assert(!GLOBAL || CL <= 8, "FfnSlots holds 8 ranks");
     diag_stamp(0);  // (KUIPER_DIAG_TIMES, tools/timeline_decode.py: entry, wait, gate/up done, cluster sums, end)
     constexpr int WPT = FFN_WARPS / TB;    // down: warps per column tile
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
     __shared__ __align__(16) half xd[FFN_CH];                    // SwiGLU of the cluster's channels: down's x
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];       // per-warp column sums (+1 word per 32: banks)
-    __shared__ float part[PUSH ? 1 : 2][FFN_CH];                 // this block's gate, up sums (read by the cluster;
-                                                                 // PUSH: unused)
+    __shared__ float part[XCH == FFN_XCH_BARRIER ? 2 : 1][FFN_CH];  // this block's gate, up sums (read by the
+                                                                    // cluster; the other exchanges: unused)
     __shared__ float misc[2 * FFN_WARPS + 1];                    // reductions; [2 FFN_WARPS]: the span's sum of squares
     __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;          // PUSH: the receive slots
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -363,6 +438,9 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     pdl_wait();  // h, pend and acc belong to the kernels before us
     pdl_trigger();
     diag_stamp(1);
+    // GLOBAL: the count this launch's CL arrivals take the tile's counter to (read early: off the path; the
+    // kernels before have finished, so it holds whole launches and at most CL - 1 arrivals of this one)
+    const unsigned long long target = GLOBAL ? (ld_relaxed_u64(xcnt + g) / CL + 1) * CL : 0;
 
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
     float a8[8];
@@ -370,6 +448,8 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     diag_stamp(2);
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
+    } else if constexpr (GLOBAL) {
+        ffn_global_send(a8, xexp, red, misc, xslots + g, xcnt + g, b);
     } else {
         ffn_part_sums(a8, xexp, red, part);
         cl_arrive();  // release this block's part and span sum of squares to the cluster
@@ -387,13 +467,15 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     int dexp;
     if constexpr (PUSH) {
         dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps), xd, misc, false);
+    } else if constexpr (GLOBAL) {
+        dexp = ffn_stage_xd(ffn_global_swiglu<CL>(xslots + g, xcnt + g, target, D, eps), xd, misc, false);
     } else {
         cl_wait();
         dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
     }
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
-    if constexpr (!PUSH) cl_wait();  // no block of the cluster still reads this block's shared memory
+    if constexpr (XCH == FFN_XCH_BARRIER) cl_wait();  // no block of the cluster still reads this block's shared memory
     diag_stamp(4);
     diag_record((unsigned long long)gq);
 }

@@ -233,7 +233,8 @@ _FILES = {
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS]
+                       + [f"ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS]
+                       + [f"ffn_decode<{cl}, {tb}, 2, 3>" for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS])}
 
@@ -553,14 +554,8 @@ def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
 
 
 def _spread_smem(fn, blocks: int, threads: int) -> int:
-    occ = _cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    if occ is None:
-        return 0
-    ptr = getattr(fn, "kernel", fn).ptr
-
     def fit(smem: int) -> int:
-        n = ctypes.c_int(0)
-        return -1 if occ(ctypes.byref(n), ptr, threads, smem) else n.value
+        return blocks_per_sm(fn, threads, smem)
 
     want = -(-blocks // sm_count())
     if fit(0) <= want:
@@ -574,6 +569,16 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
     if fn.max_dynamic_shared_size_bytes < pad:
         fn.max_dynamic_shared_size_bytes = pad
     return pad if fit(pad) == want else 0
+
+
+def blocks_per_sm(fn, threads: int, smem: int = 0) -> int:
+    """How many blocks of kernel fn (threads each, smem bytes of dynamic shared memory) fit on one SM by
+    the driver's occupancy calculator, or -1 where it cannot say."""
+    occ = _cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    if occ is None:
+        return -1
+    n = ctypes.c_int(0)
+    return -1 if occ(ctypes.byref(n), getattr(fn, "kernel", fn).ptr, threads, smem) else n.value
 
 
 def device_attrs() -> dict:
@@ -1257,8 +1262,10 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push:
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
     (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
     push = FFN_PUSH if push is None else push
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, true>" if push else f"{kernel}<{CL}, {TB}>")
-    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {'1' if kernel == 'ffn_decode' else 'true'}>" if push
+                   else f"{kernel}<{CL}, {TB}>")
+    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), push=push,
+                clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
 def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
@@ -1295,21 +1302,57 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {plan['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
                       f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
+    if plan is not None and FFN_GLOBAL in ("auto", "1"):
+        g, how = ffn_global_plan(plan, n, at_cap_only=FFN_GLOBAL == "auto")
+        if g is not None:
+            plan, why = g, how
     return plan, why
 
 
 def decode_ffn(plan: dict, x, layer, acc, eps: float):
     """One dense decode layer's FFN half (ffn_decode.cu): x a _Normed (h, the norm weight, the o
     projection's pending sums and the row they make, or neither); down's sums added into acc (int64
-    [D], zero on entry: the o GEMV before clears it)."""
+    [D], zero on entry: the o GEMV before clears it). plan: a cluster launch (ffn_cluster_plan) or the
+    form without one (ffn_global_plan)."""
     null = np.uint64(0)
     mats = []
     for m in (layer.w1, layer.w3, layer.w2):
         mats += [m.qweight, m.qzeros, m.scales]
+    xs = plan.get("xslots")
     launch_ex(plan["fn"], (plan["CL"], layer.w1.N // FFN_CH), (FFN_THREADS,), (
         x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
-        *mats, acc, _i(x.h.size), _i(layer.w1.N)), 0, plan["attrs"])
+        *mats, acc, _i(x.h.size), _i(layer.w1.N), xs if xs is not None else null,
+        plan["xcnt"] if xs is not None else null), 0, plan["attrs"])
     return acc
+
+
+# The dense one-launch FFN without a cluster launch (ffn_decode.cu FfnSlots, PERFORMANCE.md change 129): registers
+# for only FFN_GLOBAL_PER_SM blocks per SM spread its grid evenly, and a channel tile's blocks exchange their sums
+# through global memory. A cluster launch cannot be spread that way: clusters reach ~124 of an H100's 132 SMs,
+# where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM (change 128). H100, Qwen3-8B: -2.4% per decode step at
+# 512 keys, -1.6% at 2000. "auto" (default) where the grid needs that many blocks per SM, "1" wherever its whole
+# grid fits at that count (tests), "0" the cluster launch (A/B).
+FFN_GLOBAL = os.environ.get("KUIPER_FFN_GLOBAL", "auto")
+FFN_GLOBAL_PER_SM = 3  # ffn_decode.cu's MINB of the FFN_XCH_GLOBAL instantiations
+FFN_SLOT_BYTES = 8 * FFN_CH * 8 + 8 * 4  # ffn_decode.cu sizeof(FfnSlots)
+
+
+def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False) -> tuple[dict | None, str]:
+    """(plan, why): ffn_decode's plan over n clusters made into its form without a cluster launch (the CL blocks
+    of a tile exchange through global memory, FFN_GLOBAL_PER_SM blocks per SM by its registers), or None and
+    why not. Every block must be resident at once (a tile's blocks wait for each other). at_cap_only: only
+    where the grid needs FFN_GLOBAL_PER_SM blocks per SM (fewer is not measured, more does not fit)."""
+    CL, sms = plan["CL"], sm_count()
+    if at_cap_only and -(-CL * n // sms) != FFN_GLOBAL_PER_SM:
+        return None, f"{CL * n} blocks on {sms} SMs"
+    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, 2, {FFN_GLOBAL_PER_SM}>")
+    per = blocks_per_sm(fn, FFN_THREADS)
+    if per * sms < CL * n:
+        return None, f"{CL * n} blocks do not fit at {per} per SM"
+    return (dict(plan, fn=fn, attrs=_pdl_attr(), xslots=cp.zeros((n * FFN_SLOT_BYTES // 4,), cp.float32),
+                 xcnt=cp.zeros((n,), cp.uint64)),
+            f"on, without a cluster launch: {n} channel tiles of {CL} blocks, {plan['TB']} down tiles per block "
+            f"({CL * n} blocks at {per} per SM), the exchange through global memory")
 
 
 # the one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: the top-k and the selected experts in one

@@ -830,6 +830,38 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive, push):
         np.testing.assert_array_equal(outs[0], o)
 
 
+@pytest.mark.parametrize("massive", [False, True])
+@pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
+def test_ffn_decode_global_exchange(CL, TB, massive):
+    """The dense one-launch FFN without a cluster launch (ops_cupy.ffn_global_plan): the CL blocks of a
+    channel tile exchange their sums through global memory (an arrival counter that only grows), against
+    float64 NumPy as test_ffn_decode_cluster_kernel, launched three times on the same counters, and
+    bitwise equal to the cluster's push exchange (the same sums in the same order)."""
+    rng = np.random.default_rng()
+    D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
+    push = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=True)
+    plan, why = oc.ffn_global_plan(push, I // 256)
+    assert plan is not None, why
+    (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
+    h, w, pend, row = pending_row_inputs(rng, D, massive)
+    x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
+    g, u = x @ rg, x @ ru
+    ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd
+    layer = types.SimpleNamespace(w1=mg, w3=mu, w2=md)
+    outs = []
+    for p in [plan] * 3 + [push]:
+        hout, acc = nan_like((1, D), cp.float32), cp.zeros((D,), cp.int64)
+        xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
+        oc.decode_ffn(p, xin, layer, acc, eps)
+        np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
+        outs.append(cp.asnumpy(acc))
+    assert int(plan["xcnt"].sum()) == 3 * CL * (I // 256)  # every block counted itself in, once per launch
+    y = outs[0].astype(np.float64) / 2**32
+    assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
+
+
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])
 def test_add_rmsnorm_and_embed(T, D):
     from kuiper_py.ops_numpy import rmsnorm

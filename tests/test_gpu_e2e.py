@@ -367,6 +367,29 @@ def test_one_launch_ffn_half_matches_separate_kernels_and_reference(ffn_bin, gra
     assert_as_accurate("one-launch FFN", fused, separate, cpu_decode(mf, ids, 10))
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_one_launch_ffn_global_exchange(ffn_bin, graphs, monkeypatch):
+    """The one-launch FFN without a cluster launch (ops_cupy.ffn_global_plan, forced: these shapes need
+    fewer than 3 blocks per SM) in real decode steps: the same logits, bit for bit, as the cluster launch
+    (the same sums in the same order), after the poisoned buffers of _ffn_decode; greedy tokens equal to
+    the CPU's."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=30).tolist()
+    mf = load(ffn_bin)
+    monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+    m, glob = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
+    assert m.ops._ffn.get("xslots") is not None, m.ops.decode_ffn_why
+    assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
+    monkeypatch.setattr(oc, "FFN_GLOBAL", "0")
+    m2, clus = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
+    assert m2.ops._ffn.get("xslots") is None
+    np.testing.assert_array_equal(glob, clus)
+    if graphs:
+        monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+        assert greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24) == \
+            greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
+
+
 def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):
     mf = load(ffn_bin)
     monkeypatch.setattr(oc, "DECODE_FFN", "1")
