@@ -42,7 +42,9 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
 # its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
 # decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
-# where the one-launch FFN is off under KUIPER_DECODE_FFN=auto (PERFORMANCE.md change 84). H200: Qwen3-8B
+# where the one-launch FFN's cluster launch is off under KUIPER_DECODE_FFN=auto (PERFORMANCE.md change 84; its form
+# without a cluster launch, change 129, is taken first where it applies: H200 8B -3.3% per step at 512 against
+# the separate GEMVs, so the entry no longer decides there). H200: Qwen3-8B
 # with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
 # q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
 # 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
@@ -1294,9 +1296,6 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     D, I = a.hidden_size, a.intermediate_size
     if a.group_size != 128 or I % FFN_CH:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
-    if DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):  # before building its plan
-        return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
-                      f"there, DEVICE_TUNING; KUIPER_DECODE_FFN=1 forces it)")
     n = I // FFN_CH
     plan, why = _ffn_first_fit("ffn_decode", D, n)
     if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
@@ -1305,7 +1304,10 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     if plan is not None and FFN_GLOBAL in ("auto", "1"):
         g, how = ffn_global_plan(plan, n, at_cap_only=FFN_GLOBAL == "auto")
         if g is not None:
-            plan, why = g, how
+            return g, how
+    if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
+        return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
+                      f"there than the cluster launch, DEVICE_TUNING; KUIPER_DECODE_FFN=1 forces it)")
     return plan, why
 
 
