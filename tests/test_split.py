@@ -128,25 +128,34 @@ def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
     assert oc.attn_min_chunk(a8b) == oc.attn_min_chunk(a30) == 48
 
 
-def test_ffn_off_entry_skips_building_the_one_launch_plan(sms, monkeypatch):
+def test_ffn_off_entry_turns_off_only_the_cluster_launch(sms, monkeypatch):
+    """DEVICE_TUNING's ffn_off drops the one-launch FFN's cluster launch under KUIPER_DECODE_FFN=auto (the
+    separate GEMVs instead), but the form without a cluster launch (ffn_global_plan) is taken first where it
+    applies; KUIPER_DECODE_FFN=1 keeps the cluster launch."""
     from types import SimpleNamespace
     sms(132, "NVIDIA H200")
     monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}}})
     monkeypatch.setattr(oc, "pdl_enabled", lambda: True)
     monkeypatch.setattr(oc, "_cu_occupancy_clusters", lambda: object())
+    cluster = {"CL": 8, "TB": 2, "kind": "cluster"}
+    monkeypatch.setattr(oc, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
+    glob = {"applies": False}
 
-    def first_fit(kernel, D, n):
-        raise AssertionError("the plan was built for a shape the table turns off")
-    monkeypatch.setattr(oc, "_ffn_first_fit", first_fit)
+    def global_plan(plan, n, at_cap_only=False):
+        return (dict(plan, kind="global"), "global") if glob["applies"] else (None, "not at the cap")
+    monkeypatch.setattr(oc, "ffn_global_plan", global_plan)
     a8b = SimpleNamespace(hidden_size=4096, intermediate_size=12288, group_size=128)
+    a14 = SimpleNamespace(hidden_size=5120, intermediate_size=17408, group_size=128)
     monkeypatch.setattr(oc, "DECODE_FFN", "auto")
     plan, why = oc.decode_ffn_plan(a8b)
     assert plan is None and "H200" in why
-    # KUIPER_DECODE_FFN=1 and other shapes still build it
-    for ffn, a in (("1", a8b), ("auto", SimpleNamespace(hidden_size=5120, intermediate_size=17408, group_size=128))):
-        monkeypatch.setattr(oc, "DECODE_FFN", ffn)
-        with pytest.raises(AssertionError, match="plan was built"):
-            oc.decode_ffn_plan(a)
+    assert oc.decode_ffn_plan(a14)[0]["kind"] == "cluster"  # a shape the table does not name
+    glob["applies"] = True
+    assert oc.decode_ffn_plan(a8b)[0]["kind"] == "global"
+    monkeypatch.setattr(oc, "FFN_GLOBAL", "0")
+    assert oc.decode_ffn_plan(a8b)[0] is None
+    monkeypatch.setattr(oc, "DECODE_FFN", "1")
+    assert oc.decode_ffn_plan(a8b)[0]["kind"] == "cluster"
 
 
 @pytest.mark.parametrize("D,G,E,qkv", [(4096, 24576, 0, 6144), (2048, 12288, 128, 5120), (512, 1024, 7, 768),
