@@ -15,9 +15,9 @@
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
 // next to empty ones. The cluster's exchange is by pushes into each block's receive slots on an
 // mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Where the
-// grid needs 3 blocks per SM (Qwen3-8B on an H100), the host runs the form without a cluster launch
-// instead: registers for 3 blocks per SM spread it evenly, and a tile's blocks exchange through global
-// memory (FfnSlots below, change 129).
+// grid needs 3 or 4 blocks per SM (Qwen3-8B, 14B and 32B on 132 SMs), the host runs the form without a
+// cluster launch instead: registers for only that many blocks per SM spread it evenly, and a tile's blocks
+// exchange through global memory (FfnSlots below, changes 129-130).
 //
 // Numerics as the accumulating-mode GEMVs (gemv_w4a16.cu, scaled norm): x = (h + fp16(o)) * w in
 // fp16, the 1/rms applied to the gate and up sums, SwiGLU rounded to fp16, the same 4-row fp16 dot
@@ -285,10 +285,10 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
 // ---- the exchange through global memory (ffn_decode<CL, TB, FFN_XCH_GLOBAL>) ----
 // Why: a cluster launch is placed by GPC (clusters reach ~124 of an H100's 132 SMs), and the dense FFN's
 // 384 blocks land up to 4 per SM next to SMs holding 0 or 1; the SMs holding 4 end the FFN last (PERFORMANCE.md
-// changes 125-129). Without clusters, and with registers for only 3 blocks per SM, the grid spreads 3 per
-// SM (capped by shared-memory padding instead, its blocks could only land as the o GEMV's left: change 125);
-// the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each stores its slot
-// and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
+// changes 125-130). Without clusters, and with registers for only as many blocks per SM as it needs (MINB), the
+// grid spreads evenly (capped by shared-memory padding instead, its blocks could only land as the o GEMV's
+// left: change 125); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
+// stores its slot and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
 // (relaxed polling, then an acquire fence). The counter only grows (64 bits: no wrap, no reset), so a
 // launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
 // tile must be resident at once: the host launches this form only where the whole grid fits (a stuck wait
@@ -384,7 +384,7 @@ __device__ __forceinline__ void ffn_down_store(const float (&a8)[8], int dexp, i
 
 // XCH: the exchange of the CL blocks' sums: FFN_XCH_BARRIER the cluster barrier, FFN_XCH_PUSH pushes into
 // receive slots (FfnPush), FFN_XCH_GLOBAL slots in global memory without a cluster launch (FfnSlots).
-// MINB: blocks per SM that __launch_bounds__ asks registers for (the global exchange: 3, which caps it there)
+// MINB: blocks per SM that __launch_bounds__ asks registers for (the global exchange: 3 or 4, which caps it there)
 #define FFN_XCH_BARRIER 0
 #define FFN_XCH_PUSH 1
 #define FFN_XCH_GLOBAL 2

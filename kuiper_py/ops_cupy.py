@@ -233,10 +233,13 @@ _FILES = {
 }
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
+# blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
+# and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
+FFN_GLOBAL_CAPS = tuple(int(c) for c in os.environ.get("KUIPER_FFN_GLOBAL_CAPS", "3,4").split(","))
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, 2, 3>" for cl, tb in FFN_PAIRS]
+                       + [f"ffn_decode<{cl}, {tb}, 2, {m}>" for m in FFN_GLOBAL_CAPS for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS])}
 
@@ -1298,11 +1301,14 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
     n = I // FFN_CH
     plan, why = _ffn_first_fit("ffn_decode", D, n)
-    if plan is not None and DECODE_FFN == "auto" and plan["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
-        return None, (f"auto: off at {plan['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
+    # the form without a cluster launch needs only a (CL, TB) pair, not clusters that fit
+    pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in FFN_PAIRS if D == 256 * cl * tb and D // cl <= FFN_MAX_SPAN),
+                        None)
+    if pair is not None and DECODE_FFN == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
+        return None, (f"auto: off at {pair['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
                       f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
-    if plan is not None and FFN_GLOBAL in ("auto", "1"):
-        g, how = ffn_global_plan(plan, n, at_cap_only=FFN_GLOBAL == "auto")
+    if pair is not None and FFN_GLOBAL in ("auto", "1"):
+        g, how = ffn_global_plan(pair, n, at_cap_only=FFN_GLOBAL == "auto")
         if g is not None:
             return g, how
     if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
@@ -1328,26 +1334,30 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
     return acc
 
 
-# The dense one-launch FFN without a cluster launch (ffn_decode.cu FfnSlots, PERFORMANCE.md change 129): registers
-# for only FFN_GLOBAL_PER_SM blocks per SM spread its grid evenly, and a channel tile's blocks exchange their sums
-# through global memory. A cluster launch cannot be spread that way: clusters reach ~124 of an H100's 132 SMs,
-# where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM (change 128). H100, Qwen3-8B: -2.4% per decode step at
-# 512 keys, -1.6% at 2000. "auto" (default) where the grid needs that many blocks per SM, "1" wherever its whole
-# grid fits at that count (tests), "0" the cluster launch (A/B).
+# The dense one-launch FFN without a cluster launch (ffn_decode.cu FfnSlots, PERFORMANCE.md changes 129-130): registers
+# for only as many blocks per SM as its grid needs (3 or 4, FFN_GLOBAL_CAPS) spread it evenly, and a channel tile's
+# blocks exchange their sums through global memory. A cluster launch cannot be spread that way: clusters reach
+# ~124 of an H100's 132 SMs, where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM (change 128), and 94 of 32B's
+# 100 clusters of 5 at 4 (so 32B ran the separate GEMVs). H100 step timer at 512 keys: 8B -2.5%, 14B -2.7% against
+# the cluster launch, 32B -9.7% against the separate GEMVs; H200: 8B -3.3%, 14B -6.6%. "auto" (default) where the
+# grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never (A/B).
 FFN_GLOBAL = os.environ.get("KUIPER_FFN_GLOBAL", "auto")
-FFN_GLOBAL_PER_SM = 3  # ffn_decode.cu's MINB of the FFN_XCH_GLOBAL instantiations
+FFN_GLOBAL_PER_SM = 3  # the count KUIPER_FFN_GLOBAL=1 takes
 FFN_SLOT_BYTES = 8 * FFN_CH * 8 + 8 * 4  # ffn_decode.cu sizeof(FfnSlots)
 
 
-def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False) -> tuple[dict | None, str]:
-    """(plan, why): ffn_decode's plan over n clusters made into its form without a cluster launch (the CL blocks
-    of a tile exchange through global memory, FFN_GLOBAL_PER_SM blocks per SM by its registers), or None and
-    why not. Every block must be resident at once (a tile's blocks wait for each other). at_cap_only: only
-    where the grid needs FFN_GLOBAL_PER_SM blocks per SM (fewer is not measured, more does not fit)."""
+def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FFN_GLOBAL_PER_SM
+                    ) -> tuple[dict | None, str]:
+    """(plan, why): ffn_decode's (CL, TB) pair over n channel tiles made into its form without a cluster launch
+    (the CL blocks of a tile exchange through global memory, `cap` blocks per SM by its registers, one of
+    FFN_GLOBAL_CAPS), or None and why not. Every block must be resident at once (a tile's blocks wait for each
+    other). at_cap_only: the cap the grid needs (ceil(blocks / SMs)), and only where it is instantiated."""
     CL, sms = plan["CL"], sm_count()
-    if at_cap_only and -(-CL * n // sms) != FFN_GLOBAL_PER_SM:
-        return None, f"{CL * n} blocks on {sms} SMs"
-    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, 2, {FFN_GLOBAL_PER_SM}>")
+    if at_cap_only:
+        cap = -(-CL * n // sms)
+    if cap not in FFN_GLOBAL_CAPS:
+        return None, f"{CL * n} blocks on {sms} SMs: {cap} per SM is not served"
+    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, 2, {cap}>")
     per = blocks_per_sm(fn, FFN_THREADS)
     if per * sms < CL * n:
         return None, f"{CL * n} blocks do not fit at {per} per SM"

@@ -830,18 +830,21 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive, push):
         np.testing.assert_array_equal(outs[0], o)
 
 
+@pytest.mark.parametrize("cap", oc.FFN_GLOBAL_CAPS)
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
-def test_ffn_decode_global_exchange(CL, TB, massive):
+def test_ffn_decode_global_exchange(CL, TB, massive, cap):
     """The dense one-launch FFN without a cluster launch (ops_cupy.ffn_global_plan): the CL blocks of a
     channel tile exchange their sums through global memory (an arrival counter that only grows), against
     float64 NumPy as test_ffn_decode_cluster_kernel, launched three times on the same counters, and
-    bitwise equal to the cluster's push exchange (the same sums in the same order)."""
+    bitwise equal to the cluster's push exchange (the same sums in the same order). cap: the instantiation's
+    blocks per SM (its registers)."""
     rng = np.random.default_rng()
     D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
     push = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=True)
-    plan, why = oc.ffn_global_plan(push, I // 256)
+    plan, why = oc.ffn_global_plan(push, I // 256, cap=cap)
     assert plan is not None, why
+    assert oc.blocks_per_sm(plan["fn"], oc.FFN_THREADS) == cap
     (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
     h, w, pend, row = pending_row_inputs(rng, D, massive)
     x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
