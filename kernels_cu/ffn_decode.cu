@@ -291,8 +291,8 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
 // stores its slot and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
 // (relaxed polling, then an acquire fence). The counter only grows (64 bits: no wrap, no reset), so a
 // launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
-// tile must be resident at once: the host launches this form only where the whole grid fits (a stuck wait
-// traps after ~2 s).
+// tile must be resident at once: the host launches this form only where the whole grid fits on the GPU (a
+// wait that never ends, say with another process's kernels holding SMs under MPS, traps after 2^26 polls).
 struct FfnSlots {           // one channel tile's exchange, in global memory
     float2 gu[8][FFN_CH];   // [rank][channel] (gate, up) sums of block rank (CL <= 8)
     float ss[8];            // [rank] its span's sum of squares

@@ -540,7 +540,8 @@ _DEV_NAMES: dict[int, str] = {}
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
 # (the decode GEMVs); KUIPER_SPREAD=none turns it off (A/B). Not the one-launch FFN: its clusters need
-# a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step)
+# a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step); its
+# form without clusters caps itself by registers (ffn_global_plan)
 SPREAD = set(os.environ.get("KUIPER_SPREAD", "attn,gemv").split(","))
 _SPREAD: dict[tuple, int] = {}
 
@@ -1267,10 +1268,9 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push:
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
     (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
     push = FFN_PUSH if push is None else push
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {'1' if kernel == 'ffn_decode' else 'true'}>" if push
-                   else f"{kernel}<{CL}, {TB}>")
-    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), push=push,
-                clusters=resident_clusters(fn, CL, n, FFN_THREADS))
+    exchange = "1" if kernel == "ffn_decode" else "true"  # (ffn_decode's template takes an exchange number)
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {exchange}>" if push else f"{kernel}<{CL}, {TB}>")
+    return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
 def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
@@ -1359,8 +1359,8 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
         return None, f"{CL * n} blocks on {sms} SMs: {cap} per SM is not served"
     fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, 2, {cap}>")
     per = blocks_per_sm(fn, FFN_THREADS)
-    if per * sms < CL * n:
-        return None, f"{CL * n} blocks do not fit at {per} per SM"
+    if per * sms < CL * n or at_cap_only and per != cap:
+        return None, f"{CL * n} blocks at {per} per SM, not {cap}"
     return (dict(plan, fn=fn, attrs=_pdl_attr(), xslots=cp.zeros((n * FFN_SLOT_BYTES // 4,), cp.float32),
                  xcnt=cp.zeros((n,), cp.uint64)),
             f"on, without a cluster launch: {n} channel tiles of {CL} blocks, {plan['TB']} down tiles per block "

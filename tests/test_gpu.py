@@ -806,9 +806,17 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive, push):
     with norm weight 40 (x = h * w = 4e6 before the deferred 1/rms, past fp16's range; SwiGLU outputs
     in the thousands), so both of the kernel's overflow guards run. Launched twice: bitwise the same.
     push: the cluster's exchange by pushes into receive slots instead of the cluster barrier."""
+    plan = cluster_plan_or_skip("ffn_decode", CL, TB, 3, push=push)
+    # push: a third launch through the barrier exchange, which sums the same values in the same order
+    _ffn_decode_launches(CL, TB, massive, [plan, plan] + ([cluster_plan_or_skip("ffn_decode", CL, TB, 3, push=False)]
+                                                          if push else []))
+
+
+def _ffn_decode_launches(CL, TB, massive, plans):
+    """decode_ffn through each plan in turn on one fresh draw (D = 256 CL TB, three channel tiles): the new
+    residual row exact, the first launch's sums against float64 NumPy, every launch bitwise equal to it."""
     rng = np.random.default_rng()
     D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
-    plan = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=push)
     (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
     h, w, pend, row = pending_row_inputs(rng, D, massive)
     x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
@@ -816,14 +824,12 @@ def test_ffn_decode_cluster_kernel(CL, TB, massive, push):
     ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd
     layer = types.SimpleNamespace(w1=mg, w3=mu, w2=md)
     outs = []
-    # push: a third launch through the barrier exchange, which sums the same values in the same order
-    for p in [plan, plan] + ([cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=False)] if push else []):
+    for p in plans:
         hout, acc = nan_like((1, D), cp.float32), cp.zeros((D,), cp.int64)
         xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
         oc.decode_ffn(p, xin, layer, acc, eps)
-        got = cp.asnumpy(acc)
         np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
-        outs.append(got)
+        outs.append(cp.asnumpy(acc))
     y = outs[0].astype(np.float64) / 2**32
     assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
     for o in outs[1:]:
@@ -839,30 +845,12 @@ def test_ffn_decode_global_exchange(CL, TB, massive, cap):
     float64 NumPy as test_ffn_decode_cluster_kernel, launched three times on the same counters, and
     bitwise equal to the cluster's push exchange (the same sums in the same order). cap: the instantiation's
     blocks per SM (its registers)."""
-    rng = np.random.default_rng()
-    D, I, eps = 256 * CL * TB, 3 * 256, 1e-6
-    push = cluster_plan_or_skip("ffn_decode", CL, TB, I // 256, push=True)
-    plan, why = oc.ffn_global_plan(push, I // 256, cap=cap)
+    push = cluster_plan_or_skip("ffn_decode", CL, TB, 3, push=True)
+    plan, why = oc.ffn_global_plan(push, 3, cap=cap)
     assert plan is not None, why
     assert oc.blocks_per_sm(plan["fn"], oc.FFN_THREADS) == cap
-    (mg, rg), (mu, ru), (md, rd) = rand_awq(rng, D, I), rand_awq(rng, D, I), rand_awq(rng, I, D)
-    h, w, pend, row = pending_row_inputs(rng, D, massive)
-    x = rmsnorm_ref(row.astype(np.float64), w.astype(np.float64), eps)
-    g, u = x @ rg, x @ ru
-    ref = (g / (1 + np.exp(-g)) * u).astype(np.float16).astype(np.float64) @ rd
-    layer = types.SimpleNamespace(w1=mg, w3=mu, w2=md)
-    outs = []
-    for p in [plan] * 3 + [push]:
-        hout, acc = nan_like((1, D), cp.float32), cp.zeros((D,), cp.int64)
-        xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
-        oc.decode_ffn(p, xin, layer, acc, eps)
-        np.testing.assert_array_equal(cp.asnumpy(hout)[0], row)
-        outs.append(cp.asnumpy(acc))
-    assert int(plan["xcnt"].sum()) == 3 * CL * (I // 256)  # every block counted itself in, once per launch
-    y = outs[0].astype(np.float64) / 2**32
-    assert np.isfinite(y).all() and rel(y, ref) < 1e-2, rel(y, ref)
-    for o in outs[1:]:
-        np.testing.assert_array_equal(outs[0], o)
+    _ffn_decode_launches(CL, TB, massive, [plan] * 3 + [push])
+    assert int(plan["xcnt"].sum()) == 3 * CL * 3  # every block counted itself in, once per launch
 
 
 @pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])
