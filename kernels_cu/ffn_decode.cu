@@ -210,7 +210,8 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
     return ffn_cluster_swiglu<CL>(part, misc, D, eps, inv);
 }
 
-// ---- the exchange by pushes (ffn_decode<CL, TB, true>, PERFORMANCE.md change 124) ----
+// ---- the exchange by pushes (ffn_decode<CL, TB, FFN_XCH_PUSH>, moe_ffn_decode<CL, TB, true>;
+// PERFORMANCE.md change 124) ----
 // Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
 // operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
 // Here each block stores its gate and up sums and its span's sum of squares straight into every block's

@@ -1273,14 +1273,17 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push:
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
+def _ffn_pairs(D: int) -> list[tuple[int, int]]:
+    """ffn_decode.cu's (CL, TB) instantiations that tile the hidden size D, most blocks first."""
+    return [(CL, TB) for CL, TB in FFN_PAIRS if D == 256 * CL * TB and D // CL <= FFN_MAX_SPAN]
+
+
 def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
     """(plan, why) of ffn_decode.cu's kernel over n clusters: of the (CL, TB) pairs that tile the hidden
     size D, the one with the most blocks whose clusters all fit at once (a second wave would double the
     FFN's time), or None and the counts tried."""
     tried = []
-    for CL, TB in FFN_PAIRS:  # most blocks first
-        if D != 256 * CL * TB or D // CL > FFN_MAX_SPAN:
-            continue
+    for CL, TB in _ffn_pairs(D):
         plan = ffn_cluster_plan(CL, TB, n, kernel)
         tried.append(f"{plan['clusters']} of the {n} clusters of {CL}")
         if plan["clusters"] >= n:
@@ -1302,8 +1305,7 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     n = I // FFN_CH
     plan, why = _ffn_first_fit("ffn_decode", D, n)
     # the form without a cluster launch needs only a (CL, TB) pair, not clusters that fit
-    pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in FFN_PAIRS if D == 256 * cl * tb and D // cl <= FFN_MAX_SPAN),
-                        None)
+    pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in _ffn_pairs(D)), None)
     if pair is not None and DECODE_FFN == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {pair['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
                       f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
