@@ -210,7 +210,7 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
     return ffn_cluster_swiglu<CL>(part, misc, D, eps, inv);
 }
 
-// ---- the exchange by pushes (ffn_decode<CL, TB, FFN_XCH_PUSH>, moe_ffn_decode<CL, TB, true>;
+// ---- the exchange by pushes (ffn_decode and moe_ffn_decode <CL, TB, FFN_XCH_PUSH>;
 // PERFORMANCE.md change 124) ----
 // Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
 // operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
@@ -291,7 +291,7 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
 // grid spreads evenly (capped by shared-memory padding instead, its blocks could only land as the o GEMV's
 // left: change 125); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
 // stores its slot and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
-// (relaxed polling, then an acquire fence). The counter only grows (64 bits: no wrap, no reset), so a
+// (acquire loads). The counter only grows (64 bits: no wrap, no reset), so a
 // launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
 // tile must be resident at once: the host launches this form only where the whole grid fits on the GPU (a
 // wait that never ends, say with another process's kernels holding SMs under MPS, traps after 2^26 polls).
@@ -305,6 +305,15 @@ __device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long
     asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
+
+__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+#ifndef FFN_POLL_FENCE
+#define FFN_POLL_FENCE 0  // 1: relaxed polling, then fence.acq_rel.gpu (before change 132; A/B by KUIPER_DIAG_DEFINES)
+#endif
 
 // The block's sums (as ffn_push_send) into slot `rank` of its tile, then its arrival on cnt.
 __device__ __forceinline__ void ffn_global_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
@@ -325,9 +334,16 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
     const int tid = threadIdx.x;
     if (tid == 0) {
         long long spins = 0;
+#if FFN_POLL_FENCE
         while (ld_relaxed_u64(cnt) < target)
+            if (++spins > (1ll << 26)) __trap();
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+#else
+        // acquire loads (LDG.STRONG.GPU + CCTL.IVALL), not relaxed polling and a fence: the fence is a
+        // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before (change 132)
+        while (ld_acquire_u64(cnt) < target)  // pairs with the peers' release adds
             if (++spins > (1ll << 26)) __trap();  // a peer never arrived (not all blocks resident): fail loudly
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // the acquire that pairs with the peers' release adds
+#endif
     }
     __syncthreads();  // thread 0's acquire before every thread's reads of the slots
     float ss = 0.f, sg = 0.f, su = 0.f;
@@ -502,7 +518,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 #define MOE_FFN_MIN_BLOCKS 2  // per SM (128 registers)
 #endif
 
-template <int CL, int TB, bool PUSH = false>  // PUSH: as ffn_decode's
+template <int CL, int TB, int XCH = FFN_XCH_BARRIER>  // XCH: as ffn_decode's (the cluster barrier or pushes)
 __global__ void __launch_bounds__(FFN_THREADS, MOE_FFN_MIN_BLOCKS)
 moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
@@ -518,6 +534,8 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                int D, int mI, int E, int k, int norm_topk,
                const unsigned long long* __restrict__ pf,  // [pf_n][2] (address, bytes): the next layer's weights
                int pf_n, int pf_after) {                   // to start towards L2; after the PDL wait, or before
+    static_assert(XCH == FFN_XCH_BARRIER || XCH == FFN_XCH_PUSH, "the MoE kernel runs as a cluster launch only");
+    constexpr bool PUSH = XCH == FFN_XCH_PUSH;
     diag_stamp(0);
     // Routing leaves DRAM idle for ~2 µs (change 78's timeline); the next layer's q|k|v weights,
     // which depend on nothing here, can stream into L2 then: the table's chunks spread over the blocks.

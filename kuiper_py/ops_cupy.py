@@ -241,7 +241,7 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
                        + [f"ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, 2, {m}>" for m in FFN_GLOBAL_CAPS for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}, true>" for cl, tb in FFN_PAIRS])}
+                       + [f"moe_ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -1268,8 +1268,7 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push:
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
     (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
     push = FFN_PUSH if push is None else push
-    exchange = "1" if kernel == "ffn_decode" else "true"  # (ffn_decode's template takes an exchange number)
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {exchange}>" if push else f"{kernel}<{CL}, {TB}>")
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, 1>" if push else f"{kernel}<{CL}, {TB}>")  # 1: FFN_XCH_PUSH
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
