@@ -3,6 +3,12 @@
 throughput vs cuBLAS FP16 (cupy.matmul), at the Qwen3-8B projection shapes. Weight copies are
 rotated so their total is several times the L2 cache: these are DRAM numbers.
 
+The decode table has three parts: each shape through the standalone split-K GEMV (its reduction tail
+included); the forms the engine's decode step runs (q|k|v and o adding their sums in fixed point with no
+reduction tail, gate/up and down as the one-launch FFN kernel), each launched back to back as in the step
+(PDL, first weights ahead of the wait); and, for each byte count, a read-only kernel in the same dependent
+chain (wait for the previous launch, then stream the bytes): what a kernel of that size can reach at all.
+
     python tools/bench_kernels.py [--json OUT.json]
 
 KUIPER_BENCH_GEMV_ONLY=1 / KUIPER_BENCH_GEMM_ONLY=1 run one of the two tables.
@@ -19,9 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
+from kuiper_py.config import ModelArgs  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import (awq_dequant, gemm, gemm_path, gemv, gpu_name, lm_head, moe_gate_up_views,  # noqa: E402
-                                wgmma_available, wgmma_fits)
+from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, decode_ffn, decode_ffn_plan,  # noqa: E402
+                                gemm, gemm_path, gemv, gpu_name, launch_ex, lm_head, moe_gate_up_views, pdl_enabled,
+                                sm_count, wgmma_available, wgmma_fits)
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
@@ -65,6 +73,65 @@ def time_ms(fn, iters=50, reps=5):
     return float(np.median(out))
 
 
+# A read-only stream in the decode chain's dependence: under PDL it waits for the launch before it (as every
+# decode kernel must for its input), lets the next one start, then reads n 16-byte words (4 in flight per
+# thread, no L1 allocation, as the GEMVs load weights). PRE words per thread go out before the wait (the GEMVs'
+# first step does the same with weights), the rest after.
+_READ = r'''
+template <int PRE>
+__global__ void read_chain(const uint4* __restrict__ a, long long n, unsigned* __restrict__ sink) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    unsigned acc = 0;
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < PRE; ++j)
+        if (i + j * stride < n)
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v[j].x), "=r"(v[j].y),
+                         "=r"(v[j].z), "=r"(v[j].w) : "l"(a + i + j * stride));
+        else
+            v[j] = make_uint4(0, 0, 0, 0);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < PRE; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    for (i += PRE * stride; i < n; i += 4 * stride) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (i + j * stride < n)
+                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v[j].x), "=r"(v[j].y),
+                             "=r"(v[j].z), "=r"(v[j].w) : "l"(a + i + j * stride));
+            else
+                v[j] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; practically never taken
+}'''
+_READ_MOD = None
+
+
+def read_chain_us(nbytes: int, copies: int) -> tuple[float, str]:
+    """Best µs per launch of read_chain over `copies` rotated buffers of nbytes each, over grid sizes and the
+    words read before the wait, and the configuration that gave it."""
+    global _READ_MOD
+    if _READ_MOD is None:
+        _READ_MOD = cp.RawModule(code=_READ, options=("-std=c++17",),
+                                 name_expressions=[f"read_chain<{p}>" for p in (0, 1, 4)])
+    bufs = [cp.zeros(nbytes // 16 * 4, cp.uint32) for _ in range(copies)]
+    sink = cp.zeros(1, cp.uint32)
+    attr = _pdl_attr() if pdl_enabled() else None
+    best = (float("inf"), "")
+    for pre in (0, 1, 4):
+        fn = _READ_MOD.get_function(f"read_chain<{pre}>")
+        for per_sm in (2, 4, 8):
+            grid = (sm_count() * per_sm,)
+            t = time_ms(lambda i: launch_ex(fn, grid, (256,), (bufs[i % copies], np.uint64(nbytes // 16), sink), 0,
+                                            attr))
+            best = min(best, (t * 1e3, f"{per_sm} blocks per SM, {pre} words ahead of the wait"))
+    return best
+
+
 def rand_awq(K, N):
     qw = cp.random.randint(-2**31, 2**31 - 1, size=(K, N // 8), dtype=cp.int64).astype(cp.int32)
     qz = cp.random.randint(-2**31, 2**31 - 1, size=(K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
@@ -91,16 +158,57 @@ def main():
             kind = "swiglu" if "gate" in name else "plain"
             t = time_ms(lambda i: gemv(x, sets[i % copies], kind, o, partial))
             bw = per / t / 1e6
-            out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
-                                  "weight_bytes": per, "rotated_copies": copies})
+            out["decode"].append({"shape": name, "form": "split-K GEMV", "us": t * 1e3, "GBps": bw,
+                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": per, "rotated_copies": copies})
+            if "gate" not in name:  # q|k|v and o as decode runs them: fixed-point sums, no reduction tail
+                acc = cp.zeros((nout,), cp.int64)
+                t = time_ms(lambda i: gemv(x, sets[i % copies], "plain", None, partial, acc_out=acc))
+                bw = per / t / 1e6
+                out["decode"].append({"shape": name, "form": "decode (accumulating)", "us": t * 1e3, "GBps": bw,
+                                      "ratio_to_copy": bw / copy_bw, "weight_bytes": per, "rotated_copies": copies})
+            if name.startswith("o "):  # as decode runs o at 512 keys: merging flash decoding's 8 splits first
+                H, hd, S = 32, 128, 8
+                part_o = cp.random.standard_normal(H * S * hd, dtype=cp.float32)
+                ml = cp.stack([cp.random.standard_normal(H * S, dtype=cp.float32),
+                               cp.random.random(H * S, dtype=cp.float32) * 64 + 1], axis=1).ravel()
+                att = _AttnParts(part_o, ml, S, H, hd, 512, None, 64)
+                t = time_ms(lambda i: gemv(None, sets[i % copies], "plain", None, partial, att=att, acc_out=acc))
+                bw = per / t / 1e6
+                out["decode"].append({"shape": name, "form": "decode (accumulating, merging 8 attention splits)",
+                                      "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": per,
+                                      "rotated_copies": copies})
+            sets = None
+        # gate/up and down as decode runs them: one launch (ffn_decode.cu), the plan the engine takes for 8B
+        D, I = 4096, 12288
+        plan, why = decode_ffn_plan(ModelArgs(hidden_size=D, intermediate_size=I, num_hidden_layers=36,
+                                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                              vocab_size=151936, max_position_embeddings=40960,
+                                              tie_word_embeddings=False))
+        mats = [(D, I), (D, I), (I, D)]
+        per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
+        if plan is not None:
+            copies = max(2, math.ceil(6 * l2 / per))
+            layers = [type("FfnLayer", (), dict(zip(("w1", "w3", "w2"), (rand_awq(K, N) for K, N in mats))))()
+                      for _ in range(copies)]
+            xn = _Normed(cp.random.standard_normal(D, dtype=cp.float32), (cp.random.random(D) + 0.5).astype(cp.float16))
+            acc = cp.zeros((D,), cp.int64)
+            t = time_ms(lambda i: decode_ffn(plan, xn, layers[i % copies], acc, 1e-6))
+            bw = per / t / 1e6
+            form = "one-launch FFN, " + ("global exchange" if "xslots" in plan else f"clusters of {plan['CL']}")
+            out["decode"].append({"shape": "gate/up + down 4096->2x12288->4096", "form": form, "us": t * 1e3,
+                                  "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": per,
+                                  "rotated_copies": copies})
+            layers = None
+        else:
+            print(f"# one-launch FFN not run: {why}", file=sys.stderr)
         V, D = 151936, 4096
         W = [(cp.random.standard_normal((V, D), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(2)]
         x = cp.random.standard_normal(D, dtype=cp.float32).astype(cp.float16)
         lo = cp.empty(V, cp.float32)
         t = time_ms(lambda i: lm_head(x, W[i % 2], lo))
         bw = V * D * 2 / t / 1e6
-        out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "us": t * 1e3, "GBps": bw,
-                              "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
+        out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "form": "lm_head GEMV", "us": t * 1e3,
+                              "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
         W = None
         # Qwen3-30B-A3B decode: the 8 selected experts of one layer (of 128) in one launch each
         E, k, D3, I3 = 128, 8, 2048, 768
@@ -130,9 +238,15 @@ def main():
                          ids_early=True)  # as decode calls it (ids_early: written long before)
             t = time_ms(run)
             bw = k * per_exp / t / 1e6
-            out["decode"].append({"shape": name, "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw,
-                                  "weight_bytes": k * per_exp, "rotated_copies": copies})
+            out["decode"].append({"shape": name, "form": "expert GEMV", "us": t * 1e3, "GBps": bw,
+                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": k * per_exp, "rotated_copies": copies})
         stacks = None
+        # the same byte counts through a read-only kernel in the same dependent chain
+        for name, nbytes in [(n, r["weight_bytes"]) for n, r in {r["shape"]: r for r in out["decode"]}.items()]:
+            us, how = read_chain_us(nbytes, max(2, math.ceil(6 * l2 / nbytes)))
+            bw = nbytes / us / 1e3
+            out["decode"].append({"shape": name, "form": f"read-only ({how})", "us": us, "GBps": bw,
+                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": nbytes})
     if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
         PRE.clear()
     for name, (K, N) in PRE.items():
@@ -160,9 +274,10 @@ def main():
                                    "rotated_copies": [nq, nf]})
         ms = Wf = None
     print(f"# {out['gpu']}: device copy {copy_bw:.0f} GB/s (read + write; memcpy {copy_res['memcpy']:.0f}, kernel {copy_res['kernel']:.0f})")
-    print("| decode GEMV | us | GB/s | / copy |\n| --- | ---: | ---: | ---: |")
+    print("| decode shape | form | MB | us | GB/s | / copy |\n| --- | --- | ---: | ---: | ---: | ---: |")
     for r in out["decode"]:
-        print(f"| {r['shape']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['ratio_to_copy']:.2f} |")
+        print(f"| {r['shape']} | {r['form']} | {r['weight_bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['GBps']:.0f} | "
+              f"{r['ratio_to_copy']:.2f} |")
     print("| prefill GEMM | M | path taken | MMA TFLOP/s | wgmma TFLOP/s | dequant+cuBLAS TFLOP/s | cuBLAS fp16 "
           "TFLOP/s | ours / cuBLAS | dequant alone µs (GB/s) |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in out["prefill"]:
