@@ -52,7 +52,8 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # (change 105). H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
 # 16), 14B -0.7%; 30B-A3B at 64 since its short splits' keys are staged before the wait (change 115): -1.2% at
 # 512, -3.4% at 1100 (change 118; +0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
-# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100 (change 119), so the H200 keeps 32
+# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100 (change 119), so it keeps 32; 8B at 64 (after
+# change 132) -0.7% at 512 and at 2000, neutral at 8000 (change 135: o merges 8 splits instead of 16)
 # "attn_short": {(hidden, heads, kv heads, head dim): keys} flash decoding's short-context regime (change 116): up
 # to that many keys a decode graph of its own launches only the splits those keys can use. With a 33000-position
 # cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119)
@@ -66,6 +67,7 @@ _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
+             "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
              "attn_short": {(4096, 32, 8, 128): 1024}},  # Qwen3-8B
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
