@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -128,7 +129,7 @@ def read_chain_us(nbytes: int, copies: int) -> tuple[float, str]:
             grid = (sm_count() * per_sm,)
             t = time_ms(lambda i: launch_ex(fn, grid, (256,), (bufs[i % copies], np.uint64(nbytes // 16), sink), 0,
                                             attr))
-            best = min(best, (t * 1e3, f"{per_sm} blocks per SM, {pre} words ahead of the wait"))
+            best = min(best, (t * 1e3, f"{per_sm} blocks per SM, {pre} word{'s' * (pre != 1)} ahead of the wait"))
     return best
 
 
@@ -188,7 +189,7 @@ def main():
         per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
         if plan is not None:
             copies = max(2, math.ceil(6 * l2 / per))
-            layers = [type("FfnLayer", (), dict(zip(("w1", "w3", "w2"), (rand_awq(K, N) for K, N in mats))))()
+            layers = [SimpleNamespace(**dict(zip(("w1", "w3", "w2"), (rand_awq(K, N) for K, N in mats))))
                       for _ in range(copies)]
             xn = _Normed(cp.random.standard_normal(D, dtype=cp.float32), (cp.random.random(D) + 0.5).astype(cp.float16))
             acc = cp.zeros((D,), cp.int64)
