@@ -235,15 +235,17 @@ _FILES = {
 }
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
+FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
 # blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
 # and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
 FFN_GLOBAL_CAPS = tuple(int(c) for c in os.environ.get("KUIPER_FFN_GLOBAL_CAPS", "3,4").split(","))
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, 2, {m}>" for m in FFN_GLOBAL_CAPS for cl, tb in FFN_PAIRS]
+                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
+                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
+                          for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}, 1>" for cl, tb in FFN_PAIRS])}
+                       + [f"moe_ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
@@ -1270,7 +1272,7 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push:
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
     (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
     push = FFN_PUSH if push is None else push
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, 1>" if push else f"{kernel}<{CL}, {TB}>")  # 1: FFN_XCH_PUSH
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>" if push else f"{kernel}<{CL}, {TB}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
@@ -1360,7 +1362,7 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
         cap = -(-CL * n // sms)
     if cap not in FFN_GLOBAL_CAPS:
         return None, f"{CL * n} blocks on {sms} SMs: {cap} per SM is not served"
-    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, 2, {cap}>")
+    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, {FFN_XCH_GLOBAL}, {cap}>")
     per = blocks_per_sm(fn, FFN_THREADS)
     if per * sms < CL * n or at_cap_only and per != cap:
         return None, f"{CL * n} blocks at {per} per SM, not {cap}"
