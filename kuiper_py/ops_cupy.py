@@ -61,14 +61,17 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
 # H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512, and +0.8 to +2.0% at 64
-# registers too (change 122, not explained), so the H200 keeps decode_merge. H100 14B and 4B measured mixed (4B
-# +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep it too
+# registers too (change 122, not explained), so the H200 kept decode_merge; after changes 132-135 (8 splits at 512
+# keys, out of the merge's reach by the 16-split bound) 8B gains there too: -1.7% at 2000 keys, -1.5% at 8k, -1.2% at
+# 32k with a 33000-position cache, neutral at 512 (change 136); 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
+# 14B and 4B measured mixed (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
              "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
-             "attn_short": {(4096, 32, 8, 128): 1024}},  # Qwen3-8B
+             "attn_short": {(4096, 32, 8, 128): 1024},  # Qwen3-8B
+             "o_merge": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 136)
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
