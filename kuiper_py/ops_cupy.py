@@ -56,7 +56,8 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # change 132) -0.7% at 512 and at 2000, neutral at 8000 (change 135: o merges 8 splits instead of 16)
 # "attn_short": {(hidden, heads, kv heads, head dim): keys} flash decoding's short-context regime (change 116): up
 # to that many keys a decode graph of its own launches only the splits those keys can use. With a 33000-position
-# cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119), H200 30B-A3B -2.3% (change 137)
+# cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4% (change 137;
+# +0.4 to +0.8% at 1000 keys)
 # "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
 # change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
