@@ -133,6 +133,20 @@ def read_chain_us(nbytes: int, copies: int) -> tuple[float, str]:
     return best
 
 
+def awq_bytes(K, N):
+    """The bytes a [K, N] AWQ matrix streams: 4-bit weights, 4-bit zeros and fp16 scales per 128-row group."""
+    return K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2
+
+
+def decode_row(shape, form, us, nbytes, copy_bw, copies=None):
+    """One row of the decode table: nbytes read in us µs, as GB/s and a ratio to the copy bandwidth."""
+    bw = nbytes / us / 1e3
+    row = {"shape": shape, "form": form, "us": us, "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": nbytes}
+    if copies is not None:
+        row["rotated_copies"] = copies
+    return row
+
+
 def rand_awq(K, N):
     qw = cp.random.randint(-2**31, 2**31 - 1, size=(K, N // 8), dtype=cp.int64).astype(cp.int32)
     qz = cp.random.randint(-2**31, 2**31 - 1, size=(K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
@@ -149,7 +163,7 @@ def main():
     if os.environ.get("KUIPER_BENCH_GEMM_ONLY") != "1":  # KUIPER_BENCH_GEMM_ONLY=1: the prefill table alone
         partial = cp.empty((1 << 23,), cp.float32)
         for name, mats in DEC.items():
-            per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
+            per = sum(awq_bytes(K, N) for K, N in mats)
             copies = max(2, math.ceil(6 * l2 / per))
             sets = [[rand_awq(K, N) for K, N in mats] for _ in range(copies)]
             K = mats[0][0]
@@ -158,15 +172,11 @@ def main():
             o = cp.empty((1, nout), cp.float16)
             kind = "swiglu" if "gate" in name else "plain"
             t = time_ms(lambda i: gemv(x, sets[i % copies], kind, o, partial))
-            bw = per / t / 1e6
-            out["decode"].append({"shape": name, "form": "split-K GEMV", "us": t * 1e3, "GBps": bw,
-                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": per, "rotated_copies": copies})
+            out["decode"].append(decode_row(name, "split-K GEMV", t * 1e3, per, copy_bw, copies))
             if "gate" not in name:  # q|k|v and o as decode runs them: fixed-point sums, no reduction tail
                 acc = cp.zeros((nout,), cp.int64)
                 t = time_ms(lambda i: gemv(x, sets[i % copies], "plain", None, partial, acc_out=acc))
-                bw = per / t / 1e6
-                out["decode"].append({"shape": name, "form": "decode (accumulating)", "us": t * 1e3, "GBps": bw,
-                                      "ratio_to_copy": bw / copy_bw, "weight_bytes": per, "rotated_copies": copies})
+                out["decode"].append(decode_row(name, "decode (accumulating)", t * 1e3, per, copy_bw, copies))
             if name.startswith("o "):  # as decode runs o at 512 keys: merging flash decoding's 8 splits first
                 H, hd, S = 32, 128, 8
                 part_o = cp.random.standard_normal(H * S * hd, dtype=cp.float32)
@@ -174,10 +184,8 @@ def main():
                                cp.random.random(H * S, dtype=cp.float32) * 64 + 1], axis=1).ravel()
                 att = _AttnParts(part_o, ml, S, H, hd, 512, None, 64)
                 t = time_ms(lambda i: gemv(None, sets[i % copies], "plain", None, partial, att=att, acc_out=acc))
-                bw = per / t / 1e6
-                out["decode"].append({"shape": name, "form": "decode (accumulating, merging 8 attention splits)",
-                                      "us": t * 1e3, "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": per,
-                                      "rotated_copies": copies})
+                out["decode"].append(decode_row(name, "decode (accumulating, merging 8 attention splits)", t * 1e3,
+                                                per, copy_bw, copies))
             sets = None
         # gate/up and down as decode runs them: one launch (ffn_decode.cu), the plan the engine takes for 8B
         D, I = 4096, 12288
@@ -186,7 +194,7 @@ def main():
                                               vocab_size=151936, max_position_embeddings=40960,
                                               tie_word_embeddings=False))
         mats = [(D, I), (D, I), (I, D)]
-        per = sum(K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2 for K, N in mats)
+        per = sum(awq_bytes(K, N) for K, N in mats)
         if plan is not None:
             copies = max(2, math.ceil(6 * l2 / per))
             layers = [SimpleNamespace(**dict(zip(("w1", "w3", "w2"), (rand_awq(K, N) for K, N in mats))))
@@ -194,11 +202,8 @@ def main():
             xn = _Normed(cp.random.standard_normal(D, dtype=cp.float32), (cp.random.random(D) + 0.5).astype(cp.float16))
             acc = cp.zeros((D,), cp.int64)
             t = time_ms(lambda i: decode_ffn(plan, xn, layers[i % copies], acc, 1e-6))
-            bw = per / t / 1e6
             form = "one-launch FFN, " + ("global exchange" if "xslots" in plan else f"clusters of {plan['CL']}")
-            out["decode"].append({"shape": "gate/up + down 4096->2x12288->4096", "form": form, "us": t * 1e3,
-                                  "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": per,
-                                  "rotated_copies": copies})
+            out["decode"].append(decode_row("gate/up + down 4096->2x12288->4096", form, t * 1e3, per, copy_bw, copies))
             layers = None
         else:
             print(f"# one-launch FFN not run: {why}", file=sys.stderr)
@@ -207,14 +212,12 @@ def main():
         x = cp.random.standard_normal(D, dtype=cp.float32).astype(cp.float16)
         lo = cp.empty(V, cp.float32)
         t = time_ms(lambda i: lm_head(x, W[i % 2], lo))
-        bw = V * D * 2 / t / 1e6
-        out["decode"].append({"shape": "lm_head 4096->151936 (fp16)", "form": "lm_head GEMV", "us": t * 1e3,
-                              "GBps": bw, "ratio_to_copy": bw / copy_bw, "weight_bytes": V * D * 2, "rotated_copies": 2})
+        out["decode"].append(decode_row("lm_head 4096->151936 (fp16)", "lm_head GEMV", t * 1e3, V * D * 2, copy_bw, 2))
         W = None
         # Qwen3-30B-A3B decode: the 8 selected experts of one layer (of 128) in one launch each
         E, k, D3, I3 = 128, 8, 2048, 768
         for name, K, N in (("30B-A3B experts gate|up 8x(2048->2x768)", D3, 2 * I3), ("30B-A3B experts down 8x(768->2048)", I3, D3)):
-            per_exp = K * N // 2 + (K // 128) * N // 2 + (K // 128) * N * 2
+            per_exp = awq_bytes(K, N)
             copies = max(2, math.ceil(6 * l2 / (per_exp * E)))
             stacks = []
             for _ in range(copies):
@@ -238,16 +241,12 @@ def main():
                     gemv(x, [stacks[i % copies].expert(0)], "moe_sum", o, partial, ids=ids, slot_w=w, x_slot_stride=K,
                          ids_early=True)  # as decode calls it (ids_early: written long before)
             t = time_ms(run)
-            bw = k * per_exp / t / 1e6
-            out["decode"].append({"shape": name, "form": "expert GEMV", "us": t * 1e3, "GBps": bw,
-                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": k * per_exp, "rotated_copies": copies})
+            out["decode"].append(decode_row(name, "expert GEMV", t * 1e3, k * per_exp, copy_bw, copies))
         stacks = None
         # the same byte counts through a read-only kernel in the same dependent chain
-        for name, nbytes in [(n, r["weight_bytes"]) for n, r in {r["shape"]: r for r in out["decode"]}.items()]:
+        for name, nbytes in {r["shape"]: r["weight_bytes"] for r in out["decode"]}.items():
             us, how = read_chain_us(nbytes, max(2, math.ceil(6 * l2 / nbytes)))
-            bw = nbytes / us / 1e3
-            out["decode"].append({"shape": name, "form": f"read-only ({how})", "us": us, "GBps": bw,
-                                  "ratio_to_copy": bw / copy_bw, "weight_bytes": nbytes})
+            out["decode"].append(decode_row(name, f"read-only ({how})", us, nbytes, copy_bw))
     if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
         PRE.clear()
     for name, (K, N) in PRE.items():
