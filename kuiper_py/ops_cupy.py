@@ -470,6 +470,14 @@ def kernel(family: str, name: str):
     return _KERNELS[key]
 
 
+def headers_tag() -> str:
+    """A comment line naming the hash of kernels_cu's headers, for the end of a source that includes them:
+    CuPy's disk cache is keyed on the source text, not on what it includes."""
+    d = kernel_dir()
+    deps = hashlib.sha1(b"".join((d / h).read_bytes() for h in sorted(os.listdir(d)) if h.endswith(".cuh")))
+    return f"\n// headers {deps.hexdigest()}\n"
+
+
 def _compiled(family: str, name: str):
     """A compiled kernel. The source gets a #line so NVRTC errors name the real .cu file; CuPy
     caches the binary on disk, so a second start does not recompile."""
@@ -479,9 +487,7 @@ def _compiled(family: str, name: str):
         fname, names = ("decode_layers.cu", [family[3:]]) if family.startswith("dl:") else (
             _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family])
         d = kernel_dir()
-        # CuPy's disk cache is keyed on the source text, not on what it includes: name the headers' hash
-        deps = hashlib.sha1(b"".join((d / h).read_bytes() for h in sorted(os.listdir(d)) if h.endswith(".cuh")))
-        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + f"\n// headers {deps.hexdigest()}\n"
+        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
         opts = ("--std=c++17", f"-I{d}")
         if family in ("attn", "dattn") or family.startswith("dl:"):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)

@@ -29,8 +29,8 @@ from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.config import ModelArgs  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
 from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, decode_ffn, decode_ffn_plan,  # noqa: E402
-                                gemm, gemm_path, gemv, gpu_name, launch_ex, lm_head, moe_gate_up_views, pdl_enabled,
-                                sm_count, wgmma_available, wgmma_fits)
+                                gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir, launch_ex, lm_head,
+                                moe_gate_up_views, pdl_enabled, sm_count, wgmma_available, wgmma_fits)
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
@@ -76,9 +76,10 @@ def time_ms(fn, iters=50, reps=5):
 
 # A read-only stream in the decode chain's dependence: under PDL it waits for the launch before it (as every
 # decode kernel must for its input), lets the next one start, then reads n 16-byte words (4 in flight per
-# thread, no L1 allocation, as the GEMVs load weights). PRE words per thread go out before the wait (the GEMVs'
-# first step does the same with weights), the rest after.
+# thread, by the GEMVs' own weight load, common.cuh ld_stream16). PRE words per thread go out before the wait
+# (the GEMVs' first step does the same with weights), the rest after.
 _READ = r'''
+#include "common.cuh"
 template <int PRE>
 __global__ void read_chain(const uint4* __restrict__ a, long long n, unsigned* __restrict__ sink) {
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -86,24 +87,15 @@ __global__ void read_chain(const uint4* __restrict__ a, long long n, unsigned* _
     unsigned acc = 0;
     uint4 v[4];
 #pragma unroll
-    for (int j = 0; j < PRE; ++j)
-        if (i + j * stride < n)
-            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v[j].x), "=r"(v[j].y),
-                         "=r"(v[j].z), "=r"(v[j].w) : "l"(a + i + j * stride));
-        else
-            v[j] = make_uint4(0, 0, 0, 0);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    for (int j = 0; j < PRE; ++j) v[j] = i + j * stride < n ? ld_stream16(a + i + j * stride) : make_uint4(0, 0, 0, 0);
+    pdl_wait();
+    pdl_trigger();
 #pragma unroll
     for (int j = 0; j < PRE; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     for (i += PRE * stride; i < n; i += 4 * stride) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (i + j * stride < n)
-                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v[j].x), "=r"(v[j].y),
-                             "=r"(v[j].z), "=r"(v[j].w) : "l"(a + i + j * stride));
-            else
-                v[j] = make_uint4(0, 0, 0, 0);
+            v[j] = i + j * stride < n ? ld_stream16(a + i + j * stride) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     }
@@ -117,7 +109,7 @@ def read_chain_us(nbytes: int, copies: int) -> tuple[float, str]:
     words read before the wait, and the configuration that gave it."""
     global _READ_MOD
     if _READ_MOD is None:
-        _READ_MOD = cp.RawModule(code=_READ, options=("-std=c++17",),
+        _READ_MOD = cp.RawModule(code=_READ + headers_tag(), options=("-std=c++17", f"-I{kernel_dir()}"),
                                  name_expressions=[f"read_chain<{p}>" for p in (0, 1, 4)])
     bufs = [cp.zeros(nbytes // 16 * 4, cp.uint32) for _ in range(copies)]
     sink = cp.zeros(1, cp.uint32)
