@@ -293,7 +293,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     const int newest_kl = n_keys - 1 - s * chunk;
     half* k_stage = nullptr;
     if (stage && qkv_acc && newest_kl >= 0 && newest_kl < attn_staged_keys<HD, HB>(s * chunk, min(n_keys, (s + 1) * chunk)))
-        k_stage = reinterpret_cast<half*>(stage) + (size_t)2 * newest_kl * HD;
+        k_stage = reinterpret_cast<half*>(stage + (size_t)newest_kl * L::SRW);
     attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2,
                               sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before

@@ -39,8 +39,12 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     static constexpr int KPB = NG * U;                     // keys per block iteration
     static constexpr int o_floats = NG * HB * HD;  // [NG][HB][HD]
     static constexpr int ml_floats = NG * HB * 2;  // [NG][HB][2]
-    // [ATTN_KV_PF_ITERS * KPB keys][K, V][HD] halves: a split's first keys copied in before the PDL wait
-    static constexpr int stage_floats = ATTN_KV_PF_ITERS * KPB * HD;
+    // A staged key: its K row, its V row, then 16 bytes of padding, so the same 16 bytes of 8 keys in a
+    // row fall in 8 different bank quads (the tensor-core path's ldmatrix reads 8 keys at a time)
+    static constexpr int RW = HD / 8, SRW = 2 * RW + 1;  // 16-byte pieces: per row, per staged key
+    static constexpr int CAP = ATTN_KV_PF_ITERS * KPB;   // keys the stage holds
+    // [CAP keys][SRW] 16-byte pieces: a split's first keys copied in before the PDL wait
+    static constexpr int stage_floats = CAP * SRW * 4;
     // sm_o once the loop is done, the staged keys before: one buffer
     static constexpr int shared_floats = o_floats > stage_floats ? o_floats : stage_floats;
 };
@@ -74,6 +78,149 @@ template <int HD, int HB>
 __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
     const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * AttnSplitSmem<HD, HB>::KPB;
     return lng && !ATTN_STAGE_LONG ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
+}
+
+#ifndef ATTN_MMA
+#define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B; PERFORMANCE.md change 143)
+#endif
+#define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
+
+// The tensor-core form of a short split whose keys (at most ATTN_MMA_KEYS, all staged, zero rows up to
+// a multiple of 16) and q (q_sm, [HB][HD]) are in shared memory. Why: the scalar loop spends ~1.1 µs
+// on one 32-key iteration even with its code cached (16 lanes per key, four dependent shuffles per
+// dot product, one warp per scheduler), and its 8-slot merge another ~0.7 (H200 timeline,
+// PERFORMANCE.md change 143). Here warp w takes keys 16w..16w+15: S = q K^T by mma.m16n8k16 (heads
+// as rows 0..HB-1 of the 16, K rows straight from the stage by ldmatrix), its softmax in registers,
+// and P V with the S accumulators reused as P's A fragments (no trip through shared memory). P goes
+// in as fp16 hi + lo, two MMAs, so P V keeps fp32's precision where fp16 P alone would round to 2^-11.
+// A warp's output then lands on its own keys' K rows (no other warp reads them), and one barrier
+// later the 4 warps' results are merged as the scalar path merges its slots.
+template <int HD, int HB, class Sync>
+__device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, int nk, float scale_log2,
+                                               float* part_o, float* part_ml, int h0, int s, int S,
+                                               float* sm_ml,  // [4][HB][2]
+                                               int tid, Sync sync) {
+    static_assert(HD % 16 == 0 && HB <= 8, "heads are rows 0..7 of the MMA's 16; dims in k-steps of 16");
+    constexpr int SRW = AttnSplitSmem<HD, HB>::SRW, RW = HD / 8, KS = HD / 16, HF = HD / 2;
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3, kw = warp * 16;
+    cp_async_wait_all();
+    sync();  // every thread's copies (and wait()'s newest row) visible to every warp
+    // this warp's output row (j, d): on its own K rows, two per head (floats; K's last reader is this warp)
+    auto o_at = [&](int w, int j, int d) {
+        return reinterpret_cast<float*>(stage + (size_t)(16 * w + 2 * j + d / HF) * SRW) + d % HF;
+    };
+    float mrow = -INFINITY, lrow = 0.f;  // head g's max (log2 domain) and sum over this warp's keys
+    if (kw < nk) {                        // warp-uniform
+        float sc[2][4] = {};               // [key n-tile][C fragment]: S for keys kw..kw+7, kw+8..kw+15
+        // ldmatrix x4: matrix i = lane / 8 is keys (i / 2) * 8.., dims chunk + i % 2
+        const uint4* kp = stage + (size_t)(kw + (lane & 7) + ((lane >> 4) << 3)) * SRW + ((lane >> 3) & 1);
+        const u32* qrow = reinterpret_cast<const u32*>(q_sm + (g < HB ? g : 0) * HD);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            u32 a[4] = {g < HB ? qrow[8 * ks + t] : 0u, 0u, g < HB ? qrow[8 * ks + 4 + t] : 0u, 0u};
+            u32 b[4];
+            ldmatrix_x4(b, kp + 2 * ks);
+            mma_16816(sc[0], a, b[0], b[1]);
+            mma_16816(sc[1], a, b[2], b[3]);
+        }
+        // row g's 16 scores sit in its quad (lanes 4g..4g+3), 4 each: c0, c1 of both n-tiles
+        float p[2][2], mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                p[n][i] = kw + 8 * n + 2 * t + i < nk ? sc[n][i] * scale_log2 : -INFINITY;
+                mx = fmaxf(mx, p[n][i]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // finite: key kw is valid
+        float ps = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                p[n][i] = exp2f(p[n][i] - mx);
+                ps += p[n][i];
+            }
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        mrow = mx;
+        lrow = ps;
+        // P's A fragments (row g, keys 2t.. and 2t+8..: the C layout of the two n-tiles); rows g + 8 are 0
+        u32 ah[4] = {pack_half2(p[0][0], p[0][1]), 0u, pack_half2(p[1][0], p[1][1]), 0u}, al[4];
+        {
+            const half2 h0v = *reinterpret_cast<const half2*>(&ah[0]), h1v = *reinterpret_cast<const half2*>(&ah[2]);
+            al[0] = pack_half2(p[0][0] - __low2float(h0v), p[0][1] - __high2float(h0v));
+            al[2] = pack_half2(p[1][0] - __low2float(h1v), p[1][1] - __high2float(h1v));
+            al[1] = al[3] = 0u;
+        }
+        // ldmatrix x4 trans: matrix i is keys (i % 2) * 8.., dims chunk 2c + i / 2
+        const uint4* vp = stage + (size_t)(kw + (lane & 7) + (((lane >> 3) & 1) << 3)) * SRW + RW + (lane >> 4);
+        float ov[HD / 16][2][2];  // [dim pair c][n-tile 2c + e][row g's two columns]
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // two halves of the dims: 8 n-tiles of accumulators at a time
+            float oc[HD / 16][4] = {};
+#pragma unroll
+            for (int c = 0; c < KS / 2; ++c) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vp + 2 * (hh * KS / 2 + c));
+                mma_16816(oc[2 * c], ah, b[0], b[1]);
+                mma_16816(oc[2 * c], al, b[0], b[1]);
+                mma_16816(oc[2 * c + 1], ah, b[2], b[3]);
+                mma_16816(oc[2 * c + 1], al, b[2], b[3]);
+            }
+#pragma unroll
+            for (int c = 0; c < KS / 2; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    ov[hh * KS / 2 + c][e][0] = oc[2 * c + e][0];
+                    ov[hh * KS / 2 + c][e][1] = oc[2 * c + e][1];
+                }
+        }
+        __syncwarp();  // the warp's K reads are done before its rows are overwritten
+        if (g < HB)
+#pragma unroll
+            for (int c = 0; c < KS; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    *reinterpret_cast<float2*>(o_at(warp, g, 16 * c + 8 * e + 2 * t)) =
+                        make_float2(ov[c][e][0], ov[c][e][1]);
+    }
+    if (t == 0 && g < HB) {
+        sm_ml[(warp * HB + g) * 2] = mrow;
+        sm_ml[(warp * HB + g) * 2 + 1] = lrow;
+    }
+    sync();
+    // the merge fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
+    // as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143)
+    constexpr int NW = ATTN_MMA_KEYS / 16, EPT = (HB * HD + 127) / 128;
+    const int nw = (nk + 15) >> 4;  // warps that saw keys (warp 0 always)
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+        const int e = tid + 128 * k;
+        if (e < HB * HD) {
+            const int j = e / HD, d = e % HD;
+            float mw[NW], lw[NW], ow[NW], M = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const bool on = w < nw;
+                mw[w] = on ? sm_ml[(w * HB + j) * 2] : -INFINITY;
+                lw[w] = on ? sm_ml[(w * HB + j) * 2 + 1] : 0.f;
+                ow[w] = on ? *o_at(w, j, d) : 0.f;
+                M = fmaxf(M, mw[w]);
+            }
+            float Lsum = 0.f, od = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const float wt = exp2f(mw[w] - M);  // 0 for a warp without keys
+                Lsum += lw[w] * wt;
+                od += ow[w] * wt;
+            }
+            const size_t ps = (size_t)(h0 + j) * S + s;
+            part_o[ps * HD + d] = od;
+            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+        }
+    }
 }
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
@@ -111,15 +258,28 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const half* kb = Kc + (size_t)kvh * HD + dl * 8;
     const half* vb = Vc + (size_t)kvh * HD + dl * 8;
     const int n_stage = stage && k_begin < k_end ? attn_staged_keys<HD, HB>(k_begin, k_end) : 0;
-    if (n_stage) {
+    constexpr int SRW = L::SRW;
+    // the tensor-core path: a short split wholly staged, q and the newest key's rows from wait()
+    const bool mma = ATTN_MMA && q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
+                     n_stage <= (ATTN_MMA_KEYS < L::CAP ? ATTN_MMA_KEYS : L::CAP);
+    if (mma) {  // whole rows, 16 bytes a thread in turn; rows past the keys up to a multiple of 16 zeroed
+        const int nk16 = (n_stage + 15) & ~15;
+        for (int i = tid; i < nk16 * 2 * RW; i += 128) {
+            const int kl = i / (2 * RW), c = i % (2 * RW), key = k_begin + kl;
+            if (kl >= n_stage)
+                cp_async16(stage + kl * SRW + c, Kc, 0);
+            else if (key != n_keys - 1)
+                cp_async16(stage + kl * SRW + c, (c < RW ? Kc : Vc) + (size_t)key * rs + (size_t)kvh * HD + (c % RW) * 8, 16);
+        }
+    } else if (n_stage) {
 #pragma unroll
         for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int kl = it * KPB + u * NG + slot, key = k_begin + kl;
                 if (kl < n_stage && key != n_keys - 1) {
-                    cp_async16(stage + 2 * kl * RW + dl, kb + (size_t)key * rs, 16);
-                    cp_async16(stage + (2 * kl + 1) * RW + dl, vb + (size_t)key * rs, 16);
+                    cp_async16(stage + kl * SRW + dl, kb + (size_t)key * rs, 16);
+                    cp_async16(stage + kl * SRW + RW + dl, vb + (size_t)key * rs, 16);
                 }
             }
         }
@@ -138,6 +298,10 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
         }
     }
     wait();
+    if (mma) {
+        attn_split_mma<HD, HB>(stage, q_sm, n_stage, scale_log2, part_o, part_ml, h0, s, S, sm_ml, tid, sync);
+        return;
+    }
     float qv[HB][8];
 #pragma unroll
     for (int j = 0; j < HB; ++j) {
@@ -165,8 +329,8 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
             const int key = base + u * NG + slot, kl = key - k_begin;
             valid[u] = key < k_end;
             if (kl < n_stage && (key != n_keys - 1 || newest_staged)) {  // kl < n_stage: a valid key
-                kraw[u] = stage[2 * kl * RW + dl];
-                vraw[u] = stage[(2 * kl + 1) * RW + dl];
+                kraw[u] = stage[kl * SRW + dl];
+                vraw[u] = stage[kl * SRW + RW + dl];
             } else {
                 const size_t off = (size_t)(valid[u] ? key : k_begin) * rs;  // invalid slots load a real row
                 kraw[u] = kv_load16(kb + off, fresh);

@@ -795,6 +795,53 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
+@pytest.mark.parametrize("D,H,KV,hd", [(4096, 32, 8, 128), (2048, 32, 4, 128), (1024, 8, 8, 128), (1024, 16, 8, 64)])
+@pytest.mark.parametrize("pos0", [0, 14, 16, 47, 63, 300, 777, 5000])
+@pytest.mark.parametrize("min_chunk", [32, 64])
+def test_flash_decoding_split_partials(D, H, KV, hd, pos0, min_chunk):
+    """Every split's partial softmax (part_o, part_ml: the log2-domain max, the sum and the unnormalised
+    output) against float64 over the split's own keys, from the q and cache rows the kernel itself
+    wrote, so nothing but the split's arithmetic is compared, to 1e-5. Short contexts take the
+    tensor-core path (at most 64 keys per split, all staged; tiles of 16 keys partly past the split's
+    end at 15, 47, 49 keys), 5000 keys the scalar loop. fp16 P in the P V product would miss by ~1e-4."""
+    rng = np.random.default_rng()
+    splits, ctx, eps = 16, pos0 + 4, 1e-6
+    cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
+    pend = (rng.standard_normal(D) * 2**32).astype(np.int64)
+    kc = cp.asarray(rng.standard_normal((ctx, KV, hd)).astype(np.float16))
+    vc = cp.asarray(rng.standard_normal((ctx, KV, hd)).astype(np.float16))
+    qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
+    acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
+    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    ss = nan_like((4096,), cp.float32)
+    S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
+                pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=cp.zeros((8,), cp.int64), ss_out=ss)
+    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, nan_like((1, H * hd), cp.float16),
+                        cp.full((1,), pos0, cp.int32),
+                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
+                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
+    n = pos0 + 1
+    chunk = max(-(-n // splits), min_chunk)
+    q = cp.asnumpy(qrot)[0].astype(np.float64)
+    K, V = cp.asnumpy(kc)[:n].astype(np.float64), cp.asnumpy(vc)[:n].astype(np.float64)
+    po = cp.asnumpy(part_o).reshape(H, splits, hd).astype(np.float64)
+    pml = cp.asnumpy(part_ml).reshape(H, splits, 2).astype(np.float64)
+    got, ref = {"ml": [], "o": []}, {"ml": [], "o": []}
+    for hh in range(H):
+        kh = hh // (H // KV)
+        for s in range(-(-n // chunk)):
+            keys = slice(s * chunk, min(n, (s + 1) * chunk))
+            sc = K[keys, kh] @ q[hh] * (math.log2(math.e) / math.sqrt(hd))
+            p = np.exp2(sc - sc.max())
+            got["ml"].append(pml[hh, s])
+            ref["ml"].append([sc.max(), p.sum()])
+            got["o"].append(po[hh, s] / pml[hh, s, 1])
+            ref["o"].append(p @ V[keys, kh] / p.sum())
+    for part in ("ml", "o"):
+        assert rel(np.array(got[part]), np.array(ref[part])) < 1e-5, part
+
+
 @pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("CL,TB", oc.FFN_PAIRS)
