@@ -133,6 +133,27 @@ def greedy_tokens(model, prompt, n, n_vocab=151669):
     return toks
 
 
+def greedy_lockstep(ref, dut, prompt, n, n_vocab=151669):
+    """n greedy tokens of ref (the CPU reference) and dut side by side, each fed ref's token: the steps both
+    chose alike, and None, or the first step where dut chose otherwise with (ref's top-2 logit gap, the
+    largest |dut - ref| logit difference at that step, dut's token, ref's runner-up). A tie closer than the
+    step's own numerical difference is one neither side resolves; past it the contexts would differ."""
+    rng = np.random.default_rng(0)
+    lr, ld, toks = ref.prefill(prompt), dut.prefill(prompt), []
+    for _ in range(n):
+        tr = ref.ops.sample(lr, GREEDY, rng, prompt + toks, n_vocab)
+        td = dut.ops.sample(ld, GREEDY, rng, prompt + toks, n_vocab)
+        if td != tr:
+            a = np.asarray(lr, np.float64).ravel()[:n_vocab]
+            b = np.asarray(ld.get() if hasattr(ld, "get") else ld, np.float64).ravel()[:n_vocab]
+            top = np.argsort(a)[::-1][:2]
+            return toks, (float(a[top[0]] - a[top[1]]), float(np.abs(b - a).max()), td, int(top[1]))
+        toks.append(tr)
+        if len(toks) < n:
+            lr, ld = ref.decode(tr), dut.decode(tr)
+    return toks, None
+
+
 def decode_logits(mf, ids, n_prefill, max_context, graphs):
     """GPU logits [len(ids) - n_prefill, V] of decoding ids[n_prefill:] one by one after a prefill,
     with the step replayed as a CUDA graph or launched eagerly."""
