@@ -101,11 +101,12 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
                                                float* sm_ml,  // [4][HB][2]
                                                int tid, Sync sync) {
     static_assert(HD % 16 == 0 && HB <= 8, "heads are rows 0..7 of the MMA's 16; dims in k-steps of 16");
-    constexpr int SRW = AttnSplitSmem<HD, HB>::SRW, RW = HD / 8, KS = HD / 16, HF = HD / 2;
+    using L = AttnSplitSmem<HD, HB>;
+    constexpr int SRW = L::SRW, RW = L::RW, KS = HD / 16, HF = HD / 2;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3, kw = warp * 16;
     cp_async_wait_all();
     sync();  // every thread's copies (and wait()'s newest row) visible to every warp
-    // this warp's output row (j, d): on its own K rows, two per head (floats; K's last reader is this warp)
+    // warp w's output element (j, d): on its own keys' K rows, two per head (floats; K's last reader is w)
     auto o_at = [&](int w, int j, int d) {
         return reinterpret_cast<float*>(stage + (size_t)(16 * w + 2 * j + d / HF) * SRW) + d % HF;
     };
@@ -248,7 +249,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
     constexpr int U = L::U, KPB = L::KPB;                   // warp steps in flight, keys per block iteration
-    constexpr int RW = HD / 8;                              // 16-byte pieces per row
+    constexpr int RW = L::RW;                               // 16-byte pieces per row
     const int h0 = kvh * (H / KV) + hb * HB;
     const int lane = tid & 31, warp = tid >> 5;
     const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk

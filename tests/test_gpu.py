@@ -746,6 +746,27 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
+def qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits, min_chunk, eps):
+    """A decode step's attention half as the graph runs it: the q|k|v GEMV in accumulating mode (adding the
+    pending projection output pend to the residual row first, clearing the accumulator zero), then flash
+    decoding finishing it at position pos0 (q/k norm, RoPE, the newest K/V row into kc, vc) over splits
+    splits. Returns q rotated, the new residual row, the attention output and the splits' part_o, part_ml,
+    every one poisoned before the kernels ran."""
+    cos, sin, mats, h, w, qn, kn = case
+    qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
+    acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
+    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    out = nan_like((1, H * hd), cp.float16)
+    ss = nan_like((4096,), cp.float32)
+    S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
+                pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero, ss_out=ss)
+    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, cp.full((1,), pos0, cp.int32),
+                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
+                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
+    return qrot, hout, out, part_o, part_ml
+
+
 @pytest.mark.parametrize("D,H,KV,hd,pos0,splits", [(4096, 32, 8, 128, 0, 16), (4096, 32, 8, 128, 777, 16),
                                                    (2048, 32, 4, 128, 300, 70), (1024, 16, 8, 64, 5, 4),
                                                    (512, 4, 2, 64, 100, 9)])
@@ -760,27 +781,18 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     another split (the one that writes it)."""
     rng = np.random.default_rng()
     ctx, eps = pos0 + 4, 1e-6
-    cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
+    case = qkv_case(rng, D, H, KV, hd, ctx)
+    cos, sin, mats, h, w, qn, kn = case
     pend = (rng.standard_normal(D) * 2**32).astype(np.int64)  # a pending projection output of ~N(0, 1)
     k_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
     v_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
     kc, vc = cp.asarray(k_old), cp.asarray(v_old)
     kc[pos0].fill(np.nan)
     vc[pos0].fill(np.nan)
-    qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
-    acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
     zero = cp.asarray(rng.integers(-2**40, 2**40, size=5000))  # another accumulator the GEMV clears
-    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
-    out = nan_like((1, H * hd), cp.float16)
-    ss = nan_like((4096,), cp.float32)
-    S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
-                pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero, ss_out=ss)
+    qrot, hout, out, _, _ = qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits, min_chunk,
+                                                    eps)
     assert int(cp.count_nonzero(zero)) == 0
-    pos_dev = cp.full((1,), pos0, cp.int32)
-    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, pos_dev,
-                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
     hs = h.astype(np.float64) + (pend / 2**32).astype(np.float16)
     np.testing.assert_allclose(cp.asnumpy(hout)[0], hs, rtol=1e-6, atol=1e-6)
     q_ref, k_ref, v = qkv_rope_ref(hs, w, mats, qn, kn, cos, sin, pos0, hd, eps)
@@ -805,22 +817,13 @@ def test_flash_decoding_split_partials(D, H, KV, hd, pos0, min_chunk):
     tensor-core path (at most 64 keys per split, all staged; tiles of 16 keys partly past the split's
     end at 15, 47, 49 keys), 5000 keys the scalar loop. fp16 P in the P V product would miss by ~1e-4."""
     rng = np.random.default_rng()
-    splits, ctx, eps = 16, pos0 + 4, 1e-6
-    cos, sin, mats, h, w, qn, kn = qkv_case(rng, D, H, KV, hd, ctx)
+    splits, ctx = 16, pos0 + 4
+    case = qkv_case(rng, D, H, KV, hd, ctx)
     pend = (rng.standard_normal(D) * 2**32).astype(np.int64)
     kc = cp.asarray(rng.standard_normal((ctx, KV, hd)).astype(np.float16))
     vc = cp.asarray(rng.standard_normal((ctx, KV, hd)).astype(np.float16))
-    qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
-    acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
-    partial = cp.empty((oc.gemv_partial_size(D, [H * hd, KV * hd, KV * hd]),), cp.float32)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
-    ss = nan_like((4096,), cp.float32)
-    S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
-                pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=cp.zeros((8,), cp.int64), ss_out=ss)
-    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, nan_like((1, H * hd), cp.float16),
-                        cp.full((1,), pos0, cp.int32),
-                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
+    qrot, _, _, part_o, part_ml = qkv_then_flash_decoding(case, pend, kc, vc, cp.zeros((8,), cp.int64), D, H, KV, hd,
+                                                          pos0, splits, min_chunk, 1e-6)
     n = pos0 + 1
     chunk = max(-(-n // splits), min_chunk)
     q = cp.asnumpy(qrot)[0].astype(np.float64)
