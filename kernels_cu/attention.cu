@@ -276,7 +276,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
                 const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
                 const float* __restrict__ ss_in, int ss_n, int ss_D,  // the scaled GEMV's sums of squares
-                int min_chunk) {                                       // fewest keys per split (decode_chunk)
+                int min_chunk,                                         // fewest keys per split (decode_chunk)
+                int long_path) {  // 1: dynamic shared memory holds a 64-key tile buffer (attn_split_mma_long)
     using L = AttnSplitSmem<HD, HB>;
     // the merge's slots, and before them the staged keys (attn_decode_split)
     __shared__ __align__(16) float sm_o[KUIPER_ATTN_STAGE ? L::shared_floats : L::o_floats];
@@ -289,6 +290,10 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
     uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
+    // The long tensor-core path's second tile buffer: dynamic shared memory, which the host passes (with
+    // long_path set) where a split may be longer than ATTN_MMA_KEYS (ops_cupy.attention_decode)
+    extern __shared__ __align__(16) unsigned char attn_dyn[];
+    uint4* stage2 = long_path ? reinterpret_cast<uint4*>(attn_dyn) : nullptr;
     // the newest key's rows, which the finish writes, into the stage when it holds them
     const int newest_kl = n_keys - 1 - s * chunk;
     half* k_stage = nullptr;
@@ -307,7 +312,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                       __syncthreads();  // q_sm, the stage and the block's cache writes visible
                                   }
                                   diag_stamp(2);
-                              }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr);
+                              }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr, stage2);
 #ifdef KUIPER_DIAG_TIMES
     diag_stamp(3);
     __syncthreads();

@@ -45,8 +45,11 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     static constexpr int CAP = ATTN_KV_PF_ITERS * KPB;   // keys the stage holds
     // [CAP keys][SRW] 16-byte pieces: a split's first keys copied in before the PDL wait
     static constexpr int stage_floats = CAP * SRW * 4;
-    // sm_o once the loop is done, the staged keys before: one buffer
-    static constexpr int shared_floats = o_floats > stage_floats ? o_floats : stage_floats;
+    // the long tensor-core path's first tile buffer (attn_split_mma_long: 64 keys)
+    static constexpr int long_floats = 64 * SRW * 4;
+    // sm_o once the loop is done, the staged keys before (or the long path's first tile): one buffer
+    static constexpr int so_floats = o_floats > stage_floats ? o_floats : stage_floats;
+    static constexpr int shared_floats = so_floats > long_floats ? so_floats : long_floats;
 };
 
 #ifndef ATTN_KV_PF
@@ -224,6 +227,202 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
     }
 }
 
+#ifndef ATTN_MMA_LONG
+#define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B; PERFORMANCE.md change 144)
+#endif
+#define ATTN_LONG_TILE 64  // keys per tile of the long tensor-core path: 16 per warp
+
+// The long path's copies of tile i's rows into buf (one of two tile buffers [ATTN_LONG_TILE][SRW]): warp
+// `warp` copies only the 16 keys it reads itself, so a warp's cp.async group and __syncwarp order them
+// and the loop needs no block barrier. Keys past the split are zero-filled (P is 0 there, but 0 x NaN
+// garbage is not). newest: 0 skips the newest key (before the PDL wait, its rows are not written yet),
+// 1 copies every key, 2 only the newest.
+template <int HD, int HB>
+__device__ __forceinline__ void attn_long_copy(uint4* buf, const half* Kc, const half* Vc, size_t rs, int kvh,
+                                               int k_begin, int k_end, int n_keys, int i, int warp, int lane,
+                                               int newest) {
+    using L = AttnSplitSmem<HD, HB>;
+    constexpr int RW = L::RW, SRW = L::SRW;
+#pragma unroll
+    for (int j = 0; j < 16 * 2 * RW / 32; ++j) {
+        const int idx = lane + 32 * j, r = idx / (2 * RW), c = idx % (2 * RW);
+        const int kl = 16 * warp + r, key = k_begin + ATTN_LONG_TILE * i + kl;
+        const bool is_new = key == n_keys - 1;
+        if (newest == 0 ? is_new : newest == 2 ? !is_new : false) continue;
+        uint4* dst = buf + (size_t)kl * SRW + c;
+        if (key < k_end)
+            cp_async16(dst, (c < RW ? Kc : Vc) + (size_t)key * rs + (size_t)kvh * HD + (c % RW) * 8, 16);
+        else
+            cp_async16(dst, Kc, 0);
+    }
+}
+
+// The tensor-core form of a split longer than ATTN_MMA_KEYS (q in q_sm from the q|k|v finish): tiles of
+// 64 keys through two buffers (buf0, buf1: [ATTN_LONG_TILE][SRW] 16-byte pieces; the first ATTN_LONG_PRE
+// tiles were copied before the PDL wait, but for the newest key), warp w taking keys 16w..16w+15 of every tile
+// with an online softmax of its own. Why: the scalar loop spends ~1.1 µs per 32 keys on shuffles and
+// exp2f with one warp per scheduler (change 143), so a split of 250-1000 keys was bound by its
+// arithmetic, not by its bytes (30B-A3B at 8k keys: ~0.27 of copy in attention). Transposed against
+// attn_split_mma, S^T = K q^T and O^T = V^T P^T: the heads are the MMA's 8 columns, so no half of a
+// 16-row fragment is wasted, O is 4 accumulators per 16 dims, and P's C layout reaches the B operand by
+// movmatrix. P goes in as fp16 hi + lo (fp32 precision, as attn_split_mma). Each warp's l stays a per-lane
+// partial until the end (it only ever scales by the column's shared max).
+#ifndef ATTN_LONG_PRE
+#define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it; A/B)
+#endif
+
+template <int HD, int HB, class Sync>
+__device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, const half* q_sm, const half* Kc,
+                                                    const half* Vc, size_t rs, int kvh, int k_begin, int k_end,
+                                                    int n_keys, float scale_log2, float* part_o, float* part_ml,
+                                                    int h0, int s, int S,
+                                                    float* sm_ml,  // [4][HB][2]
+                                                    int tid, Sync sync) {
+    static_assert(HD % 16 == 0 && HB <= 8, "heads are the MMA's 8 columns; dims in steps of 16");
+    using L = AttnSplitSmem<HD, HB>;
+    constexpr int SRW = L::SRW, RW = L::RW, KS = HD / 16, T = ATTN_LONG_TILE;
+    constexpr int OST = HD + 4;  // a head's row in the merge slots: +4 floats, so the 4 heads' stores spread over banks
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nk = k_end - k_begin, nt = (nk + T - 1) / T;
+    // the newest key, when this split holds it and it lies in a tile copied before the wait: now
+    const int kl_new = n_keys - 1 - k_begin;
+    const bool mine_new = k_end == n_keys && kl_new < ATTN_LONG_PRE * T && (kl_new % T) / 16 == warp;
+    if (mine_new) {
+        attn_long_copy<HD, HB>(kl_new < T ? buf0 : buf1, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, kl_new / T, warp,
+                               lane, 2);
+        cp_async_commit();
+    }
+    if (ATTN_LONG_PRE < 2) {  // the second tile, every key
+        attn_long_copy<HD, HB>(buf1, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, 1, warp, lane, 1);
+        cp_async_commit();
+    }
+    // q^T as B fragments (dims 16ks.. of head g; heads past HB are zero columns)
+    u32 qb[KS][2];
+    {
+        const u32* qrow = reinterpret_cast<const u32*>(q_sm + (g < HB ? g : 0) * HD);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            qb[ks][0] = g < HB ? qrow[8 * ks + t] : 0u;
+            qb[ks][1] = g < HB ? qrow[8 * ks + 4 + t] : 0u;
+        }
+    }
+    float o[KS][4];  // O^T: dims 16c + g (+8) x heads 2t, 2t + 1
+#pragma unroll
+    for (int c = 0; c < KS; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2t, 2t + 1 (l: this lane's keys)
+    const int krow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, kcol = lane >> 4;  // ldmatrix rows for K
+    const int vrow = 16 * warp + (lane & 7) + ((lane >> 4) & 1) * 8, vcol = RW + ((lane >> 3) & 1);  // for V^T
+    for (int i = 0; i < nt; ++i) {
+        if (i == 0 && mine_new)
+            cp_async_wait<0>();
+        else
+            cp_async_wait<1>();  // tile i landed; tile i + 1 may still fly
+        __syncwarp();            // and every lane's copies of it visible to the warp
+        uint4* b = i & 1 ? buf1 : buf0;
+        const int kw = T * i + 16 * warp;  // the warp's first key of the tile, from the split's start
+        if (kw < nk) {                     // warp-uniform
+            float sc[4] = {0.f, 0.f, 0.f, 0.f};  // S^T: keys kw + g, kw + g + 8 x heads 2t, 2t + 1
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                u32 a[4];
+                ldmatrix_x4(a, b + (size_t)krow * SRW + kcol + 2 * ks);
+                mma_16816(sc, a, qb[ks][0], qb[ks][1]);
+            }
+            const bool v0 = kw + g < nk, v1 = kw + g + 8 < nk;
+            const float x0 = v0 ? sc[0] * scale_log2 : -INFINITY, x1 = v0 ? sc[1] * scale_log2 : -INFINITY;
+            const float x2 = v1 ? sc[2] * scale_log2 : -INFINITY, x3 = v1 ? sc[3] * scale_log2 : -INFINITY;
+            float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {  // over the 8 key rows g of the column
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+            }
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: key kw is valid
+            const float c0 = exp2f(m0 - n0), c1 = exp2f(m1 - n1);   // 0 on the warp's first tile
+            m0 = n0;
+            m1 = n1;
+            const float p0 = exp2f(x0 - n0), p1 = exp2f(x1 - n1), p2 = exp2f(x2 - n0), p3 = exp2f(x3 - n1);
+            l0 = l0 * c0 + p0 + p2;
+            l1 = l1 * c1 + p1 + p3;
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+                o[c][0] *= c0;
+                o[c][1] *= c1;
+                o[c][2] *= c0;
+                o[c][3] *= c1;
+            }
+            // P^T's B fragments: rows of key g (g + 8) and heads 2t, 2t + 1 transposed to head g, keys 2t..
+            const u32 h0p = pack_half2(p0, p1), h1p = pack_half2(p2, p3);
+            const half2 h0v = *reinterpret_cast<const half2*>(&h0p), h1v = *reinterpret_cast<const half2*>(&h1p);
+            const u32 bh0 = movmatrix_trans(h0p), bh1 = movmatrix_trans(h1p);
+            const u32 bl0 = movmatrix_trans(pack_half2(p0 - __low2float(h0v), p1 - __high2float(h0v)));
+            const u32 bl1 = movmatrix_trans(pack_half2(p2 - __low2float(h1v), p3 - __high2float(h1v)));
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, b + (size_t)vrow * SRW + vcol + 2 * c);
+                mma_16816(o[c], a, bh0, bh1);
+                mma_16816(o[c], a, bl0, bl1);
+            }
+        }
+        __syncwarp();  // the warp's reads of b are done before its copies of tile i + 2 land there
+        if (i + 2 < nt) attn_long_copy<HD, HB>(b, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, i + 2, warp, lane, 1);
+        cp_async_commit();  // (empty past the last tile: the wait counts stay uniform)
+    }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {  // the column sums over the 8 key rows
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    cp_async_wait<0>();  // (only empty groups can be left: nothing may land after the slots are written)
+    sync();              // every warp is done with the buffers: buf0 takes the 4 warps' slots
+    float* ow = reinterpret_cast<float*>(buf0) + warp * HB * OST;  // [4][HB][OST]
+    const int ja = 2 * t, jb = 2 * t + 1;
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+        if (ja < HB) {
+            ow[ja * OST + 16 * c + g] = o[c][0];
+            ow[ja * OST + 16 * c + g + 8] = o[c][2];
+        }
+        if (jb < HB) {
+            ow[jb * OST + 16 * c + g] = o[c][1];
+            ow[jb * OST + 16 * c + g + 8] = o[c][3];
+        }
+    }
+    if (g == 0) {
+        if (ja < HB) { sm_ml[(warp * HB + ja) * 2] = m0; sm_ml[(warp * HB + ja) * 2 + 1] = l0; }
+        if (jb < HB) { sm_ml[(warp * HB + jb) * 2] = m1; sm_ml[(warp * HB + jb) * 2 + 1] = l1; }
+    }
+    sync();
+    const float* slots = reinterpret_cast<const float*>(buf0);
+    constexpr int EPT = (HB * HD + 127) / 128;
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+        const int e = tid + 128 * k;
+        if (e < HB * HD) {
+            const int j = e / HD, d = e % HD;
+            float mw[4], lw[4], vw[4], M = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {  // a warp that saw no key: -inf, 0, 0
+                mw[w] = sm_ml[(w * HB + j) * 2];
+                lw[w] = sm_ml[(w * HB + j) * 2 + 1];
+                vw[w] = slots[(w * HB + j) * OST + d];
+                M = fmaxf(M, mw[w]);
+            }
+            float Lsum = 0.f, od = 0.f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float wt = exp2f(mw[w] - M);
+                Lsum += lw[w] * wt;
+                od += vw[w] * wt;
+            }
+            const size_t ps = (size_t)(h0 + j) * S + s;
+            part_o[ps * HD + d] = od;
+            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+        }
+    }
+}
+
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
 // 128 threads (tid 0..127); writes part_o[h, s, :] and part_ml[h, s, :] of those heads. sync() is
 // the 128 threads' barrier; wait() comes before any read of q or the cache (the attention kernel's
@@ -245,7 +444,8 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                                                   float* sm_o, float* sm_ml, int tid, Sync sync, Wait wait,
                                                   const half* q_sm = nullptr,  // [HB, HD]: q from shared memory
                                                   uint4* stage = nullptr,      // [staged keys][K, V][HD / 8]
-                                                  bool newest_staged = false) {
+                                                  bool newest_staged = false,
+                                                  uint4* stage2 = nullptr) {   // [64][SRW]: the long path's second tile
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
     constexpr int U = L::U, KPB = L::KPB;                   // warp steps in flight, keys per block iteration
@@ -263,7 +463,16 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     // the tensor-core path: a short split wholly staged, q and the newest key's rows from wait()
     const bool mma = ATTN_MMA && q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
                      n_stage <= (ATTN_MMA_KEYS < L::CAP ? ATTN_MMA_KEYS : L::CAP);
-    if (mma) {  // whole rows, 16 bytes a thread in turn; rows past the keys up to a multiple of 16 zeroed
+    // the long tensor-core path: a split past the short one's keys, q from wait(), two tile buffers
+    const bool mma_long = ATTN_MMA_LONG && !mma && stage2 && stage && q_sm && newest_staged &&
+                          k_end - k_begin > ATTN_MMA_KEYS;
+    if (mma_long) {  // the first ATTN_LONG_PRE tiles but the newest key, a group each
+#pragma unroll
+        for (int i = 0; i < ATTN_LONG_PRE; ++i) {
+            attn_long_copy<HD, HB>(i ? stage2 : stage, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, i, warp, lane, 0);
+            cp_async_commit();
+        }
+    } else if (mma) {  // whole rows, 16 bytes a thread in turn; rows past the keys up to a multiple of 16 zeroed
         const int nk16 = (n_stage + 15) & ~15;
         for (int i = tid; i < nk16 * 2 * RW; i += 128) {
             const int kl = i / (2 * RW), c = i % (2 * RW), key = k_begin + kl;
@@ -299,6 +508,11 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
         }
     }
     wait();
+    if (mma_long) {
+        attn_split_mma_long<HD, HB>(stage, stage2, q_sm, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, scale_log2, part_o,
+                                    part_ml, h0, s, S, sm_ml, tid, sync);
+        return;
+    }
     if (mma) {
         attn_split_mma<HD, HB>(stage, q_sm, n_stage, scale_log2, part_o, part_ml, h0, s, S, sm_ml, tid, sync);
         return;

@@ -338,6 +338,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The 8x8 fp16 matrix whose fragment the warp holds (lane 4g + t: row g, columns 2t, 2t + 1), transposed
+// in registers: an MMA's C layout becomes another's B operand without a trip through shared memory.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
 __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<u32*>(&h);

@@ -156,7 +156,14 @@ ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
 # the short-context regime of flash decoding (attn_short; change 116): KUIPER_ATTN_SHORT keys, "0" off, unset:
 # DEVICE_TUNING's "attn_short" for the model's shape
 ATTN_SHORT = os.environ.get("KUIPER_ATTN_SHORT")
-ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "512"))  # flash-decoding split size at capacity
+# flash decoding's splits past ATTN_MMA_KEYS keys on tensor cores (attn_decode.cuh attn_split_mma_long), which
+# needs a second 64-key tile buffer of dynamic shared memory; KUIPER_ATTN_MMA_LONG=0: the scalar loop (A/B)
+ATTN_MMA_LONG = os.environ.get("KUIPER_ATTN_MMA_LONG", "1") != "0"
+# flash-decoding split size at capacity, and the most blocks per SM the splits may take: the long path's
+# blocks hold ~70 KB of shared memory (3 per SM), and its splits cost little arithmetic per key
+ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "1024" if ATTN_MMA_LONG else "512"))
+ATTN_MAX_PER_SM = 3 if ATTN_MMA_LONG else 8
+ATTN_MMA_KEYS, ATTN_LONG_TILE = 64, 64  # attn_decode.cuh
 
 # the one-token id that means "the id the last sample_launch drew", read by the step from device memory
 SAMPLED_TOKEN = -1
@@ -1078,8 +1085,14 @@ def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
     return G if best == 1 and G <= 8 else best
 
 
+def attn_long_smem(hd: int) -> int:
+    """Bytes of the long tensor-core path's second tile buffer (attn_decode_gqa's dynamic shared memory)."""
+    return ATTN_LONG_TILE * (2 * hd // 8 + 1) * 16
+
+
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
-                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, o_merge: bool = False):
+                     pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, o_merge: bool = False,
+                     max_keys: int = 0):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
@@ -1088,7 +1101,9 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     kernel does the q/k norm and RoPE, writing the rotated q into q and the newest key's K and V
     rows (position n_keys - 1) into the cache. A split takes at least min_chunk keys (decode_chunk): the
     splits past the keys present exit, and whoever merges reads only those that held keys. o_merge: the o
-    GEMV that takes the returned partials may merge them with gemv_merge_span (see o_merge())."""
+    GEMV that takes the returned partials may merge them with gemv_merge_span (see o_merge()). max_keys: the
+    most keys a replay of this launch may see (with pos_dev; else n_keys): where a split can then pass
+    ATTN_MMA_KEYS keys, the launch gets the long tensor-core path's tile buffer."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
@@ -1104,9 +1119,16 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     name = f"attn_decode_gqa<{hd},{hb}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
     pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
+    most = max(max_keys, n_keys) if pos_dev is not None else n_keys
+    long_path = ATTN_MMA_LONG and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
+    if long_path:
+        pad = max(pad, attn_long_smem(hd))
+        fn = _compiled("attn", name)
+        if fn.max_dynamic_shared_size_bytes < pad:
+            fn.max_dynamic_shared_size_bytes = pad
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
-        *fin, _i(min_chunk)), shared_mem=pad)
+        *fin, _i(min_chunk), _i(int(long_path))), shared_mem=pad)
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge)
     return parts if out is None else attention_combine(parts, out)
 
@@ -1825,12 +1847,13 @@ class CupyOps:
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
         # at least two blocks per SM over all groups; for a larger cache about ATTN_KEYS_PER_SPLIT
-        # keys per split when full, capped at eight blocks per SM. The kernel leaves splits idle
-        # while the context is short (attention.cu decode_chunk).
+        # keys per split when full, capped at ATTN_MAX_PER_SM blocks per SM. The kernel leaves splits
+        # idle while the context is short (attention.cu decode_chunk).
         H = a.num_attention_heads
         groups = H // decode_heads_per_block(H, a.num_key_value_heads)
         self.attn_splits = max(1, math.ceil(ATTN_PER_SM * self.n_sm / groups),
-                               min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT), math.ceil(8 * self.n_sm / groups)))
+                               min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT),
+                                   ATTN_MAX_PER_SM * self.n_sm // groups))
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
@@ -2133,7 +2156,8 @@ class CupyOps:
             parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                      self.d["pos"] if self.graphs else None, finish=fin,
-                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge)
+                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
+                                     max_keys=self._attn_max_keys(pos0 + 1))
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
@@ -2195,6 +2219,12 @@ class CupyOps:
         if self.attn_short and n_keys <= self.attn_short:
             return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk))
         return self.attn_splits
+
+    def _attn_max_keys(self, n_keys: int) -> int:
+        """The most keys a decode graph captured at n_keys serves: its regime's end (_attn_split_count)."""
+        if self.attn_short and n_keys <= self.attn_short:
+            return self.attn_short
+        return self.max_context
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""

@@ -763,7 +763,8 @@ def qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits
                 pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero, ss_out=ss)
     oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, cp.full((1,), pos0, cp.int32),
                         finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk)
+                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk,
+                        max_keys=pos0 + 1)
     return qrot, hout, out, part_o, part_ml
 
 
@@ -807,15 +808,25 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
 
 
-@pytest.mark.parametrize("D,H,KV,hd", [(4096, 32, 8, 128), (2048, 32, 4, 128), (1024, 8, 8, 128), (1024, 16, 8, 64)])
-@pytest.mark.parametrize("pos0", [0, 14, 16, 47, 63, 300, 777, 5000])
+@pytest.mark.parametrize("D,H,KV,hd,hb", [(4096, 32, 8, 128, 4), (2048, 32, 4, 128, 4), (2048, 32, 4, 128, 8),
+                                         (1024, 8, 8, 128, 4), (1024, 16, 8, 64, 4)])
+@pytest.mark.parametrize("pos0", [0, 14, 16, 47, 63, 300, 777, 1100, 2047, 2100, 5000])
 @pytest.mark.parametrize("min_chunk", [32, 64])
-def test_flash_decoding_split_partials(D, H, KV, hd, pos0, min_chunk):
+@pytest.mark.parametrize("long_path", ["mma", "scalar"])
+def test_flash_decoding_split_partials(D, H, KV, hd, hb, pos0, min_chunk, long_path, monkeypatch):
     """Every split's partial softmax (part_o, part_ml: the log2-domain max, the sum and the unnormalised
     output) against float64 over the split's own keys, from the q and cache rows the kernel itself
     wrote, so nothing but the split's arithmetic is compared, to 1e-5. Short contexts take the
     tensor-core path (at most 64 keys per split, all staged; tiles of 16 keys partly past the split's
-    end at 15, 47, 49 keys), 5000 keys the scalar loop. fp16 P in the P V product would miss by ~1e-4."""
+    end at 15, 47, 49 keys). Longer splits take the long tensor-core path (mma: tiles of 64 keys through
+    two buffers, the last tile partly past the split's end at 69 and 132 keys, whole at 128; the newest
+    key in a tile copied after the wait at 1101 and 2048 keys, in one the loop copies at 5001) or the
+    scalar loop. 8 heads per block (hb 8): the whole GQA group of 30B-A3B as the MMA's 8 columns. fp16 P
+    in the P V product would miss by ~1e-4."""
+    if long_path == "scalar" and pos0 < 1100:
+        pytest.skip("short splits: the same path either way")
+    monkeypatch.setattr(oc, "ATTN_MMA_LONG", long_path == "mma")
+    monkeypatch.setattr(oc, "ATTN_MAX_HEADS_PER_BLOCK", hb)
     rng = np.random.default_rng()
     splits, ctx = 16, pos0 + 4
     case = qkv_case(rng, D, H, KV, hd, ctx)

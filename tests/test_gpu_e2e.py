@@ -159,6 +159,28 @@ def test_short_context_attention_regime_switch(untied_bin, monkeypatch):
         assert rel(got, ref) < 1e-3
 
 
+@pytest.mark.parametrize("min_chunk", [100, 333])
+def test_long_splits_on_tensor_cores_decode(untied_bin, min_chunk, monkeypatch):
+    """Flash decoding's splits past 64 keys on tensor cores (attn_split_mma_long: 64-key tiles, the last
+    partial) in graph-replayed decode steps at 3000-3005 cached positions, against the scalar loop and the
+    CPU reference. min_chunk forces long splits on this small model (its capacity would give 32 keys)."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=3006).tolist()
+    mf = load(untied_bin)
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", min_chunk)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(oc, "ATTN_MMA_LONG", on)
+        m = Qwen3(mf, oc.CupyOps, 3100)
+        m.prefill(ids[:3000])
+        got[on] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[3000:]])
+        assert len(m.ops._graphs) == 1
+    ref = Qwen3(mf, NumpyOps, 3100)
+    ref.prefill(ids[:3000])
+    cpu = np.stack([ref.decode(t) for t in ids[3000:]])
+    assert_as_accurate("long tensor-core splits", got[True], got[False], cpu)
+
+
 def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, monkeypatch):
     """Dense decode's accumulating mode (the default; split-K sums added in fixed point, residual add
     and SwiGLU in the consuming GEMV) against the last-block reductions and the NumPy reference, graph
