@@ -263,7 +263,11 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
     }
 }
 
-template <int HD, int HB>
+// LP: the long tensor-core path's instantiation (its second tile buffer in dynamic shared memory, which
+// the host passes where a split may be longer than ATTN_MMA_KEYS, ops_cupy.attention_decode). A separate
+// kernel, so the short-context launches keep the code they had (with the long path beside it in the same
+// kernel, the H100's 30B-A3B step at 512 keys measured 1.3% longer).
+template <int HD, int HB, bool LP = false>
 __global__ void __launch_bounds__(128)
 attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here with qkv_acc)
                 half* __restrict__ Kc,        // [ctx, KV, HD] this layer
@@ -276,8 +280,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
                 const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
                 const float* __restrict__ ss_in, int ss_n, int ss_D,  // the scaled GEMV's sums of squares
-                int min_chunk,                                         // fewest keys per split (decode_chunk)
-                int long_path) {  // 1: dynamic shared memory holds a 64-key tile buffer (attn_split_mma_long)
+                int min_chunk) {                                       // fewest keys per split (decode_chunk)
     using L = AttnSplitSmem<HD, HB>;
     // the merge's slots, and before them the staged keys (attn_decode_split)
     __shared__ __align__(16) float sm_o[KUIPER_ATTN_STAGE ? L::shared_floats : L::o_floats];
@@ -290,10 +293,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
     uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
-    // The long tensor-core path's second tile buffer: dynamic shared memory, which the host passes (with
-    // long_path set) where a split may be longer than ATTN_MMA_KEYS (ops_cupy.attention_decode)
-    extern __shared__ __align__(16) unsigned char attn_dyn[];
-    uint4* stage2 = long_path ? reinterpret_cast<uint4*>(attn_dyn) : nullptr;
+    extern __shared__ __align__(16) unsigned char attn_dyn[];  // LP: [64][SRW] 16-byte pieces
+    uint4* stage2 = LP ? reinterpret_cast<uint4*>(attn_dyn) : nullptr;
     // the newest key's rows, which the finish writes, into the stage when it holds them
     const int newest_kl = n_keys - 1 - s * chunk;
     half* k_stage = nullptr;

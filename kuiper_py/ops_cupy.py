@@ -238,7 +238,8 @@ _FILES = {
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
-                      + [f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)]),
+                      + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
+                         for lp in ("", ",true")]),
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
     "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
@@ -265,7 +266,7 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>", "gemv_w4a16<false, false, true>",
                "gemv_w4a16<false, true, true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
-               f"attn_decode_gqa<{hd},{hb}>" for hd in (64, 128) for hb in range(1, 9)}
+               f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
 _PDL: dict[int, bool] = {}
 
 
@@ -1116,11 +1117,11 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
                                                                       f["sin"], _f(f["eps"]))
     fin += (null, _i(0), _i(0)) if f is None or "ss" not in f else (f["ss"][0], _i(f["ss"][1]), _i(f["ss"][2]))
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
-    name = f"attn_decode_gqa<{hd},{hb}>"
-    grid = (n_kv_heads, H // n_kv_heads // hb, S)
-    pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     most = max(max_keys, n_keys) if pos_dev is not None else n_keys
     long_path = ATTN_MMA_LONG and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
+    name = f"attn_decode_gqa<{hd},{hb}{',true' if long_path else ''}>"
+    grid = (n_kv_heads, H // n_kv_heads // hb, S)
+    pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     if long_path:
         pad = max(pad, attn_long_smem(hd))
         fn = _compiled("attn", name)
@@ -1128,7 +1129,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
             fn.max_dynamic_shared_size_bytes = pad
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
-        *fin, _i(min_chunk), _i(int(long_path))), shared_mem=pad)
+        *fin, _i(min_chunk)), shared_mem=pad)
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge)
     return parts if out is None else attention_combine(parts, out)
 
