@@ -231,6 +231,9 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
 #define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B; PERFORMANCE.md change 144)
 #endif
 #define ATTN_LONG_TILE 64  // keys per tile of the long tensor-core path: 16 per warp
+#ifndef ATTN_LONG_PRE
+#define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
+#endif
 
 // The long path's copies of tile i's rows into buf (one of two tile buffers [ATTN_LONG_TILE][SRW]): warp
 // `warp` copies only the 16 keys it reads itself, so a warp's cp.async group and __syncwarp order them
@@ -262,15 +265,12 @@ __device__ __forceinline__ void attn_long_copy(uint4* buf, const half* Kc, const
 // tiles were copied before the PDL wait, but for the newest key), warp w taking keys 16w..16w+15 of every tile
 // with an online softmax of its own. Why: the scalar loop spends ~1.1 µs per 32 keys on shuffles and
 // exp2f with one warp per scheduler (change 143), so a split of 250-1000 keys was bound by its
-// arithmetic, not by its bytes (30B-A3B at 8k keys: ~0.27 of copy in attention). Transposed against
+// arithmetic, not by its bytes (30B-A3B at 8k keys: ~0.27 of copy in attention; this form took 9-12%
+// off its step there, PERFORMANCE.md change 144; 3 or 4 buffers measured slower). Transposed against
 // attn_split_mma, S^T = K q^T and O^T = V^T P^T: the heads are the MMA's 8 columns, so no half of a
 // 16-row fragment is wasted, O is 4 accumulators per 16 dims, and P's C layout reaches the B operand by
 // movmatrix. P goes in as fp16 hi + lo (fp32 precision, as attn_split_mma). Each warp's l stays a per-lane
 // partial until the end (it only ever scales by the column's shared max).
-#ifndef ATTN_LONG_PRE
-#define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it; A/B)
-#endif
-
 template <int HD, int HB, class Sync>
 __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, const half* q_sm, const half* Kc,
                                                     const half* Vc, size_t rs, int kvh, int k_begin, int k_end,
