@@ -32,6 +32,8 @@ __device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
 #define ATTN_KV_PF_ITERS 2
 #endif
 
+#define ATTN_LONG_TILE 64  // keys per tile of the long tensor-core path (attn_split_mma_long): 16 per warp
+
 template <int HD, int HB>
 struct AttnSplitSmem {                            // the merge of a block's key slots
     static constexpr int LPK = HD / 8, KPW = 32 / LPK, NG = 4 * KPW;
@@ -46,7 +48,7 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     // [CAP keys][SRW] 16-byte pieces: a split's first keys copied in before the PDL wait
     static constexpr int stage_floats = CAP * SRW * 4;
     // the long tensor-core path's first tile buffer (attn_split_mma_long: 64 keys)
-    static constexpr int long_floats = 64 * SRW * 4;
+    static constexpr int long_floats = ATTN_LONG_TILE * SRW * 4;
     // sm_o once the loop is done, the staged keys before (or the long path's first tile): one buffer
     static constexpr int so_floats = o_floats > stage_floats ? o_floats : stage_floats;
     static constexpr int shared_floats = so_floats > long_floats ? so_floats : long_floats;
@@ -87,6 +89,42 @@ __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
 #define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B; PERFORMANCE.md change 143)
 #endif
 #define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
+
+// The tensor-core paths' merge of their 4 warps' slots into split s's partials: warp w < nw's max and sum
+// of head j in sm_ml [4][HB][2], its output element (j, d) at *slot(w, j, d); warps from nw on saw no keys
+// and are not read. Fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
+// as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143).
+template <int HD, int HB, class Slot>
+__device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, int nw, float* part_o, float* part_ml,
+                                                 int h0, int s, int S, int tid) {
+    constexpr int NW = 4, EPT = (HB * HD + 127) / 128;
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+        const int e = tid + 128 * k;
+        if (e < HB * HD) {
+            const int j = e / HD, d = e % HD;
+            float mw[NW], lw[NW], ow[NW], M = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const bool on = w < nw;
+                mw[w] = on ? sm_ml[(w * HB + j) * 2] : -INFINITY;
+                lw[w] = on ? sm_ml[(w * HB + j) * 2 + 1] : 0.f;
+                ow[w] = on ? *slot(w, j, d) : 0.f;
+                M = fmaxf(M, mw[w]);
+            }
+            float Lsum = 0.f, od = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const float wt = exp2f(mw[w] - M);  // 0 for a warp without keys
+                Lsum += lw[w] * wt;
+                od += ow[w] * wt;
+            }
+            const size_t ps = (size_t)(h0 + j) * S + s;
+            part_o[ps * HD + d] = od;
+            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+        }
+    }
+}
 
 // The tensor-core form of a short split whose keys (at most ATTN_MMA_KEYS, all staged, zero rows up to
 // a multiple of 16) and q (q_sm, [HB][HD]) are in shared memory. Why: the scalar loop spends ~1.1 µs
@@ -195,42 +233,13 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
         sm_ml[(warp * HB + g) * 2 + 1] = lrow;
     }
     sync();
-    // the merge fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
-    // as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143)
-    constexpr int NW = ATTN_MMA_KEYS / 16, EPT = (HB * HD + 127) / 128;
-    const int nw = (nk + 15) >> 4;  // warps that saw keys (warp 0 always)
-#pragma unroll
-    for (int k = 0; k < EPT; ++k) {
-        const int e = tid + 128 * k;
-        if (e < HB * HD) {
-            const int j = e / HD, d = e % HD;
-            float mw[NW], lw[NW], ow[NW], M = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) {
-                const bool on = w < nw;
-                mw[w] = on ? sm_ml[(w * HB + j) * 2] : -INFINITY;
-                lw[w] = on ? sm_ml[(w * HB + j) * 2 + 1] : 0.f;
-                ow[w] = on ? *o_at(w, j, d) : 0.f;
-                M = fmaxf(M, mw[w]);
-            }
-            float Lsum = 0.f, od = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) {
-                const float wt = exp2f(mw[w] - M);  // 0 for a warp without keys
-                Lsum += lw[w] * wt;
-                od += ow[w] * wt;
-            }
-            const size_t ps = (size_t)(h0 + j) * S + s;
-            part_o[ps * HD + d] = od;
-            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
-        }
-    }
+    static_assert(ATTN_MMA_KEYS == 4 * 16, "4 warps of 16 keys");
+    attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, part_o, part_ml, h0, s, S, tid);  // (warp 0 always saw keys)
 }
 
 #ifndef ATTN_MMA_LONG
 #define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B; PERFORMANCE.md change 144)
 #endif
-#define ATTN_LONG_TILE 64  // keys per tile of the long tensor-core path: 16 per warp
 #ifndef ATTN_LONG_PRE
 #define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
 #endif
@@ -376,7 +385,8 @@ __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, co
     }
     cp_async_wait<0>();  // (only empty groups can be left: nothing may land after the slots are written)
     sync();              // every warp is done with the buffers: buf0 takes the 4 warps' slots
-    float* ow = reinterpret_cast<float*>(buf0) + warp * HB * OST;  // [4][HB][OST]
+    float* slots = reinterpret_cast<float*>(buf0);  // [4][HB][OST]
+    float* ow = slots + warp * HB * OST;
     const int ja = 2 * t, jb = 2 * t + 1;
 #pragma unroll
     for (int c = 0; c < KS; ++c) {
@@ -394,33 +404,8 @@ __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, co
         if (jb < HB) { sm_ml[(warp * HB + jb) * 2] = m1; sm_ml[(warp * HB + jb) * 2 + 1] = l1; }
     }
     sync();
-    const float* slots = reinterpret_cast<const float*>(buf0);
-    constexpr int EPT = (HB * HD + 127) / 128;
-#pragma unroll
-    for (int k = 0; k < EPT; ++k) {
-        const int e = tid + 128 * k;
-        if (e < HB * HD) {
-            const int j = e / HD, d = e % HD;
-            float mw[4], lw[4], vw[4], M = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {  // a warp that saw no key: -inf, 0, 0
-                mw[w] = sm_ml[(w * HB + j) * 2];
-                lw[w] = sm_ml[(w * HB + j) * 2 + 1];
-                vw[w] = slots[(w * HB + j) * OST + d];
-                M = fmaxf(M, mw[w]);
-            }
-            float Lsum = 0.f, od = 0.f;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const float wt = exp2f(mw[w] - M);
-                Lsum += lw[w] * wt;
-                od += vw[w] * wt;
-            }
-            const size_t ps = (size_t)(h0 + j) * S + s;
-            part_o[ps * HD + d] = od;
-            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
-        }
-    }
+    attn_merge_warps<HD, HB>(sm_ml, [&](int w, int j, int d) { return slots + (w * HB + j) * OST + d; }, 4, part_o,
+                             part_ml, h0, s, S, tid);  // (every warp wrote its slot, -inf / 0 / 0 without keys)
 }
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by

@@ -594,9 +594,22 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
     pad = per_sm // (want + 1) + 1 - reserved - fn.shared_size_bytes
     if pad <= 0 or want * (fn.shared_size_bytes + reserved + pad) > per_sm:
         return 0
-    if fn.max_dynamic_shared_size_bytes < pad:
-        fn.max_dynamic_shared_size_bytes = pad
+    allow_dynamic_smem(fn, pad)
     return pad if fit(pad) == want else 0
+
+
+_DYN_SMEM: dict[int, int] = {}
+
+
+def allow_dynamic_smem(fn, nbytes: int) -> None:
+    """Lets kernel fn (a RawKernel or CuPy Function) launch with nbytes of dynamic shared memory: past 48 KB the
+    driver wants the size asked for. The attribute is set (and read) once per kernel and size, not per launch."""
+    ptr = getattr(fn, "kernel", fn).ptr
+    if _DYN_SMEM.get(ptr, -1) >= nbytes:
+        return
+    if fn.max_dynamic_shared_size_bytes < nbytes:
+        fn.max_dynamic_shared_size_bytes = nbytes
+    _DYN_SMEM[ptr] = max(nbytes, _DYN_SMEM.get(ptr, 0))
 
 
 def blocks_per_sm(fn, threads: int, smem: int = 0) -> int:
@@ -1005,8 +1018,7 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
     rings = WGMMA_TILES[(bm, bn)]
     fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers or WGMMA_PRODUCERS[-1]}>")
     smem = wgmma_smem_bytes(bm, bn, *rings)
-    if fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
+    allow_dynamic_smem(fn, smem)
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(n_full), _i(split), part, ticket)
     head = []  # qweight, qzeros, scales, N for 3 slots (N = 0 when absent)
     for i in range(3):
@@ -1124,9 +1136,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     if long_path:
         pad = max(pad, attn_long_smem(hd))
-        fn = _compiled("attn", name)
-        if fn.max_dynamic_shared_size_bytes < pad:
-            fn.max_dynamic_shared_size_bytes = pad
+        allow_dynamic_smem(_compiled("attn", name), pad)
     kernel("attn", name)(grid, (128,), (
         q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
         *fin, _i(min_chunk)), shared_mem=pad)
@@ -1197,8 +1207,8 @@ def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
     decode_attn_half's ~200 KB blocks, 62 of 8 of ffn_decode's), or 0 where the driver refuses the size.
     n: the clusters of the launch."""
     ptr = getattr(fn, "kernel", fn).ptr
-    if smem and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
+    if smem:
+        allow_dynamic_smem(fn, smem)
     if CL > 8:  # 16-block clusters are "non-portable": Hopper has them, the driver wants them asked for
         set_attr = _cu_fn("cuFuncSetAttribute")
         if set_attr is None or set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
@@ -1825,8 +1835,7 @@ class CupyOps:
             kernel(fam, _FILES[fam][1][0])
         if self._dl is not None:  # compiled and given its shared memory once, not per launch
             self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])
-            if self._dl_fn.max_dynamic_shared_size_bytes < self._dl["smem"]:
-                self._dl_fn.max_dynamic_shared_size_bytes = self._dl["smem"]
+            allow_dynamic_smem(self._dl_fn, self._dl["smem"])
             self._dl_attr = _pdl_attr() if pdl_enabled() else None
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
@@ -2213,19 +2222,21 @@ class CupyOps:
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
 
+    def _attn_short_regime(self, n_keys: int) -> bool:
+        """Whether n_keys keys decode in flash decoding's short-context regime (a graph of its own)."""
+        return bool(self.attn_short) and n_keys <= self.attn_short
+
     def _attn_split_count(self, n_keys: int) -> int:
         """Flash decoding's grid of splits at n_keys keys: up to attn_short keys only the splits they can use
         (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer, change 116),
         else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
-        if self.attn_short and n_keys <= self.attn_short:
+        if self._attn_short_regime(n_keys):
             return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk))
         return self.attn_splits
 
     def _attn_max_keys(self, n_keys: int) -> int:
         """The most keys a decode graph captured at n_keys serves: its regime's end (_attn_split_count)."""
-        if self.attn_short and n_keys <= self.attn_short:
-            return self.attn_short
-        return self.max_context
+        return self.attn_short if self._attn_short_regime(n_keys) else self.max_context
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""
