@@ -104,24 +104,34 @@ __global__ void read_chain(const uint4* __restrict__ a, long long n, unsigned* _
 _READ_MOD = None
 
 
-def read_chain_us(nbytes: int, copies: int) -> tuple[float, str]:
-    """Best µs per launch of read_chain over `copies` rotated buffers of nbytes each, over grid sizes and the
-    words read before the wait, and the configuration that gave it."""
+READ_CONFIGS = [(pre, per_sm) for pre in (0, 1, 4) for per_sm in (2, 4, 8)]  # words ahead of the wait, blocks per SM
+
+
+def read_chain_launcher(pre: int, per_sm: int):
+    """launch(buf, nbytes, sink): one read_chain launch under PDL with this configuration."""
     global _READ_MOD
     if _READ_MOD is None:
         _READ_MOD = cp.RawModule(code=_READ + headers_tag(), options=("-std=c++17", f"-I{kernel_dir()}"),
                                  name_expressions=[f"read_chain<{p}>" for p in (0, 1, 4)])
+    fn = _READ_MOD.get_function(f"read_chain<{pre}>")
+    grid, attr = (sm_count() * per_sm,), _pdl_attr() if pdl_enabled() else None
+    return lambda buf, nbytes, sink: launch_ex(fn, grid, (256,), (buf, np.uint64(nbytes // 16), sink), 0, attr)
+
+
+def read_chain_label(pre: int, per_sm: int) -> str:
+    return f"{per_sm} blocks per SM, {pre} word{'s' * (pre != 1)} ahead of the wait"
+
+
+def read_chain_us(nbytes: int, copies: int) -> tuple[float, str, tuple[int, int]]:
+    """Best µs per launch of read_chain over `copies` rotated buffers of nbytes each, over grid sizes and the
+    words read before the wait; the configuration that gave it, as words and as (pre, per_sm)."""
     bufs = [cp.zeros(nbytes // 16 * 4, cp.uint32) for _ in range(copies)]
     sink = cp.zeros(1, cp.uint32)
-    attr = _pdl_attr() if pdl_enabled() else None
-    best = (float("inf"), "")
-    for pre in (0, 1, 4):
-        fn = _READ_MOD.get_function(f"read_chain<{pre}>")
-        for per_sm in (2, 4, 8):
-            grid = (sm_count() * per_sm,)
-            t = time_ms(lambda i: launch_ex(fn, grid, (256,), (bufs[i % copies], np.uint64(nbytes // 16), sink), 0,
-                                            attr))
-            best = min(best, (t * 1e3, f"{per_sm} blocks per SM, {pre} word{'s' * (pre != 1)} ahead of the wait"))
+    best = (float("inf"), "", (0, 0))
+    for cfg in READ_CONFIGS:
+        launch = read_chain_launcher(*cfg)
+        t = time_ms(lambda i: launch(bufs[i % copies], nbytes, sink))
+        best = min(best, (t * 1e3, read_chain_label(*cfg), cfg))
     return best
 
 
@@ -237,7 +247,7 @@ def main():
         stacks = None
         # the same byte counts through a read-only kernel in the same dependent chain
         for name, nbytes in {r["shape"]: r["weight_bytes"] for r in out["decode"]}.items():
-            us, how = read_chain_us(nbytes, max(2, math.ceil(6 * l2 / nbytes)))
+            us, how, _ = read_chain_us(nbytes, max(2, math.ceil(6 * l2 / nbytes)))
             out["decode"].append(decode_row(name, f"read-only ({how})", us, nbytes, copy_bw))
     if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
         PRE.clear()
