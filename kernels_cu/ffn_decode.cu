@@ -38,7 +38,8 @@
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
 // Diagnosis only (KUIPER_DIAG_DEFINES, PERFORMANCE.md change 78): FFN_DIAG_NOMATH=1 skips the dot
 // products (wrong results: the loads alone); FFN_DIAG_LOOPEND=1 moves moe_ffn_decode's stamp 3 from
-// after the cluster's sums to the end of the block's gate/up loop.
+// after the cluster's sums to the end of the block's gate/up loop; MOE_DIAG_ROUTE moves its stamps 2 and
+// 3 to either side of the top-k (change 145).
 #ifndef FFN_DIAG_NOMATH
 #define FFN_DIAG_NOMATH 0
 #endif
@@ -371,7 +372,7 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
 __device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc, bool arrive = true) {
     // relaxed: a release arrive would wait for down's loads in flight
     if (arrive) cl_arrive_relaxed();
-#if !FFN_DIAG_LOOPEND
+#if !FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
     diag_stamp(3);
 #endif
     const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
@@ -575,6 +576,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // block: every cluster picks the same experts ----
     lg[tid] = tid < E ? fix_f(za) : -INFINITY;
     __syncthreads();
+#ifdef MOE_DIAG_ROUTE
+    diag_stamp(2);
+#endif
     if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
         float p[MOE_MAX_E / 32];
 #pragma unroll
@@ -589,7 +593,11 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     }
     __syncthreads();
     const int ex = sel_id[slot];
+#ifdef MOE_DIAG_ROUTE
+    diag_stamp(3);
+#else
     diag_stamp(2);  // (routed; 3: the cluster's gate/up sums read)
+#endif
 
     // ---- ffn_decode on the expert's 256 channels t*256.. of gate, up and down ----
     const int W2 = mI / 4;  // [gate | up]'s zero row in words (its scale row: 8 W2 halves)
@@ -607,7 +615,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(qz, sc, W2, gword, k_lo + wr * FFN_ROWS, zw, sv);
     float a8[8];
     ffn_span_dot(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-#if FFN_DIAG_LOOPEND
+#if FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
     diag_stamp(3);
 #endif
     if constexpr (PUSH) {

@@ -193,6 +193,30 @@ def test_moe_route_decode_topk_matches_prefill_topk_with_ties(layer, norm_topk):
         assert int(counter[0]) == 0
 
 
+@pytest.mark.parametrize("n_exp,k", [(128, 8), (256, 8), (60, 4), (8, 8), (33, 1), (200, 32)])
+def test_moe_topk_picks_as_a_stable_sort_with_many_ties(n_exp, k):
+    """moe_topk (common.cuh moe_topk_pick: per round, each lane's best entry by a tree of comparisons,
+    then the warp's) against NumPy's stable sort of the logits, on logits drawn from 9 values so that
+    most picks are among exact ties: the ids in order, ties to the lower id, and the softmax weights."""
+    rng = np.random.default_rng()
+    T = 64
+    lg = (rng.integers(-4, 5, size=(T, n_exp)) * 0.5).astype(np.float32)
+    lg[: T // 4, : min(k + 3, n_exp)] = 2.0  # ties at the very top too
+    lg[T // 4: T // 2] = lg[T // 4: T // 2, ::-1]  # the high ids first
+    ids_ref = np.argsort(-lg, axis=1, kind="stable")[:, :k]
+    p = np.exp(lg.astype(np.float64) - lg.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    for norm_topk in (True, False):
+        ids, wts = poisoned((T, k), np.int32), poisoned((T, k), np.float32)
+        oc.kernel("moe", "moe_topk")(((T + 7) // 8,), (256,), (cp.asarray(lg), ids, wts, np.int32(T), np.int32(n_exp),
+                                                              np.int32(k), np.int32(int(norm_topk))))
+        np.testing.assert_array_equal(cp.asnumpy(ids), ids_ref)
+        w_ref = np.take_along_axis(p, ids_ref, axis=1)
+        if norm_topk:
+            w_ref /= w_ref.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(cp.asnumpy(wts), w_ref, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, softmax and top-k of the logits
 # the o GEMV computed, and the selected experts' SwiGLU FFN with the weighted sum, every cluster routing
