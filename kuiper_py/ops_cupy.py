@@ -230,9 +230,21 @@ def gpu_memory_used_mib() -> float:
 
 
 _MODULES: dict[str, object] = {}
+# gemv_w4a16.cu's instantiations <MOE2, RT, OM, ACC>: the split-K form (MOE2: the MoE sum over two levels),
+# the MoE o projection's router rows (RT), o's merge of many flash-decoding splits (OM), and the accumulating
+# decode forms (ACC), which leave out the split-K reduction tails
+GEMV_FORMS = ((False, False, False, False), (True, False, False, False), (False, True, False, False),
+              (False, False, True, False), (False, True, True, False),
+              *((False, rt, om, True) for rt in (False, True) for om in (False, True)))
+
+
+def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False) -> str:
+    """The name expression of one gemv_w4a16 instantiation (GEMV_FORMS), every template argument written out."""
+    return "gemv_w4a16<" + ", ".join("true" if f else "false" for f in (moe2, rt, om, acc)) + ">"
+
+
 _FILES = {
-    "gemv": ("gemv_w4a16.cu", ["gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>",
-                               "gemv_w4a16<false, false, true>", "gemv_w4a16<false, true, true>"]),
+    "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
@@ -245,6 +257,8 @@ _FILES = {
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
+# KUIPER_GEMV_ACC_FORM=0: accumulating launches run the general instantiations instead (A/B of change 146)
+GEMV_ACC_FORM = os.environ.get("KUIPER_GEMV_ACC_FORM", "1") != "0"
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
@@ -263,8 +277,7 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
-PDL_KERNELS = {"gemv_w4a16<false>", "gemv_w4a16<true>", "gemv_w4a16<false, true>", "gemv_w4a16<false, false, true>",
-               "gemv_w4a16<false, true, true>", "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
+PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
 _PDL: dict[int, bool] = {}
@@ -833,10 +846,10 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
-    name = "gemv_w4a16<false, true>" if router is not None else f"gemv_w4a16<{'true' if moe2 else 'false'}>"
-    if (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
-            and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS):
-        name = f"gemv_w4a16<false, {'true' if router is not None else 'false'}, true>"
+    om = (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
+          and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS)
+    # accumulating launches take the ACC instantiations, which hold no split-K tail code (PERFORMANCE.md change 146)
+    name = gemv_name(moe2, router is not None, om, acc_out is not None and not moe2 and GEMV_ACC_FORM)
     pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
     kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
