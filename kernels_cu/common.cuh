@@ -578,6 +578,7 @@ __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k,
         if (lane == r) { my_v = bp; my_id = be; }
     }
 }
+
 // The same without the sum, for a caller that weighs the picks itself (moe_ffn_decode: raw logits)
 __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k, float gone, int& my_id, float& my_v) {
     float unused = 0.f;
