@@ -499,9 +499,16 @@ def headers_tag() -> str:
     return f"\n// headers {deps.hexdigest()}\n"
 
 
+_FNS: dict[tuple[str, str], object] = {}
+
+
 def _compiled(family: str, name: str):
-    """A compiled kernel. The source gets a #line so NVRTC errors name the real .cu file; CuPy
-    caches the binary on disk, so a second start does not recompile."""
+    """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
+    attention_decode asks on every launch). The source gets a #line so NVRTC errors name the real .cu
+    file; CuPy caches the binary on disk, so a second start does not recompile."""
+    fn = _FNS.get((family, name))
+    if fn is not None:
+        return fn
     if family not in _MODULES:
         # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
         # model needs it (each is a large kernel; compiling all sixteen would slow every start)
@@ -528,7 +535,8 @@ def _compiled(family: str, name: str):
         except cp.cuda.compiler.CompileException as e:
             raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
         _MODULES[family] = mod
-    return _MODULES[family].get_function(name)
+    fn = _FNS[(family, name)] = _MODULES[family].get_function(name)
+    return fn
 
 
 def tile_qweight(q, segments: int = 1):

@@ -99,9 +99,9 @@ def main(presets, ctx, structures, json_out):
                        | {VOCAB * model_dims(p)[0] * 2 + model_dims(p)[0] * 2})
         best_cfg = {}
         for n in sizes:  # each byte count alone, back to back over rotated copies (> 6x L2)
-            us, how, cfg = read_chain_us(n, max(2, -(-6 * l2 // n)))
+            us, cfg = read_chain_us(n, max(2, -(-6 * l2 // n)))
             best_cfg[n] = cfg
-            out["launch_best"].setdefault(p, []).append({"bytes": n, "us": us, "config": how,
+            out["launch_best"].setdefault(p, []).append({"bytes": n, "us": us, "config": read_chain_label(*cfg),
                                                          "ratio_to_copy": n / us / 1e3 / copies["best"]})
             cp.get_default_memory_pool().free_all_blocks()
         for c in ctxs:
