@@ -287,6 +287,34 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
             np.testing.assert_array_equal(a_, b_)
 
 
+@pytest.mark.parametrize("CL,TB,n_exp,k", [(8, 1, E, K_TOP), (4, 1, 160, 4), (4, 1, 256, 8), (4, 2, 32, 3)])
+def test_moe_ffn_decode_picks_as_a_stable_sort_with_many_ties(CL, TB, n_exp, k):
+    """moe_ffn_decode's own top-k (every block picks for itself from the o GEMV's fixed-point logits:
+    warp 0's moe_topk_pick on the shared logits) against NumPy's stable sort, on router logits drawn from 9
+    values so that most picks are among exact ties: the ids in order, ties to the lower id, with either
+    cluster exchange. 160 experts: past a lane's first 4 entries; 256: all 8 of every lane's entries."""
+    rng = np.random.default_rng()
+    Dm, inter = 256 * CL * TB, 256
+    (_, w13_d), (_, w2_d) = rand_stack(rng, n_exp, Dm, 2 * inter, segments=2), rand_stack(rng, n_exp, inter, Dm)
+    lay = types.SimpleNamespace(experts_w13=w13_d, experts_w2=w2_d)
+    h, w, pend, _ = pending_row_inputs(rng, Dm, False)
+    for draw in range(3):
+        z = rng.integers(-4, 5, size=n_exp) * 0.5
+        if draw == 1:
+            z[: k + 3] = 2.0  # ties at the very top
+        elif draw == 2:
+            z[-(k + 3):] = 2.0  # the high ids first
+        ids_ref = np.argsort(-z, kind="stable")[:k]
+        zacc = cp.asarray(np.round(z * 2**32).astype(np.int64))
+        for push in (False, True):
+            plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=push)
+            ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
+            xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend),
+                                        hout=poisoned((1, Dm), np.float32))
+            oc.decode_moe_ffn(plan, xin, lay, ids, wts, cp.zeros((Dm,), cp.int64), 1e-6, k, True, zacc)
+            np.testing.assert_array_equal(cp.asnumpy(ids)[0], ids_ref, err_msg=f"draw {draw}, push {push}")
+
+
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
