@@ -630,7 +630,7 @@ def allow_dynamic_smem(fn, nbytes: int) -> None:
         return
     if fn.max_dynamic_shared_size_bytes < nbytes:
         fn.max_dynamic_shared_size_bytes = nbytes
-    _DYN_SMEM[ptr] = max(nbytes, _DYN_SMEM.get(ptr, 0))
+    _DYN_SMEM[ptr] = nbytes  # (past the early return: more than any size set before)
 
 
 def blocks_per_sm(fn, threads: int, smem: int = 0) -> int:

@@ -193,16 +193,25 @@ def test_moe_route_decode_topk_matches_prefill_topk_with_ties(layer, norm_topk):
         assert int(counter[0]) == 0
 
 
+def tied_logits(rng, T, n_exp, k):
+    """T rows of logits drawn from 9 values (2.0 the largest), so that most top-k picks are among exact ties:
+    rows [0, T/4) with k + 3 more 2.0s at the lowest ids, rows [T/4, T/2) the same rows reversed (those
+    2.0s at the highest ids), the rest as drawn."""
+    lg = (rng.integers(-4, 5, size=(T, n_exp)) * 0.5).astype(np.float32)
+    q = T // 4
+    lg[:q, : min(k + 3, n_exp)] = 2.0
+    lg[q: 2 * q] = lg[:q, ::-1]
+    return lg
+
+
 @pytest.mark.parametrize("n_exp,k", [(128, 8), (256, 8), (60, 4), (8, 8), (33, 1), (200, 32)])
 def test_moe_topk_picks_as_a_stable_sort_with_many_ties(n_exp, k):
     """moe_topk (common.cuh moe_topk_pick: per round, each lane's best entry by a tree of comparisons,
-    then the warp's) against NumPy's stable sort of the logits, on logits drawn from 9 values so that
-    most picks are among exact ties: the ids in order, ties to the lower id, and the softmax weights."""
+    then the warp's) against NumPy's stable sort of the logits, on tied_logits: the ids in order, ties to
+    the lower id, and the softmax weights."""
     rng = np.random.default_rng()
     T = 64
-    lg = (rng.integers(-4, 5, size=(T, n_exp)) * 0.5).astype(np.float32)
-    lg[: T // 4, : min(k + 3, n_exp)] = 2.0  # ties at the very top too
-    lg[T // 4: T // 2] = lg[T // 4: T // 2, ::-1]  # the high ids first
+    lg = tied_logits(rng, T, n_exp, k)
     ids_ref = np.argsort(-lg, axis=1, kind="stable")[:, :k]
     p = np.exp(lg.astype(np.float64) - lg.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
@@ -290,22 +299,17 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
 @pytest.mark.parametrize("CL,TB,n_exp,k", [(8, 1, E, K_TOP), (4, 1, 160, 4), (4, 1, 256, 8), (4, 2, 32, 3)])
 def test_moe_ffn_decode_picks_as_a_stable_sort_with_many_ties(CL, TB, n_exp, k):
     """moe_ffn_decode's own top-k (every block picks for itself from the o GEMV's fixed-point logits:
-    warp 0's moe_topk_pick on the shared logits) against NumPy's stable sort, on router logits drawn from 9
-    values so that most picks are among exact ties: the ids in order, ties to the lower id, with either
+    warp 0's moe_topk_pick on the shared logits) against NumPy's stable sort, on rows of tied_logits (2.0s
+    forced at the lowest ids, at the highest, none): the ids in order, ties to the lower id, with either
     cluster exchange. 160 experts: past a lane's first 4 entries; 256: all 8 of every lane's entries."""
     rng = np.random.default_rng()
     Dm, inter = 256 * CL * TB, 256
     (_, w13_d), (_, w2_d) = rand_stack(rng, n_exp, Dm, 2 * inter, segments=2), rand_stack(rng, n_exp, inter, Dm)
     lay = types.SimpleNamespace(experts_w13=w13_d, experts_w2=w2_d)
     h, w, pend, _ = pending_row_inputs(rng, Dm, False)
-    for draw in range(3):
-        z = rng.integers(-4, 5, size=n_exp) * 0.5
-        if draw == 1:
-            z[: k + 3] = 2.0  # ties at the very top
-        elif draw == 2:
-            z[-(k + 3):] = 2.0  # the high ids first
+    for draw, z in enumerate(tied_logits(rng, 4, n_exp, k)[:3]):
         ids_ref = np.argsort(-z, kind="stable")[:k]
-        zacc = cp.asarray(np.round(z * 2**32).astype(np.int64))
+        zacc = cp.asarray(np.round(z.astype(np.float64) * 2**32).astype(np.int64))
         for push in (False, True):
             plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=push)
             ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
