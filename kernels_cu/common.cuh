@@ -9,6 +9,14 @@ typedef unsigned int u32;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// The GPU's nanosecond clock, comparable across SMs: the diagnosis stamps below and the tools' probes
+// (tools/bench_loaded_latency.py, tools/probe_merge_forms.py).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Diagnosis only (KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES, tools/timeline_decode.py): each block of
 // an instrumented kernel stamps %globaltimer at up to 5 points and appends one record per block to
 // g_diag, so a replayed decode step shows when every block entered, passed its PDL wait and ended.
@@ -17,11 +25,7 @@ __device__ unsigned long long g_diag[1 << 21];  // [n][8]: id, smid | block << 8
 __device__ unsigned int g_diag_n;
 __shared__ unsigned long long s_diag[5];
 __device__ __forceinline__ void diag_stamp(int i) {
-    if (threadIdx.x == 0) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        s_diag[i] = t;
-    }
+    if (threadIdx.x == 0) s_diag[i] = globaltimer_ns();
 }
 // After the block's last stamp, past a barrier: id names the launch (a weight or cache pointer).
 __device__ __forceinline__ void diag_record(unsigned long long id) {

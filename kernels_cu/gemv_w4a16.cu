@@ -142,8 +142,9 @@ __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_
     const int used = decode_splits_used(n_keys, S, min_chunk);
     const int h_lo = k_lo / HD, nh = (k_lo + span - 1) / HD - h_lo + 1;
     // the float4 form's room: four elements per thread, the pairs and [P][span] sums in the pairs' buffer
+    const int pair_floats = 2 * ((nh * used + 1) & ~1);  // the pairs, rounded to 16 bytes
     const bool vec = GEMV_MERGE_VEC && k_lo % 4 == 0 && HD % 4 == 0 && span % 4 == 0 && span <= 4 * (int)blockDim.x &&
-                     2 * ((nh * used + 1) & ~1) + 4 * (int)blockDim.x <= 2 * cap;
+                     pair_floats + 4 * (int)blockDim.x <= 2 * cap;
     if (nh * used > min(cap, (int)blockDim.x) || (span > (int)blockDim.x && !vec))
         return gemv_merge_each(part_o, part_ml, S, min_chunk, HD, n_keys, k_lo, span, xsm);
     constexpr int B = GEMV_MERGE_BATCH;
@@ -169,7 +170,7 @@ __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_
             mls[t] = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(h_lo + hh) * S + (t - hh * used));
         }
         __syncthreads();  // mls
-        float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(mls) + 2 * ((nh * used + 1) & ~1));  // [P][G]
+        float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(mls) + pair_floats);  // [P][G]
         if (on) {
             const float2* mh = mls + (h4 - h_lo) * used;
             float M = -INFINITY;

@@ -22,36 +22,31 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
-from kuiper_py.ops_cupy import gpu_name  # noqa: E402
+from kuiper_py.ops_cupy import gpu_name, headers_tag, kernel_dir  # noqa: E402
 
 _SRC = r'''
-__device__ __forceinline__ unsigned long long now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
+#include "common.cuh"
 extern "C" __global__ void writer(float* p, int n, float v) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v + i;
 }
-// The background: n16 16-byte words read `rounds` times, four loads in flight per thread. One block of
+// The background: n16 16-byte words read `rounds` times, four loads in flight per thread (the GEMVs'
+// weight load). One block of
 // 512 threads per SM leaves room for the writer and the readers beside it.
 extern "C" __global__ void __launch_bounds__(512)
 background(const uint4* p, long long n16, int rounds, float* sink, unsigned long long* span) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) span[0] = now();
+    if (threadIdx.x == 0 && blockIdx.x == 0) span[0] = globaltimer_ns();
     unsigned acc = 0;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (int r = 0; r < rounds; ++r)
         for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i + 3 * stride < n16; i += 4 * stride) {
             uint4 w[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(w[j].x), "=r"(w[j].y), "=r"(w[j].z), "=r"(w[j].w) : "l"(p + i + j * stride));
+            for (int j = 0; j < 4; ++j) w[j] = ld_stream16(p + i + j * stride);
             acc ^= w[0].x ^ w[1].y ^ w[2].z ^ w[3].w;
         }
     if (acc == 0x9e3779b9u) sink[0] = 1.f;  // keeps the loads
     __syncthreads();
-    if (threadIdx.x == 0 && blockIdx.x == 0) span[1] = now();
+    if (threadIdx.x == 0 && blockIdx.x == 0) span[1] = globaltimer_ns();
 }
 // One pass over a block's 32 KB (8192 floats): VEC = 1 is 64 scalar __ldcg per thread (the merges'
 // form), VEC = 4 is 16 float4 per thread.
@@ -77,13 +72,13 @@ template <int VEC>
 __global__ void __launch_bounds__(128) reader(const float* p, float* sink, unsigned long long* t) {  // t [blocks, 3]
     const float* q = p + (size_t)blockIdx.x * 8192;
     __syncthreads();
-    const unsigned long long t0 = now();
+    const unsigned long long t0 = globaltimer_ns();
     float s = read_pass<VEC>(q);
     __syncthreads();
-    const unsigned long long t1 = now();
+    const unsigned long long t1 = globaltimer_ns();
     s += read_pass<VEC>(q);  // the same lines again, now in L2 for certain
     __syncthreads();
-    const unsigned long long t2 = now();
+    const unsigned long long t2 = globaltimer_ns();
     sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
     if (threadIdx.x == 0) {
         t[3 * blockIdx.x] = t1 - t0;
@@ -103,7 +98,7 @@ def main(reps, json_out):
     if reps < 6:
         raise click.BadParameter("at least 6 (the first 5 are warm-up)", param_hint="--reps")
     names = [f"reader<{v}>" for v in FORMS]
-    mod = cp.RawModule(code=_SRC, options=("--std=c++17",), name_expressions=names)
+    mod = cp.RawModule(code=_SRC + headers_tag(), options=("--std=c++17", f"-I{kernel_dir()}"), name_expressions=names)
     writer, background = mod.get_function("writer"), mod.get_function("background")
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     buf = cp.zeros(n_sm * 8192, cp.float32)

@@ -6,28 +6,31 @@ of 2 heads x 16 column tiles) merges its 2 heads over `used` splits and then str
 filler grid streams 100 MB (the FFN); all three under PDL, 36 layers, three passes. Each reader block stamps
 %globaltimer when it passes its wait and when its merge is in shared memory. The merge forms: every thread
 loading its element's partials and all the pairs (decode_merge's loads), the pairs once per block in shared
-memory (gemv_merge_span), and float4 partials over split phases (GEMV_MERGE_VEC). run() also takes the
-variants change 153 reports (plain launches, no filler, no weights before the wait, 16 copies of the partials).
+memory (gemv_merge_span), and float4 partials over split phases (GEMV_MERGE_VEC). --variants adds the
+all-pairs form's variants that change 153 reports (plain launches, no filler, no weights before the wait,
+16 copies of the partials so that no two blocks read the same line).
 
-    python tools/probe_merge_forms.py 8     # splits used (8: the H200 at 512 keys; 16: the H100)
+    python tools/probe_merge_forms.py 8 [--variants] [--json OUT.json]   # splits used (8: the H200 at 512
+                                                                          # keys; 16: the H100)
 """
+import json
 import sys
 from pathlib import Path
 
+import click
 import numpy as np
-import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kuiper_py.ops_cupy import _PdlKernel  # noqa: E402
-src = r'''
-__device__ __forceinline__ unsigned long long gt() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-__device__ __forceinline__ void wait_() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void trig() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ uint4 ldnc(const uint4* p) { uint4 v; asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p)); return v; }
+import cupy as cp  # noqa: E402
+
+from kuiper_py.ops_cupy import _PdlKernel, gpu_name, headers_tag, kernel_dir  # noqa: E402
+
+_SRC = r'''
+#include "common.cuh"
 // 128 blocks x 128: block (kv, s) writes 4 heads' rows of split s, like flash decoding's partials
 extern "C" __global__ void writer(float* part, float* ml, int S, float v, int rep) {
-    wait_();
-    trig();
+    pdl_wait();
+    pdl_trigger();
     const int kv = blockIdx.x / S, s = blockIdx.x % S;
     for (int r = 0; r < rep; ++r)
     for (int j = 0; j < 4; ++j) part[(size_t)r * 32 * S * 128 + ((size_t)(kv * 4 + j) * S + s) * 128 + threadIdx.x] = v + threadIdx.x;
@@ -41,10 +44,10 @@ extern "C" __global__ void __launch_bounds__(256) reader(const float* part, cons
     const int ks = blockIdx.x / 16, e = threadIdx.x, h = 2 * ks + e / 128, d = e % 128;
     const uint4* wb = w + (size_t)blockIdx.x * 2048;  // 32 KB
     uint4 a = make_uint4(0, 0, 0, 0);
-    if (pre) a = ldnc(wb + threadIdx.x);
-    wait_();
-    const unsigned long long t1 = gt();
-    trig();
+    if (pre) a = ld_stream16(wb + threadIdx.x);
+    pdl_wait();
+    const unsigned long long t1 = globaltimer_ns();
+    pdl_trigger();
     __shared__ float red[256];
     __shared__ float2 mls[2 * 16];
     __shared__ float4 acc4[4][64];
@@ -89,48 +92,87 @@ extern "C" __global__ void __launch_bounds__(256) reader(const float* part, cons
         red[threadIdx.x] = af[e] + af[256 + e] + af[512 + e] + af[768 + e];
         __syncthreads();
     }
-    const unsigned long long t2 = gt();
+    const unsigned long long t2 = globaltimer_ns();
     unsigned acc = a.x;
-    for (int i = threadIdx.x + (pre ? 256 : 0); i < 2048; i += 256) acc ^= ldnc(wb + i).y;
+    for (int i = threadIdx.x + (pre ? 256 : 0); i < 2048; i += 256) acc ^= ld_stream16(wb + i).y;
     if (acc == 0x9e3779b9u) sink[0] = red[(threadIdx.x + 1) & 255];
     if (threadIdx.x == 0) { t[2 * blockIdx.x] = t1; t[2 * blockIdx.x + 1] = t2; }
 }
 // FFN-like: 384 blocks x 256 stream `n16` words of w at offset off
 extern "C" __global__ void __launch_bounds__(256) filler(const uint4* w, long long off, long long n16, float* sink) {
-    wait_();
-    trig();
+    pdl_wait();
+    pdl_trigger();
     unsigned acc = 0;
-    for (long long i = off + blockIdx.x * 256 + threadIdx.x; i < off + n16; i += (long long)gridDim.x * 256) acc ^= ldnc(w + i).x;
+    for (long long i = off + blockIdx.x * 256 + threadIdx.x; i < off + n16; i += (long long)gridDim.x * 256) acc ^= ld_stream16(w + i).x;
     if (acc == 0x9e3779b9u) sink[0] = 1.f;
 }
 '''
-mod = cp.RawModule(code=src, options=("--std=c++17",))
-Wr, Rd, Fi = (mod.get_function(n) for n in ("writer", "reader", "filler"))
-S, used, L = 16, int(sys.argv[1]) if len(sys.argv) > 1 else 8, 36
-part = cp.zeros(16 * 32 * S * 128, cp.float32); ml = cp.zeros(32 * S * 2, cp.float32)
-big = cp.zeros(4 << 30, cp.uint8).view(cp.uint32).view(cp.uint64)  # 4 GiB
-bw = big.data.ptr
-wbuf = cp.zeros(256 * 2048 * 4 * L, cp.uint32)  # each layer its own 8 MB
-t = cp.zeros((L, 512), cp.uint64); sink = cp.zeros(4, cp.float32)
-pk = {k: _PdlKernel(k) for k in (Wr, Rd, Fi)}
-def run(pdl, fill, pre, rep=1, mode=0):
-    K = (lambda k: pk[k]) if pdl else (lambda k: k)
-    per = 100 << 20
-    for it in range(3):
-        for l in range(L):
-            K(Wr)((128,), (128,), (part, ml, np.int32(S), np.float32(l), np.int32(rep)))
-            K(Rd)((256,), (256,), (part, ml, wbuf[l * 256 * 2048 * 4:], np.int32(S), np.int32(used), np.int32(pre), t[l], sink, np.int32(rep), np.int32(mode)))
-            if fill:
-                K(Fi)((384,), (256,), (big, np.uint64((l * per // 16) % ((4 << 30) // 16 - per // 16)), np.uint64(per // 16), sink))
-    cp.cuda.Device().synchronize()
-    tv = t.get().reshape(L, 256, 2).astype(np.int64)
-    t1, t2 = tv[..., 0], tv[..., 1]
-    d = (t2 - t1) / 1e3
-    dm = (t2 - t1.min(axis=1, keepdims=True)) / 1e3
-    return np.median(d), np.median(dm), np.median(dm.max(axis=1))
-print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "used", used)
-print("| merge form | copies of the partials | PDL | filler (100 MB per layer over 4 GiB) | weights before wait | merge µs per block (median) | from first wait median | from first wait, block max |")
-for mode in (0, 1, 2, 0, 1, 2):
-  for rep, pdl, fill, pre in ((1, 1, 1, 1),):
-    a, b, c = run(pdl, fill, pre, rep, mode)
-    print(f"| {['per-thread pairs', 'pairs in smem', 'float4 + pairs in smem'][mode]} | {rep} | {pdl} | {fill} | {pre} | {a:.2f} | {b:.2f} | {c:.2f} |")
+MODES = ("all pairs per thread", "pairs in shared memory", "float4, pairs in shared memory")
+# (copies of the partials, PDL, filler, weights before the wait): the first is the step's shape
+BASE = (1, True, True, True)
+VARIANTS = (BASE, (1, True, True, False), (1, True, False, True), (1, False, True, True), (1, False, False, True),
+            (16, True, True, True), (16, False, False, True))
+S, LAYERS, HEADS, FILL_BYTES = 16, 36, 32, 100 << 20
+
+
+class Probe:
+    def __init__(self, used: int):
+        mod = cp.RawModule(code=_SRC + headers_tag(), options=("--std=c++17", f"-I{kernel_dir()}"))
+        self.fns = {n: mod.get_function(n) for n in ("writer", "reader", "filler")}
+        self.pdl = {n: _PdlKernel(fn) for n, fn in self.fns.items()}
+        self.used = used
+        self.part = cp.zeros(16 * HEADS * S * 128, cp.float32)  # up to 16 copies
+        self.ml = cp.zeros(HEADS * S * 2, cp.float32)
+        self.big = cp.zeros(4 << 30, cp.uint8)  # the filler's 4 GiB
+        self.wbuf = cp.zeros(256 * 2048 * 4 * LAYERS, cp.uint32)  # each layer's o weights, 8 MB
+        self.t = cp.zeros((LAYERS, 512), cp.uint64)
+        self.sink = cp.zeros(4, cp.float32)
+
+    def run(self, mode: int, rep: int, pdl: bool, fill: bool, pre: bool) -> tuple[float, float, float]:
+        """µs from each reader block's wait to its merge in shared memory (median), from the grid's first
+        wait (median), and from the first wait to the last block's merge (median over layers)."""
+        k = self.pdl if pdl else self.fns
+        span16 = (4 << 30) // 16 - FILL_BYTES // 16
+        for _ in range(3):
+            for layer in range(LAYERS):
+                k["writer"]((128,), (128,), (self.part, self.ml, np.int32(S), np.float32(layer), np.int32(rep)))
+                k["reader"]((256,), (256,), (self.part, self.ml, self.wbuf[layer * 256 * 2048 * 4:], np.int32(S),
+                                             np.int32(self.used), np.int32(pre), self.t[layer], self.sink,
+                                             np.int32(rep), np.int32(mode)))
+                if fill:
+                    k["filler"]((384,), (256,), (self.big, np.uint64(layer * FILL_BYTES // 16 % span16),
+                                                 np.uint64(FILL_BYTES // 16), self.sink))
+        cp.cuda.Device().synchronize()
+        tv = self.t.get().reshape(LAYERS, 256, 2).astype(np.int64)
+        t1, t2 = tv[..., 0], tv[..., 1]
+        from_first = (t2 - t1.min(axis=1, keepdims=True)) / 1e3
+        return float(np.median((t2 - t1) / 1e3)), float(np.median(from_first)), float(np.median(from_first.max(axis=1)))
+
+
+@click.command()
+@click.argument("used", type=click.IntRange(1, 16), default=8)
+@click.option("--variants", is_flag=True, help="Also the all-pairs form without PDL, filler or early weights, "
+              "and with 16 copies of the partials (change 153's first table).")
+@click.option("--json", "json_out", default=None)
+def main(used, variants, json_out):
+    probe = Probe(used)
+    cases = [(m, *BASE) for m in range(len(MODES))]
+    cases += [(0, *v) for v in VARIANTS[1:]] if variants else []
+    out = {"gpu": gpu_name(), "used": used, "cases": []}
+    for mode, rep, pdl, fill, pre in cases:
+        a, b, c = probe.run(mode, rep, pdl, fill, pre)
+        out["cases"].append({"form": MODES[mode], "copies": rep, "pdl": pdl, "filler": fill, "weights_before_wait": pre,
+                             "merge_us_median": a, "from_first_wait_us_median": b, "last_block_us": c})
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1))
+    print(f"# {out['gpu']}: o's merge of 2 heads over {used} splits, 256 blocks (µs)")
+    print("| merge form | copies of the partials | PDL | filler (100 MB per layer) | weights before wait | "
+          "per block (median) | from first wait (median) | from first wait, last block |\n"
+          "| --- | ---: | --- | --- | --- | ---: | ---: | ---: |")
+    for r in out["cases"]:
+        print(f"| {r['form']} | {r['copies']} | {r['pdl']} | {r['filler']} | {r['weights_before_wait']} | "
+              f"{r['merge_us_median']:.2f} | {r['from_first_wait_us_median']:.2f} | {r['last_block_us']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
