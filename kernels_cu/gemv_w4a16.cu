@@ -104,9 +104,6 @@ __device__ __forceinline__ float gemv_store_x4(half* xsm, const float (&f)[4], f
 #ifndef GEMV_MERGE_BATCH
 #define GEMV_MERGE_BATCH 16   // flash-decoding partials a thread of the o merge loads at once
 #endif
-#ifndef GEMV_MERGE_VEC
-#define GEMV_MERGE_VEC 0      // 1: gemv_merge_span's partials as float4 over split phases. Off: built and compiled
-#endif                        // (no spills) but not yet run on a GPU (PERFORMANCE.md change 153)
 #ifndef GEMV_O_MIN_BLOCKS
 #define GEMV_O_MIN_BLOCKS 3   // per SM, the o instantiations with gemv_merge_span (OM): 80 registers
 #endif
@@ -135,82 +132,15 @@ __device__ __forceinline__ float gemv_merge_each(const float* __restrict__ part_
 // the compiler issues them between the exp2 steps, and every split past a multiple of 8 adds two
 // serial round trips of its own (PERFORMANCE.md change 121). This form needs the 80 registers of 3
 // blocks per SM (16 partials spill at 64). Every thread calls it (the barrier); more heads x splits
-// than the pairs' room, or a span past the block's threads (past 4x with GEMV_MERGE_VEC), takes gemv_merge_each.
+// than the pairs' room, or a span past the block's threads, takes gemv_merge_each.
 __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                  int S, int min_chunk, int HD, int n_keys, int k_lo, int span,
                                                  half* xsm, float2* mls, int cap) {
     const int used = decode_splits_used(n_keys, S, min_chunk);
     const int h_lo = k_lo / HD, nh = (k_lo + span - 1) / HD - h_lo + 1;
-    // the float4 form's room: four elements per thread, the pairs and [P][span] sums in the pairs' buffer
-    const int pair_floats = 2 * ((nh * used + 1) & ~1);  // the pairs, rounded to 16 bytes
-    const bool vec = GEMV_MERGE_VEC && k_lo % 4 == 0 && HD % 4 == 0 && span % 4 == 0 && span <= 4 * (int)blockDim.x &&
-                     pair_floats + 4 * (int)blockDim.x <= 2 * cap;
-    if (nh * used > min(cap, (int)blockDim.x) || (span > (int)blockDim.x && !vec))
+    if (nh * used > min(cap, (int)blockDim.x) || span > (int)blockDim.x)
         return gemv_merge_each(part_o, part_ml, S, min_chunk, HD, n_keys, k_lo, span, xsm);
     constexpr int B = GEMV_MERGE_BATCH;
-#if GEMV_MERGE_VEC
-    // Four consecutive elements per thread and the splits dealt round-robin over P = blockDim / (span / 4)
-    // phases: a quarter of the load instructions, which is what an L2-resident merge of this size is bound
-    // by (256 blocks, 8-16 splits of 2 heads: 0.70-0.77 µs against 1.22-1.41 for one element per thread
-    // on the H200, PERFORMANCE.md change 153). Each phase's weighted sums meet in shared memory after
-    // the pairs (in mls's buffer: the pairs, then [P][span] floats).
-    if (vec) {
-        constexpr int NB = B / 4;  // float4 partials in flight per thread
-        const int G = span / 4, P = (int)blockDim.x / G, t = threadIdx.x;
-        const int g = t % G, p = t / G;
-        const bool on = p < P;  // (blockDim not a multiple of G: the rest only load pairs)
-        const int k4 = k_lo + 4 * g, h4 = k4 / HD;  // 4 | HD, so the four elements share a head
-        const float4* po4 = reinterpret_cast<const float4*>(part_o + (size_t)h4 * S * HD + k4 % HD);
-        float4 pv4[NB];
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-            pv4[j] = on && p + j * P < used ? __ldcg(po4 + (size_t)(p + j * P) * (HD / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t < nh * used) {
-            const int hh = t / used;
-            mls[t] = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(h_lo + hh) * S + (t - hh * used));
-        }
-        __syncthreads();  // mls
-        float4* acc = reinterpret_cast<float4*>(reinterpret_cast<float*>(mls) + pair_floats);  // [P][G]
-        if (on) {
-            const float2* mh = mls + (h4 - h_lo) * used;
-            float M = -INFINITY;
-            for (int s = 0; s < used; ++s)
-                if (mh[s].y != 0.f) M = fmaxf(M, mh[s].x);  // an empty split contributes nothing
-            float4 o4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s0 = 0; s0 < used; s0 += NB * P) {
-                if (s0) {
-#pragma unroll
-                    for (int j = 0; j < NB; ++j)
-                        pv4[j] = s0 + p + j * P < used ? __ldcg(po4 + (size_t)(s0 + p + j * P) * (HD / 4))
-                                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int j = 0; j < NB; ++j) {
-                    const int sj = s0 + p + j * P;
-                    const float2 ml = sj < used ? mh[sj] : make_float2(0.f, 0.f);
-                    if (ml.y != 0.f) {
-                        const float w = exp2f(ml.x - M);
-                        o4.x += pv4[j].x * w; o4.y += pv4[j].y * w; o4.z += pv4[j].z * w; o4.w += pv4[j].w * w;
-                    }
-                }
-            }
-            acc[p * G + g] = o4;
-        }
-        __syncthreads();  // acc
-        if (t >= span) return 0.f;
-        const float2* mh = mls + ((k_lo + t) / HD - h_lo) * used;
-        float M = -INFINITY, L = 0.f, od = 0.f;
-        for (int s = 0; s < used; ++s)
-            if (mh[s].y != 0.f) M = fmaxf(M, mh[s].x);
-        for (int s = 0; s < used; ++s)
-            if (mh[s].y != 0.f) L += mh[s].y * exp2f(mh[s].x - M);
-        const float* af = reinterpret_cast<const float*>(acc);
-        for (int q = 0; q < P; ++q) od += af[q * span + t];  // (phase order fixed: a deterministic sum)
-        const half v = __float2half(L > 0.f ? od / L : 0.f);
-        xsm[t] = v;
-        return fabsf(__half2float(v));
-    }
-#endif
     const int e = threadIdx.x, k = k_lo + e;
     const bool mine = e < span;
     const float* po = part_o + (size_t)(k / HD) * S * HD + k % HD;  // [S] at stride HD: the element's partials

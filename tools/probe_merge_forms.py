@@ -6,9 +6,9 @@ of 2 heads x 16 column tiles) merges its 2 heads over `used` splits and then str
 filler grid streams 100 MB (the FFN); all three under PDL, 36 layers, three passes. Each reader block stamps
 %globaltimer when it passes its wait and when its merge is in shared memory. The merge forms: every thread
 loading its element's partials and all the pairs (decode_merge's loads), the pairs once per block in shared
-memory (gemv_merge_span), and float4 partials over split phases (GEMV_MERGE_VEC). --variants adds the
-all-pairs form's variants that change 153 reports (plain launches, no filler, no weights before the wait,
-16 copies of the partials so that no two blocks read the same line).
+memory (gemv_merge_span), and float4 partials over split phases (built into the engine and removed: no gain
+there, change 154). --variants adds the all-pairs form's variants that change 153 reports (plain launches, no
+filler, no weights before the wait, 16 copies of the partials so that no two blocks read the same line).
 
     python tools/probe_merge_forms.py 8 [--variants] [--json OUT.json]   # splits used (8: the H200 at 512
                                                                           # keys; 16: the H100)

@@ -15,7 +15,7 @@ entry rank among the launch's blocks on the same SM (change 92: that rank sets a
 not its wave). --save keeps the raw records; --load reads such a file back and prints the tables
 without a GPU.
 
-    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--save F.npz] [--waves] [--ranks]
+    KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES python tools/timeline_decode.py MODEL.bin [--ctx 512] [--cap N] [--save F.npz] [--waves] [--ranks]
     python tools/timeline_decode.py --load F.npz [--waves] [--ranks] [--layers N]
 """
 import sys
@@ -170,13 +170,15 @@ def _print_grouped(key_columns, table, note):
 @click.command()
 @click.argument("model", type=click.Path(exists=True), required=False)
 @click.option("--ctx", default=512)
+@click.option("--cap", default=0, help="the cache's positions (0: ctx + 64, bench_e2e's context-sized cache; the step "
+              "timer's 2200 gives o the gemv_merge_span merge past 16 capacity splits)")
 @click.option("--save", default=None, help="write the raw records (npz)")
 @click.option("--load", "load_path", default=None, type=click.Path(exists=True),
               help="print the tables of records saved with --save (no GPU)")
 @click.option("--waves", is_flag=True, help="also the phases per residency wave")
 @click.option("--ranks", is_flag=True, help="also the phases by entry rank on the block's SM")
 @click.option("--layers", default=0, help="with --load: the model's layers (files saved before they were recorded)")
-def main(model, ctx, save, load_path, waves, ranks, layers):
+def main(model, ctx, cap, save, load_path, waves, ranks, layers):
     if load_path:
         z = np.load(load_path)
         n_layers = layers or (int(z["n_layers"]) if "n_layers" in z else 0)
@@ -196,7 +198,7 @@ def main(model, ctx, save, load_path, waves, ranks, layers):
     from kuiper_py.generate import Engine
 
     eng = Engine.load(model, "cuda", need_tokenizer=False)
-    m, _ = warm_session(eng, ctx, ctx + 64, np.random.default_rng(0))
+    m, _ = warm_session(eng, ctx, cap or ctx + 64, np.random.default_rng(0))
     ops = m.ops
     mods = {t: oc._MODULES[t] for t in ("gemv", "attn", "ffn") if t in oc._MODULES}
     try:
