@@ -170,8 +170,8 @@ def _print_grouped(key_columns, table, note):
 @click.command()
 @click.argument("model", type=click.Path(exists=True), required=False)
 @click.option("--ctx", default=512)
-@click.option("--cap", default=0, help="the cache's positions (0: ctx + 64, bench_e2e's context-sized cache; the step "
-              "timer's 2200 gives o the gemv_merge_span merge past 16 capacity splits)")
+@click.option("--cap", default=0, help="the cache's positions, at least ctx + 64 (0: ctx + 64, bench_e2e's context-sized "
+              "cache; the step timer's 2200 gives o the gemv_merge_span merge past 16 capacity splits)")
 @click.option("--save", default=None, help="write the raw records (npz)")
 @click.option("--load", "load_path", default=None, type=click.Path(exists=True),
               help="print the tables of records saved with --save (no GPU)")
@@ -191,6 +191,8 @@ def main(model, ctx, cap, save, load_path, waves, ranks, layers):
         return
     if model is None:
         raise SystemExit("give MODEL.bin, or --load F.npz")
+    if cap and cap < ctx + 64:
+        raise SystemExit(f"--cap {cap} is under the context + 64 ({ctx + 64}) that the warm-up and replays step through")
     import cupy as cp
 
     from bench_e2e import warm_session
