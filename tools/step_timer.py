@@ -6,12 +6,14 @@ from an untracked script; this is that loop.
 The model is loaded, a random prompt of --ctx tokens prefilled, and two decode steps capture and warm the
 graph. Then, per round, three times over: the session is rewound to the prompt's end and the device
 position reset, --replays graph launches are queued back to back between two events, and the round keeps
-the fastest of the three. No host work sits between replays (no sampling, no token read back), so the
+the fastest of the three. Each replay advances the device position, so a timing steps through keys ctx to
+ctx + replays - 1 in the graph captured at ctx (keep that range inside one graph regime: flash decoding's
+short-context graph serves up to 1024 keys on the GPUs in DEVICE_TUNING). No host work sits between replays (no sampling, no token read back), so the
 figure is the GPU's step alone; `tools/bench_e2e.py` times the loop kuiper generate runs.
 
 A/B comparisons run one process per arm (compile-time settings such as KUIPER_DIAG_DEFINES take effect
 per process), alternating, on the same machine: the spread between a process's rounds is the noise floor.
---cap sets the KV cache's positions (default max(2200, ctx + 200)): the cache's capacity sets flash
+--cap sets the KV cache's positions (default max(2200, ctx + replays + 100)): the cache's capacity sets flash
 decoding's split count and with it which o merge the graph takes (gemv_merge_span past 16 splits), so
 figures compare only at the same --cap.
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 @click.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--ctx", default=512, show_default=True, type=click.IntRange(1), help="Keys in the cache at the timed step.")
-@click.option("--cap", default=0, type=click.IntRange(0), help="KV cache positions (0: max(2200, ctx + 200)).")
+@click.option("--cap", default=0, type=click.IntRange(0), help="KV cache positions (0: max(2200, ctx + replays + 100)).")
 @click.option("--rounds", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--replays", default=100, show_default=True, type=click.IntRange(1), help="Graph launches per timing.")
 @click.option("--label", default="", help="A name for this arm in the table and the JSON.")
@@ -43,9 +45,9 @@ def main(model, ctx, cap, rounds, replays, label, save_logits, json_out):
     from kuiper_py import ops_cupy as oc
     from kuiper_py.model import Qwen3
 
-    cap = cap or max(2200, ctx + 200)
-    if cap < ctx + 2:
-        raise SystemExit(f"--cap {cap} leaves no room for the two decode steps after a {ctx}-token prompt")
+    cap = cap or max(2200, ctx + replays + 100)
+    if cap < ctx + replays + 2:  # each replay advances the device position and writes its K/V row
+        raise SystemExit(f"--cap {cap} is under the {ctx}-token prompt + {replays} replays + 2 steps the timing writes")
     m = Qwen3(loader.load(model), oc.CupyOps, cap)
     if not m.ops.graphs:
         raise SystemExit("the step timer replays the decode graph: unset KUIPER_CUDA_GRAPHS=0")
