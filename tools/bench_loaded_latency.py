@@ -92,11 +92,10 @@ BACKGROUNDS = (("none", 0, 0), ("DRAM stream", 2 << 30, 6), ("L2-hit stream", 16
 
 
 @click.command()
-@click.option("--reps", default=20, show_default=True, help="Writer + reader pairs per case (the first 5 warm up).")
+@click.option("--reps", default=20, show_default=True, type=click.IntRange(6),
+              help="Writer + reader pairs per case (the first 5 warm up).")
 @click.option("--json", "json_out", default=None)
 def main(reps, json_out):
-    if reps < 6:
-        raise click.BadParameter("at least 6 (the first 5 are warm-up)", param_hint="--reps")
     names = [f"reader<{v}>" for v in FORMS]
     mod = cp.RawModule(code=_SRC + headers_tag(), options=("--std=c++17", f"-I{kernel_dir()}"), name_expressions=names)
     writer, background = mod.get_function("writer"), mod.get_function("background")

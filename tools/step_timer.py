@@ -42,14 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(model, ctx, cap, rounds, replays, label, save_logits, json_out):
     import cupy as cp
 
-    from kuiper_py import loader
     from kuiper_py import ops_cupy as oc
-    from kuiper_py.model import Qwen3
+    from kuiper_py.generate import Engine
 
     cap = cap or max(2200, ctx + replays + 100)
     if cap < ctx + replays + 2:  # each replay advances the device position and writes its K/V row
         raise SystemExit(f"--cap {cap} is under the {ctx}-token prompt + {replays} replays + 2 steps the timing writes")
-    m = Qwen3(loader.load(model), oc.CupyOps, cap)
+    m = Engine.load(model, "cuda", need_tokenizer=False).session(cap)  # as bench_e2e and timeline_decode load
     if not m.ops.graphs:
         raise SystemExit("the step timer replays the decode graph: unset KUIPER_CUDA_GRAPHS=0")
     rng = np.random.default_rng(0)
