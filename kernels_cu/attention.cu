@@ -263,11 +263,88 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
     }
 }
 
+#define ATTN_CM_MAX 16  // most splits one cluster merges (16 is Hopper's non-portable cluster size)
+#ifndef ATTN_CM_DIAG
+#define ATTN_CM_DIAG 0  // 1 (with KUIPER_DIAG_TIMES): stamp 3 after the clusters' exchange, not after the split
+#endif
+
+// CM's shared memory: this block's split partials, and what the cluster's S blocks push to it for its
+// share of the HB x HD elements (E / S of them, e = j HD + d; rank r merges [r E / S, (r + 1) E / S)).
+template <int HD, int HB>
+struct AttnCmSmem {
+    static constexpr int E = HB * HD;
+    float o[E];                        // [HB][HD] this split's unnormalised partial
+    float rx_o[E];                     // [S][E / S] every split's partial of this block's elements
+    float ml[HB][2];                   // this split's max (log2 domain) and sum per head
+    float2 rx_ml[ATTN_CM_MAX][HB];     // [S][HB] every split's max and sum
+    unsigned long long bar;            // completes when all S blocks' bytes have landed
+};
+template <bool C, class T, class F> struct attn_pick { using type = T; };
+template <class T, class F> struct attn_pick<false, T, F> { using type = F; };
+template <int HD, int HB> __device__ __forceinline__ float* attn_cm_own_o(AttnCmSmem<HD, HB>& c) { return c.o; }
+template <int HD, int HB> __device__ __forceinline__ float* attn_cm_own_ml(AttnCmSmem<HD, HB>& c) { return &c.ml[0][0]; }
+__device__ __forceinline__ float* attn_cm_own_o(char&) { return nullptr; }
+__device__ __forceinline__ float* attn_cm_own_ml(char&) { return nullptr; }
+
+// CM, after the split: its partial (in c.o, c.ml) pushed to the cluster, then this block's E / S elements
+// merged over all S splits into out (the head group's [HB][HD] rows of the output). An empty split pushed
+// (max -inf, sum 0) and adds nothing; a block exits only once all bytes pushed to it have landed.
+template <int HD, int HB>
+__device__ __forceinline__ void attn_cm_merge(AttnCmSmem<HD, HB>& c, int s, int S, half* out) {
+    constexpr int E = HB * HD;
+    const int per = E / S, tid = threadIdx.x;  // (the host: E % (4 S) == 0, S <= ATTN_CM_MAX)
+    __syncthreads();  // the split's partial complete in c.o / c.ml
+    cl_wait();        // every block's barrier armed (their arrives went out before their PDL waits)
+    const u32 bar = smem_u32(&c.bar);
+    for (int e = 4 * tid; e < E; e += 4 * 128) {
+        const int r = e / per;
+        st_async_v4(cl_map(smem_u32(c.rx_o + s * per + e % per), r), *reinterpret_cast<const float4*>(c.o + e),
+                    cl_map(bar, r));
+    }
+    if (tid < S * HB) {
+        const int r = tid / HB, j = tid % HB;
+        st_async_v2(cl_map(smem_u32(&c.rx_ml[s][j]), r), make_float2(c.ml[j][0], c.ml[j][1]), cl_map(bar, r));
+    }
+    mbar_wait_cluster(bar, 0);  // the barrier's one phase: armed once per launch
+#if defined(KUIPER_DIAG_TIMES) && ATTN_CM_DIAG
+    diag_stamp(3);  // (diagnosis: stamp 3 after the exchange instead of after the split)
+#endif
+    // unrolled over ATTN_CM_MAX splits, predicated past S: a thread's loads of all splits fly together
+    for (int i = tid; i < per; i += 128) {
+        const int e = s * per + i, j = e / HD;
+        float2 ml[ATTN_CM_MAX];
+        float M = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < ATTN_CM_MAX; ++t) {
+            ml[t] = t < S ? c.rx_ml[t][j] : make_float2(0.f, 0.f);
+            if (ml[t].y != 0.f) M = fmaxf(M, ml[t].x);
+        }
+        float L = 0.f, od = 0.f;
+#pragma unroll
+        for (int t = 0; t < ATTN_CM_MAX; ++t) {
+            if (ml[t].y != 0.f) {
+                const float w = exp2f(ml[t].x - M);
+                L += ml[t].y * w;
+                od += c.rx_o[t * per + i] * w;
+            }
+        }
+        out[e] = __float2half(L > 0.f ? od / L : 0.f);
+    }
+}
+
 // LP: the long tensor-core path's instantiation (its second tile buffer in dynamic shared memory, which
 // the host passes where a split may be longer than ATTN_MMA_KEYS, ops_cupy.attention_decode). A separate
 // kernel, so the short-context launches keep the code they had (with the long path beside it in the same
 // kernel, the H100's 30B-A3B step at 512 keys measured 1.3% longer).
-template <int HD, int HB, bool LP = false>
+// CM (sm_90, a cluster launch of grid (S, KV, H / KV / HB), cluster (S, 1, 1)): the S split blocks of a
+// head group merge their partials themselves and write the attention output, fp16 [H, HD], to merged.
+// Each block pushes its partial of every element to the element's owner (st.async into the owner's
+// shared memory, completing on its mbarrier) and its max/sum pairs to all; the owner merges as the o
+// GEMV's gemv_merge_span does (the same operations in the same split order). Why: the o GEMV's merge
+// prologue, every o block reading all splits' partials of its rows from L2 after its PDL wait, took
+// ~2.6 us of o's ~6 us on the H200 (PERFORMANCE.md changes 143, 156); here the exchange is one DSMEM
+// hop inside a kernel already running, and o stages a plain fp16 row.
+template <int HD, int HB, bool LP = false, bool CM = false>
 __global__ void __launch_bounds__(128)
 attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here with qkv_acc)
                 half* __restrict__ Kc,        // [ctx, KV, HD] this layer
@@ -280,7 +357,8 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 const long long* __restrict__ qkv_acc, const half* __restrict__ qn, const half* __restrict__ kn,
                 const float* __restrict__ cosb, const float* __restrict__ sinb, float eps,
                 const float* __restrict__ ss_in, int ss_n, int ss_D,  // the scaled GEMV's sums of squares
-                int min_chunk) {                                       // fewest keys per split (decode_chunk)
+                int min_chunk,                                         // fewest keys per split (decode_chunk)
+                half* __restrict__ merged) {                           // CM: [H, HD] the merged output
     using L = AttnSplitSmem<HD, HB>;
     // the merge's slots, and before them the staged keys (attn_decode_split)
     __shared__ __align__(16) float sm_o[KUIPER_ATTN_STAGE ? L::shared_floats : L::o_floats];
@@ -290,7 +368,17 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     // The position was written at the end of the previous step (advance_position), long finished
     // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
-    const int kvh = blockIdx.x, s = blockIdx.z, S = gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
+    const int kvh = CM ? blockIdx.y : blockIdx.x, hb = CM ? blockIdx.z : blockIdx.y;
+    const int s = CM ? blockIdx.x : blockIdx.z, S = CM ? gridDim.x : gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
+    __shared__ __align__(16) typename attn_pick<CM, AttnCmSmem<HD, HB>, char>::type cm;
+    if constexpr (CM) {  // the receive barrier armed before the PDL wait (off the path), as ffn_push_init
+        if (threadIdx.x == 0) {
+            mbar_init(smem_u32(&cm.bar), 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+            mbar_arrive_expect_tx(smem_u32(&cm.bar), AttnCmSmem<HD, HB>::E * 4 + S * HB * 8);
+        }
+        cl_arrive_relaxed();
+    }
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
     uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
     extern __shared__ __align__(16) unsigned char attn_dyn[];  // LP: [64][SRW] 16-byte pieces
@@ -300,22 +388,26 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     half* k_stage = nullptr;
     if (stage && qkv_acc && newest_kl >= 0 && newest_kl < attn_staged_keys<HD, HB>(s * chunk, min(n_keys, (s + 1) * chunk)))
         k_stage = reinterpret_cast<half*>(stage + (size_t)newest_kl * L::SRW);
-    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, blockIdx.y, s, S, n_keys, min_chunk, H, KV, scale_log2,
+    attn_decode_split<HD, HB>(q, Kc, Vc, part_o, part_ml, kvh, hb, s, S, n_keys, min_chunk, H, KV, scale_log2,
                               sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
                                   diag_stamp(1);
                                   if (qkv_acc && has_keys) {
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
-                                                            cosb, sinb, eps, kvh * (H / KV) + blockIdx.y * HB, HB,
+                                                            cosb, sinb, eps, kvh * (H / KV) + hb * HB, HB,
                                                             kvh, H, KV, n_keys - 1, s == (n_keys - 1) / chunk,
                                                             ss_in, ss_n, ss_D, k_stage, k_stage ? k_stage + HD : nullptr);
                                       __syncthreads();  // q_sm, the stage and the block's cache writes visible
                                   }
                                   diag_stamp(2);
-                              }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr, stage2);
+                              }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr, stage2,
+                              CM ? attn_cm_own_o(cm) : nullptr, CM ? attn_cm_own_ml(cm) : nullptr);
 #ifdef KUIPER_DIAG_TIMES
     diag_stamp(3);
+#endif
+    if constexpr (CM) attn_cm_merge<HD, HB>(cm, s, S, merged + (size_t)(kvh * (H / KV) + hb * HB) * HD);
+#ifdef KUIPER_DIAG_TIMES
     __syncthreads();
     diag_stamp(4);
     diag_record((unsigned long long)Kc);

@@ -90,13 +90,25 @@ __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
 #endif
 #define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
 
+// Where a split's partials go: head j's element d at o[j * ho + d], its max and sum at ml[j * hm], ml[j * hm + 1].
+// Flash decoding's global partials (part_o [H, S, HD], part_ml [H, S, 2] from head h0, split s), or a block's own
+// shared memory when its cluster merges the splits itself (attention.cu, CM).
+struct AttnPartDst {
+    float* o;
+    float* ml;
+    int ho, hm;
+    __device__ __forceinline__ void put(int j, int d, float od, float M, float L) const {
+        o[j * ho + d] = od;
+        if (d == 0) { ml[j * hm] = M; ml[j * hm + 1] = L; }
+    }
+};
+
 // The tensor-core paths' merge of their 4 warps' slots into split s's partials: warp w < nw's max and sum
 // of head j in sm_ml [4][HB][2], its output element (j, d) at *slot(w, j, d); warps from nw on saw no keys
 // and are not read. Fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
 // as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143).
 template <int HD, int HB, class Slot>
-__device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, int nw, float* part_o, float* part_ml,
-                                                 int h0, int s, int S, int tid) {
+__device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, int nw, const AttnPartDst& dst, int tid) {
     constexpr int NW = 4, EPT = (HB * HD + 127) / 128;
 #pragma unroll
     for (int k = 0; k < EPT; ++k) {
@@ -119,9 +131,7 @@ __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, 
                 Lsum += lw[w] * wt;
                 od += ow[w] * wt;
             }
-            const size_t ps = (size_t)(h0 + j) * S + s;
-            part_o[ps * HD + d] = od;
-            if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+            dst.put(j, d, od, M, Lsum);
         }
     }
 }
@@ -138,7 +148,7 @@ __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, 
 // later the 4 warps' results are merged as the scalar path merges its slots.
 template <int HD, int HB, class Sync>
 __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, int nk, float scale_log2,
-                                               float* part_o, float* part_ml, int h0, int s, int S,
+                                               const AttnPartDst& dst,
                                                float* sm_ml,  // [4][HB][2]
                                                int tid, Sync sync) {
     static_assert(HD % 16 == 0 && HB <= 8, "heads are rows 0..7 of the MMA's 16; dims in k-steps of 16");
@@ -234,7 +244,7 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
     }
     sync();
     static_assert(ATTN_MMA_KEYS == 4 * 16, "4 warps of 16 keys");
-    attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, part_o, part_ml, h0, s, S, tid);  // (warp 0 always saw keys)
+    attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, dst, tid);  // (warp 0 always saw keys)
 }
 
 #ifndef ATTN_MMA_LONG
@@ -283,8 +293,7 @@ __device__ __forceinline__ void attn_long_copy(uint4* buf, const half* Kc, const
 template <int HD, int HB, class Sync>
 __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, const half* q_sm, const half* Kc,
                                                     const half* Vc, size_t rs, int kvh, int k_begin, int k_end,
-                                                    int n_keys, float scale_log2, float* part_o, float* part_ml,
-                                                    int h0, int s, int S,
+                                                    int n_keys, float scale_log2, const AttnPartDst& dst,
                                                     float* sm_ml,  // [4][HB][2]
                                                     int tid, Sync sync) {
     static_assert(HD % 16 == 0 && HB <= 8, "heads are the MMA's 8 columns; dims in steps of 16");
@@ -404,8 +413,8 @@ __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, co
         if (jb < HB) { sm_ml[(warp * HB + jb) * 2] = m1; sm_ml[(warp * HB + jb) * 2 + 1] = l1; }
     }
     sync();
-    attn_merge_warps<HD, HB>(sm_ml, [&](int w, int j, int d) { return slots + (w * HB + j) * OST + d; }, 4, part_o,
-                             part_ml, h0, s, S, tid);  // (every warp wrote its slot, -inf / 0 / 0 without keys)
+    attn_merge_warps<HD, HB>(sm_ml, [&](int w, int j, int d) { return slots + (w * HB + j) * OST + d; }, 4, dst,
+                             tid);  // (every warp wrote its slot, -inf / 0 / 0 without keys)
 }
 
 // Keys [s * chunk, ...) of KV head kvh against query heads kvh * (H/KV) + hb * HB .. + HB - 1, by
@@ -430,12 +439,17 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                                                   const half* q_sm = nullptr,  // [HB, HD]: q from shared memory
                                                   uint4* stage = nullptr,      // [staged keys][K, V][HD / 8]
                                                   bool newest_staged = false,
-                                                  uint4* stage2 = nullptr) {   // [64][SRW]: the long path's second tile
+                                                  uint4* stage2 = nullptr,     // [64][SRW]: the long path's second tile
+                                                  float* own_o = nullptr,      // [HB][HD] and
+                                                  float* own_ml = nullptr) {   // [HB][2]: the partials here instead
     using L = AttnSplitSmem<HD, HB>;
     constexpr int LPK = L::LPK, KPW = L::KPW, NG = L::NG;  // lanes per key, keys per warp step, key slots
     constexpr int U = L::U, KPB = L::KPB;                   // warp steps in flight, keys per block iteration
     constexpr int RW = L::RW;                               // 16-byte pieces per row
     const int h0 = kvh * (H / KV) + hb * HB;
+    const AttnPartDst dst = own_o ? AttnPartDst{own_o, own_ml, HD, 2}
+                                  : AttnPartDst{part_o + ((size_t)h0 * S + s) * HD, part_ml + ((size_t)h0 * S + s) * 2,
+                                                S * HD, 2 * S};
     const int lane = tid & 31, warp = tid >> 5;
     const int slot = warp * KPW + lane / LPK, dl = lane % LPK;  // key slot, 8-dim chunk
     const int chunk = decode_chunk(n_keys, S, min_chunk);  // in-kernel, so a captured graph serves every length
@@ -494,12 +508,12 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     }
     wait();
     if (mma_long) {
-        attn_split_mma_long<HD, HB>(stage, stage2, q_sm, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, scale_log2, part_o,
-                                    part_ml, h0, s, S, sm_ml, tid, sync);
+        attn_split_mma_long<HD, HB>(stage, stage2, q_sm, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, scale_log2, dst,
+                                    sm_ml, tid, sync);
         return;
     }
     if (mma) {
-        attn_split_mma<HD, HB>(stage, q_sm, n_stage, scale_log2, part_o, part_ml, h0, s, S, sm_ml, tid, sync);
+        attn_split_mma<HD, HB>(stage, q_sm, n_stage, scale_log2, dst, sm_ml, tid, sync);
         return;
     }
     float qv[HB][8];
@@ -602,8 +616,6 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                 Lsum += sm_ml[(g * HB + j) * 2 + 1] * w;
                 od += sm_o[(g * HB + j) * HD + d] * w;
             }
-        const size_t ps = (size_t)(h0 + j) * S + s;
-        part_o[ps * HD + d] = od;
-        if (d == 0) { part_ml[ps * 2] = M; part_ml[ps * 2 + 1] = Lsum; }
+        dst.put(j, d, od, M, Lsum);
     }
 }

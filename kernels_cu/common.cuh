@@ -241,6 +241,21 @@ __device__ __forceinline__ void cl_arrive() { asm volatile("barrier.cluster.arri
 __device__ __forceinline__ void cl_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cl_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
+// Fire-and-forget stores into block `addr`'s cluster peer (a cl_map address), each completing its bytes on the
+// receiver's mbarrier `bar` (also cl_map'd): a cluster exchange with no barrier or fence on the sender's path.
+__device__ __forceinline__ void st_async_f32(u32 addr, float v, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
+                 ::"r"(addr), "r"(__float_as_uint(v)), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async_v2(u32 addr, float2 v, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
+                 ::"r"(addr), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async_v4(u32 addr, float4 v, u32 bar) {  // addr 16-byte aligned
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                 ::"r"(addr), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                 "r"(__float_as_uint(v.w)), "r"(bar) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // Async copies, ldmatrix and mma (sm_80+).

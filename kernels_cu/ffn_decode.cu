@@ -226,15 +226,6 @@ struct FfnPush {
     static constexpr u32 bytes = CL * (FFN_CH * 8 + 4);
 };
 
-__device__ __forceinline__ void st_async_v2(u32 addr, float2 v, u32 bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
-                 ::"r"(addr), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void st_async_f32(u32 addr, float v, u32 bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
-                 ::"r"(addr), "r"(__float_as_uint(v)), "r"(bar) : "memory");
-}
-
 // Before the PDL wait: the receive barrier armed for the cluster's bytes, then the arrive that the
 // senders' wait (ffn_push_send) pairs with, so no block stores into a barrier not yet initialised.
 template <int CL>

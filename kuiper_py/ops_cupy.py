@@ -66,18 +66,24 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # keys, out of the merge's reach by the 16-split bound) 8B gains there too: -1.7% at 2000 keys, -1.5% at 8k, -1.2% at
 # 32k with a 33000-position cache, neutral at 512 (change 136); 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
 # 14B and 4B measured mixed (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge
+# "attn_cm": {(hidden, heads, kv heads, head dim)} flash decoding's short-context graph merges its splits in its
+# own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue (change 157).
+# Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
+# -2.8% at 900. 30B-A3B on the H200 neutral at 512 (its short graph then has 16 splits instead of 32), so off
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
              "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
              "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B (change 137)
-             "o_merge": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 136)
+             "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B (change 136)
+             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
              "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
-             "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B, 30B-A3B
+             "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)},  # Qwen3-8B, 30B-A3B
+             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
 }
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
@@ -156,6 +162,9 @@ ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
 # the short-context regime of flash decoding (attn_short; change 116): KUIPER_ATTN_SHORT keys, "0" off, unset:
 # DEVICE_TUNING's "attn_short" for the model's shape
 ATTN_SHORT = os.environ.get("KUIPER_ATTN_SHORT")
+# flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
+# prologue: "1" / "0" for every shape (A/B), unset: DEVICE_TUNING's "attn_cm"
+ATTN_CM = os.environ.get("KUIPER_ATTN_CM")
 # flash decoding's splits past ATTN_MMA_KEYS keys on tensor cores (attn_decode.cuh attn_split_mma_long), which
 # needs a second 64-key tile buffer of dynamic shared memory; KUIPER_ATTN_MMA_LONG=0: the scalar loop (A/B)
 ATTN_MMA_LONG = os.environ.get("KUIPER_ATTN_MMA_LONG", "1") != "0"
@@ -265,7 +274,11 @@ FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argumen
 # blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
 # and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
 FFN_GLOBAL_CAPS = tuple(int(c) for c in os.environ.get("KUIPER_FFN_GLOBAL_CAPS", "3,4").split(","))
+ATTN_CM_HB = (1, 2, 4, 8)  # heads per block of attention.cu's cluster-merge instantiations (attn_decode_gqa CM)
+ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
 _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
+               "attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
+                                           for hb in ATTN_CM_HB]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
@@ -517,7 +530,7 @@ def _compiled(family: str, name: str):
         d = kernel_dir()
         src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
         opts = ("--std=c++17", f"-I{d}")
-        if family in ("attn", "dattn") or family.startswith("dl:"):
+        if family in ("attn", "attncm", "dattn") or family.startswith("dl:"):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family.startswith("dl:"):
             opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
@@ -690,6 +703,15 @@ def o_merge(a: ModelArgs) -> bool:
     return _attn_shape(a) in device_tuning().get("o_merge", ())
 
 
+def attn_cm(a: ModelArgs) -> bool:
+    """Whether decode's flash decoding merges its splits in its clusters where it can (attn_cluster_merge; the
+    short-context regime's graph, its splits capped at ATTN_CM_MAX): KUIPER_ATTN_CM ("1" / "0"), else
+    DEVICE_TUNING's "attn_cm" for this model on this GPU."""
+    if ATTN_CM is not None:
+        return ATTN_CM != "0"
+    return _attn_shape(a) in device_tuning().get("attn_cm", ())
+
+
 def attn_short(a: ModelArgs) -> int:
     """Up to how many keys flash decoding runs in its short-context regime (a decode graph of its own whose
     grid holds only the splits those keys can use; PERFORMANCE.md change 116), 0 for none:
@@ -836,8 +858,11 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     if att is not None:
         assert x is None and norm is None and slots == 1 and out_kind == "plain" and K == att.heads * att.hd
         assert rps <= GEMV_ATT_ROWS
-        att_args = (att.part_o, att.part_ml, _i(att.splits), _i(att.min_chunk))
-        x = att.part_o
+        if att.merged is not None:  # merged by flash decoding's clusters: a plain row
+            x = att.merged
+        else:
+            att_args = (att.part_o, att.part_ml, _i(att.splits), _i(att.min_chunk))
+            x = att.part_o
     x = hn if x is None else x
     if out_kind == "qkv_rope":
         r = rope
@@ -847,14 +872,14 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         eps = r["eps"]
         rope_args = (r["q_norm"], r["k_norm"], r["cos"], r["sin"], r["qout"], r["kc"], r["vc"], _i(KV), _i(hd),
                      _i(r["pos0"]), r["pos_dev"] if r["pos_dev"] is not None else null)
-    elif att is not None:  # the merge prologue reads the head size and the position from the same slots
+    elif att is not None and att.merged is None:  # the merge prologue reads the head size and the position here
         rope_args = (null,) * 7 + (_i(0), _i(att.hd), _i(att.n_keys - 1), att.pos_dev if att.pos_dev is not None else null)
     else:
         rope_args = (null,) * 7 + (_i(0), _i(0), _i(0), null)
     flat = []
     for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
         flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
-    om = (att is not None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
+    om = (att is not None and att.merged is None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
           and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS)
     # accumulating launches take the ACC instantiations, which hold no split-K tail code (PERFORMANCE.md change 146)
     name = gemv_name(moe2, router is not None, om, acc_out is not None and not moe2 and GEMV_ACC_FORM)
@@ -1126,7 +1151,7 @@ def attn_long_smem(hd: int) -> int:
 
 def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, part_o, part_ml, out,
                      pos_dev=None, finish=None, min_chunk: int = DECODE_MIN_CHUNK, o_merge: bool = False,
-                     max_keys: int = 0):
+                     max_keys: int = 0, merged=None):
     """Flash-decoding for one query q [1, H, hd] over n_keys cached positions -> out [1, H*hd].
     With pos_dev (graph replay) the length is read on the device and all max_splits splits run.
     out=None: the partials are left unmerged and returned as _AttnParts (for the o GEMV's prologue).
@@ -1137,7 +1162,10 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     splits past the keys present exit, and whoever merges reads only those that held keys. o_merge: the o
     GEMV that takes the returned partials may merge them with gemv_merge_span (see o_merge()). max_keys: the
     most keys a replay of this launch may see (with pos_dev; else n_keys): where a split can then pass
-    ATTN_MMA_KEYS keys, the launch gets the long tensor-core path's tile buffer."""
+    ATTN_MMA_KEYS keys, the launch gets the long tensor-core path's tile buffer. merged (fp16 [1, H*hd], with
+    out None): where attn_cluster_merge allows the launch, the splits of each head group run as one
+    thread-block cluster that merges them itself into merged, and the returned _AttnParts carries it (the o
+    GEMV then stages it as a plain row); elsewhere it is ignored."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
@@ -1152,17 +1180,56 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
     most = max(max_keys, n_keys) if pos_dev is not None else n_keys
     long_path = ATTN_MMA_LONG and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
+    args = (q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads),
+            _f(math.log2(math.e) / math.sqrt(hd)), *fin, _i(min_chunk))
+    if merged is not None and out is None and not long_path and attn_cluster_merge(S, hb, hd):
+        assert merged.dtype == cp.float16 and merged.size == H * hd
+        name = f"attn_decode_gqa<{hd},{hb},false,true>"
+        launch_ex(_attn_cm_fn(name, S), (S, n_kv_heads, H // n_kv_heads // hb), (128,), args + (merged,),
+                  attr=_cluster_launch_attrs_cached(S))
+        return _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge, merged=merged)
     name = f"attn_decode_gqa<{hd},{hb}{',true' if long_path else ''}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
     pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
     if long_path:
         pad = max(pad, attn_long_smem(hd))
         allow_dynamic_smem(_compiled("attn", name), pad)
-    kernel("attn", name)(grid, (128,), (
-        q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd)),
-        *fin, _i(min_chunk)), shared_mem=pad)
+    kernel("attn", name)(grid, (128,), args + (np.uint64(0),), shared_mem=pad)
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge)
     return parts if out is None else attention_combine(parts, out)
+
+
+def attn_cluster_merge(S: int, hb: int, hd: int) -> bool:
+    """Whether a flash-decoding launch of S splits of hb heads of hd dims can merge in its clusters: sm_90 with
+    PDL, an instantiation for hb, at most ATTN_CM_MAX splits, and each block's share of the head group's
+    elements a whole number of 16-byte pushes."""
+    return (hb in ATTN_CM_HB and 1 <= S <= ATTN_CM_MAX and (hb * hd) % (4 * S) == 0
+            and pdl_enabled() and _cu_occupancy_clusters() is not None)
+
+
+_ATTN_CM_FNS: dict[tuple, object] = {}
+_CL_ATTRS: dict[int, ctypes.Array] = {}
+
+
+def _attn_cm_fn(name: str, S: int):
+    """The CM instantiation, allowed clusters of S > 8 blocks (non-portable sizes must be asked for)."""
+    key = (_dev_id(), name, S > 8)
+    fn = _ATTN_CM_FNS.get(key)
+    if fn is None:
+        fn = _compiled("attncm", name)
+        if S > 8:
+            set_attr = _cu_fn("cuFuncSetAttribute")
+            if set_attr is None or set_attr(fn.kernel.ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
+                raise KuiperError(f"the driver refused clusters of {S} blocks for {name}")
+        fn = _ATTN_CM_FNS[key] = fn
+    return fn
+
+
+def _cluster_launch_attrs_cached(CL: int) -> ctypes.Array:
+    """_cluster_launch_attrs(CL), made once per size (launch_ex keys its configurations on the object)."""
+    if CL not in _CL_ATTRS:
+        _CL_ATTRS[CL] = _cluster_launch_attrs(CL)
+    return _CL_ATTRS[CL]
 
 
 def attention_combine(p, out):
@@ -1178,9 +1245,10 @@ class _AttnParts:
     """A decode step's flash-decoding partials, not yet merged: the o projection merges them in its
     GEMV prologue (gemv(att=...)); any other consumer gets attn_decode_combine's output (CupyOps._x)."""
 
-    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk, o_merge=False):
+    def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk, o_merge=False, merged=None):
         self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
         self.n_keys, self.pos_dev, self.min_chunk, self.o_merge = n_keys, pos_dev, min_chunk, o_merge
+        self.merged = merged  # the merged output (fp16 [1, H*hd]) where the clusters merged, else None
         self.shape = (1, heads * hd)
         self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
@@ -1812,6 +1880,7 @@ class CupyOps:
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
         self.o_merge = o_merge(a)
+        self.attn_cm = attn_cm(a)
         self._graphs = {}  # flash decoding's split count (_attn_split_count) -> (graph, its argmax's n_valid)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
@@ -2126,7 +2195,7 @@ class CupyOps:
         if isinstance(x, _Deferred):
             return x.run(None)
         if isinstance(x, _AttnParts):
-            return attention_combine(x, self.d["attn"])
+            return x.merged if x.merged is not None else attention_combine(x, self.d["attn"])
         return x
 
     def _gemv_in(self, x) -> dict:
@@ -2188,7 +2257,8 @@ class CupyOps:
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                      self.d["pos"] if self.graphs else None, finish=fin,
                                      min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
-                                     max_keys=self._attn_max_keys(pos0 + 1))
+                                     max_keys=self._attn_max_keys(pos0 + 1),
+                                     merged=self.d["attn"] if FUSE_COMBINE and self.attn_cm else None)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
@@ -2252,7 +2322,9 @@ class CupyOps:
         (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer, change 116),
         else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
         if self._attn_short_regime(n_keys):
-            return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk))
+            # (with the clusters' merge, at most the splits one cluster holds)
+            return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk),
+                       ATTN_CM_MAX if self.attn_cm else self.attn_splits)
         return self.attn_splits
 
     def _attn_max_keys(self, n_keys: int) -> int:

@@ -621,14 +621,18 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_c
 @pytest.mark.parametrize("H,KV,hd,D,E", [(32, 4, 128, 2048, 128), (16, 8, 64, 1024, 160), (8, 2, 128, 1024, 64),
                                          (4, 2, 64, 512, 8)])
 @pytest.mark.parametrize("massive", [False, True])
-def test_o_gemv_router_rows(H, KV, hd, D, E, massive):
+@pytest.mark.parametrize("cm", [False, True])
+def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
     """The MoE o projection in accumulating mode with the router rows as more column tiles, R [q_dim, E]
     (its columns over one or more tiles) against the attention output and Rh [D, E] against the fp32
     residual row h (fp16 both): acc_z = attention @ R + h @ Rh beside acc_o = attention @ W_o, both fixed point, against float64 on
     the merged attention output rounded to fp16 (as the kernel stages it). massive: a value channel at
     3000, so the staged span is scaled down (the overflow guard) and the router sums scaled back, and
     residual channels at 1e4. Two launches from zeroed accumulators: bitwise the same; the arrival
-    counters untouched."""
+    counters untouched. cm: the attention output merged by flash decoding's clusters (16 splits), staged as a
+    plain row."""
+    if cm:
+        cm_or_skip(16, oc.decode_heads_per_block(H, KV), hd)
     rng = np.random.default_rng()
     n = 300
     Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
@@ -642,10 +646,12 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive):
     h = rng.standard_normal((1, D)).astype(np.float32)
     if massive:
         h[0, rng.choice(D, 3, replace=False)] = 1e4
-    splits = 24
+    splits = 16 if cm else 24
     part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
-                                None, cp.full((1,), n - 1, cp.int32))
+                                None, cp.full((1,), n - 1, cp.int32),
+                                merged=nan_like((1, H * hd), cp.float16) if cm else None)
+    assert (parts.merged is not None) == cm
     partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)
     att = attention_ref(q, Kc, Vc, n - 1).reshape(-1).astype(np.float16).astype(np.float64)
     outs = []
@@ -746,12 +752,13 @@ def test_qkv_gemv_with_norm_rope_and_cache_write_epilogue(D, H, KV, hd, pos0, de
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
-def qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits, min_chunk, eps):
+def qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits, min_chunk, eps, cm=False):
     """A decode step's attention half as the graph runs it: the q|k|v GEMV in accumulating mode (adding the
     pending projection output pend to the residual row first, clearing the accumulator zero), then flash
     decoding finishing it at position pos0 (q/k norm, RoPE, the newest K/V row into kc, vc) over splits
     splits. Returns q rotated, the new residual row, the attention output and the splits' part_o, part_ml,
-    every one poisoned before the kernels ran."""
+    every one poisoned before the kernels ran. cm: the splits merged by their clusters (the output is
+    theirs; the caller enables ATTN_CM)."""
     cos, sin, mats, h, w, qn, kn = case
     qrot, hout = nan_like((1, H, hd), cp.float16), nan_like((1, D), cp.float32)
     acc = cp.zeros(((H + 2 * KV) * hd,), cp.int64)
@@ -761,10 +768,12 @@ def qkv_then_flash_decoding(case, pend, kc, vc, zero, D, H, KV, hd, pos0, splits
     ss = nan_like((4096,), cp.float32)
     S = oc.gemv(None, [m for m, _ in mats], "plain", None, partial, norm=(cp.asarray(h[None]), cp.asarray(w), eps),
                 pend=cp.asarray(pend), hout=hout, acc_out=acc, zero=zero, ss_out=ss)
-    oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, out, cp.full((1,), pos0, cp.int32),
-                        finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
-                                    sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk,
-                        max_keys=pos0 + 1)
+    parts = oc.attention_decode(qrot, kc, vc, -1, KV, splits, part_o, part_ml, None if cm else out,
+                                cp.full((1,), pos0, cp.int32),
+                                finish=dict(acc=acc, q_norm=cp.asarray(qn), k_norm=cp.asarray(kn), cos=cp.asarray(cos),
+                                            sin=cp.asarray(sin), eps=eps, ss=(ss, S, D)), min_chunk=min_chunk,
+                                max_keys=pos0 + 1, merged=out if cm else None)
+    assert not cm or parts.merged is out
     return qrot, hout, out, part_o, part_ml
 
 
@@ -806,6 +815,101 @@ def test_qkv_accumulating_gemv_finished_by_flash_decoding(D, H, KV, hd, pos0, sp
     K_ref, V_ref = k_old.astype(np.float32), v_old.astype(np.float32)
     K_ref[pos0], V_ref[pos0] = k_ref[0], v[0]
     assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
+
+
+def cm_or_skip(S, hb, hd):
+    """Skips where this GPU or the shape cannot take flash decoding's merge by its clusters."""
+    if not oc.attn_cluster_merge(S, hb, hd):
+        pytest.skip("no cluster merge for this GPU or shape (sm_90, S <= 16, whole 16-byte pushes)")
+
+
+# 8B's heads (4 per block), 235B's (8 query heads per KV head, 4 per block: two blocks), 2 and 1 per block
+@pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 4, 128), (4, 2, 64), (8, 8, 64)])
+@pytest.mark.parametrize("n", [1, 31, 300, 513, 1000])
+@pytest.mark.parametrize("splits", [1, 2, 8, 16])
+def test_flash_decoding_merged_by_its_clusters(H, KV, hd, n, splits):
+    """The splits of a head group as one cluster that merges them (attn_decode_gqa CM: each block pushes its
+    partial to the elements' owners, st.async on mbarriers) into the fp16 attention output, against float64
+    attention. The length comes from device memory, so at 1 and 31 keys most splits are empty and must add
+    nothing; the global partials are never written (left NaN), and the output is poisoned first."""
+    hb = oc.decode_heads_per_block(H, KV)
+    cm_or_skip(splits, hb, hd)
+    rng = np.random.default_rng()
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    merged = nan_like((1, H * hd), cp.float16)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
+                                None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
+    assert parts.merged is merged
+    assert rel(cp.asnumpy(merged), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
+    assert bool(cp.isnan(part_o).all()) and bool(cp.isnan(part_ml).all())
+
+
+@pytest.mark.parametrize("D,H,KV,hd", [(4096, 32, 8, 128), (2048, 32, 4, 128), (512, 4, 2, 64)])
+@pytest.mark.parametrize("pos0,splits,min_chunk", [(0, 16, 64), (512, 16, 64), (700, 16, 64), (1000, 16, 64),
+                                                   (300, 16, 32), (40, 8, 32), (100, 4, 32)])
+def test_qkv_finished_then_merged_by_clusters(D, H, KV, hd, pos0, splits, min_chunk):
+    """Decode's q|k|v GEMV (accumulating) finished by flash decoding on its tensor-core path, the splits merged
+    by their clusters, against NumPy (the cache row written, the attention output over the old rows and the
+    new one), and bitwise against the same splits' global partials merged as the o GEMV's prologue merges
+    them (gemv_merge_span's order: max over the splits with keys, then their weighted sums in split order)."""
+    hb = oc.decode_heads_per_block(H, KV)
+    cm_or_skip(splits, hb, hd)
+    rng = np.random.default_rng()
+    ctx, eps = pos0 + 4, 1e-6
+    case = qkv_case(rng, D, H, KV, hd, ctx)
+    pend = (rng.standard_normal(D) * 2**32).astype(np.int64)
+    k_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
+    v_old = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
+    outs = {}
+    for cm in (False, True):
+        kc, vc = cp.asarray(k_old), cp.asarray(v_old)
+        outs[cm] = qkv_then_flash_decoding(case, pend, kc, vc, cp.zeros((8,), cp.int64), D, H, KV, hd, pos0, splits,
+                                           min_chunk, eps, cm=cm)
+    qrot, hout, out, _, _ = outs[True]
+    hs = case[3].astype(np.float64) + (pend / 2**32).astype(np.float16)
+    q_ref, k_ref, v = qkv_rope_ref(hs, case[4], case[2], case[5], case[6], case[0], case[1], pos0, hd, eps)
+    K_ref, V_ref = k_old.astype(np.float32), v_old.astype(np.float32)
+    K_ref[pos0], V_ref[pos0] = k_ref[0], v[0]
+    assert rel(cp.asnumpy(out), attention_ref(q_ref.astype(np.float16), K_ref, V_ref, pos0)) < 1e-2
+    np.testing.assert_array_equal(cp.asnumpy(hout), cp.asnumpy(outs[False][1]))
+    np.testing.assert_array_equal(cp.asnumpy(qrot), cp.asnumpy(outs[False][0]))
+    assert rel(cp.asnumpy(out), cp.asnumpy(outs[False][2])) < 1e-3
+
+
+@pytest.mark.parametrize("H,KV,hd,D", [(32, 8, 128, 4096), (32, 4, 128, 2048)])
+@pytest.mark.parametrize("n", [1, 200, 513, 1000])
+def test_o_gemv_on_cluster_merge_equals_its_own_merge(H, KV, hd, D, n, monkeypatch):
+    """The o projection (accumulating) on the output the clusters merged is bitwise the o projection that
+    merges the same splits' partials in its prologue with gemv_merge_span: the clusters' merge does the same
+    operations in the same split order. Both against float64 attention @ W_o."""
+    hb = oc.decode_heads_per_block(H, KV)
+    splits = 16
+    cm_or_skip(splits, hb, hd)
+    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)  # gemv_merge_span at 16 splits
+    rng = np.random.default_rng()
+    Kc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
+    Vc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    m, r = rand_awq(rng, H * hd, D)
+    partial = cp.empty((oc.gemv_partial_size(H * hd, [D]),), cp.float32)
+    pos = cp.full((1,), n - 1, cp.int32)
+    accs = {}
+    for cm in (False, True):
+        part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+        parts = oc.attention_decode(cp.asarray(q), Kc, Vc, -1, KV, splits, part_o, part_ml, None, pos, min_chunk=64,
+                                    o_merge=True, merged=nan_like((1, H * hd), cp.float16) if cm else None)
+        assert (parts.merged is not None) == cm
+        acc = cp.zeros((D,), cp.int64)
+        oc.gemv(None, [m], "plain", None, partial, att=parts, acc_out=acc)
+        accs[cm] = cp.asnumpy(acc)
+    np.testing.assert_array_equal(accs[True], accs[False])
+    att = attention_ref(q, cp.asnumpy(Kc), cp.asnumpy(Vc), n - 1).reshape(-1).astype(np.float16).astype(np.float64)
+    assert rel(accs[True].astype(np.float64) / 2**32, att @ r) < 1e-2
+
+
 
 
 @pytest.mark.parametrize("D,H,KV,hd,hb", [(4096, 32, 8, 128, 4), (2048, 32, 4, 128, 4), (2048, 32, 4, 128, 8),

@@ -501,6 +501,28 @@ def test_one_launch_moe_matches_separate_kernels_and_reference(fused_moe_bin, mo
     pytest.fail("the GPU and the CPU chose different experts within the first 10 decode tokens in 3 draws")
 
 
+def test_one_launch_moe_on_cluster_merged_attention_same_bits(fused_moe_bin, monkeypatch):
+    """The MoE decode layer with flash decoding's splits merged by their clusters (the o GEMV and its router
+    rows staging the merged row) gives bitwise the logits of the o GEMV's own gemv_merge_span merge (forced),
+    graph-replayed in the short regime's 16 splits."""
+    ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
+    mf = load(fused_moe_bin)
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
+    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
+    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
+    got = {}
+    for cm in ("0", "1"):
+        monkeypatch.setattr(oc, "ATTN_CM", cm)
+        m = Qwen3(mf, oc.CupyOps, 64)
+        if cm == "1" and not oc.attn_cluster_merge(m.ops._attn_split_count(20), 4, 128):
+            pytest.skip("no cluster merge on this GPU")
+        m.prefill(ids[:10])
+        got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
+    np.testing.assert_array_equal(got["1"], got["0"])
+    assert np.isfinite(got["1"]).all()
+
+
 def test_moe_prefetch_next_qkv_same_bits(fused_moe_bin, monkeypatch):
     """moe_ffn_decode starting the next layer's q|k|v weights towards L2 (KUIPER_MOE_PREFETCH 1: before
     its PDL wait, 2: after it) changes no bit of the decoded logits (graph replay), and each MoE layer

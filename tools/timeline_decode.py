@@ -202,7 +202,7 @@ def main(model, ctx, cap, save, load_path, waves, ranks, layers):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m, _ = warm_session(eng, ctx, cap or ctx + 64, np.random.default_rng(0))
     ops = m.ops
-    mods = {t: oc._MODULES[t] for t in ("gemv", "attn", "ffn") if t in oc._MODULES}
+    mods = {t: oc._MODULES[t] for t in ("gemv", "attn", "attncm", "ffn") if t in oc._MODULES}
     try:
         counters = [mod.get_global("g_diag_n") for mod in mods.values()]
     except Exception:  # noqa: BLE001 (CuPy raises a driver error for a missing symbol)
