@@ -166,6 +166,36 @@ def decode_logits(mf, ids, n_prefill, max_context, graphs):
     return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
 
 
+def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
+    """{"0": logits, "1": logits} of decoding ids[n_prefill:] after a prefill with flash decoding's clusters'
+    merge off and on (KUIPER_ATTN_CM), the o GEMV's own merge forced to gemv_merge_span at every split count and
+    a short-context regime of 16 splits (4 keys per split at least, up to 64 keys); skips where the GPU cannot
+    merge in clusters."""
+    import cupy as cp
+    import pytest
+    from kuiper_py import ops_cupy as oc
+    from kuiper_py.model import Qwen3
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
+    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
+    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
+    got = {}
+    for cm in ("0", "1"):
+        monkeypatch.setattr(oc, "ATTN_CM", cm)
+        m = Qwen3(mf, oc.CupyOps, 64)
+        m.ops.graphs = graphs
+        a = m.ops.args
+        if cm == "1":
+            hb = oc.decode_heads_per_block(a.num_attention_heads, a.num_key_value_heads)
+            if not oc.attn_cluster_merge(16, hb, a.head_dim):
+                pytest.skip("no cluster merge on this GPU or shape")
+            assert m.ops._attn_split_count(20) == 16
+        m.prefill(ids[:n_prefill])
+        got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
+    assert oc._ATTN_CM_FNS  # the clusters' instantiation ran
+    return got
+
+
 def decode_step_twice(mf, ids, n_prefill, max_context):
     """A GPU model prefilled with ids[:n_prefill] decodes ids[n_prefill] twice from the same cache
     position (the step replayed as a CUDA graph): (its ops, first logits, second logits)."""

@@ -8,8 +8,8 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import (PROMPT, assert_as_accurate, cpu_decode, decode_logits, decode_step_twice, greedy_tokens,
-                       rel)
+from reference import (PROMPT, assert_as_accurate, cpu_decode, decode_cluster_merge_ab, decode_logits,
+                       decode_step_twice, greedy_tokens, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -161,29 +161,12 @@ def test_short_context_attention_regime_switch(untied_bin, monkeypatch):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cluster_merged_attention_decode_same_bits(untied_bin, graphs, monkeypatch):
-    """Decode with flash decoding's splits merged by their own clusters (KUIPER_ATTN_CM=1; 16 splits in the
-    graph's short regime, 2-16 eagerly, where the count allows) gives bitwise the logits of the o GEMV merging
-    the same partials in its prologue with gemv_merge_span (forced here at every split count), and is as
-    accurate as it against the CPU reference."""
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=60).tolist()
+    """Decode with flash decoding's splits merged by their own clusters (16 splits in the graph's short regime,
+    2-16 eagerly, where the count allows) gives bitwise the logits of the o GEMV merging the same partials in
+    its prologue with gemv_merge_span (forced here at every split count), within 1e-2 of the CPU reference."""
+    ids = np.random.default_rng().integers(0, 151643, size=60).tolist()
     mf = load(untied_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
-    got = {}
-    for cm in ("0", "1"):
-        monkeypatch.setattr(oc, "ATTN_CM", cm)
-        m = Qwen3(mf, oc.CupyOps, 64)
-        m.ops.graphs = graphs
-        if cm == "1":
-            if not oc.attn_cluster_merge(16, oc.decode_heads_per_block(4, 2), 64):
-                pytest.skip("no cluster merge on this GPU")
-            assert m.ops._attn_split_count(20) == 16
-        m.prefill(ids[:10])
-        got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
-    assert oc._ATTN_CM_FNS  # the clusters' instantiation ran
+    got = decode_cluster_merge_ab(mf, ids, 10, monkeypatch, graphs)
     np.testing.assert_array_equal(got["1"], got["0"])
     ref = Qwen3(mf, NumpyOps, 64)
     ref.prefill(ids[:10])

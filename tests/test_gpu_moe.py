@@ -16,8 +16,8 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear
-from reference import (PROMPT, assert_as_accurate, cluster_plan_or_skip, decode_logits, decode_step_twice,
-                       greedy_lockstep, greedy_tokens, pending_row_inputs, rand_awq_tensors, rel)
+from reference import (PROMPT, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
+                       decode_step_twice, greedy_lockstep, greedy_tokens, pending_row_inputs, rand_awq_tensors, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -506,19 +506,7 @@ def test_one_launch_moe_on_cluster_merged_attention_same_bits(fused_moe_bin, mon
     rows staging the merged row) gives bitwise the logits of the o GEMV's own gemv_merge_span merge (forced),
     graph-replayed in the short regime's 16 splits."""
     ids = np.random.default_rng().integers(0, 151643, size=40).tolist()
-    mf = load(fused_moe_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
-    got = {}
-    for cm in ("0", "1"):
-        monkeypatch.setattr(oc, "ATTN_CM", cm)
-        m = Qwen3(mf, oc.CupyOps, 64)
-        if cm == "1" and not oc.attn_cluster_merge(m.ops._attn_split_count(20), 4, 128):
-            pytest.skip("no cluster merge on this GPU")
-        m.prefill(ids[:10])
-        got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
+    got = decode_cluster_merge_ab(load(fused_moe_bin), ids, 10, monkeypatch)
     np.testing.assert_array_equal(got["1"], got["0"])
     assert np.isfinite(got["1"]).all()
 

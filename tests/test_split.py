@@ -88,7 +88,7 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
     for key, t in oc.DEVICE_TUNING.items():
-        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge"} and key
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge", "attn_cm"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
         for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():
@@ -96,6 +96,8 @@ def test_device_tuning_table_is_well_formed():
         for (D, H, KV, hd), keys in t.get("attn_short", {}).items():
             assert isinstance(keys, int) and keys >= 1 and H % KV == 0
         assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
+        # the clusters' merge serves only the short-context graph (its splits capped at ATTN_CM_MAX)
+        assert all(shape in t.get("attn_short", {}) for shape in t.get("attn_cm", ()))
 
 
 def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
@@ -112,6 +114,23 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     monkeypatch.setattr(oc, "ATTN_SHORT", "0")
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_short(a8b) == 0
+
+
+def test_attn_cm_follows_the_table_and_the_override(sms, monkeypatch):
+    from types import SimpleNamespace
+    a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    a30 = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"attn_cm": {(4096, 32, 8, 128)}}})
+    monkeypatch.setattr(oc, "ATTN_CM", None)
+    sms(132, "NVIDIA H200")
+    assert oc.attn_cm(a8b) and not oc.attn_cm(a30)
+    sms(132, "NVIDIA H100 80GB HBM3")
+    assert not oc.attn_cm(a8b)
+    monkeypatch.setattr(oc, "ATTN_CM", "1")  # KUIPER_ATTN_CM wins everywhere
+    assert oc.attn_cm(a8b) and oc.attn_cm(a30)
+    monkeypatch.setattr(oc, "ATTN_CM", "0")
+    sms(132, "NVIDIA H200")
+    assert not oc.attn_cm(a8b)
 
 
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
