@@ -1221,7 +1221,7 @@ def _attn_cm_fn(name: str, S: int):
             set_attr = _cu_fn("cuFuncSetAttribute")
             if set_attr is None or set_attr(fn.kernel.ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
                 raise KuiperError(f"the driver refused clusters of {S} blocks for {name}")
-        fn = _ATTN_CM_FNS[key] = fn
+        _ATTN_CM_FNS[key] = fn
     return fn
 
 
