@@ -279,12 +279,8 @@ struct AttnCmSmem {
     float2 rx_ml[ATTN_CM_MAX][HB];     // [S][HB] every split's max and sum
     unsigned long long bar;            // completes when all S blocks' bytes have landed
 };
-template <bool C, class T, class F> struct attn_pick { using type = T; };
+template <bool C, class T, class F> struct attn_pick { using type = T; };  // (no std::conditional under NVRTC)
 template <class T, class F> struct attn_pick<false, T, F> { using type = F; };
-template <int HD, int HB> __device__ __forceinline__ float* attn_cm_own_o(AttnCmSmem<HD, HB>& c) { return c.o; }
-template <int HD, int HB> __device__ __forceinline__ float* attn_cm_own_ml(AttnCmSmem<HD, HB>& c) { return &c.ml[0][0]; }
-__device__ __forceinline__ float* attn_cm_own_o(char&) { return nullptr; }
-__device__ __forceinline__ float* attn_cm_own_ml(char&) { return nullptr; }
 
 // CM, after the split: its partial (in c.o, c.ml) pushed to the cluster, then this block's E / S elements
 // merged over all S splits into out (the head group's [HB][HD] rows of the output). An empty split pushed
@@ -371,13 +367,11 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
     const int kvh = CM ? blockIdx.y : blockIdx.x, hb = CM ? blockIdx.z : blockIdx.y;
     const int s = CM ? blockIdx.x : blockIdx.z, S = CM ? gridDim.x : gridDim.z, chunk = decode_chunk(n_keys, S, min_chunk);
     __shared__ __align__(16) typename attn_pick<CM, AttnCmSmem<HD, HB>, char>::type cm;
-    if constexpr (CM) {  // the receive barrier armed before the PDL wait (off the path), as ffn_push_init
-        if (threadIdx.x == 0) {
-            mbar_init(smem_u32(&cm.bar), 1);
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-            mbar_arrive_expect_tx(smem_u32(&cm.bar), AttnCmSmem<HD, HB>::E * 4 + S * HB * 8);
-        }
-        cl_arrive_relaxed();
+    float *own_o = nullptr, *own_ml = nullptr;  // CM: the split's partials into this block's shared memory
+    if constexpr (CM) {  // the receive barrier armed before the PDL wait (off the path)
+        cl_push_arm(smem_u32(&cm.bar), AttnCmSmem<HD, HB>::E * 4 + S * HB * 8);
+        own_o = cm.o;
+        own_ml = &cm.ml[0][0];
     }
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
     uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
@@ -402,7 +396,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                   }
                                   diag_stamp(2);
                               }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr, stage2,
-                              CM ? attn_cm_own_o(cm) : nullptr, CM ? attn_cm_own_ml(cm) : nullptr);
+                              own_o, own_ml);
 #ifdef KUIPER_DIAG_TIMES
     diag_stamp(3);
 #endif

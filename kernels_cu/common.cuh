@@ -303,6 +303,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
+// Before the PDL wait, by every thread: the receive mbarrier `bar` (this block's shared address) armed for the
+// `bytes` the cluster's st.async pushes will bring, then the relaxed arrive that the senders' cl_wait() pairs
+// with (the init's release fence orders it), so no block pushes into a barrier not yet initialised.
+__device__ __forceinline__ void cl_push_arm(u32 bar, u32 bytes) {
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_arrive_expect_tx(bar, bytes);
+    }
+    cl_arrive_relaxed();
+}
 
 // One bulk async copy (sm_90) of `bytes` (a multiple of 16) from global memory into this block's
 // shared memory, completing on mbarrier `bar` (expect_tx), with an L2 cache policy (the decode kernels

@@ -226,16 +226,10 @@ struct FfnPush {
     static constexpr u32 bytes = CL * (FFN_CH * 8 + 4);
 };
 
-// Before the PDL wait: the receive barrier armed for the cluster's bytes, then the arrive that the
-// senders' wait (ffn_push_send) pairs with, so no block stores into a barrier not yet initialised.
+// Before the PDL wait: the receive barrier armed for the cluster's bytes (ffn_push_send's cl_wait pairs with it)
 template <int CL>
 __device__ __forceinline__ void ffn_push_init(FfnPush<CL>& px) {
-    if (threadIdx.x == 0) {
-        mbar_init(smem_u32(&px.bar), 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbar_arrive_expect_tx(smem_u32(&px.bar), FfnPush<CL>::bytes);
-    }
-    cl_arrive_relaxed();
+    cl_push_arm(smem_u32(&px.bar), FfnPush<CL>::bytes);
 }
 
 // The block's gate/up sums (a8 per lane, as ffn_part_sums) and span sum of squares into slot `rank`

@@ -695,21 +695,25 @@ def attn_min_chunk(a: ModelArgs) -> int:
     return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
 
 
+def _shape_switch(override: str | None, key: str, a: ModelArgs) -> bool:
+    """An on/off choice per attention shape: the environment's override ("0" off, anything else on) where
+    set, else whether DEVICE_TUNING[key] lists this model's shape on this GPU."""
+    if override is not None:
+        return override != "0"
+    return _attn_shape(a) in device_tuning().get(key, ())
+
+
 def o_merge(a: ModelArgs) -> bool:
     """Whether the o GEMV may merge flash decoding's partials with gemv_merge_span (GEMV_O_MERGE, else
     DEVICE_TUNING's "o_merge" for this model on this GPU)."""
-    if GEMV_O_MERGE is not None:
-        return GEMV_O_MERGE != "0"
-    return _attn_shape(a) in device_tuning().get("o_merge", ())
+    return _shape_switch(GEMV_O_MERGE, "o_merge", a)
 
 
 def attn_cm(a: ModelArgs) -> bool:
     """Whether decode's flash decoding merges its splits in its clusters where it can (attn_cluster_merge; the
     short-context regime's graph, its splits capped at ATTN_CM_MAX): KUIPER_ATTN_CM ("1" / "0"), else
     DEVICE_TUNING's "attn_cm" for this model on this GPU."""
-    if ATTN_CM is not None:
-        return ATTN_CM != "0"
-    return _attn_shape(a) in device_tuning().get("attn_cm", ())
+    return _shape_switch(ATTN_CM, "attn_cm", a)
 
 
 def attn_short(a: ModelArgs) -> int:
@@ -1185,8 +1189,8 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     if merged is not None and out is None and not long_path and attn_cluster_merge(S, hb, hd):
         assert merged.dtype == cp.float16 and merged.size == H * hd
         name = f"attn_decode_gqa<{hd},{hb},false,true>"
-        launch_ex(_attn_cm_fn(name, S), (S, n_kv_heads, H // n_kv_heads // hb), (128,), args + (merged,),
-                  attr=_cluster_launch_attrs_cached(S))
+        launch_ex(_attn_cm_fn(name), (S, n_kv_heads, H // n_kv_heads // hb), (128,), args + (merged,),
+                  attr=_cluster_launch_attrs(S))
         return _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge, merged=merged)
     name = f"attn_decode_gqa<{hd},{hb}{',true' if long_path else ''}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
@@ -1208,28 +1212,18 @@ def attn_cluster_merge(S: int, hb: int, hd: int) -> bool:
 
 
 _ATTN_CM_FNS: dict[tuple, object] = {}
-_CL_ATTRS: dict[int, ctypes.Array] = {}
 
 
-def _attn_cm_fn(name: str, S: int):
-    """The CM instantiation, allowed clusters of S > 8 blocks (non-portable sizes must be asked for)."""
-    key = (_dev_id(), name, S > 8)
+def _attn_cm_fn(name: str):
+    """The CM instantiation, allowed clusters of up to ATTN_CM_MAX (16) blocks."""
+    key = (_dev_id(), name)
     fn = _ATTN_CM_FNS.get(key)
     if fn is None:
         fn = _compiled("attncm", name)
-        if S > 8:
-            set_attr = _cu_fn("cuFuncSetAttribute")
-            if set_attr is None or set_attr(fn.kernel.ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
-                raise KuiperError(f"the driver refused clusters of {S} blocks for {name}")
+        if not allow_nonportable_clusters(fn):
+            raise KuiperError(f"the driver refused clusters of more than 8 blocks for {name}")
         _ATTN_CM_FNS[key] = fn
     return fn
-
-
-def _cluster_launch_attrs_cached(CL: int) -> ctypes.Array:
-    """_cluster_launch_attrs(CL), made once per size (launch_ex keys its configurations on the object)."""
-    if CL not in _CL_ATTRS:
-        _CL_ATTRS[CL] = _cluster_launch_attrs(CL)
-    return _CL_ATTRS[CL]
 
 
 def attention_combine(p, out):
@@ -1298,19 +1292,32 @@ def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
     ptr = getattr(fn, "kernel", fn).ptr
     if smem:
         allow_dynamic_smem(fn, smem)
-    if CL > 8:  # 16-block clusters are "non-portable": Hopper has them, the driver wants them asked for
-        set_attr = _cu_fn("cuFuncSetAttribute")
-        if set_attr is None or set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1):
-            return 0
+    if CL > 8 and not allow_nonportable_clusters(fn):
+        return 0
     cfg = _launch_config((CL, n, 1), (threads, 1, 1), smem, 0, _cluster_attr(CL))
     k = ctypes.c_int(0)
     err = _cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
     return 0 if err else k.value
 
 
+def allow_nonportable_clusters(fn) -> bool:
+    """Lets kernel fn launch clusters of more than 8 blocks: Hopper has 16-block clusters, but they are
+    "non-portable" and the driver wants them asked for. False where the driver refuses."""
+    set_attr = _cu_fn("cuFuncSetAttribute")
+    ptr = getattr(fn, "kernel", fn).ptr
+    return set_attr is not None and not set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
+_CL_ATTRS: dict[tuple, ctypes.Array] = {}
+
+
 def _cluster_launch_attrs(CL: int) -> ctypes.Array:
-    """The attributes of a decode cluster launch: cluster dimension, PDL, scheduling preference."""
-    return (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
+    """The attributes of a decode cluster launch: cluster dimension, PDL, scheduling preference. One array per
+    (size, policy): launch_ex keys its launch configurations on the object, so per-step launches reuse them."""
+    key = (CL, CLUSTER_POLICY)
+    if key not in _CL_ATTRS:
+        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
+    return _CL_ATTRS[key]
 
 
 def _cluster_policy_attr(policy: int) -> _LaunchAttr:

@@ -116,23 +116,6 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     assert oc.attn_short(a8b) == 0
 
 
-def test_attn_cm_follows_the_table_and_the_override(sms, monkeypatch):
-    from types import SimpleNamespace
-    a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    a30 = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"attn_cm": {(4096, 32, 8, 128)}}})
-    monkeypatch.setattr(oc, "ATTN_CM", None)
-    sms(132, "NVIDIA H200")
-    assert oc.attn_cm(a8b) and not oc.attn_cm(a30)
-    sms(132, "NVIDIA H100 80GB HBM3")
-    assert not oc.attn_cm(a8b)
-    monkeypatch.setattr(oc, "ATTN_CM", "1")  # KUIPER_ATTN_CM wins everywhere
-    assert oc.attn_cm(a8b) and oc.attn_cm(a30)
-    monkeypatch.setattr(oc, "ATTN_CM", "0")
-    sms(132, "NVIDIA H200")
-    assert not oc.attn_cm(a8b)
-
-
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
     from types import SimpleNamespace
     a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -213,16 +196,26 @@ def test_draw_plan_blocks_and_candidate_room(monkeypatch):
     assert oc.draw_plan(151669, greedy) is None
 
 
-def test_o_merge_follows_the_table_and_the_override(sms, monkeypatch):
+# the on/off choices per attention shape (_shape_switch): the listed GPU, one that lists nothing for the shape
+@pytest.mark.parametrize("choice,override,listed,other", [
+    ("o_merge", "GEMV_O_MERGE", "NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+    ("attn_cm", "ATTN_CM", "NVIDIA H200", "NVIDIA H100 80GB HBM3")])
+def test_shape_choice_follows_the_table_and_the_override(sms, monkeypatch, choice, override, listed, other):
     from types import SimpleNamespace
     a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
     a14b = SimpleNamespace(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128)
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"o_merge": {(4096, 32, 8, 128)}}})
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", None)
-    sms(132, "NVIDIA H100 80GB HBM3")
-    assert oc.o_merge(a8b) and not oc.o_merge(a14b)
-    sms(132, "NVIDIA H200")
-    assert not oc.o_merge(a8b)
+    on = getattr(oc, choice)
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {listed.split()[1]: {choice: {(4096, 32, 8, 128)}}})
+    monkeypatch.setattr(oc, override, None)
+    sms(132, listed)
+    assert on(a8b) and not on(a14b)
+    sms(132, other)
+    assert not on(a8b)
+    monkeypatch.setattr(oc, override, "1")  # the environment's value wins everywhere
+    assert on(a8b) and on(a14b)
+    monkeypatch.setattr(oc, override, "0")
+    sms(132, listed)
+    assert not on(a8b)
     monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")  # KUIPER_GEMV_O_MERGE wins everywhere
     assert oc.o_merge(a8b) and oc.o_merge(a14b)
     monkeypatch.setattr(oc, "GEMV_O_MERGE", "0")
