@@ -54,10 +54,12 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # 512, -3.4% at 1100 (change 118; +0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
 # after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100 (change 119), so it keeps 32; 8B at 64 (after
 # change 132) -0.7% at 512 and at 2000, neutral at 8000 (change 135: o merges 8 splits instead of 16)
-# "attn_short": {(hidden, heads, kv heads, head dim): keys} flash decoding's short-context regime (change 116): up
-# to that many keys a decode graph of its own launches only the splits those keys can use. With a 33000-position
-# cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4% (change 137;
-# +0.4 to +0.8% at 1000 keys)
+# "attn_short": {(hidden, heads, kv heads, head dim): keys or (keys, ...)} flash decoding's short-context regimes
+# (change 116): up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
+# 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4%
+# (change 137; +0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (change 158: 8 splits, clusters of 8 with
+# attn_cm) -1.5% on the H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B
+# (H200, no attn_cm) +1.0%, so they keep one bound
 # "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
 # change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
@@ -75,13 +77,14 @@ DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
              "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
-             "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B (change 137)
+             # Qwen3-8B (change 158: a graph of 8 splits up to 512 keys, with attn_cm), 30B-A3B (change 137)
+             "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},
              "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B (change 136)
              "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
-             "attn_short": {(4096, 32, 8, 128): 1024, (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
+             "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
              "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)},  # Qwen3-8B, 30B-A3B
              "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
 }
@@ -159,8 +162,8 @@ ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding
 # "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
 DECODE_MIN_CHUNK = 32
 ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
-# the short-context regime of flash decoding (attn_short; change 116): KUIPER_ATTN_SHORT keys, "0" off, unset:
-# DEVICE_TUNING's "attn_short" for the model's shape
+# the short-context regimes of flash decoding (attn_short; changes 116, 158): KUIPER_ATTN_SHORT key counts ("512,1024"),
+# "0" none, unset: DEVICE_TUNING's "attn_short" for the model's shape
 ATTN_SHORT = os.environ.get("KUIPER_ATTN_SHORT")
 # flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
 # prologue: "1" / "0" for every shape (A/B), unset: DEVICE_TUNING's "attn_cm"
@@ -716,13 +719,19 @@ def attn_cm(a: ModelArgs) -> bool:
     return _shape_switch(ATTN_CM, "attn_cm", a)
 
 
-def attn_short(a: ModelArgs) -> int:
-    """Up to how many keys flash decoding runs in its short-context regime (a decode graph of its own whose
-    grid holds only the splits those keys can use; PERFORMANCE.md change 116), 0 for none:
-    KUIPER_ATTN_SHORT, else DEVICE_TUNING's "attn_short" for this model on this GPU."""
+def attn_short(a: ModelArgs) -> tuple[int, ...]:
+    """The key counts up to which flash decoding runs in a short-context regime (each a decode graph of its own
+    whose grid holds only the splits its keys can use; PERFORMANCE.md changes 116, 158), ascending, () for
+    none: KUIPER_ATTN_SHORT ("512,1024"; "0" none), else DEVICE_TUNING's "attn_short" for this model on this
+    GPU (an int or a tuple of ints)."""
     if ATTN_SHORT:
-        return int(ATTN_SHORT)
-    return device_tuning().get("attn_short", {}).get(_attn_shape(a), 0)
+        bounds = ATTN_SHORT.split(",")
+        if not all(b.strip().isdigit() for b in bounds):
+            raise KuiperError(f"KUIPER_ATTN_SHORT={ATTN_SHORT!r}: expected key counts such as 512,1024")
+    else:
+        bounds = device_tuning().get("attn_short", {}).get(_attn_shape(a), ())
+        bounds = (bounds,) if isinstance(bounds, int) else bounds
+    return tuple(sorted({int(b) for b in bounds} - {0}))
 
 
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
@@ -1167,9 +1176,9 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     GEMV that takes the returned partials may merge them with gemv_merge_span (see o_merge()). max_keys: the
     most keys a replay of this launch may see (with pos_dev; else n_keys): where a split can then pass
     ATTN_MMA_KEYS keys, the launch gets the long tensor-core path's tile buffer. merged (fp16 [1, H*hd], with
-    out None): where attn_cluster_merge allows the launch, the splits of each head group run as one
-    thread-block cluster that merges them itself into merged, and the returned _AttnParts carries it (the o
-    GEMV then stages it as a plain row); elsewhere it is ignored."""
+    out None): where attn_cluster_merge allows the launch and its clusters can be resident, the splits of each
+    head group run as one thread-block cluster that merges them itself into merged, and the returned
+    _AttnParts carries it (the o GEMV then stages it as a plain row); elsewhere it is ignored."""
     _, H, hd = q.shape
     assert min_chunk >= 1
     S = max_splits if pos_dev is not None else max(1, min(max_splits, math.ceil(n_keys / min_chunk)))
@@ -1186,11 +1195,12 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     long_path = ATTN_MMA_LONG and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
     args = (q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads),
             _f(math.log2(math.e) / math.sqrt(hd)), *fin, _i(min_chunk))
-    if merged is not None and out is None and not long_path and attn_cluster_merge(S, hb, hd):
+    grid_cm = (S, n_kv_heads, H // n_kv_heads // hb)
+    fn_cm = (_attn_cm_fn(f"attn_decode_gqa<{hd},{hb},false,true>", S, grid_cm[1] * grid_cm[2])
+             if merged is not None and out is None and not long_path and attn_cluster_merge(S, hb, hd) else None)
+    if fn_cm is not None:
         assert merged.dtype == cp.float16 and merged.size == H * hd
-        name = f"attn_decode_gqa<{hd},{hb},false,true>"
-        launch_ex(_attn_cm_fn(name), (S, n_kv_heads, H // n_kv_heads // hb), (128,), args + (merged,),
-                  attr=_cluster_launch_attrs(S))
+        launch_ex(fn_cm, grid_cm, (128,), args + (merged,), attr=_cluster_launch_attrs(S))
         return _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge, merged=merged)
     name = f"attn_decode_gqa<{hd},{hb}{',true' if long_path else ''}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
@@ -1214,16 +1224,15 @@ def attn_cluster_merge(S: int, hb: int, hd: int) -> bool:
 _ATTN_CM_FNS: dict[tuple, object] = {}
 
 
-def _attn_cm_fn(name: str):
-    """The CM instantiation, allowed clusters of up to ATTN_CM_MAX (16) blocks."""
-    key = (_dev_id(), name)
-    fn = _ATTN_CM_FNS.get(key)
-    if fn is None:
+def _attn_cm_fn(name: str, S: int, n: int):
+    """The CM instantiation for a launch of n clusters of S blocks, or None where no such cluster can be
+    resident (the driver refuses clusters past 8 blocks, or a partitioned GPU's SMs cannot hold 16 blocks of a
+    GPC): the launch then leaves the merge to the o GEMV."""
+    key = (_dev_id(), name, S)
+    if key not in _ATTN_CM_FNS:
         fn = _compiled("attncm", name)
-        if not allow_nonportable_clusters(fn):
-            raise KuiperError(f"the driver refused clusters of more than 8 blocks for {name}")
-        _ATTN_CM_FNS[key] = fn
-    return fn
+        _ATTN_CM_FNS[key] = fn if resident_clusters(fn, S, n, 128) > 0 else None
+    return _ATTN_CM_FNS[key]
 
 
 def attention_combine(p, out):
@@ -1888,7 +1897,7 @@ class CupyOps:
         self.attn_short = attn_short(a)
         self.o_merge = o_merge(a)
         self.attn_cm = attn_cm(a)
-        self._graphs = {}  # flash decoding's split count (_attn_split_count) -> (graph, its argmax's n_valid)
+        self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
@@ -2264,7 +2273,7 @@ class CupyOps:
                                      self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
                                      self.d["pos"] if self.graphs else None, finish=fin,
                                      min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
-                                     max_keys=self._attn_max_keys(pos0 + 1),
+                                     max_keys=self._attn_regime(pos0 + 1),
                                      merged=self.d["attn"] if FUSE_COMBINE and self.attn_cm else None)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
@@ -2289,7 +2298,7 @@ class CupyOps:
             self.d["token"].fill(token)
             self._sampled = token
         self.begin_step(pos0, 1)
-        regime = self._attn_split_count(pos0 + 1)  # a graph per flash-decoding regime (attn_short)
+        regime = self._attn_regime(pos0 + 1)  # a graph per flash-decoding regime (attn_short)
         if regime not in self._graphs:
             stream = self._stream
             # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
@@ -2320,23 +2329,26 @@ class CupyOps:
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
 
-    def _attn_short_regime(self, n_keys: int) -> bool:
-        """Whether n_keys keys decode in flash decoding's short-context regime (a graph of its own)."""
-        return bool(self.attn_short) and n_keys <= self.attn_short
+    def _attn_short_bound(self, n_keys: int) -> int:
+        """The short-context regime (attn_short) that serves n_keys keys: the first bound at or above n_keys, else
+        0 (the capacity's regime). Each regime is a decode graph of its own."""
+        return next((b for b in self.attn_short if n_keys <= b), 0)
+
+    def _attn_regime(self, n_keys: int) -> int:
+        """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
+        capacity."""
+        return self._attn_short_bound(n_keys) or self.max_context
 
     def _attn_split_count(self, n_keys: int) -> int:
-        """Flash decoding's grid of splits at n_keys keys: up to attn_short keys only the splits they can use
-        (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer, change 116),
-        else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
-        if self._attn_short_regime(n_keys):
+        """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's
+        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer,
+        change 116), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
+        bound = self._attn_short_bound(n_keys)
+        if bound:
             # (with the clusters' merge, at most the splits one cluster holds)
-            return min(self.attn_splits, math.ceil(self.attn_short / self.attn_min_chunk),
+            return min(self.attn_splits, math.ceil(bound / self.attn_min_chunk),
                        ATTN_CM_MAX if self.attn_cm else self.attn_splits)
         return self.attn_splits
-
-    def _attn_max_keys(self, n_keys: int) -> int:
-        """The most keys a decode graph captured at n_keys serves: its regime's end (_attn_split_count)."""
-        return self.attn_short if self._attn_short_regime(n_keys) else self.max_context
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""

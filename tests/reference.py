@@ -192,7 +192,7 @@ def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
             assert m.ops._attn_split_count(20) == 16
         m.prefill(ids[:n_prefill])
         got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
-    assert oc._ATTN_CM_FNS  # the clusters' instantiation ran
+    assert any(fn is not None for fn in oc._ATTN_CM_FNS.values())  # the clusters' instantiation ran
     return got
 
 

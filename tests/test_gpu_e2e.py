@@ -137,10 +137,12 @@ def test_graph_decode_equals_eager_decode(untied_bin):
     assert rel(runs[1], runs[0]) < 1e-3  # same kernels; only the split count of attention differs
 
 
-def test_short_context_attention_regime_switch(untied_bin, monkeypatch):
+@pytest.mark.parametrize("bounds", ["25", "14,25"])
+def test_short_context_attention_regime_switch(untied_bin, bounds, monkeypatch):
     """attn_short: up to 25 keys flash decoding's grid holds only the splits 25 keys can use (the o GEMV's
-    merge the same count), past it the capacity's; the decode graph of each regime is captured once, the host
-    picks one per step. Logits across the switch (positions 10-39, min_chunk 7 so that the short regime has 4
+    merge the same count), past it the capacity's; with a second bound at 14 keys, up to 14 keys a grid of
+    the splits 14 keys can use. The decode graph of each regime is captured once, the host picks one per
+    step. Logits across the switches (positions 10-39, min_chunk 7 so that the short regimes have 2 and 4
     splits against the capacity's) against the capacity's grid alone, with graphs and eagerly."""
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
@@ -148,14 +150,16 @@ def test_short_context_attention_regime_switch(untied_bin, monkeypatch):
     monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 7)
     monkeypatch.setattr(oc, "ATTN_SHORT", "0")
     ref = decode_logits(mf, ids, 10, 64, True)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "25")
+    monkeypatch.setattr(oc, "ATTN_SHORT", bounds)
+    want = tuple(int(b) for b in bounds.split(","))
     for graphs in (True, False):
         m = Qwen3(mf, oc.CupyOps, 64)
-        assert m.ops.attn_short == 25 and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
+        assert m.ops.attn_short == want and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
+        assert m.ops._attn_split_count(14) == (2 if len(want) == 2 else 4)
         m.ops.graphs = graphs
         m.prefill(ids[:10])
         got = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
-        assert len(m.ops._graphs) == (2 if graphs else 0)
+        assert len(m.ops._graphs) == ((1 + len(want)) if graphs else 0)
         assert rel(got, ref) < 1e-3
 
 

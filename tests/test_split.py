@@ -94,7 +94,9 @@ def test_device_tuning_table_is_well_formed():
         for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():
             assert isinstance(keys, int) and keys >= 1 and H % KV == 0 and D % 32 == 0 and hd in (64, 128)
         for (D, H, KV, hd), keys in t.get("attn_short", {}).items():
-            assert isinstance(keys, int) and keys >= 1 and H % KV == 0
+            keys = (keys,) if isinstance(keys, int) else keys
+            assert isinstance(keys, tuple) and keys and all(isinstance(b, int) and b >= 1 for b in keys)
+            assert list(keys) == sorted(set(keys)) and H % KV == 0
         assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
         # the clusters' merge serves only the short-context graph (its splits capped at ATTN_CM_MAX)
         assert all(shape in t.get("attn_short", {}) for shape in t.get("attn_cm", ()))
@@ -106,14 +108,39 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"attn_short": {(4096, 32, 8, 128): 1024}}})
     monkeypatch.setattr(oc, "ATTN_SHORT", None)
     sms(132, "NVIDIA H100 80GB HBM3")
-    assert oc.attn_short(a8b) == 1024
+    assert oc.attn_short(a8b) == (1024,)
     sms(132, "NVIDIA H200")
-    assert oc.attn_short(a8b) == 0
+    assert oc.attn_short(a8b) == ()
+    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"attn_short": {(4096, 32, 8, 128): (512, 1024)}}})
+    assert oc.attn_short(a8b) == (512, 1024)
     monkeypatch.setattr(oc, "ATTN_SHORT", "300")  # KUIPER_ATTN_SHORT wins everywhere
-    assert oc.attn_short(a8b) == 300
+    assert oc.attn_short(a8b) == (300,)
+    monkeypatch.setattr(oc, "ATTN_SHORT", "1024, 300,300")  # any order, repeats once
+    assert oc.attn_short(a8b) == (300, 1024)
     monkeypatch.setattr(oc, "ATTN_SHORT", "0")
     sms(132, "NVIDIA H100 80GB HBM3")
-    assert oc.attn_short(a8b) == 0
+    assert oc.attn_short(a8b) == ()
+    monkeypatch.setattr(oc, "ATTN_SHORT", "512;1024")
+    with pytest.raises(oc.KuiperError, match="KUIPER_ATTN_SHORT"):
+        oc.attn_short(a8b)
+
+
+@pytest.mark.parametrize("cm", [False, True])
+def test_short_regimes_pick_their_bound_and_split_count(cm):
+    """Each short-context bound is a regime: n_keys goes to the first bound at or above it, whose keys set the
+    split count (capped by the capacity's and, with the clusters' merge, by ATTN_CM_MAX); past the last bound
+    the capacity's regime and split count."""
+    from types import SimpleNamespace
+    ops = SimpleNamespace(attn_short=(512, 1024), attn_splits=33, attn_min_chunk=32, attn_cm=cm, max_context=33000)
+    for name in ("_attn_short_bound", "_attn_regime"):
+        setattr(ops, name, getattr(oc.CupyOps, name).__get__(ops))
+    split = oc.CupyOps._attn_split_count.__get__(ops)
+    assert [ops._attn_regime(n) for n in (1, 512, 513, 1024, 1025)] == [512, 512, 1024, 1024, 33000]
+    assert [split(n) for n in (1, 512, 513, 1024, 1025)] == [16, 16, 16 if cm else 32, 16 if cm else 32, 33]
+    ops.attn_min_chunk = 64
+    assert [split(n) for n in (512, 1024, 5000)] == [8, 16, 33]
+    ops.attn_short = ()
+    assert ops._attn_regime(5) == 33000 and split(5) == 33
 
 
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
