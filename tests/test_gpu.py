@@ -853,8 +853,8 @@ def test_flash_decoding_merged_by_its_clusters(H, KV, hd, n, splits):
 def test_qkv_finished_then_merged_by_clusters(D, H, KV, hd, pos0, splits, min_chunk):
     """Decode's q|k|v GEMV (accumulating) finished by flash decoding on its tensor-core path, the splits merged
     by their clusters, against NumPy (the cache row written, the attention output over the old rows and the
-    new one), and bitwise against the same splits' global partials merged as the o GEMV's prologue merges
-    them (gemv_merge_span's order: max over the splits with keys, then their weighted sums in split order)."""
+    new one), and against the same splits' global partials merged by attn_decode_combine (within 1e-3: the
+    bitwise comparison with the o GEMV's own merge is test_o_gemv_on_cluster_merge_equals_its_own_merge)."""
     hb = oc.decode_heads_per_block(H, KV)
     cm_or_skip(splits, hb, hd)
     rng = np.random.default_rng()
