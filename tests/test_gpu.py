@@ -847,6 +847,30 @@ def test_flash_decoding_merged_by_its_clusters(H, KV, hd, n, splits):
     assert bool(cp.isnan(part_o).all()) and bool(cp.isnan(part_ml).all())
 
 
+@pytest.mark.parametrize("splits", [8, 16])
+def test_clusters_that_cannot_be_resident_leave_the_merge_to_o(splits, monkeypatch):
+    """Where no cluster of S blocks can be resident (resident_clusters 0: a driver refusing 16-block clusters, a
+    partitioned GPU), flash decoding runs its plain splits: the partials are written for the o GEMV to merge and
+    the merged buffer is left as it was; the partials merged by attn_decode_combine match float64 attention."""
+    H, KV, hd, n = 32, 8, 128, 700
+    hb = oc.decode_heads_per_block(H, KV)
+    cm_or_skip(splits, hb, hd)
+    monkeypatch.setattr(oc, "_ATTN_CM_FNS", {})
+    asked = []
+    monkeypatch.setattr(oc, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
+    rng = np.random.default_rng()
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    merged = nan_like((1, H * hd), cp.float16)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
+                                None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
+    assert asked == [splits] and parts.merged is None and bool(cp.isnan(merged).all())
+    out = oc.attention_combine(parts, nan_like((1, H * hd), cp.float16))
+    assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
+
+
 @pytest.mark.parametrize("D,H,KV,hd", [(4096, 32, 8, 128), (2048, 32, 4, 128), (512, 4, 2, 64)])
 @pytest.mark.parametrize("pos0,splits,min_chunk", [(0, 16, 64), (512, 16, 64), (700, 16, 64), (1000, 16, 64),
                                                    (300, 16, 32), (40, 8, 32), (100, 4, 32)])
