@@ -100,6 +100,9 @@ def test_device_tuning_table_is_well_formed():
         assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
         # the clusters' merge serves only the short-context graph (its splits capped at ATTN_CM_MAX)
         assert all(shape in t.get("attn_short", {}) for shape in t.get("attn_cm", ()))
+        # a second short bound paid only with the clusters' merge (change 158: +1.1% without it)
+        assert all(shape in t.get("attn_cm", ()) for shape, keys in t.get("attn_short", {}).items()
+                   if not isinstance(keys, int) and len(keys) > 1)
 
 
 def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):

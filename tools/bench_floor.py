@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import click
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
