@@ -823,6 +823,21 @@ def cm_or_skip(S, hb, hd):
         pytest.skip("no cluster merge for this GPU or shape (sm_90, S <= 16, whole 16-byte pushes)")
 
 
+def flash_decoding_asked_to_merge(H, KV, hd, n, splits):
+    """Flash decoding over n fresh random keys (the length from device memory, 32 keys per split at least) with
+    a poisoned merged output offered to its clusters and poisoned partials: (q, K, V as NumPy, merged, part_o,
+    part_ml, the returned _AttnParts)."""
+    rng = np.random.default_rng()
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    merged = nan_like((1, H * hd), cp.float16)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
+                                None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
+    return q, Kc, Vc, merged, part_o, part_ml, parts
+
+
 # 8B's heads (4 per block), 235B's (8 query heads per KV head, 4 per block: two blocks), 2 and 1 per block
 @pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 4, 128), (4, 2, 64), (8, 8, 64)])
 @pytest.mark.parametrize("n", [1, 31, 300, 513, 1000])
@@ -832,16 +847,8 @@ def test_flash_decoding_merged_by_its_clusters(H, KV, hd, n, splits):
     partial to the elements' owners, st.async on mbarriers) into the fp16 attention output, against float64
     attention. The length comes from device memory, so at 1 and 31 keys most splits are empty and must add
     nothing; the global partials are never written (left NaN), and the output is poisoned first."""
-    hb = oc.decode_heads_per_block(H, KV)
-    cm_or_skip(splits, hb, hd)
-    rng = np.random.default_rng()
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
-    merged = nan_like((1, H * hd), cp.float16)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
-    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
-                                None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
+    cm_or_skip(splits, oc.decode_heads_per_block(H, KV), hd)
+    q, Kc, Vc, merged, part_o, part_ml, parts = flash_decoding_asked_to_merge(H, KV, hd, n, splits)
     assert parts.merged is merged
     assert rel(cp.asnumpy(merged), attention_ref(q, Kc, Vc, n - 1)) < 1e-2
     assert bool(cp.isnan(part_o).all()) and bool(cp.isnan(part_ml).all())
@@ -853,19 +860,11 @@ def test_clusters_that_cannot_be_resident_leave_the_merge_to_o(splits, monkeypat
     partitioned GPU), flash decoding runs its plain splits: the partials are written for the o GEMV to merge and
     the merged buffer is left as it was; the partials merged by attn_decode_combine match float64 attention."""
     H, KV, hd, n = 32, 8, 128, 700
-    hb = oc.decode_heads_per_block(H, KV)
-    cm_or_skip(splits, hb, hd)
+    cm_or_skip(splits, oc.decode_heads_per_block(H, KV), hd)
     monkeypatch.setattr(oc, "_ATTN_CM_FNS", {})
     asked = []
     monkeypatch.setattr(oc, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
-    rng = np.random.default_rng()
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
-    merged = nan_like((1, H * hd), cp.float16)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
-    parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
-                                None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
+    q, Kc, Vc, merged, part_o, part_ml, parts = flash_decoding_asked_to_merge(H, KV, hd, n, splits)
     assert asked == [splits] and parts.merged is None and bool(cp.isnan(merged).all())
     out = oc.attention_combine(parts, nan_like((1, H * hd), cp.float16))
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, n - 1)) < 1e-2

@@ -40,8 +40,7 @@ bal(const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restri
     const int steps = K / ROWS, U = (N / 256) * steps;
     const int u0 = (int)((long long)blockIdx.x * U / gridDim.x), u1 = (int)((long long)(blockIdx.x + 1) * U / gridDim.x);
     const int tA = u0 / steps;
-    unsigned long long t0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const unsigned long long t0 = globaltimer_ns();
     if (threadIdx.x == 0) ticket = WARPS;
     // x rows the block needs
     const int ka = (u0 % steps) * ROWS, kb = ((u1 - 1) % steps + 1) * ROWS, two = (u1 - 1) / steps != tA;
@@ -110,8 +109,7 @@ bal(const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restri
 #pragma unroll
         for (int i = 0; i < 8; ++i) row[lane * 8 + i + lane / 4] = FIX ? fix_f(acc64[i]) : acc[i];
     }
-    unsigned long long t1;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    const unsigned long long t1 = globaltimer_ns();
     __syncthreads();
     for (int c = threadIdx.x; c < 256 * (1 + two); c += blockDim.x) {
         const int slot = c / 256, cc = c % 256;
