@@ -71,7 +71,8 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # "attn_cm": {(hidden, heads, kv heads, head dim)} flash decoding's short-context graph merges its splits in its
 # own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue (change 157).
 # Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
-# -2.8% at 900. 30B-A3B on the H200 neutral at 512 (its short graph then has 16 splits instead of 32), so off
+# -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32; change 161): H200 -1.0% at 412 keys, +0.15%
+# at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TUNING = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
@@ -80,7 +81,7 @@ DEVICE_TUNING = {
              # Qwen3-8B (change 158: a graph of 8 splits up to 512 keys, with attn_cm), 30B-A3B (change 137)
              "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},
              "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B (change 136)
-             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
+             "attn_cm": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B (change 157), 30B-A3B (change 161)
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
