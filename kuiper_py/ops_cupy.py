@@ -59,7 +59,8 @@ GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
 # 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4%
 # (change 137; +0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (change 158: 8 splits, clusters of 8 with
 # attn_cm) -1.5% on the H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B
-# (H200, no attn_cm) +1.0%, so they keep one bound
+# (H200, no attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm, change 161: the same as one bound at
+# 412 keys)
 # "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
 # change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
