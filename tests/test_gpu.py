@@ -539,6 +539,16 @@ def test_flash_attention_prefill_long():
     assert rel(cp.asnumpy(out)[sel], ref) < 1e-2
 
 
+def decode_inputs(rng, H, KV, hd, n, splits):
+    """Fresh random fp16 q [1, H, hd] and n cached K and V rows [n, KV, hd] (NumPy), and flash decoding's
+    partials for `splits` splits, poisoned (device): (q, Kc, Vc, part_o, part_ml)."""
+    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
+    return q, Kc, Vc, part_o, part_ml
+
+
 # GQA groups of 4 (8B), 8 (32B, 30B-A3B), 16 (235B: two blocks per KV head), 5 (14B), 2 and 1
 @pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (64, 4, 128), (40, 8, 128), (4, 2, 64), (8, 8, 64)])
 @pytest.mark.parametrize("n", [1, 31, 1000, 4097, 32768])
@@ -552,12 +562,8 @@ def test_flash_decoding(H, KV, hd, n, splits, on_device, min_chunk):
         pytest.skip("one 32k case is enough")
     if min_chunk != 32 and (H, KV) not in ((32, 8), (4, 2)):
         pytest.skip("the split rule is the same code for every grouping")
-    rng = np.random.default_rng()
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    q, Kc, Vc, part_o, part_ml = decode_inputs(np.random.default_rng(), H, KV, hd, n, splits)
     out = nan_like((1, H * hd), cp.float16)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
     oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
                         part_o, part_ml, out, pos_dev, min_chunk=min_chunk)
@@ -598,11 +604,8 @@ def test_o_gemv_merges_flash_decoding_partials(H, KV, hd, D, n, on_device, min_c
     (one to five batches of 16 partials at 40 and 80; Qwen3-32B's 384-row span takes its per-element
     fallback), else and at 16 splits decode_merge's running max."""
     rng = np.random.default_rng()
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    q, Kc, Vc, part_o, part_ml = decode_inputs(rng, H, KV, hd, n, splits)
     m, r = rand_awq(rng, H * hd, D)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     pos_dev = cp.full((1,), n - 1, cp.int32) if on_device else None
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1 if on_device else n, KV, splits,
                                 part_o, part_ml, None, pos_dev, min_chunk=min_chunk, o_merge=o_merge)
@@ -634,20 +637,16 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
     if cm:
         cm_or_skip(16, oc.decode_heads_per_block(H, KV), hd)
     rng = np.random.default_rng()
-    n = 300
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
+    n, splits = 300, 16 if cm else 24
+    q, Kc, Vc, part_o, part_ml = decode_inputs(rng, H, KV, hd, n, splits)
     if massive:
         Vc[:, 0, 3] = 3000
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
     m, r = rand_awq(rng, H * hd, D)
     R = (rng.standard_normal((H * hd, E)) / 50).astype(np.float16)
     Rh = (rng.standard_normal((D, E)) / 50).astype(np.float16)
     h = rng.standard_normal((1, D)).astype(np.float32)
     if massive:
         h[0, rng.choice(D, 3, replace=False)] = 1e4
-    splits = 16 if cm else 24
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
                                 None, cp.full((1,), n - 1, cp.int32),
                                 merged=nan_like((1, H * hd), cp.float16) if cm else None)
@@ -827,12 +826,8 @@ def flash_decoding_asked_to_merge(H, KV, hd, n, splits):
     """Flash decoding over n fresh random keys (the length from device memory, 32 keys per split at least) with
     a poisoned merged output offered to its clusters and poisoned partials: (q, K, V as NumPy, merged, part_o,
     part_ml, the returned _AttnParts)."""
-    rng = np.random.default_rng()
-    Kc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    Vc = rng.standard_normal((n, KV, hd)).astype(np.float16)
-    q = rng.standard_normal((1, H, hd)).astype(np.float16)
+    q, Kc, Vc, part_o, part_ml = decode_inputs(np.random.default_rng(), H, KV, hd, n, splits)
     merged = nan_like((1, H * hd), cp.float16)
-    part_o, part_ml = nan_like((H * splits * hd,), cp.float32), nan_like((H * splits * 2,), cp.float32)
     parts = oc.attention_decode(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), -1, KV, splits, part_o, part_ml,
                                 None, cp.full((1,), n - 1, cp.int32), min_chunk=32, merged=merged)
     return q, Kc, Vc, merged, part_o, part_ml, parts
