@@ -332,3 +332,247 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
                 __floats2half2_rn(d[4 * i + 2], d[4 * i + 3]);
     }
 }
+
+// ---- The register-A form (PERFORMANCE.md change 164): a measured prototype, on no prefill path ----
+// Why: gemm_w4a16_ws stores every dequantized W tile to shared memory and each consumer's wgmma reads it
+// back as B (1/64 byte of shared-memory reads plus 1/128 of stores per FLOP, x as A another 1/128), and the
+// producers' dequantization, the loads and the wgmmas measured additive (change 44). Here the product is
+// transposed, C^T [N, T] = W^T x^T: W^T is wgmma's A operand, dequantized by the consumer warps straight
+// into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. Tile:
+// 256 channels (one 32-word column tile, whose 64-k slice of packed words is 8 contiguous KB: one bulk
+// copy) x BT tokens; 4 consumer warpgroups of 64 channels (m64nBTk16, A from registers), thread 0 also
+// issuing the loads. H200 (change 164): BT = 128 reaches 451-474 TFLOP/s at 2048 rows against 371-391
+// for gemm_w4a16_ws; at 512 rows its 96 tiles of q|k|v leave a third of the SMs idle (no split-K yet).
+// Supported: N % 256 == 0 per matrix, K % 64 == 0, group % 64 == 0, any T >= 1; up to 3 matrices with
+// the same K side by side in C. grid (ceil(T / BT), N / 256), block RS_THREADS, RsSmem::bytes of
+// dynamic shared memory (tools/probe_gemm_rs.py launches it).
+#define RS_BC 256
+#ifndef RS_REFILL_LAG
+#define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2; A/B by KUIPER_DIAG_DEFINES)
+#endif
+#define RS_THREADS (4 * 128)
+
+template <int ST, int BT>
+struct RsSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory, ST stages
+    static constexpr int x = 0;                        // [ST] x [BT tokens][64 k] fp16, 128B-swizzled (TMA)
+    static constexpr int w = x + ST * BT * 128;        // [ST] packed words [16 row quads][32 words][4 rows]
+    static constexpr int s = w + ST * 8192;            // [ST] scales [256] of the stage's group
+    static constexpr int z = s + ST * 512;             // [ST] zero words [32]
+    static constexpr int bar = z + ST * 128;           // full [ST], empty [ST]
+    static constexpr int bytes = bar + 16 * ST + 1024; // + the alignment slack
+};
+
+// A bulk copy global -> this block's shared memory completing on bar (no cache hint: the weights of a
+// column tile are read again by its other token tiles, which run beside it).
+__device__ __forceinline__ void rs_bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Two A registers from one column pair's codes at k and k + 1 (packed words w0, w1; sh = 4 x the pair's
+// nibble index): (q - z) * s exactly as awq_dequant8 (one rounding), then regrouped by channel:
+// ra = (c at k, c at k+1), rb = (c+1 at k, c+1 at k+1).
+__device__ __forceinline__ void rs_pair(u32 w0, u32 w1, int sh, half2 zb, half2 s2, u32& ra, u32& rb) {
+    u32 e0 = lop3_and_or(w0 >> sh, 0x000f000fu, 0x64006400u), e1 = lop3_and_or(w1 >> sh, 0x000f000fu, 0x64006400u);
+    half2 v0 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e0), zb), s2);
+    half2 v1 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e1), zb), s2);
+    const u32 a = *reinterpret_cast<u32*>(&v0), b = *reinterpret_cast<u32*>(&v1);
+    ra = __byte_perm(a, b, 0x5410);
+    rb = __byte_perm(a, b, 0x7632);
+}
+
+// Pins the accumulators at this point (an empty asm that reads and writes them), so no other
+// instruction touches them between a K tile's wgmma.fence and its commit (ptxas would serialize, C7515).
+template <int ND>
+__device__ __forceinline__ void rs_pin(float (&d)[ND]) {
+#pragma unroll
+    for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// shared-memory loads by address (the stage pointers are shared addresses: no generic loads)
+__device__ __forceinline__ u32 lds32(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint2 lds64(u32 a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+
+// The 4 k16 steps of a K tile in one asm statement: A registers a[4 kk ..], B at db0 + 2 kk (descriptor units
+// of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0).
+__device__ __forceinline__ void wgmma_rs64x4(float (&d)[32], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %49, 0;\n"
+        "add.s64 b1, %48, 2;\nadd.s64 b2, %48, 4;\nadd.s64 b3, %48, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %48, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%36, %37, %38, %39}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%40, %41, %42, %43}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%44, %45, %46, %47}, b3, 1, 1, 1, 0;\n}\n"
+        : WG_D16(0), WG_D16(16)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
+// As wgmma_rs64x4 with 128 columns (tokens) per instruction.
+#define RS_ACC128 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+__device__ __forceinline__ void wgmma_rs128x4(float (&d)[64], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %81, 0;\n"
+        "add.s64 b1, %80, 2;\nadd.s64 b2, %80, 4;\nadd.s64 b3, %80, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_ACC128 "}, {%64, %65, %66, %67}, %80, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_ACC128 "}, {%68, %69, %70, %71}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_ACC128 "}, {%72, %73, %74, %75}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_ACC128 "}, {%76, %77, %78, %79}, b3, 1, 1, 1, 0;\n"
+        "}\n"
+        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
+// A real use of a K tile's A registers (their XOR into keep, stored only where T < 0, i.e. never):
+// ptxas ends a register's life at its last use, which for wgmma's A is the instruction's issue, so it
+// would build the next tile's A in the same registers while the wgmmas still read them, and serialize
+// every wgmma to make that safe (C7513). Used after the next tile's wgmmas are issued and the previous
+// group's wait, it keeps the two tiles' registers apart at 8 LOP3 per tile.
+__device__ __forceinline__ void rs_keep(const u32 (&a)[16], u32& keep) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) keep ^= a[i];
+}
+
+// One K tile of a consumer: its 16 A registers from the stage's packed words (shared addresses st_w,
+// st_s, st_z), then 4 wgmmas on x (committed as one group). wi: the thread's word of the 32-word tile;
+// sh: its nibble pair's shift; t0: lane % 4.
+template <int ND>
+__device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_w, u32 st_s, u32 st_z, u32 xs,
+                                          int wi, int sh, int t0, int first) {
+    u32 zw = lop3_and_or(lds32(st_z + wi * 4) >> sh, 0x000f000fu, 0x64006400u);
+    const half2 zb = *reinterpret_cast<half2*>(&zw);
+    u32 sw = lds32(st_s + (wi * 8 + sh / 2) * 2);
+    const half2 s2 = *reinterpret_cast<half2*>(&sw);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const int qa = 4 * kk + (t0 >> 1), ra = 2 * (t0 & 1);  // k = 16 kk + 2 t0 (+1) and + 8 (+9)
+        const uint2 lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
+        const uint2 hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
+        rs_pair(lo.x, lo.y, sh, zb, s2, af[4 * kk], af[4 * kk + 1]);
+        rs_pair(hi.x, hi.y, sh, zb, s2, af[4 * kk + 2], af[4 * kk + 3]);
+    }
+    rs_pin(d);
+    wg_fence();
+    if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
+    else wgmma_rs128x4(d, af, wg_desc(xs), !first);
+    wg_commit();
+    rs_pin(d);
+}
+
+template <int ST, int BT>  // stages, tokens per block (64 or 128: the wgmmas' N)
+__global__ void __launch_bounds__(RS_THREADS, 1)
+gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BT rows, 128B swizzle
+              const u32* qw0, const u32* qz0, const half* sc0, int n_0,  // as gemm_w4a16_ws
+              const u32* qw1, const u32* qz1, const half* sc1, int n_1,
+              const u32* qw2, const u32* qz2, const half* sc2, int n_2,
+              half* __restrict__ out,  // [T, ldo]
+              int T, int K, int group, int ldo) {
+    static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16");
+    typedef RsSmem<ST, BT> L;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
+    const u32 sbase = smem_u32(sm), full = sbase + L::bar, empty = full + 8 * ST;
+    const int tid = threadIdx.x, nk = K / WG_BK;
+    const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * RS_BC;  // token tiles fastest: a column tile's
+    const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;       // weights are read from L2 after the first
+    const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
+    if (tid == 0) {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)L::bytes) __trap();
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 16);  // every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // ---- loads: thread 0 issues a K tile's x (TMA), packed words, scales and zeros (bulk copies) into its
+    // stage; the first ST now, then each as the stage is handed back (in the consumer loop below)
+    const u32* __restrict__ qw = mi == 0 ? qw0 : mi == 1 ? qw1 : qw2;
+    const u32* __restrict__ qz = mi == 0 ? qz0 : mi == 1 ? qz1 : qz2;
+    const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
+    const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2;
+    const u32* tile_w = qw + (size_t)(n0 >> 8) * 32 * K;  // full 32-word tiles: [K/4][32][4]
+    auto issue = [&](int kt) {
+        const int s = kt % ST, gi = kt * WG_BK / group;
+        mbar_arrive_expect_tx(full + 8 * s, BT * 128 + 8192 + 512 + 128);
+        tma_load_2d(sbase + L::x + s * BT * 128, &xmap, kt * WG_BK, tok0, full + 8 * s);
+        rs_bulk(sbase + L::w + s * 8192, tile_w + (size_t)kt * 2048, 8192, full + 8 * s);
+        rs_bulk(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 512, full + 8 * s);
+        rs_bulk(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 128, full + 8 * s);
+    };
+    if (tid == 0)
+        for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt);
+
+    // ---- consumer warpgroup g: channels 64 g .. 64 g + 63 of the tile. Thread (warp w, lane = 4 t1 + t0)
+    // holds A rows m = 16 w + t1 and m + 8 as the column pair (c, c + 1), c = 8 wi + 2 (t1 & 3), of word
+    // wi = 8 g + 2 w + t1 / 4: one nibble pair of each packed word it reads (rows map to channels freely:
+    // the epilogue undoes it).
+    const int g = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, t0 = lane & 3, t1 = lane >> 2;
+    const int wi = 8 * g + 2 * w + (t1 >> 2), sh = 4 * (t1 & 3);
+    float d[BT / 2];
+    u32 fa[16], fb[16];  // two K tiles' A registers: one is read by wgmma while the other is built
+    u32 keep = 0;
+    for (int kt = 0; kt < nk; kt += 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int k = kt + h;
+            if (k >= nk) break;
+            const int s = k % ST;
+            mbar_wait(full + 8 * s, (k / ST) & 1);
+            rs_k_tile(d, h ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
+                      sbase + L::x + s * BT * 128, wi, sh, t0, k == 0);
+            wg_wait<1>();  // K tile k - 1's wgmmas are done: its stage and its A registers are free
+            rs_keep(h ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
+            if (k > 0 && lane == 0) mbar_arrive(empty + 8 * ((k - 1) % ST));
+            // the stage of tile k - RS_REFILL_LAG refilled once every warp is done with it (a lag of 2: the
+            // other warpgroups have had a tile's time to hand it back, so thread 0's warpgroup rarely waits)
+            if (tid == 0 && k >= RS_REFILL_LAG && k - RS_REFILL_LAG + ST < nk) {
+                mbar_wait(empty + 8 * ((k - RS_REFILL_LAG) % ST), ((k - RS_REFILL_LAG) / ST) & 1);
+                issue(k - RS_REFILL_LAG + ST);
+            }
+        }
+    }
+    wg_wait<0>();
+    if (T < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (rs_keep)
+    // D fragment: d[4 j + v0 + 2 v1] is (row m + 8 v1, token 8 j + 2 t0 + v0), rows m, m + 8 the channels c, c + 1
+    const int col = c_out + 8 * wi + 2 * (t1 & 3);
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+        for (int v0 = 0; v0 < 2; ++v0) {
+            const int tok = tok0 + 8 * j + 2 * t0 + v0;
+            if (tok < T)
+                *reinterpret_cast<half2*>(out + (size_t)tok * ldo + col) = __floats2half2_rn(d[4 * j + v0], d[4 * j + v0 + 2]);
+        }
+    }
+}

@@ -261,6 +261,9 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
+    # the register-A prototype of the same file (PERFORMANCE.md change 164): on no path, compiled only
+    # when tools/probe_gemm_rs.py or its test asks
+    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<8, {bt}>" for bt in (64, 128)]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
@@ -539,7 +542,7 @@ def _compiled(family: str, name: str):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family.startswith("dl:"):
             opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
-        if family == "gemm90":  # wgmma exists only in the arch-specific sm_90a target
+        if family in ("gemm90", "gemm90rs"):  # wgmma exists only in the arch-specific sm_90a target
             opts += ("-arch=sm_90a",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
@@ -1055,6 +1058,25 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
         rec = _remember(_WGMMA_CALLS, key, _wgmma_call(x, mats, out, tile, plan, producers))
     _, fn, grid, block, smem, bm, head, tail = rec
     launch_ex(fn, grid, block, (tma_map_2d(x, bm, 64), *head, out, *tail), smem)
+    return out
+
+
+def gemm_rs(x, mats, out, bt: int = 128):
+    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md change 164): on no
+    prefill path; tools/probe_gemm_rs.py measures it against cuBLAS and gemm_wgmma, and its test checks it.
+    Up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block (64, 128)."""
+    T, K = x.shape
+    assert bt in (64, 128) and len(mats) <= 3 and all(m.K == K and m.N % 256 == 0 for m in mats)
+    assert K % 64 == 0 and mats[0].group_size % 64 == 0 and out.shape[0] == T and out.strides[1] == 2
+    fn = kernel("gemm90rs", f"gemm_w4a16_rs<8, {bt}>")
+    smem = 8 * (bt * 128 + 8192 + 512 + 128) + 16 * 8 + 1024  # RsSmem<8, bt>::bytes (the kernel traps on less)
+    allow_dynamic_smem(fn, smem)
+    head = []
+    for i in range(3):
+        m = mats[i] if i < len(mats) else mats[0]
+        head += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
+    launch_ex(fn, (math.ceil(T / bt), sum(m.N for m in mats) // 256), (512,),
+              (tma_map_2d(x, bt, 64), *head, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
     return out
 
 

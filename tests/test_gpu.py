@@ -438,6 +438,21 @@ def test_gemm_wgmma(M, tile, producers):
                 lambda x, mats, out: oc.gemm(x, mats[0], out, path="wgmma"))
 
 
+@pytest.mark.parametrize("bt", [64, 128])
+@pytest.mark.parametrize("M", [1, 17, 300, 1030])
+def test_gemm_rs_prototype(M, bt):
+    """The register-A wgmma prototype (gemm_wgmma.cu gemm_w4a16_rs, on no prefill path: PERFORMANCE.md change
+    164) on check_wgmma's cases, bt tokens per block: q|k|v side by side with ragged last token tiles, two
+    launches bitwise equal, and the lone matrix with 64-row groups and more K tiles than its 8 stages."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+
+    def run(x, mats, out):
+        return oc.gemm_rs(x, mats, out, bt)
+
+    check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
+
+
 @pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
 @pytest.mark.parametrize("tile", list(oc.WGMMA_TILES))
 @pytest.mark.parametrize("M,full,split", [(1, 0, 2), (300, 5, 3), (1030, 1, 4), (130, 7, 16)])
