@@ -795,6 +795,16 @@ def decode_acc_layout(D: int, G: int, E: int, qkv: int) -> tuple[int, dict[str, 
                          "acc_o_gu": slice(0, e), "acc_d_qkv": slice(e, e + D + qkv)}
 
 
+def _mat_slots(mats) -> list:
+    """Up to 3 matrices with the same K (q, k, v side by side) as the GEMV and GEMM kernels take them: qweight,
+    qzeros, scales and N for each of 3 slots, an absent slot repeating the first's pointers with N = 0."""
+    out = []
+    for i in range(3):
+        m = mats[i] if i < len(mats) else mats[0]
+        out += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
+    return out
+
+
 def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slot_w=None, ld: int = 0,
          x_slot_stride: int = 0, norm=None, resid=None, rope=None, att=None, ids_early: bool = False,
          acc_out=None, pend=None, hout=None, zero=None, ss_out=None, ss_in=None, router=None):
@@ -894,9 +904,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         rope_args = (null,) * 7 + (_i(0), _i(att.hd), _i(att.n_keys - 1), att.pos_dev if att.pos_dev is not None else null)
     else:
         rope_args = (null,) * 7 + (_i(0), _i(0), _i(0), null)
-    flat = []
-    for i, m in enumerate(mats + [mats[0]] * (3 - len(mats))):
-        flat += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
+    flat = _mat_slots(mats)
     om = (att is not None and att.merged is None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
           and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS)
     # accumulating launches take the ACC instantiations, which hold no split-K tail code (PERFORMANCE.md change 146)
@@ -1071,12 +1079,8 @@ def gemm_rs(x, mats, out, bt: int = 128):
     fn = kernel("gemm90rs", f"gemm_w4a16_rs<8, {bt}>")
     smem = 8 * (bt * 128 + 8192 + 512 + 128) + 16 * 8 + 1024  # RsSmem<8, bt>::bytes (the kernel traps on less)
     allow_dynamic_smem(fn, smem)
-    head = []
-    for i in range(3):
-        m = mats[i] if i < len(mats) else mats[0]
-        head += [m.qweight, m.qzeros, m.scales, _i(m.N if i < len(mats) else 0)]
     launch_ex(fn, (math.ceil(T / bt), sum(m.N for m in mats) // 256), (512,),
-              (tma_map_2d(x, bt, 64), *head, out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
+              (tma_map_2d(x, bt, 64), *_mat_slots(mats), out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
     return out
 
 
@@ -1103,12 +1107,8 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
     smem = wgmma_smem_bytes(bm, bn, *rings)
     allow_dynamic_smem(fn, smem)
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(n_full), _i(split), part, ticket)
-    head = []  # qweight, qzeros, scales, N for 3 slots (N = 0 when absent)
-    for i in range(3):
-        head += [mats[i].qweight, mats[i].qzeros, mats[i].scales, _i(mats[i].N)] if i < len(mats) else [
-            mats[0].qweight, mats[0].qzeros, mats[0].scales, _i(0)]
     # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
-    return tuple(mats), fn, (n_full + n_split * split,), (fn.max_threads_per_block,), smem, bm, tuple(head), tail
+    return tuple(mats), fn, (n_full + n_split * split,), (fn.max_threads_per_block,), smem, bm, tuple(_mat_slots(mats)), tail
 
 
 def gemm(x, m, out=None, path: str | None = None):
