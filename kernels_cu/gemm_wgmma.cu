@@ -341,14 +341,33 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. Tile:
 // 256 channels (one 32-word column tile, whose 64-k slice of packed words is 8 contiguous KB: one bulk
 // copy) x BT tokens; 4 consumer warpgroups of 64 channels (m64nBTk16, A from registers), thread 0 also
-// issuing the loads. H200 (change 164): BT = 128 reaches 451-474 TFLOP/s at 2048 rows against 371-391
-// for gemm_w4a16_ws; at 512 rows its 96 tiles of q|k|v leave a third of the SMs idle (no split-K yet).
+// issuing the loads. H200 (change 164): BT = 128 reaches 456-475 TFLOP/s at 2048 rows against 369-393
+// for gemm_w4a16_ws. Sustained, it runs at the 700 W board cap (change 165: 1.5-1.6 pJ per FLOP against
+// cuBLAS fp16's 1.03-1.09), so what bounds it there is energy per FLOP, not overlap.
+// Split-K (change 165): at 512 rows q|k|v's 96 tiles and o's 64 leave SMs idle, so a tile's K tiles can be
+// cut into `split` ranges (grid z), each part storing fp32 sums and the last to finish (an atomic ticket)
+// adding them in part order, as gemm_w4a16_ws does for its wave tail (ops_cupy.rs_plan picks split).
 // Supported: N % 256 == 0 per matrix, K % 64 == 0, group % 64 == 0, any T >= 1; up to 3 matrices with
-// the same K side by side in C. grid (ceil(T / BT), N / 256), block RS_THREADS, RsSmem::bytes of
-// dynamic shared memory (tools/probe_gemm_rs.py launches it).
+// the same K side by side in C; split <= K / 64. grid (ceil(T / BT), N / 256, split), block RS_THREADS,
+// RsSmem::bytes of dynamic shared memory (ops_cupy.gemm_rs launches it).
 #define RS_BC 256
 #ifndef RS_REFILL_LAG
 #define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2; A/B by KUIPER_DIAG_DEFINES)
+#endif
+// Diagnosis only (KUIPER_DIAG_DEFINES, wrong results): RS_DIAG_NODEQ=1 drops the dequantization,
+// RS_DIAG_NOMMA=1 the wgmmas, RS_DIAG_NOX=1 / RS_DIAG_NOW=1 the x / weight loads after the first ST K
+// tiles (the stages keep what they first held) (change 165).
+#ifndef RS_DIAG_NODEQ
+#define RS_DIAG_NODEQ 0
+#endif
+#ifndef RS_DIAG_NOMMA
+#define RS_DIAG_NOMMA 0
+#endif
+#ifndef RS_DIAG_NOX
+#define RS_DIAG_NOX 0
+#endif
+#ifndef RS_DIAG_NOW
+#define RS_DIAG_NOW 0
 #endif
 #define RS_THREADS (4 * 128)
 
@@ -361,13 +380,6 @@ struct RsSmem {  // byte offsets from the 1024-aligned base of dynamic shared me
     static constexpr int bar = z + ST * 128;           // full [ST], empty [ST]
     static constexpr int bytes = bar + 16 * ST + 1024; // + the alignment slack
 };
-
-// A bulk copy global -> this block's shared memory completing on bar (no cache hint: the weights of a
-// column tile are read again by its other token tiles, which run beside it).
-__device__ __forceinline__ void rs_bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 
 // Two A registers from one column pair's codes at k and k + 1 (packed words w0, w1; sh = 4 x the pair's
 // nibble index): (q - z) * s exactly as awq_dequant8 (one rounding), then regrouped by channel:
@@ -475,13 +487,25 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
         const int qa = 4 * kk + (t0 >> 1), ra = 2 * (t0 & 1);  // k = 16 kk + 2 t0 (+1) and + 8 (+9)
         const uint2 lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
         const uint2 hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
+#if RS_DIAG_NODEQ  // diagnosis (wrong results): the loaded words as the A registers, no dequantization
+        af[4 * kk] = lo.x, af[4 * kk + 1] = lo.y, af[4 * kk + 2] = hi.x, af[4 * kk + 3] = hi.y + zw + sw;
+#else
         rs_pair(lo.x, lo.y, sh, zb, s2, af[4 * kk], af[4 * kk + 1]);
         rs_pair(hi.x, hi.y, sh, zb, s2, af[4 * kk + 2], af[4 * kk + 3]);
+#endif
     }
     rs_pin(d);
     wg_fence();
+#if RS_DIAG_NOMMA  // diagnosis (wrong results): no wgmma, the A registers still built and kept
+    if (first) {
+#pragma unroll
+        for (int i = 0; i < ND; ++i) d[i] = 0.f;
+    }
+    d[0] += __uint_as_float(af[0] & 1u);
+#else
     if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
     else wgmma_rs128x4(d, af, wg_desc(xs), !first);
+#endif
     wg_commit();
     rs_pin(d);
 }
@@ -493,13 +517,16 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
               const u32* qw1, const u32* qz1, const half* sc1, int n_1,
               const u32* qw2, const u32* qz2, const half* sc2, int n_2,
               half* __restrict__ out,  // [T, ldo]
-              int T, int K, int group, int ldo) {
+              int T, int K, int group, int ldo,
+              int split,                     // gridDim.z: K tile ranges per tile (1: no split)
+              float* __restrict__ part,      // [tiles][split][BT / 2][RS_THREADS] fp32 partial sums (split > 1)
+              int* __restrict__ ticket) {    // [tiles], zero between launches (split > 1)
     static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16");
     typedef RsSmem<ST, BT> L;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     const u32 sbase = smem_u32(sm), full = sbase + L::bar, empty = full + 8 * ST;
-    const int tid = threadIdx.x, nk = K / WG_BK;
+    const int tid = threadIdx.x, z = blockIdx.z, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
     const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * RS_BC;  // token tiles fastest: a column tile's
     const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;       // weights are read from L2 after the first
     const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
@@ -522,13 +549,16 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
     const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2;
     const u32* tile_w = qw + (size_t)(n0 >> 8) * 32 * K;  // full 32-word tiles: [K/4][32][4]
-    auto issue = [&](int kt) {
-        const int s = kt % ST, gi = kt * WG_BK / group;
-        mbar_arrive_expect_tx(full + 8 * s, BT * 128 + 8192 + 512 + 128);
-        tma_load_2d(sbase + L::x + s * BT * 128, &xmap, kt * WG_BK, tok0, full + 8 * s);
-        rs_bulk(sbase + L::w + s * 8192, tile_w + (size_t)kt * 2048, 8192, full + 8 * s);
-        rs_bulk(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 512, full + 8 * s);
-        rs_bulk(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 128, full + 8 * s);
+    auto issue = [&](int kt) {  // kt: the part's own K tile count, its stage kt % ST
+        const int s = kt % ST, gi = (kt0 + kt) * WG_BK / group;
+        const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
+        mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 512 + 128 : 0));
+        if (lx) tma_load_2d(sbase + L::x + s * BT * 128, &xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
+        if (lw) {
+            bulk_g2s(sbase + L::w + s * 8192, tile_w + (size_t)(kt0 + kt) * 2048, 8192, full + 8 * s);
+            bulk_g2s(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 512, full + 8 * s);
+            bulk_g2s(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 128, full + 8 * s);
+        }
     };
     if (tid == 0)
         for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt);
@@ -540,7 +570,7 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     const int g = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, t0 = lane & 3, t1 = lane >> 2;
     const int wi = 8 * g + 2 * w + (t1 >> 2), sh = 4 * (t1 & 3);
     float d[BT / 2];
-    u32 fa[16], fb[16];  // two K tiles' A registers: one is read by wgmma while the other is built
+    u32 fa[16] = {}, fb[16] = {};  // two K tiles' A registers: one is read by wgmma while the other is built
     u32 keep = 0;
     for (int kt = 0; kt < nk; kt += 2) {
 #pragma unroll
@@ -564,6 +594,27 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     }
     wg_wait<0>();
     if (T < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (rs_keep)
+    if (split > 1) {  // K split: each part stores its sums, the last of the tile to finish adds them
+        __shared__ int last;
+        const int ts = blockIdx.y * gridDim.x + blockIdx.x;
+        float* pt = part + (size_t)ts * split * (BT / 2) * RS_THREADS + tid;
+#pragma unroll
+        for (int i = 0; i < BT / 2; ++i) pt[((size_t)z * (BT / 2) + i) * RS_THREADS] = d[i];
+        __threadfence();  // the stores reach L2 before the ticket says so
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(ticket + ts, 1) == split - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        // the sum in part order whatever the arrival order (this part's own sums read back too): repeats
+        // are bitwise equal
+#pragma unroll
+        for (int i = 0; i < BT / 2; ++i) d[i] = __ldcg(pt + (size_t)i * RS_THREADS);
+        for (int q = 1; q < split; ++q)
+#pragma unroll
+            for (int i = 0; i < BT / 2; ++i) d[i] += __ldcg(pt + ((size_t)q * (BT / 2) + i) * RS_THREADS);
+        if (tid == 0) ticket[ts] = 0;  // no other block of this launch touches it again
+    }
     // D fragment: d[4 j + v0 + 2 v1] is (row m + 8 v1, token 8 j + 2 t0 + v0), rows m, m + 8 the channels c, c + 1
     const int col = c_out + 8 * wi + 2 * (t1 & 3);
 #pragma unroll

@@ -261,7 +261,7 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A prototype of the same file (PERFORMANCE.md change 164): on no path, compiled only
+    # the register-A prototype of the same file (PERFORMANCE.md changes 164-165): on no path, compiled only
     # when tools/probe_gemm_rs.py or its test asks
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<8, {bt}>" for bt in (64, 128)]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
@@ -1069,18 +1069,39 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     return out
 
 
-def gemm_rs(x, mats, out, bt: int = 128):
-    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md change 164): on no
-    prefill path; tools/probe_gemm_rs.py measures it against cuBLAS and gemm_wgmma, and its test checks it.
-    Up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block (64, 128)."""
+RS_PART_COST = 14  # K tiles: what one more K range of a tile costs gemm_w4a16_rs (fit to change 165's splits)
+
+
+def rs_plan(T: int, N: int, K: int, bt: int = 128) -> int:
+    """gemm_w4a16_rs's split for T rows of N columns: the K ranges per tile (up to 8, each at least 8 K tiles)
+    with the least time, counted as waves of parts over the SMs, each wave costing a part's K tiles plus
+    RS_PART_COST (ties to the smaller split). Change 165's fit: o and down at 512 rows (64 tiles) split 2,
+    at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole."""
+    tiles, sms, nk = math.ceil(T / bt) * (N // 256), sm_count(), K // 64
+    return min(range(1, max(1, min(8, nk // 8)) + 1),
+               key=lambda s: (math.ceil(tiles * s / sms) * (nk / s + RS_PART_COST), s))
+
+
+def gemm_rs(x, mats, out, bt: int = 128, split: int | None = None):
+    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-165): on
+    no prefill path; tools/probe_gemm_rs.py measures it against cuBLAS and gemm_wgmma, and its test checks
+    it. Up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block (64,
+    128); each tile's K cut into split ranges (by default rs_plan's)."""
     T, K = x.shape
+    N = sum(m.N for m in mats)
     assert bt in (64, 128) and len(mats) <= 3 and all(m.K == K and m.N % 256 == 0 for m in mats)
     assert K % 64 == 0 and mats[0].group_size % 64 == 0 and out.shape[0] == T and out.strides[1] == 2
+    split = split or rs_plan(T, N, K, bt)
+    tiles = math.ceil(T / bt) * (N // 256)
+    assert 1 <= split <= K // 64
+    part, ticket = _gemm_split_buffers(tiles * split * bt // 2 * 512 if split > 1 else 0)
+    assert split == 1 or tiles <= ticket.size
     fn = kernel("gemm90rs", f"gemm_w4a16_rs<8, {bt}>")
     smem = 8 * (bt * 128 + 8192 + 512 + 128) + 16 * 8 + 1024  # RsSmem<8, bt>::bytes (the kernel traps on less)
     allow_dynamic_smem(fn, smem)
-    launch_ex(fn, (math.ceil(T / bt), sum(m.N for m in mats) // 256), (512,),
-              (tma_map_2d(x, bt, 64), *_mat_slots(mats), out, _i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2)), smem)
+    launch_ex(fn, (math.ceil(T / bt), N // 256, split), (512,),
+              (tma_map_2d(x, bt, 64), *_mat_slots(mats), out, _i(T), _i(K), _i(mats[0].group_size),
+               _i(out.strides[0] // 2), _i(split), part, ticket), smem)
     return out
 
 

@@ -438,19 +438,37 @@ def test_gemm_wgmma(M, tile, producers):
                 lambda x, mats, out: oc.gemm(x, mats[0], out, path="wgmma"))
 
 
+@pytest.mark.parametrize("split", [1, 2, 3, 16])
 @pytest.mark.parametrize("bt", [64, 128])
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
-def test_gemm_rs_prototype(M, bt):
-    """The register-A wgmma prototype (gemm_wgmma.cu gemm_w4a16_rs, on no prefill path: PERFORMANCE.md change
-    164) on check_wgmma's cases, bt tokens per block: q|k|v side by side with ragged last token tiles, two
-    launches bitwise equal, and the lone matrix with 64-row groups and more K tiles than its 8 stages."""
+def test_gemm_rs_prototype(M, bt, split):
+    """The register-A wgmma prototype (gemm_wgmma.cu gemm_w4a16_rs, on no prefill path: PERFORMANCE.md changes
+    164-165) on check_wgmma's cases, bt tokens per block: q|k|v side by side with ragged last token tiles, two
+    launches bitwise equal (split parts are added in a fixed order whatever order they finish in), and the
+    lone matrix with 64-row groups and more K tiles than its 8 stages; each tile's K in `split` ranges (3:
+    uneven, 16: one K tile each for q|k|v), the tickets left at zero."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
 
     def run(x, mats, out):
-        return oc.gemm_rs(x, mats, out, bt)
+        return oc.gemm_rs(x, mats, out, bt, split)
 
     check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
+    assert not oc._gemm_split_buffers(0)[1].any()
+
+
+@pytest.mark.parametrize("T,N,K", [(512, 6144, 4096), (512, 4096, 4096), (512, 12288, 4096), (2048, 6144, 4096),
+                                   (1, 4096, 4096), (512, 4096, 512)])
+def test_rs_plan(T, N, K):
+    """rs_plan's split leaves every part at least 8 K tiles (or 1 split), and no other split within its
+    bounds costs less in its model (waves of parts, each a part's K tiles plus RS_PART_COST)."""
+    s = oc.rs_plan(T, N, K)
+    tiles, sms, nk = -(-T // 128) * (N // 256), oc.sm_count(), K // 64
+    assert s == 1 or nk // s >= 8
+
+    def cost(t):
+        return -(-tiles * t // sms) * (nk / t + oc.RS_PART_COST)
+    assert all(cost(t) >= cost(s) for t in range(1, max(1, min(8, nk // 8)) + 1))
 
 
 @pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)

@@ -1,11 +1,17 @@
-"""Probe of the register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md change 164):
-TFLOP/s at the Qwen3-8B projection shapes against cuBLAS fp16 (cupy.matmul) and the fused wgmma GEMM
-(gemm_wgmma) in the same run, weights rotated over > 6x L2 as in bench_kernels, and each form's largest
-error against the float32 product of the dequantized weights (outputs poisoned with NaN first).
+"""Probe of the register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes
+164-165), 128 tokens per block, each tile's K in 1, 2 or 4 ranges or as rs_plan splits it: TFLOP/s at the
+Qwen3-8B projection shapes against cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the
+dequant + cuBLAS path in the same run, weights rotated over > 6x L2 as in bench_kernels, and each form's
+largest error against the float32 product of the dequantized weights (outputs poisoned with NaN first).
+--power S also runs cuBLAS and the kernels back to back for S seconds each at the largest row count while
+nvidia-smi samples the SM clock and board power (change 165: at 2048 rows these GEMMs run at the power cap).
 Runs on compute capability 9.0 only. Prints a table last; --json writes the rows."""
 import json
 import math
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -17,19 +23,48 @@ import cupy as cp  # noqa: E402
 from bench_kernels import rand_awq, time_ms  # noqa: E402
 from kuiper_py import ops_cupy as oc  # noqa: E402
 
+def under_load(run, seconds: float, flop: float) -> dict:
+    """run(i) back to back for `seconds` while nvidia-smi samples this GPU every 100 ms: TFLOP/s over the
+    span, the median SM clock (MHz) and board power (W), and whether the power cap throttled it."""
+    run(0)
+    cp.cuda.Device().synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "-i", str(cp.cuda.Device().id), "-lms", "100", "--format=csv,noheader,nounits",
+                            "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.3)
+    start, end, n, t0 = cp.cuda.Event(), cp.cuda.Event(), 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            run(n)
+            n += 1
+        cp.cuda.Device().synchronize()
+    end.record()
+    end.synchronize()
+    smi.terminate()
+    rows = [r.split(", ") for r in smi.communicate()[0].strip().splitlines()[3:]]
+    med = sorted(float(r[0]) for r in rows), sorted(float(r[1]) for r in rows)
+    return {"tflops": flop * n / cp.cuda.get_elapsed_time(start, end) / 1e9, "clock_mhz": med[0][len(rows) // 2],
+            "power_w": med[1][len(rows) // 2], "power_capped": any("Active" in r[2] for r in rows)}
+
+
 SHAPES = {"qkv 4096->6144": (4096, [4096, 1024, 1024]), "o 4096->4096": (4096, [4096]),
           "gate 4096->12288": (4096, [12288]), "down 12288->4096": (12288, [4096])}
 
 
 @click.command()
-@click.option("--rows", default="128,512,2048", help="token counts to time")
+@click.option("--rows", default="256,512,1024,2048", help="token counts to time")
+@click.option("--power", default=0.0, help="also run cuBLAS and each kernel back to back this many seconds at the "
+              "largest row count, sampling the SM clock and board power (nvidia-smi)")
 @click.option("--json", "json_out", default=None)
-def main(rows, json_out):
+def main(rows, power, json_out):
     if not oc.wgmma_available():
         raise click.ClickException("needs compute capability 9.0 (sm_90a)")
     l2 = cp.cuda.Device().attributes["L2CacheSize"]
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    out = []
+    if power and not shutil.which("nvidia-smi"):
+        raise click.ClickException("--power needs nvidia-smi")
+    out, loads = [], []
     for name, (K, Ns) in SHAPES.items():
         N = sum(Ns)
         nq = max(2, math.ceil(6 * l2 / (K * N // 2)))
@@ -41,10 +76,11 @@ def main(rows, json_out):
             x = (cp.random.standard_normal((M, K), dtype=cp.float32) * 0.5).astype(cp.float16)
             ref = x.astype(cp.float32) @ ref_w
             c = cp.empty((M, N), cp.float16)
-            forms = {"rs64": lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 64),
-                     "rs128": lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 128),
-                     "wgmma": lambda i, c=c: oc.gemm_wgmma(x, ms[i % nq], c)}
-            r = {"shape": name, "M": M}
+            forms = {f"rs{sp}": lambda i, c=c, sp=sp: oc.gemm_rs(x, ms[i % nq], c, 128, sp) for sp in (1, 2, 4)}
+            forms["rs_plan"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 128)
+            forms["wgmma"] = lambda i, c=c: oc.gemm_wgmma(x, ms[i % nq], c)
+            forms["dequant"] = lambda i, c=c: oc.gemm(x, tuple(ms[i % nq]), c, path="dequant")
+            r = {"shape": name, "M": M, "plan": oc.rs_plan(M, N, K)}
             for f, run in forms.items():
                 c.fill(cp.nan)
                 run(0)
@@ -56,15 +92,29 @@ def main(rows, json_out):
                 r[f] = fl / time_ms(run, iters=20) / 1e9
             out.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
+            if power and M == max(int(v) for v in rows.split(",")):
+                forms["cublas"] = lambda i, c=c: cp.matmul(x, Wf[i % len(Wf)], out=c)
+                for f in ("cublas", "rs_plan", "wgmma", "dequant"):
+                    loads.append({"shape": name, "M": M, "form": f, **under_load(forms[f], power, fl)})
+                    print(json.dumps(loads[-1]), file=sys.stderr, flush=True)
     if json_out:
-        Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out}, indent=1))
+        Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "under_load": loads}, indent=1))
     print(f"# {gpu}: TFLOP/s (ratio to cuBLAS fp16), largest error / largest |reference|")
-    print("| shape | M | cuBLAS | rs 64 | rs 128 | wgmma (gemm_w4a16_ws) | errors rs64 / rs128 / wgmma |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    names = ["rs1", "rs2", "rs4", "rs_plan", "wgmma", "dequant"]
+    print("| shape | M | cuBLAS | rs, split 1 | 2 | 4 | rs as planned (split) | wgmma (gemm_w4a16_ws) | dequant + cuBLAS "
+          "| largest error |")
+    print("| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
     for r in out:
-        cells = " | ".join(f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" for f in ("rs64", "rs128", "wgmma"))
-        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {cells} | "
-              f"{r['rs64_err']:.1e} / {r['rs128_err']:.1e} / {r['wgmma_err']:.1e} |")
+        cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" for f in names]
+        cells[3] += f" ({r['plan']})"
+        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names):.1e} |")
+    if loads:
+        print(f"\n# {gpu}, each form back to back for {power:g} s: TFLOP/s, median SM clock, median board power")
+        print("| shape | M | form | TFLOP/s | SM clock (MHz) | power (W) | power cap throttled |")
+        print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
+        for r in loads:
+            print(f"| {r['shape']} | {r['M']} | {r['form']} | {r['tflops']:.0f} | {r['clock_mhz']:.0f} | {r['power_w']:.0f} | "
+                  f"{'yes' if r['power_capped'] else 'no'} |")
 
 
 if __name__ == "__main__":
