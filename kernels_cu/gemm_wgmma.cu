@@ -333,24 +333,28 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     }
 }
 
-// ---- The register-A form (PERFORMANCE.md change 164): a measured prototype, on no prefill path ----
+// ---- The register-A form (PERFORMANCE.md changes 164-166): a measured prototype, on no prefill path ----
 // Why: gemm_w4a16_ws stores every dequantized W tile to shared memory and each consumer's wgmma reads it
 // back as B (1/64 byte of shared-memory reads plus 1/128 of stores per FLOP, x as A another 1/128), and the
 // producers' dequantization, the loads and the wgmmas measured additive (change 44). Here the product is
 // transposed, C^T [N, T] = W^T x^T: W^T is wgmma's A operand, dequantized by the consumer warps straight
-// into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. Tile:
-// 256 channels (one 32-word column tile, whose 64-k slice of packed words is 8 contiguous KB: one bulk
-// copy) x BT tokens; 4 consumer warpgroups of 64 channels (m64nBTk16, A from registers), thread 0 also
-// issuing the loads. H200 (change 164): BT = 128 reaches 456-475 TFLOP/s at 2048 rows against 369-393
-// for gemm_w4a16_ws. Sustained, it runs at the 700 W board cap (change 165: 1.5-1.6 pJ per FLOP against
-// cuBLAS fp16's 1.03-1.09), so what bounds it there is energy per FLOP, not overlap.
+// into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. Thread 0
+// of the block issues the loads: per K tile x's box, the column tile's 64-k slab of packed words (8
+// contiguous KB: one bulk copy, whichever part of it the block uses), the block's scales and zeros.
+// Supported tiles (ops_cupy.RS_STAGES):
+//   BT = 64 or 128 tokens x 256 channels (one 32-word column tile), 4 consumer warpgroups of 64 channels
+//     (m64nBTk16), 8 stages: H200 456-475 TFLOP/s at 2048 rows against 369-393 for gemm_w4a16_ws (164);
+//   BT = 256 tokens x 128 channels (half a column tile), 2 warpgroups (m64n256k16: 128 accumulators and
+//     253 registers a thread), 5 stages: each dequantized A fragment serves twice the tokens, so half the
+//     dequantization and packed-word reads per FLOP (change 166: 499-550 at 2048 rows, 416-523 at 512).
+// Sustained, these GEMMs run at the 700 W board cap (change 165: BT = 128 spends 1.5-1.6 pJ per FLOP
+// against cuBLAS fp16's 1.03-1.09): energy per FLOP, not overlap, bounds them there.
 // Split-K (change 165): at 512 rows q|k|v's 96 tiles and o's 64 leave SMs idle, so a tile's K tiles can be
 // cut into `split` ranges (grid z), each part storing fp32 sums and the last to finish (an atomic ticket)
 // adding them in part order, as gemm_w4a16_ws does for its wave tail (ops_cupy.rs_plan picks split).
-// Supported: N % 256 == 0 per matrix, K % 64 == 0, group % 64 == 0, any T >= 1; up to 3 matrices with
-// the same K side by side in C; split <= K / 64. grid (ceil(T / BT), N / 256, split), block RS_THREADS,
-// RsSmem::bytes of dynamic shared memory (ops_cupy.gemm_rs launches it).
-#define RS_BC 256
+// Requires N % 256 == 0 per matrix, K % 64 == 0, group % 64 == 0, any T >= 1; up to 3 matrices with the
+// same K side by side in C; split <= K / 64. grid (ceil(T / BT), N / (64 RS_WG), split), block
+// 128 RS_WG(BT), RsSmem::bytes of dynamic shared memory (ops_cupy.gemm_rs launches it).
 #ifndef RS_REFILL_LAG
 #define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2; A/B by KUIPER_DIAG_DEFINES)
 #endif
@@ -369,14 +373,16 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 #ifndef RS_DIAG_NOW
 #define RS_DIAG_NOW 0
 #endif
-#define RS_THREADS (4 * 128)
+// consumer warpgroups of a block: 4 (256 channels) up to 128 tokens, 2 (128 channels) with 256 tokens,
+// whose 128 accumulators per thread leave no registers for 4
+#define RS_WG(BT) ((BT) == 256 ? 2 : 4)
 
 template <int ST, int BT>
 struct RsSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory, ST stages
     static constexpr int x = 0;                        // [ST] x [BT tokens][64 k] fp16, 128B-swizzled (TMA)
     static constexpr int w = x + ST * BT * 128;        // [ST] packed words [16 row quads][32 words][4 rows]
-    static constexpr int s = w + ST * 8192;            // [ST] scales [256] of the stage's group
-    static constexpr int z = s + ST * 512;             // [ST] zero words [32]
+    static constexpr int s = w + ST * 8192;            // [ST] scales [64 RS_WG] of the stage's group
+    static constexpr int z = s + ST * 512;             // [ST] zero words [8 RS_WG]
     static constexpr int bar = z + ST * 128;           // full [ST], empty [ST]
     static constexpr int bytes = bar + 16 * ST + 1024; // + the alignment slack
 };
@@ -462,6 +468,31 @@ __device__ __forceinline__ void wgmma_rs128x4(float (&d)[64], const u32 (&a)[16]
           "l"(db0), "r"(acc));
 }
 
+// As wgmma_rs64x4 with 256 columns (tokens) per instruction (128 accumulators per thread).
+#define RS_ACC256 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+__device__ __forceinline__ void wgmma_rs256x4(float (&d)[128], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %145, 0;\n"
+        "add.s64 b1, %144, 2;\nadd.s64 b2, %144, 4;\nadd.s64 b3, %144, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_ACC256 "}, {%128, %129, %130, %131}, %144, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_ACC256 "}, {%132, %133, %134, %135}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_ACC256 "}, {%136, %137, %138, %139}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_ACC256 "}, {%140, %141, %142, %143}, b3, 1, 1, 1, 0;\n"
+        "}\n"
+        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48), WG_D16(64), WG_D16(80), WG_D16(96), WG_D16(112)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
 // A real use of a K tile's A registers (their XOR into keep, stored only where T < 0, i.e. never):
 // ptxas ends a register's life at its last use, which for wgmma's A is the instruction's issue, so it
 // would build the next tile's A in the same registers while the wgmmas still read them, and serialize
@@ -473,14 +504,14 @@ __device__ __forceinline__ void rs_keep(const u32 (&a)[16], u32& keep) {
 }
 
 // One K tile of a consumer: its 16 A registers from the stage's packed words (shared addresses st_w,
-// st_s, st_z), then 4 wgmmas on x (committed as one group). wi: the thread's word of the 32-word tile;
-// sh: its nibble pair's shift; t0: lane % 4.
+// st_s, st_z), then 4 wgmmas on x (committed as one group). wi: the thread's word of the 32-word tile, wl
+// the same word of the block's scales and zeros; sh: its nibble pair's shift; t0: lane % 4.
 template <int ND>
 __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_w, u32 st_s, u32 st_z, u32 xs,
-                                          int wi, int sh, int t0, int first) {
-    u32 zw = lop3_and_or(lds32(st_z + wi * 4) >> sh, 0x000f000fu, 0x64006400u);
+                                          int wi, int wl, int sh, int t0, int first) {
+    u32 zw = lop3_and_or(lds32(st_z + wl * 4) >> sh, 0x000f000fu, 0x64006400u);
     const half2 zb = *reinterpret_cast<half2*>(&zw);
-    u32 sw = lds32(st_s + (wi * 8 + sh / 2) * 2);
+    u32 sw = lds32(st_s + (wl * 8 + sh / 2) * 2);
     const half2 s2 = *reinterpret_cast<half2*>(&sw);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -504,14 +535,15 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
     d[0] += __uint_as_float(af[0] & 1u);
 #else
     if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
-    else wgmma_rs128x4(d, af, wg_desc(xs), !first);
+    else if constexpr (ND == 64) wgmma_rs128x4(d, af, wg_desc(xs), !first);
+    else wgmma_rs256x4(d, af, wg_desc(xs), !first);
 #endif
     wg_commit();
     rs_pin(d);
 }
 
-template <int ST, int BT>  // stages, tokens per block (64 or 128: the wgmmas' N)
-__global__ void __launch_bounds__(RS_THREADS, 1)
+template <int ST, int BT>  // stages, tokens per block (64, 128 or 256: the wgmmas' N)
+__global__ void __launch_bounds__(128 * RS_WG(BT), 1)
 gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BT rows, 128B swizzle
               const u32* qw0, const u32* qz0, const half* sc0, int n_0,  // as gemm_w4a16_ws
               const u32* qw1, const u32* qz1, const half* sc1, int n_1,
@@ -519,15 +551,16 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
               half* __restrict__ out,  // [T, ldo]
               int T, int K, int group, int ldo,
               int split,                     // gridDim.z: K tile ranges per tile (1: no split)
-              float* __restrict__ part,      // [tiles][split][BT / 2][RS_THREADS] fp32 partial sums (split > 1)
+              float* __restrict__ part,      // [tiles][split][BT / 2][threads] fp32 partial sums (split > 1)
               int* __restrict__ ticket) {    // [tiles], zero between launches (split > 1)
-    static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16");
+    static_assert(BT == 64 || BT == 128 || BT == 256, "m64n64k16, m64n128k16 or m64n256k16");
+    constexpr int WG = RS_WG(BT), NT = 128 * WG;
     typedef RsSmem<ST, BT> L;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     const u32 sbase = smem_u32(sm), full = sbase + L::bar, empty = full + 8 * ST;
     const int tid = threadIdx.x, z = blockIdx.z, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
-    const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * RS_BC;  // token tiles fastest: a column tile's
+    const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * 64 * WG;  // token tiles fastest: a column tile's
     const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;       // weights are read from L2 after the first
     const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
     if (tid == 0) {
@@ -536,7 +569,7 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         if (dyn < (u32)L::bytes) __trap();
         for (int s = 0; s < ST; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 16);  // every consumer warp
+            mbar_init(empty + 8 * s, 4 * WG);  // every consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -552,23 +585,25 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     auto issue = [&](int kt) {  // kt: the part's own K tile count, its stage kt % ST
         const int s = kt % ST, gi = (kt0 + kt) * WG_BK / group;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
-        mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 512 + 128 : 0));
+        mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
         if (lx) tma_load_2d(sbase + L::x + s * BT * 128, &xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         if (lw) {
+            // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
+            // 2-warpgroup block reads half
             bulk_g2s(sbase + L::w + s * 8192, tile_w + (size_t)(kt0 + kt) * 2048, 8192, full + 8 * s);
-            bulk_g2s(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 512, full + 8 * s);
-            bulk_g2s(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 128, full + 8 * s);
+            bulk_g2s(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 128 * WG, full + 8 * s);
+            bulk_g2s(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 32 * WG, full + 8 * s);
         }
     };
     if (tid == 0)
         for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt);
 
-    // ---- consumer warpgroup g: channels 64 g .. 64 g + 63 of the tile. Thread (warp w, lane = 4 t1 + t0)
-    // holds A rows m = 16 w + t1 and m + 8 as the column pair (c, c + 1), c = 8 wi + 2 (t1 & 3), of word
-    // wi = 8 g + 2 w + t1 / 4: one nibble pair of each packed word it reads (rows map to channels freely:
-    // the epilogue undoes it).
+    // ---- consumer warpgroup g: channels 64 g .. 64 g + 63 of the block. Thread (warp w, lane = 4 t1 + t0)
+    // holds A rows m = 16 w + t1 and m + 8 as the column pair (c, c + 1), c = 8 wl + 2 (t1 & 3), of the block's
+    // word wl = 8 g + 2 w + t1 / 4 (word wi of its column tile): one nibble pair of each packed word it reads
+    // (rows map to channels freely: the epilogue undoes it).
     const int g = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, t0 = lane & 3, t1 = lane >> 2;
-    const int wi = 8 * g + 2 * w + (t1 >> 2), sh = 4 * (t1 & 3);
+    const int wl = 8 * g + 2 * w + (t1 >> 2), wi = 8 * ((n0 >> 6) & 3) + wl, sh = 4 * (t1 & 3);
     float d[BT / 2];
     u32 fa[16] = {}, fb[16] = {};  // two K tiles' A registers: one is read by wgmma while the other is built
     u32 keep = 0;
@@ -580,7 +615,7 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
             const int s = k % ST;
             mbar_wait(full + 8 * s, (k / ST) & 1);
             rs_k_tile(d, h ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
-                      sbase + L::x + s * BT * 128, wi, sh, t0, k == 0);
+                      sbase + L::x + s * BT * 128, wi, wl, sh, t0, k == 0);
             wg_wait<1>();  // K tile k - 1's wgmmas are done: its stage and its A registers are free
             rs_keep(h ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
             if (k > 0 && lane == 0) mbar_arrive(empty + 8 * ((k - 1) % ST));
@@ -597,9 +632,9 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     if (split > 1) {  // K split: each part stores its sums, the last of the tile to finish adds them
         __shared__ int last;
         const int ts = blockIdx.y * gridDim.x + blockIdx.x;
-        float* pt = part + (size_t)ts * split * (BT / 2) * RS_THREADS + tid;
+        float* pt = part + (size_t)ts * split * (BT / 2) * NT + tid;
 #pragma unroll
-        for (int i = 0; i < BT / 2; ++i) pt[((size_t)z * (BT / 2) + i) * RS_THREADS] = d[i];
+        for (int i = 0; i < BT / 2; ++i) pt[((size_t)z * (BT / 2) + i) * NT] = d[i];
         __threadfence();  // the stores reach L2 before the ticket says so
         __syncthreads();
         if (tid == 0) last = atomicAdd(ticket + ts, 1) == split - 1;
@@ -609,14 +644,14 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         // the sum in part order whatever the arrival order (this part's own sums read back too): repeats
         // are bitwise equal
 #pragma unroll
-        for (int i = 0; i < BT / 2; ++i) d[i] = __ldcg(pt + (size_t)i * RS_THREADS);
+        for (int i = 0; i < BT / 2; ++i) d[i] = __ldcg(pt + (size_t)i * NT);
         for (int q = 1; q < split; ++q)
 #pragma unroll
-            for (int i = 0; i < BT / 2; ++i) d[i] += __ldcg(pt + ((size_t)q * (BT / 2) + i) * RS_THREADS);
+            for (int i = 0; i < BT / 2; ++i) d[i] += __ldcg(pt + ((size_t)q * (BT / 2) + i) * NT);
         if (tid == 0) ticket[ts] = 0;  // no other block of this launch touches it again
     }
     // D fragment: d[4 j + v0 + 2 v1] is (row m + 8 v1, token 8 j + 2 t0 + v0), rows m, m + 8 the channels c, c + 1
-    const int col = c_out + 8 * wi + 2 * (t1 & 3);
+    const int col = c_out + 8 * wl + 2 * (t1 & 3);
 #pragma unroll
     for (int j = 0; j < BT / 8; ++j) {
 #pragma unroll

@@ -257,13 +257,15 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
     return "gemv_w4a16<" + ", ".join("true" if f else "false" for f in (moe2, rt, om, acc)) + ">"
 
 
+RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
+
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A prototype of the same file (PERFORMANCE.md changes 164-165): on no path, compiled only
+    # the register-A prototype of the same file (PERFORMANCE.md changes 164-166): on no path, compiled only
     # when tools/probe_gemm_rs.py or its test asks
-    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<8, {bt}>" for bt in (64, 128)]),
+    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
@@ -1072,34 +1074,40 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
 RS_PART_COST = 14  # K tiles: what one more K range of a tile costs gemm_w4a16_rs (fit to change 165's splits)
 
 
+def rs_channels(bt: int) -> int:
+    """A gemm_w4a16_rs block's channels: 4 consumer warpgroups of 64, or 2 with 256 tokens (RS_WG)."""
+    return 128 if bt == 256 else 256
+
+
 def rs_plan(T: int, N: int, K: int, bt: int = 128) -> int:
     """gemm_w4a16_rs's split for T rows of N columns: the K ranges per tile (up to 8, each at least 8 K tiles)
     with the least time, counted as waves of parts over the SMs, each wave costing a part's K tiles plus
     RS_PART_COST (ties to the smaller split). Change 165's fit: o and down at 512 rows (64 tiles) split 2,
     at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole."""
-    tiles, sms, nk = math.ceil(T / bt) * (N // 256), sm_count(), K // 64
+    tiles, sms, nk = math.ceil(T / bt) * (N // rs_channels(bt)), sm_count(), K // 64
     return min(range(1, max(1, min(8, nk // 8)) + 1),
                key=lambda s: (math.ceil(tiles * s / sms) * (nk / s + RS_PART_COST), s))
 
 
 def gemm_rs(x, mats, out, bt: int = 128, split: int | None = None):
-    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-165): on
+    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-166): on
     no prefill path; tools/probe_gemm_rs.py measures it against cuBLAS and gemm_wgmma, and its test checks
     it. Up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block (64,
-    128); each tile's K cut into split ranges (by default rs_plan's)."""
+    128, or 256 with blocks of 128 channels); each tile's K cut into split ranges (by default rs_plan's)."""
     T, K = x.shape
     N = sum(m.N for m in mats)
-    assert bt in (64, 128) and len(mats) <= 3 and all(m.K == K and m.N % 256 == 0 for m in mats)
+    assert bt in RS_STAGES and len(mats) <= 3 and all(m.K == K and m.N % 256 == 0 for m in mats)
     assert K % 64 == 0 and mats[0].group_size % 64 == 0 and out.shape[0] == T and out.strides[1] == 2
     split = split or rs_plan(T, N, K, bt)
-    tiles = math.ceil(T / bt) * (N // 256)
+    bc, st = rs_channels(bt), RS_STAGES[bt]
+    tiles = math.ceil(T / bt) * (N // bc)
     assert 1 <= split <= K // 64
-    part, ticket = _gemm_split_buffers(tiles * split * bt // 2 * 512 if split > 1 else 0)
+    part, ticket = _gemm_split_buffers(tiles * split * bt // 2 * (2 * bc) if split > 1 else 0)  # bt / 2 per thread
     assert split == 1 or tiles <= ticket.size
-    fn = kernel("gemm90rs", f"gemm_w4a16_rs<8, {bt}>")
-    smem = 8 * (bt * 128 + 8192 + 512 + 128) + 16 * 8 + 1024  # RsSmem<8, bt>::bytes (the kernel traps on less)
+    fn = kernel("gemm90rs", f"gemm_w4a16_rs<{st}, {bt}>")
+    smem = st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024  # RsSmem<st, bt>::bytes (the kernel traps on less)
     allow_dynamic_smem(fn, smem)
-    launch_ex(fn, (math.ceil(T / bt), N // 256, split), (512,),
+    launch_ex(fn, (math.ceil(T / bt), N // bc, split), (2 * bc,),  # a warpgroup per 64 channels
               (tma_map_2d(x, bt, 64), *_mat_slots(mats), out, _i(T), _i(K), _i(mats[0].group_size),
                _i(out.strides[0] // 2), _i(split), part, ticket), smem)
     return out

@@ -439,14 +439,15 @@ def test_gemm_wgmma(M, tile, producers):
 
 
 @pytest.mark.parametrize("split", [1, 2, 3, 16])
-@pytest.mark.parametrize("bt", [64, 128])
+@pytest.mark.parametrize("bt", [64, 128, 256])
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
 def test_gemm_rs_prototype(M, bt, split):
     """The register-A wgmma prototype (gemm_wgmma.cu gemm_w4a16_rs, on no prefill path: PERFORMANCE.md changes
-    164-165) on check_wgmma's cases, bt tokens per block: q|k|v side by side with ragged last token tiles, two
-    launches bitwise equal (split parts are added in a fixed order whatever order they finish in), and the
-    lone matrix with 64-row groups and more K tiles than its 8 stages; each tile's K in `split` ranges (3:
-    uneven, 16: one K tile each for q|k|v), the tickets left at zero."""
+    164-166) on check_wgmma's cases, bt tokens per block (256: blocks of 128 channels, half a column tile, 5
+    stages): q|k|v side by side with ragged last token tiles, two launches bitwise equal (split parts are
+    added in a fixed order whatever order they finish in), and the lone matrix with 64-row groups and more
+    K tiles than its stages; each tile's K in `split` ranges (3: uneven, 16: one K tile each for q|k|v),
+    the tickets left at zero."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
 

@@ -1,8 +1,9 @@
 """Probe of the register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes
-164-165), 128 tokens per block, each tile's K in 1, 2 or 4 ranges or as rs_plan splits it: TFLOP/s at the
-Qwen3-8B projection shapes against cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the
-dequant + cuBLAS path in the same run, weights rotated over > 6x L2 as in bench_kernels, and each form's
-largest error against the float32 product of the dequantized weights (outputs poisoned with NaN first).
+164-166), 128 tokens per block with each tile's K in 1, 2 or 4 ranges or as rs_plan splits it, and 256
+tokens x 128 channels per block as rs_plan splits it: TFLOP/s at the Qwen3-8B projection shapes against
+cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the dequant + cuBLAS path in the same run,
+weights rotated over > 6x L2 as in bench_kernels, and each form's largest error against the float32 product
+of the dequantized weights (outputs poisoned with NaN first).
 --power S also runs cuBLAS and the kernels back to back for S seconds each at the largest row count while
 nvidia-smi samples the SM clock and board power (change 165: at 2048 rows these GEMMs run at the power cap).
 Runs on compute capability 9.0 only. Prints a table last; --json writes the rows."""
@@ -78,9 +79,10 @@ def main(rows, power, json_out):
             c = cp.empty((M, N), cp.float16)
             forms = {f"rs{sp}": lambda i, c=c, sp=sp: oc.gemm_rs(x, ms[i % nq], c, 128, sp) for sp in (1, 2, 4)}
             forms["rs_plan"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 128)
+            forms["rs256"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 256)
             forms["wgmma"] = lambda i, c=c: oc.gemm_wgmma(x, ms[i % nq], c)
             forms["dequant"] = lambda i, c=c: oc.gemm(x, tuple(ms[i % nq]), c, path="dequant")
-            r = {"shape": name, "M": M, "plan": oc.rs_plan(M, N, K)}
+            r = {"shape": name, "M": M, "plan": oc.rs_plan(M, N, K), "plan256": oc.rs_plan(M, N, K, 256)}
             for f, run in forms.items():
                 c.fill(cp.nan)
                 run(0)
@@ -94,19 +96,20 @@ def main(rows, power, json_out):
             print(json.dumps(r), file=sys.stderr, flush=True)
             if power and M == max(int(v) for v in rows.split(",")):
                 forms["cublas"] = lambda i, c=c: cp.matmul(x, Wf[i % len(Wf)], out=c)
-                for f in ("cublas", "rs_plan", "wgmma", "dequant"):
+                for f in ("cublas", "rs_plan", "rs256", "wgmma", "dequant"):
                     loads.append({"shape": name, "M": M, "form": f, **under_load(forms[f], power, fl)})
                     print(json.dumps(loads[-1]), file=sys.stderr, flush=True)
     if json_out:
         Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "under_load": loads}, indent=1))
     print(f"# {gpu}: TFLOP/s (ratio to cuBLAS fp16), largest error / largest |reference|")
-    names = ["rs1", "rs2", "rs4", "rs_plan", "wgmma", "dequant"]
-    print("| shape | M | cuBLAS | rs, split 1 | 2 | 4 | rs as planned (split) | wgmma (gemm_w4a16_ws) | dequant + cuBLAS "
-          "| largest error |")
+    names = ["rs1", "rs2", "rs4", "rs_plan", "rs256", "wgmma", "dequant"]
+    print("| shape | M | cuBLAS | rs, split 1 | 2 | 4 | rs as planned (split) | rs, 256 tokens (split) | wgmma (gemm_w4a16_ws) "
+          "| dequant + cuBLAS | largest error |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
     for r in out:
         cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" for f in names]
         cells[3] += f" ({r['plan']})"
+        cells[4] += f" ({r['plan256']})"
         print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names):.1e} |")
     if loads:
         print(f"\n# {gpu}, each form back to back for {power:g} s: TFLOP/s, median SM clock, median board power")
