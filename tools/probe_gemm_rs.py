@@ -43,10 +43,13 @@ def under_load(run, seconds: float, flop: float) -> dict:
     end.record()
     end.synchronize()
     smi.terminate()
-    rows = [r.split(", ") for r in smi.communicate()[0].strip().splitlines()[3:]]
+    lines = smi.communicate()[0].strip().splitlines()
+    rows = [r.split(", ") for r in (lines[3:] or lines)]  # the first samples straddle the start
+    if not rows:
+        raise click.ClickException("nvidia-smi gave no samples")
     med = sorted(float(r[0]) for r in rows), sorted(float(r[1]) for r in rows)
     return {"tflops": flop * n / cp.cuda.get_elapsed_time(start, end) / 1e9, "clock_mhz": med[0][len(rows) // 2],
-            "power_w": med[1][len(rows) // 2], "power_capped": any("Active" in r[2] for r in rows)}
+            "power_w": med[1][len(rows) // 2], "power_capped": any(r[2].strip() == "Active" for r in rows)}
 
 
 SHAPES = {"qkv 4096->6144": (4096, [4096, 1024, 1024]), "o 4096->4096": (4096, [4096]),
