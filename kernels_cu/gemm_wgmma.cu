@@ -554,7 +554,9 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     if (tid == 0) {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)L::bytes) __trap();
+        // too little shared memory, or too few threads for the consumer warpgroups (their empty barriers
+        // would never complete: a hang, change 166's first run), fails the launch instead
+        if (dyn < (u32)L::bytes || blockDim.x != NT) __trap();
         for (int s = 0; s < ST; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 4 * WG);  // every consumer warp

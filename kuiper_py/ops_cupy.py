@@ -134,6 +134,10 @@ GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
 # =0 never (A/B)
 GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
 GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
+# the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
+# ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
+# above and dequant + cuBLAS (H200, PERFORMANCE.md change 167); "1": every prefill that fits it, "0": never
+GEMM_RS = os.environ.get("KUIPER_GEMM_RS", "auto")
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
@@ -263,8 +267,8 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A prototype of the same file (PERFORMANCE.md changes 164-166): on no path, compiled only
-    # when tools/probe_gemm_rs.py or its test asks
+    # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
+    # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
@@ -996,19 +1000,39 @@ def wgmma_max_m(K: int, N: int) -> int:
     return 512 if K * N <= 4096 * 4096 else 256
 
 
+def rs_range(K: int, N: int) -> tuple[int, int]:
+    """The rows (least, most) for which the default path takes gemm_w4a16_rs (PERFORMANCE.md change 167;
+    H200 TFLOP/s, rs as rs_choose plans it against the better of the other two paths): 8B q|k|v at 256 /
+    384 / 512 rows 328 / 315 / 423 vs 285 / 300 / 370, o 315 / 329 / 437 vs 297 / 315 / 448 (the kernel
+    above, which took o to 512 rows, 373), gate|up 440 / 424 / 539 vs 364 / 416 / 479, down 463 / 407 / 506
+    vs 375 / 363 / 490; 30B-A3B q|k|v at 256 / 512 / 768 242 / 333 / 494 vs 175 / 268 / 324 (dequant +
+    cuBLAS, the path at 768 before, 233), o at 384 / 512 / 768 239 / 317 / 330 vs 226 / 298 / 329. At 768
+    rows dequant + cuBLAS wins at 8B o, gate|up and down (503-544 vs 421-480; q|k|v: 338 vs 344 and the
+    kernel above's 356), and the kernel above at 128 rows (and for N < 4096, 30B-A3B o, at 256: 211 vs
+    177). So: from 256 rows (384 for N < 4096) to 512 for matrices from 4096 x 4096, to 768 for smaller
+    ones. The H100 agrees (change 167) but for 30B-A3B at 384 rows, 3% behind the kernel above."""
+    return (256 if N >= 4096 else 384), (512 if K * N >= 4096 * 4096 else 768)
+
+
 _GEMM_PATHS: dict[tuple, tuple] = {}
 
 
 def gemm_path(T: int, mats) -> str:
-    """The prefill path gemm() takes for T rows of the matrices mats: "wgmma" (fused, sm_90),
-    "dequant" (cuBLAS) or "mma". Kept per (rows, matrices, the settings it reads), each entry holding
-    its matrices (their ids key it): every prefill layer asks again."""
-    key = (T, tuple(map(id, mats)), GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
+    """The prefill path gemm() takes for T rows of the matrices mats: "rs" or "wgmma" (the two fused
+    Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, matrices, the settings it reads), each
+    entry holding its matrices (their ids key it): every prefill layer asks again."""
+    key = (T, tuple(map(id, mats)), GEMM_RS, GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(),
+           _dev_id())
     hit = _GEMM_PATHS.get(key)
     if hit is None:
-        fused = (GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and wgmma_available() and wgmma_fits(mats)
-                 and (GEMM_WGMMA == "1" or T <= wgmma_max_m(mats[0].K, sum(m.N for m in mats))))
-        path = "wgmma" if fused else "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready() else "mma"
+        K, N = mats[0].K, sum(m.N for m in mats)
+        hopper = wgmma_available() and wgmma_fits(mats)  # the two fused kernels share a shape table
+        lo, hi = rs_range(K, N)
+        rs = GEMM_RS != "0" and hopper and (GEMM_RS == "1" or lo <= T <= hi)
+        fused = (GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and hopper
+                 and (GEMM_WGMMA == "1" or T <= wgmma_max_m(K, N)))
+        path = ("rs" if rs else "wgmma" if fused else "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready()
+                else "mma")
         hit = _remember(_GEMM_PATHS, key, (tuple(mats), path))
     return hit[1]
 
@@ -1072,6 +1096,9 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
 
 
 RS_PART_COST = 14  # K tiles: what one more K range of a tile costs gemm_w4a16_rs (fit to change 165's splits)
+# a 128-token block's throughput relative to a 256-token one (the same area: 256 x 128 channels); H200,
+# 2048 rows, split 1, change 167's probe: 0.77-0.84 over the 8B and 30B-A3B shapes
+RS_BT128_EFF = 0.8
 
 
 def rs_channels(bt: int) -> int:
@@ -1079,25 +1106,57 @@ def rs_channels(bt: int) -> int:
     return 128 if bt == 256 else 256
 
 
+def rs_cost(T: int, N: int, K: int, bt: int, s: int) -> float:
+    """rs_plan's model of gemm_w4a16_rs's time for T rows of N columns, bt tokens per block, each tile's K in
+    s ranges: waves of parts over the SMs, each wave a part's K tiles plus RS_PART_COST, over the block's
+    relative throughput."""
+    parts = math.ceil(T / bt) * (N // rs_channels(bt)) * s
+    return math.ceil(parts / sm_count()) * (K // 64 / s + RS_PART_COST) / (RS_BT128_EFF if bt == 128 else 1.0)
+
+
 def rs_plan(T: int, N: int, K: int, bt: int = 128) -> int:
-    """gemm_w4a16_rs's split for T rows of N columns: the K ranges per tile (up to 8, each at least 8 K tiles)
-    with the least time, counted as waves of parts over the SMs, each wave costing a part's K tiles plus
-    RS_PART_COST (ties to the smaller split). Change 165's fit: o and down at 512 rows (64 tiles) split 2,
-    at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole."""
-    tiles, sms, nk = math.ceil(T / bt) * (N // rs_channels(bt)), sm_count(), K // 64
-    return min(range(1, max(1, min(8, nk // 8)) + 1),
-               key=lambda s: (math.ceil(tiles * s / sms) * (nk / s + RS_PART_COST), s))
+    """gemm_w4a16_rs's split for bt tokens per block: the K ranges per tile (up to 8, each at least 8 K tiles)
+    with the least rs_cost (ties to the smaller split). Change 165's fit: o and down at 512 rows (64 tiles)
+    split 2, at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole. Change 167: with 256 tokens the
+    model's splits are within the probe's spread of the best measured ones."""
+    nk = K // 64
+    return min(range(1, max(1, min(8, nk // 8)) + 1), key=lambda s: (rs_cost(T, N, K, bt, s), s))
 
 
-def gemm_rs(x, mats, out, bt: int = 128, split: int | None = None):
-    """The register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-166): on
-    no prefill path; tools/probe_gemm_rs.py measures it against cuBLAS and gemm_wgmma, and its test checks
-    it. Up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block (64,
-    128, or 256 with blocks of 128 channels); each tile's K cut into split ranges (by default rs_plan's)."""
+def rs_choose(T: int, N: int, K: int) -> tuple[int, int]:
+    """(tokens per block, split) with the least rs_cost: 256 tokens unless a half-empty last token tile
+    costs more than the 128-token block's lower throughput (30B-A3B q|k|v at 384 rows: 128 tokens in 2
+    ranges, 297 TFLOP/s, against 246)."""
+    return min(((bt, rs_plan(T, N, K, bt)) for bt in (256, 128)), key=lambda p: rs_cost(T, N, K, *p))
+
+
+_RS_CALLS: dict[tuple, tuple] = {}
+
+
+def gemm_rs(x, mats, out, bt: int | None = None, split: int | None = None):
+    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-167; gemm()'s "rs"
+    path): up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block
+    (64, 128, or 256 with blocks of 128 channels); each tile's K cut into split ranges. By default
+    rs_choose's bt and split (with bt given, rs_plan's split). As gemm_wgmma, everything but x's descriptor
+    is worked out once per (matrices, shapes, strides, bt, split) and kept."""
+    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, bt, split, _dev_id())
+    rec = _RS_CALLS.get(key)
+    if rec is None:
+        rec = _remember(_RS_CALLS, key, _rs_call(x, mats, out, bt, split))
+    _, fn, grid, block, smem, bt, head, tail = rec
+    launch_ex(fn, grid, block, (tma_map_2d(x, bt, 64), *head, out, *tail), smem)
+    return out
+
+
+def _rs_call(x, mats, out, bt, split) -> tuple:
+    """gemm_rs's launch for these shapes, laid out as _wgmma_call's."""
     T, K = x.shape
     N = sum(m.N for m in mats)
-    assert bt in RS_STAGES and len(mats) <= 3 and all(m.K == K and m.N % 256 == 0 for m in mats)
-    assert K % 64 == 0 and mats[0].group_size % 64 == 0 and out.shape[0] == T and out.strides[1] == 2
+    assert wgmma_fits(mats) and mats[0].K == K and out.shape[0] == T and out.shape[1] >= N
+    assert x.strides[1] == 2 and x.strides[0] % 16 == 0 and out.strides[1] == 2
+    if bt is None:
+        bt, split = rs_choose(T, N, K) if split is None else (256, split)
+    assert bt in RS_STAGES
     split = split or rs_plan(T, N, K, bt)
     bc, st = rs_channels(bt), RS_STAGES[bt]
     tiles = math.ceil(T / bt) * (N // bc)
@@ -1107,10 +1166,9 @@ def gemm_rs(x, mats, out, bt: int = 128, split: int | None = None):
     fn = kernel("gemm90rs", f"gemm_w4a16_rs<{st}, {bt}>")
     smem = st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024  # RsSmem<st, bt>::bytes (the kernel traps on less)
     allow_dynamic_smem(fn, smem)
-    launch_ex(fn, (math.ceil(T / bt), N // bc, split), (2 * bc,),  # a warpgroup per 64 channels
-              (tma_map_2d(x, bt, 64), *_mat_slots(mats), out, _i(T), _i(K), _i(mats[0].group_size),
-               _i(out.strides[0] // 2), _i(split), part, ticket), smem)
-    return out
+    tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(split), part, ticket)
+    # a warpgroup per 64 channels (the kernel traps on another block size)
+    return tuple(mats), fn, (math.ceil(T / bt), N // bc, split), (2 * bc,), smem, bt, tuple(_mat_slots(mats)), tail
 
 
 def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
@@ -1142,9 +1200,9 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
 
 def gemm(x, m, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
-    same K (q, k, v), multiplied as one matrix [K, sum of N]. Path "wgmma" (sm_90, short prompts of
-    some shapes, see gemm_path): the fused wgmma GEMM of gemm_wgmma.cu, the weights dequantized in
-    shared memory and never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
+    same K (q, k, v), multiplied as one matrix [K, sum of N]. Paths "wgmma" (sm_90, short prompts of
+    some shapes, see gemm_path) and "rs" (sm_90, mid-size prompts, rs_range): the fused wgmma GEMMs of
+    gemm_wgmma.cu, the weights dequantized in shared memory or registers and never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
     into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32 accumulation); below
     it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     mats = m if isinstance(m, tuple) else (m,)
@@ -1154,6 +1212,8 @@ def gemm(x, m, out=None, path: str | None = None):
     path = path or gemm_path(T, mats)
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
+    if path == "rs":
+        return gemm_rs(x, mats, out)
     if path == "dequant":
         W = _dequant_scratch(K * N).reshape(K, N)
         c = 0
@@ -1178,12 +1238,13 @@ def gemm(x, m, out=None, path: str | None = None):
 
 
 def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
-    """silu(x W1) * (x W3) for x [T, K] fp16 -> [T, I] fp16. On the fused wgmma path gate and up are
+    """silu(x W1) * (x W3) for x [T, K] fp16 -> [T, I] fp16. On the fused wgmma and rs paths gate and up are
     one launch ([T, 2I], as q|k|v are); the dequant path multiplies them one at a time (its scratch
     holds one matrix)."""
     T, I = x.shape[0], w1.N
-    if gemm_path(T, (w1, w3)) == "wgmma":
-        y = gemm(x, (w1, w3), path="wgmma")
+    path = gemm_path(T, (w1, w3))
+    if path in ("wgmma", "rs"):
+        y = gemm(x, (w1, w3), path=path)
         g, u, ld = y, y[:, I:], 2 * I
     else:
         g, u, ld = gemm(x, w1), gemm(x, w3), I

@@ -442,8 +442,8 @@ def test_gemm_wgmma(M, tile, producers):
 @pytest.mark.parametrize("bt", [64, 128, 256])
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
 def test_gemm_rs_prototype(M, bt, split):
-    """The register-A wgmma prototype (gemm_wgmma.cu gemm_w4a16_rs, on no prefill path: PERFORMANCE.md changes
-    164-166) on check_wgmma's cases, bt tokens per block (256: blocks of 128 channels, half a column tile, 5
+    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-167) at each width
+    and split on check_wgmma's cases, bt tokens per block (256: blocks of 128 channels, half a column tile, 5
     stages): q|k|v side by side with ragged last token tiles, two launches bitwise equal (split parts are
     added in a fixed order whatever order they finish in), and the lone matrix with 64-row groups and more
     K tiles than its stages; each tile's K in `split` ranges (3: uneven, 16: one K tile each for q|k|v),
@@ -470,6 +470,87 @@ def test_rs_plan(T, N, K):
     def cost(t):
         return -(-tiles * t // sms) * (nk / t + oc.RS_PART_COST)
     assert all(cost(t) >= cost(s) for t in range(1, max(1, min(8, nk // 8)) + 1))
+
+
+@pytest.mark.parametrize("T,N,K", [(256, 6144, 4096), (384, 5120, 2048), (512, 4096, 4096), (512, 24576, 4096),
+                                   (768, 5120, 2048), (300, 1536, 1024), (1, 2048, 4096)])
+def test_rs_choose(T, N, K):
+    """rs_choose's (tokens per block, split): one of the path's two block widths with rs_plan's split for it,
+    and no other width and split within rs_plan's bounds costs less in rs_cost."""
+    bt, s = oc.rs_choose(T, N, K)
+    assert bt in (128, 256) and s == oc.rs_plan(T, N, K, bt)
+    nk = K // 64
+    assert all(oc.rs_cost(T, N, K, b, t) >= oc.rs_cost(T, N, K, bt, s)
+               for b in (128, 256) for t in range(1, max(1, min(8, nk // 8)) + 1))
+
+
+@pytest.mark.parametrize("M", [256, 300, 512, 700])
+def test_gemm_rs_path(M):
+    """gemm()'s "rs" path (gemm_w4a16_rs as rs_choose plans it) on check_wgmma's cases: q|k|v side by side,
+    two launches bitwise equal, and the lone matrix (64-row groups); the launch record it keeps is reused
+    by the repeat."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+
+    def run(x, mats, out):
+        return oc.gemm(x, mats, out, path="rs")
+
+    check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
+    assert not oc._gemm_split_buffers(0)[1].any()
+
+
+def test_gemm_path_routes_rs(monkeypatch):
+    """gemm_path's choice at the Qwen3-8B and 30B-A3B shapes on Hopper: the fused wgmma kernel for short
+    prompts, rs inside rs_range, dequant + cuBLAS past it; KUIPER_GEMM_RS=0 never rs, =1 always (when the
+    shapes fit)."""
+    if not oc.wgmma_available() or not oc.cublas_ready():
+        pytest.skip("needs compute capability 9.0 and cuBLAS")
+
+    def mats(K, *Ns):  # gemm_path reads only K, N, group_size (and ids)
+        return tuple(types.SimpleNamespace(K=K, N=n, group_size=128) for n in Ns)
+    qkv, o, gu, down = mats(4096, 4096, 1024, 1024), mats(4096, 4096), mats(4096, 12288, 12288), mats(12288, 4096)
+    qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
+    monkeypatch.setattr(oc, "GEMM_RS", "auto")
+    monkeypatch.setattr(oc, "GEMM_WGMMA", "auto")
+    for m in (qkv, o, gu, down):
+        assert [oc.gemm_path(T, m) for T in (128, 256, 512, 768, 2048)] == ["wgmma", "rs", "rs", "dequant", "dequant"]
+    assert [oc.gemm_path(T, qkv30) for T in (128, 256, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
+    assert [oc.gemm_path(T, o30) for T in (256, 384, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
+    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    assert oc.gemm_path(512, o) == "wgmma" and oc.gemm_path(512, qkv) == "dequant"
+    monkeypatch.setattr(oc, "GEMM_RS", "1")
+    assert oc.gemm_path(4, qkv) == "rs" and oc.gemm_path(4096, down) == "rs"
+    assert oc.gemm_path(512, mats(4096, 4096, 384)) == "dequant"  # N % 256: not in the fused kernels' table
+
+
+_RS_BAD_BLOCK = """
+import cupy as cp, numpy as np
+from kuiper_py import ops_cupy as oc
+from kuiper_py.loader import AwqLinear
+K, N = 256, 256
+m = oc.device_linear(AwqLinear(np.zeros((K, N // 8), np.int32), np.zeros((K // 128, N // 8), np.int32),
+                               np.ones((K // 128, N), np.float16), 128))
+x, out = cp.zeros((128, K), cp.float16), cp.zeros((128, N), cp.float16)
+oc._RS_CALLS.clear()
+rec = list(oc._rs_call(x, (m,), out, 128, 1))
+rec[3] = (128,)  # one warpgroup for four consumer warpgroups' barriers
+oc._RS_CALLS[(tuple(map(id, (m,))), x.shape, x.strides, out.shape, out.strides, 128, 1, oc._dev_id())] = tuple(rec)
+oc.gemm_rs(x, (m,), out, 128, 1)
+cp.cuda.Device().synchronize()
+"""
+
+
+def test_gemm_rs_traps_on_wrong_block():
+    """gemm_w4a16_rs launched with fewer threads than its consumer warpgroups fails with a CUDA error (its
+    blockDim trap) instead of hanging on barriers no warp will complete (change 166's first run hung so)."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _RS_BAD_BLOCK], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode != 0 and "CUDA" in r.stderr.upper(), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("producers", oc.WGMMA_PRODUCERS)
@@ -1285,11 +1366,13 @@ def test_gpu_sampling_distribution(kw):
 
 
 
-@pytest.mark.parametrize("model,T", [("0.6b", 1), ("0.6b", 17), ("0.6b", 600), ("8b", 17), ("8b", 300)])
+@pytest.mark.parametrize("model,T", [("0.6b", 1), ("0.6b", 17), ("0.6b", 600), ("0.6b", 1000), ("8b", 17),
+                                     ("8b", 300), ("8b", 700)])
 def test_swiglu_prefill(model, T):
-    """Prefill's SwiGLU, silu(x W1) * (x W3), against the float64 dequantized reference on both paths:
-    gate and up in one fused wgmma launch ([T, 2I], rows ld = 2I apart for silu_mul; Hopper, short
-    prompts) or one dequant + cuBLAS product each (T past wgmma_max_m, or off Hopper)."""
+    """Prefill's SwiGLU, silu(x W1) * (x W3), against the float64 dequantized reference on every path:
+    gate and up in one launch of either fused Hopper kernel ([T, 2I], rows ld = 2I apart for silu_mul;
+    wgmma for short prompts, rs for mid-size ones) or one dequant + cuBLAS product each (long prompts, or
+    off Hopper)."""
     rng = np.random.default_rng()
     D, I = SHAPES[model]["D"], SHAPES[model]["I"]
     (w1, r1), (w3, r3) = rand_awq(rng, D, I), rand_awq(rng, D, I)

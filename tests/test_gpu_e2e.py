@@ -301,6 +301,28 @@ def _synth_bin(ckpt_root, name, preset, layers):
     return out
 
 
+def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
+    """A 600-token prefill of two Qwen3-0.6B-shaped layers, every projection on the "rs" path (inside each
+    shape's rs_range; 600 rows: ragged last token tiles) on Hopper, against the CPU engine's logits at every
+    position and against the same GPU prefill with the rs path turned off."""
+    if not oc.wgmma_available():
+        pytest.skip("the rs path needs compute capability 9.0")
+    mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
+    ids = np.random.default_rng().integers(0, 151643, size=600).tolist()
+    calls = []
+    real = oc.gemm_rs
+    monkeypatch.setattr(oc, "gemm_rs", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(oc, "GEMM_RS", "auto")
+    rs = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
+    assert len(calls) == 2 * 4  # q|k|v, o, gate|up, down in each layer
+    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    other = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
+    assert len(calls) == 8
+    ref = Qwen3(mf, NumpyOps, 608).prefill(ids, all_logits=True)
+    assert np.isfinite(rs).all()
+    assert rel(rs, ref) < 1e-2 and rel(rs, other) < 1e-2
+
+
 # (preset, query heads per cluster (0: the plan's choice), o's weights copied after q|k|v's): g4 runs
 # two clusters of 2 query heads per KV head, one of 4 with o's weights beside q|k|v's, and one of 4
 # with o's weights over them (the layout Qwen3-8B takes on H100)

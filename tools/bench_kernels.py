@@ -263,14 +263,16 @@ def main():
             t_mma = time_ms(lambda i: gemm(a, ms[i % nq], c, path="mma"), iters=20)
             t_deq = time_ms(lambda i: gemm(a, ms[i % nq], c, path="dequant"), iters=20)
             t_cublas = time_ms(lambda i: cp.matmul(a, Wf[i % nf], out=c), iters=20)
-            t_wg = (time_ms(lambda i: gemm(a, ms[i % nq], c, path="wgmma"), iters=20)
-                    if wgmma_available() and wgmma_fits((ms[0],)) else None)  # the fused Hopper kernel
+            hopper = wgmma_available() and wgmma_fits((ms[0],))  # the fused Hopper kernels
+            t_wg = time_ms(lambda i: gemm(a, ms[i % nq], c, path="wgmma"), iters=20) if hopper else None
+            t_rs = time_ms(lambda i: gemm(a, ms[i % nq], c, path="rs"), iters=20) if hopper else None
             path = gemm_path(M, (ms[0],))
-            t_ours = {"dequant": t_deq, "mma": t_mma, "wgmma": t_wg}[path]
+            t_ours = {"dequant": t_deq, "mma": t_mma, "wgmma": t_wg, "rs": t_rs}[path]
             fl = 2 * M * K * N
             out["prefill"].append({"shape": name, "M": M, "path": path, "ours_TFLOPs": fl / t_ours / 1e9,
                                    "mma_TFLOPs": fl / t_mma / 1e9, "dequant_cublas_TFLOPs": fl / t_deq / 1e9,
                                    "wgmma_TFLOPs": fl / t_wg / 1e9 if t_wg else None,
+                                   "rs_TFLOPs": fl / t_rs / 1e9 if t_rs else None,
                                    "cublas_TFLOPs": fl / t_cublas / 1e9, "ratio": t_cublas / t_ours,
                                    "dequant_us": t_dq * 1e3, "dequant_GBps": K * N * 2.5 / t_dq / 1e6,
                                    "rotated_copies": [nq, nf]})
@@ -280,11 +282,12 @@ def main():
     for r in out["decode"]:
         print(f"| {r['shape']} | {r['form']} | {r['weight_bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['GBps']:.0f} | "
               f"{r['ratio_to_copy']:.2f} |")
-    print("| prefill GEMM | M | path taken | MMA TFLOP/s | wgmma TFLOP/s | dequant+cuBLAS TFLOP/s | cuBLAS fp16 "
-          "TFLOP/s | ours / cuBLAS | dequant alone µs (GB/s) |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| prefill GEMM | M | path taken | MMA TFLOP/s | wgmma TFLOP/s | rs TFLOP/s | dequant+cuBLAS TFLOP/s | "
+          "cuBLAS fp16 TFLOP/s | ours / cuBLAS | dequant alone µs (GB/s) |\n"
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in out["prefill"]:
-        wg = f"{r['wgmma_TFLOPs']:.1f}" if r["wgmma_TFLOPs"] else "-"
-        print(f"| {r['shape']} | {r['M']} | {r['path']} | {r['mma_TFLOPs']:.1f} | {wg} | {r['dequant_cublas_TFLOPs']:.1f} | "
+        wg, rs = (f"{r[k]:.1f}" if r[k] else "-" for k in ("wgmma_TFLOPs", "rs_TFLOPs"))
+        print(f"| {r['shape']} | {r['M']} | {r['path']} | {r['mma_TFLOPs']:.1f} | {wg} | {rs} | {r['dequant_cublas_TFLOPs']:.1f} | "
               f"{r['cublas_TFLOPs']:.1f} | {r['ratio']:.2f} | {r['dequant_us']:.1f} ({r['dequant_GBps']:.0f}) |")
     if len(sys.argv) > 2 and sys.argv[1] == "--json":
         Path(sys.argv[2]).write_text(json.dumps(out, indent=1))

@@ -1,6 +1,6 @@
 """Probe of the register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes
-164-166), 128 tokens per block with each tile's K in 1, 2 or 4 ranges or as rs_plan splits it, and 256
-tokens x 128 channels per block as rs_plan splits it: TFLOP/s at the Qwen3-8B projection shapes against
+164-166), 128 tokens x 256 channels or 256 tokens x 128 channels per block, each tile's K in 1, 2 or 4
+ranges or as rs_plan splits it: TFLOP/s at the Qwen3-8B (and 30B-A3B attention) projection shapes against
 cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the dequant + cuBLAS path in the same run,
 weights rotated over > 6x L2 as in bench_kernels, and each form's largest error against the float32 product
 of the dequantized weights (outputs poisoned with NaN first).
@@ -53,15 +53,18 @@ def under_load(run, seconds: float, flop: float) -> dict:
 
 
 SHAPES = {"qkv 4096->6144": (4096, [4096, 1024, 1024]), "o 4096->4096": (4096, [4096]),
-          "gate 4096->12288": (4096, [12288]), "down 12288->4096": (12288, [4096])}
+          "gate 4096->12288": (4096, [12288]), "gate|up 4096->2x12288": (4096, [12288, 12288]),
+          "down 12288->4096": (12288, [4096]),
+          "30b qkv 2048->5120": (2048, [4096, 512, 512]), "30b o 4096->2048": (4096, [2048])}
 
 
 @click.command()
 @click.option("--rows", default="256,512,1024,2048", help="token counts to time")
+@click.option("--shapes", default="", help="comma-separated prefixes of the shape names (default: all)")
 @click.option("--power", default=0.0, help="also run cuBLAS and each kernel back to back this many seconds at the "
               "largest row count, sampling the SM clock and board power (nvidia-smi)")
 @click.option("--json", "json_out", default=None)
-def main(rows, power, json_out):
+def main(rows, shapes, power, json_out):
     if not oc.wgmma_available():
         raise click.ClickException("needs compute capability 9.0 (sm_90a)")
     l2 = cp.cuda.Device().attributes["L2CacheSize"]
@@ -70,6 +73,8 @@ def main(rows, power, json_out):
         raise click.ClickException("--power needs nvidia-smi")
     out, loads = [], []
     for name, (K, Ns) in SHAPES.items():
+        if shapes and not any(name.startswith(p) for p in shapes.split(",")):
+            continue
         N = sum(Ns)
         nq = max(2, math.ceil(6 * l2 / (K * N // 2)))
         ms = [[rand_awq(K, n) for n in Ns] for _ in range(nq)]
@@ -80,7 +85,8 @@ def main(rows, power, json_out):
             x = (cp.random.standard_normal((M, K), dtype=cp.float32) * 0.5).astype(cp.float16)
             ref = x.astype(cp.float32) @ ref_w
             c = cp.empty((M, N), cp.float16)
-            forms = {f"rs{sp}": lambda i, c=c, sp=sp: oc.gemm_rs(x, ms[i % nq], c, 128, sp) for sp in (1, 2, 4)}
+            forms = {f"rs{bt}s{sp}": lambda i, c=c, sp=sp, bt=bt: oc.gemm_rs(x, ms[i % nq], c, bt, sp)
+                     for bt in (128, 256) for sp in (1, 2, 4)}
             forms["rs_plan"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 128)
             forms["rs256"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 256)
             forms["wgmma"] = lambda i, c=c: oc.gemm_wgmma(x, ms[i % nq], c)
@@ -105,14 +111,14 @@ def main(rows, power, json_out):
     if json_out:
         Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "under_load": loads}, indent=1))
     print(f"# {gpu}: TFLOP/s (ratio to cuBLAS fp16), largest error / largest |reference|")
-    names = ["rs1", "rs2", "rs4", "rs_plan", "rs256", "wgmma", "dequant"]
-    print("| shape | M | cuBLAS | rs, split 1 | 2 | 4 | rs as planned (split) | rs, 256 tokens (split) | wgmma (gemm_w4a16_ws) "
-          "| dequant + cuBLAS | largest error |")
+    names = ["rs128s1", "rs128s2", "rs128s4", "rs_plan", "rs256s1", "rs256s2", "rs256s4", "rs256", "wgmma", "dequant"]
+    print("| shape | M | cuBLAS | rs 128 tokens, split 1 | 2 | 4 | as planned (split) | rs 256 tokens, split 1 | 2 | 4 "
+          "| as planned (split) | wgmma (gemm_w4a16_ws) | dequant + cuBLAS | largest error |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
     for r in out:
         cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" for f in names]
         cells[3] += f" ({r['plan']})"
-        cells[4] += f" ({r['plan256']})"
+        cells[7] += f" ({r['plan256']})"
         print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names):.1e} |")
     if loads:
         print(f"\n# {gpu}, each form back to back for {power:g} s: TFLOP/s, median SM clock, median board power")
