@@ -487,8 +487,8 @@ def test_rs_choose(T, N, K):
 @pytest.mark.parametrize("M", [256, 300, 512, 700])
 def test_gemm_rs_path(M):
     """gemm()'s "rs" path (gemm_w4a16_rs as rs_choose plans it) on check_wgmma's cases: q|k|v side by side,
-    two launches bitwise equal, and the lone matrix (64-row groups); the launch record it keeps is reused
-    by the repeat."""
+    two launches bitwise equal (the repeat through the launch record the first one kept), and the lone matrix
+    (64-row groups)."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
 
