@@ -1086,12 +1086,21 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     read through a TMA descriptor (tma_map_2d). Everything but x's descriptor and out is worked out
     once per (matrices, shapes, strides, tile, plan, producers) and kept: a prefill repeats them per
     layer and per prompt, and the checks and plan had cost more host time than the launch."""
-    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, tile, plan, producers, _dev_id())
-    rec = _WGMMA_CALLS.get(key)
+    return _tma_gemm(_WGMMA_CALLS, x, mats, out, (tile, plan, producers),
+                     lambda: _wgmma_call(x, mats, out, tile, plan, producers))
+
+
+def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
+    """Launch one of gemm_wgmma.cu's fused GEMMs from its record in cache, keyed by (matrices, x's and out's
+    shapes and strides, settings, device); build() makes the record on a miss: (mats, kernel, grid, block,
+    shared memory, rows per TMA box of x, the matrix arguments, the arguments after out). Only x's descriptor
+    and out are per call."""
+    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
+    rec = cache.get(key)
     if rec is None:
-        rec = _remember(_WGMMA_CALLS, key, _wgmma_call(x, mats, out, tile, plan, producers))
-    _, fn, grid, block, smem, bm, head, tail = rec
-    launch_ex(fn, grid, block, (tma_map_2d(x, bm, 64), *head, out, *tail), smem)
+        rec = _remember(cache, key, build())
+    _, fn, grid, block, smem, rows, head, tail = rec
+    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *head, out, *tail), smem)
     return out
 
 
@@ -1139,13 +1148,7 @@ def gemm_rs(x, mats, out, bt: int | None = None, split: int | None = None):
     (64, 128, or 256 with blocks of 128 channels); each tile's K cut into split ranges. By default
     rs_choose's bt and split (with bt given, rs_plan's split). As gemm_wgmma, everything but x's descriptor
     is worked out once per (matrices, shapes, strides, bt, split) and kept."""
-    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, bt, split, _dev_id())
-    rec = _RS_CALLS.get(key)
-    if rec is None:
-        rec = _remember(_RS_CALLS, key, _rs_call(x, mats, out, bt, split))
-    _, fn, grid, block, smem, bt, head, tail = rec
-    launch_ex(fn, grid, block, (tma_map_2d(x, bt, 64), *head, out, *tail), smem)
-    return out
+    return _tma_gemm(_RS_CALLS, x, mats, out, (bt, split), lambda: _rs_call(x, mats, out, bt, split))
 
 
 def _rs_call(x, mats, out, bt, split) -> tuple:
