@@ -1,6 +1,6 @@
 // Prefill (M > 1) W4A16 GEMM: C[M, N] fp16 = A[M, K] fp16 x dequant(W)[K, N].
 // (Dense prefill takes awq_dequant + cuBLAS by default, see there; this fused GEMM serves the MoE
-// grouped GEMMs and ops_cupy.gemm(path="mma").)
+// grouped GEMMs where gemm_wgmma.cu's gemm_moe_rs does not run, and ops_cupy.gemm(path="mma").)
 //
 // Multi-stage cp.async pipeline brings A tiles and *packed* weight tiles (with that K tile's
 // group of scales and zeros) into shared memory; each K tile is dequantized once with LOP3 into
@@ -221,7 +221,7 @@ template <int MODE>
 __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32* qz, const half* sc, half* C,
                                          const int* offsets, const int* tile_offsets,
                                          const int* perm_to_unperm, int top_k, int E, int N, int K, int group) {
-    constexpr int BM = 64;  // MOE_TILE_M of moe.cu: the expert maps count row tiles of this size
+    constexpr int BM = 64;  // the expert maps count row tiles of this size (ops_cupy passes GEMM_BM as tile_m)
     __shared__ __align__(16) GemmSmem<BM> sm;
     __shared__ int a_row[BM], c_row[BM];
     const int tile = blockIdx.y;

@@ -333,7 +333,8 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     }
 }
 
-// ---- The register-A form (PERFORMANCE.md changes 164-166): a measured prototype, on no prefill path ----
+// ---- The register-A form (PERFORMANCE.md changes 164-168): dense prefill's "rs" path, and MoE prefill's grouped
+// expert GEMMs (gemm_moe_rs, at the end of the file) ----
 // Why: gemm_w4a16_ws stores every dequantized W tile to shared memory and each consumer's wgmma reads it
 // back as B (1/64 byte of shared-memory reads plus 1/128 of stores per FLOP, x as A another 1/128), and the
 // producers' dequantization, the loads and the wgmmas measured additive (change 44). Here the product is
@@ -530,27 +531,20 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
     rs_pin(d);
 }
 
-template <int ST, int BT>  // stages, tokens per block (64, 128 or 256: the wgmmas' N)
-__global__ void __launch_bounds__(128 * RS_WG(BT), 1)
-gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BT rows, 128B swizzle
-              const u32* qw0, const u32* qz0, const half* sc0, int n_0,  // as gemm_w4a16_ws
-              const u32* qw1, const u32* qz1, const half* sc1, int n_1,
-              const u32* qw2, const u32* qz2, const half* sc2, int n_2,
-              half* __restrict__ out,  // [T, ldo]
-              int T, int K, int group, int ldo,
-              int split,                     // gridDim.z: K tile ranges per tile (1: no split)
-              float* __restrict__ part,      // [tiles][split][BT / 2][threads] fp32 partial sums (split > 1)
-              int* __restrict__ ticket) {    // [tiles], zero between launches (split > 1)
-    static_assert(BT == 64 || BT == 128 || BT == 256, "m64n64k16, m64n128k16 or m64n256k16");
+// One block of gemm_w4a16_rs: tokens tok0 .. tok0 + BT - 1 of x (those from tok_end on are computed, not
+// stored) times channels n0 .. n0 + 64 RS_WG - 1 of one matrix (qw, qz, sc, N columns), stored at out's
+// column c_out; K tiles kt0 .. kt0 + nk - 1 (part z of split, tile ts of the split buffers).
+template <int ST, int BT>
+__device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restrict__ qw, const u32* __restrict__ qz,
+                                         const half* __restrict__ sc, int N, int n0, int c_out, int tok0, int tok_end,
+                                         half* __restrict__ out, int K, int group, int ldo, int split, int z, int ts,
+                                         float* __restrict__ part, int* __restrict__ ticket) {
     constexpr int WG = RS_WG(BT), NT = 128 * WG;
     typedef RsSmem<ST, BT> L;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
     const u32 sbase = smem_u32(sm), full = sbase + L::bar, empty = full + 8 * ST;
-    const int tid = threadIdx.x, z = blockIdx.z, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
-    const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * 64 * WG;  // token tiles fastest: a column tile's
-    const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;       // weights are read from L2 after the first
-    const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
+    const int tid = threadIdx.x, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
     if (tid == 0) {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -567,16 +561,12 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 
     // ---- loads: thread 0 issues a K tile's x (TMA), packed words, scales and zeros (bulk copies) into its
     // stage; the first ST now, then each as the stage is handed back (in the consumer loop below)
-    const u32* __restrict__ qw = mi == 0 ? qw0 : mi == 1 ? qw1 : qw2;
-    const u32* __restrict__ qz = mi == 0 ? qz0 : mi == 1 ? qz1 : qz2;
-    const half* __restrict__ sc = mi == 0 ? sc0 : mi == 1 ? sc1 : sc2;
-    const int N = mi == 0 ? n_0 : mi == 1 ? n_1 : n_2;
     const u32* tile_w = qw + (size_t)(n0 >> 8) * 32 * K;  // full 32-word tiles: [K/4][32][4]
     auto issue = [&](int kt) {  // kt: the part's own K tile count, its stage kt % ST
         const int s = kt % ST, gi = (kt0 + kt) * WG_BK / group;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
         mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
-        if (lx) tma_load_2d(sbase + L::x + s * BT * 128, &xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
+        if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         if (lw) {
             // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
             // 2-warpgroup block reads half
@@ -618,10 +608,9 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
         }
     }
     wg_wait<0>();
-    if (T < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (rs_keep)
+    if (tok_end < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (rs_keep)
     if (split > 1) {  // K split: each part stores its sums, the last of the tile to finish adds them
         __shared__ int last;
-        const int ts = blockIdx.y * gridDim.x + blockIdx.x;
         float* pt = part + (size_t)ts * split * (BT / 2) * NT + tid;
 #pragma unroll
         for (int i = 0; i < BT / 2; ++i) pt[((size_t)z * (BT / 2) + i) * NT] = d[i];
@@ -647,8 +636,57 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 #pragma unroll
         for (int v0 = 0; v0 < 2; ++v0) {
             const int tok = tok0 + 8 * j + 2 * t0 + v0;
-            if (tok < T)
+            if (tok < tok_end)
                 *reinterpret_cast<half2*>(out + (size_t)tok * ldo + col) = __floats2half2_rn(d[4 * j + v0], d[4 * j + v0 + 2]);
         }
     }
+}
+
+template <int ST, int BT>  // stages, tokens per block (64, 128 or 256: the wgmmas' N)
+__global__ void __launch_bounds__(128 * RS_WG(BT), 1)
+gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k x BT rows, 128B swizzle
+              const u32* qw0, const u32* qz0, const half* sc0, int n_0,  // as gemm_w4a16_ws
+              const u32* qw1, const u32* qz1, const half* sc1, int n_1,
+              const u32* qw2, const u32* qz2, const half* sc2, int n_2,
+              half* __restrict__ out,  // [T, ldo]
+              int T, int K, int group, int ldo,
+              int split,                     // gridDim.z: K tile ranges per tile (1: no split)
+              float* __restrict__ part,      // [tiles][split][BT / 2][threads] fp32 partial sums (split > 1)
+              int* __restrict__ ticket) {    // [tiles], zero between launches (split > 1)
+    static_assert(BT == 64 || BT == 128 || BT == 256, "m64n64k16, m64n128k16 or m64n256k16");
+    const int tok0 = blockIdx.x * BT, c_out = blockIdx.y * 64 * RS_WG(BT);  // token tiles fastest: a column
+    const int mi = c_out < n_0 ? 0 : c_out < n_0 + n_1 ? 1 : 2;  // tile's weights are read from L2 after the first
+    const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
+    rs_block<ST, BT>(&xmap, mi == 0 ? qw0 : mi == 1 ? qw1 : qw2, mi == 0 ? qz0 : mi == 1 ? qz1 : qz2,
+                     mi == 0 ? sc0 : mi == 1 ? sc1 : sc2, mi == 0 ? n_0 : mi == 1 ? n_1 : n_2, n0, c_out, tok0, T,
+                     out, K, group, ldo, split, blockIdx.z, blockIdx.y * gridDim.x + blockIdx.x, part, ticket);
+}
+
+// The MoE grouped form (PERFORMANCE.md change 168): one launch over every expert of a layer, x the rows of
+// all experts in permuted order (moe.cu moe_gather_rows for the gate|up GEMM, the activations for down), each
+// expert's rows contiguous (offsets). blockIdx.y walks the row tiles of all experts (tile_offsets counted in
+// tiles of BT rows by moe_expert_maps; blocks past the last tile exit), blockIdx.x the column tiles. A tile's
+// TMA box may run into the next expert's rows: they are multiplied and not stored. No split.
+//   qw [E][K, N/8] tiled, qz [E][K/g, N/8], sc [E][K/g, N] (an expert's [gate | up] is one [K, 2I] tiled
+//   matrix: its gate tiles then its up tiles); out [n, ldo] permuted rows.
+template <int ST, int BT>
+__global__ void __launch_bounds__(128 * RS_WG(BT), 1)
+gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted rows), box 64 k x BT rows
+            const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restrict__ sc, int N,
+            half* __restrict__ out, int K, int group, int ldo,
+            const int* __restrict__ offsets,       // [E+1] first permuted row of each expert
+            const int* __restrict__ tile_offsets,  // [E+1] first row tile of each expert (tiles of BT rows)
+            int E) {
+    static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 with 4 consumer warpgroups");
+    const int tile = blockIdx.y;
+    if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
+    int lo = 0, hi = E;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (tile_offsets[mid] <= tile) lo = mid; else hi = mid;
+    }
+    const int e = lo, n0 = blockIdx.x * 64 * RS_WG(BT);
+    rs_block<ST, BT>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                     sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
+                     offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);
 }

@@ -4,6 +4,8 @@
 //
 // Stage order (prefill):  router_logits -> topk -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU)
 //                         -> GEMM2 (down) -> finalize.
+//   On compute capability 9.0 (gemm_wgmma.cu gemm_moe_rs, ops_cupy.moe_experts): expert_maps in tiles of
+//   64 or 128 rows -> gather_rows (TMA cannot gather) -> GEMM1 (gate|up) -> silu_mul -> GEMM2 -> finalize.
 // Stage order (decode):   route_decode (rmsnorm + router + topk) -> expert GEMV gate|up (+SwiGLU)
 //                         -> expert GEMV down (+weighted sum over the k experts).
 // Everything stays on the device: expert ids are read by later kernels, never by the host, so a
@@ -13,7 +15,6 @@
 #include "common.cuh"
 
 #define MOE_MAP_WARPS 32    // warps of the single-block map builder
-#define MOE_TILE_M 64       // rows per grouped-GEMM tile (BM of gemm_w4a16.cu)
 
 // 8 fp16 products summed in fp32 (one 16-byte load of x and of a router row).
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
@@ -40,18 +41,61 @@ __device__ __forceinline__ float router_dot(const half* x, const half* __restric
     return warp_sum(s);
 }
 
-// logits[t, e] = x[t] . router[e] in fp32. grid (ceil(E / 8), T), block 256: one warp per expert,
-// so a decode step spreads the router's E x D read over many SMs.
-__global__ void moe_router_logits(const half* __restrict__ x,       // [T, D]
-                                  const half* __restrict__ router,  // [E, D]
-                                  float* __restrict__ logits,       // [T, E]
-                                  int D, int E) {
+// logits[t, e] = x[t] . router[e] in fp32. grid (ceil(E / 8), ceil(T / MOE_LOGIT_TB)), block 256: one warp per
+// expert, so a decode step spreads the router's E x D read over many SMs. The block's TB token rows are staged
+// in shared memory a segment of D at a time (every load of a segment in flight at once) and each warp runs them
+// over its router segment held in registers: the router is read once per TB tokens. (Per token, a 2048-token
+// prefill read the whole router 2048 times, 1 GB per 30B-A3B layer from L2: 183 us on the H200; holding x in
+// registers instead left too few loads in flight, PERFORMANCE.md change 168.) Each lane adds its chunks in
+// router_dot's order (l, l + 32, ..), then warp_sum.
+#define MOE_LOGIT_TB 16    // tokens per block
+#define MOE_LOGIT_SEG 128  // 16-byte chunks of D per staged segment (1024 halves; 32 KB for TB rows)
+__global__ void __launch_bounds__(256)
+moe_router_logits(const half* __restrict__ x,       // [T, D]
+                  const half* __restrict__ router,  // [E, D]
+                  float* __restrict__ logits,       // [T, E]
+                  int T, int D, int E) {
+    __shared__ uint4 xs[MOE_LOGIT_TB][MOE_LOGIT_SEG];
     pdl_wait();
     pdl_trigger();
-    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
+    const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t0 = blockIdx.y * MOE_LOGIT_TB;
+    const int nt = min(MOE_LOGIT_TB, T - t0), nc = D / 8;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)t0 * D);
+    const uint4* wr = reinterpret_cast<const uint4*>(router + (size_t)min(e, E - 1) * D);
+    float s[MOE_LOGIT_TB];
+#pragma unroll
+    for (int t = 0; t < MOE_LOGIT_TB; ++t) s[t] = 0.f;
+    for (int c0 = 0; c0 < nc; c0 += MOE_LOGIT_SEG) {
+        constexpr int PER = MOE_LOGIT_TB * MOE_LOGIT_SEG / 256;  // chunks each thread stages
+        uint4 v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {  // rows past T and chunks past D as zeros
+            const int i = threadIdx.x + 256 * j, t = i / MOE_LOGIT_SEG, c = c0 + i % MOE_LOGIT_SEG;
+            v[j] = t < nt && c < nc ? __ldg(xr + (size_t)t * nc + c) : make_uint4(0, 0, 0, 0);
+        }
+        uint4 w[MOE_LOGIT_SEG / 32];
+#pragma unroll
+        for (int j = 0; j < MOE_LOGIT_SEG / 32; ++j) {
+            const int c = c0 + lane + 32 * j;
+            w[j] = c < nc ? __ldg(wr + c) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();  // every warp is done with the previous segment
+#pragma unroll
+        for (int j = 0; j < PER; ++j) (&xs[0][0])[threadIdx.x + 256 * j] = v[j];
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < MOE_LOGIT_TB; ++t)
+#pragma unroll
+            for (int j = 0; j < MOE_LOGIT_SEG / 32; ++j)
+                if (c0 + lane + 32 * j < nc) s[t] += dot8(xs[t][lane + 32 * j], w[j]);
+    }
     if (e >= E) return;
-    const float s = router_dot(x + (size_t)t * D, router + (size_t)e * D, D);
-    if (lane == 0) logits[(size_t)t * E + e] = s;
+#pragma unroll
+    for (int t = 0; t < MOE_LOGIT_TB; ++t) {
+        if (t >= nt) break;
+        const float r = warp_sum(s[t]);
+        if (lane == 0) logits[(size_t)(t0 + t) * E + e] = r;
+    }
 }
 
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp (common.cuh's
@@ -159,11 +203,11 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
 // (expert, s) -- a stable counting sort: each warp owns a contiguous slot range, counts it, and
 // then places its slots in order, so the result never depends on scheduling.
 //   counts [E], offsets [E+1] (exclusive prefix sum), tile_offsets [E+1] (prefix sum of
-//   ceil(count / MOE_TILE_M): the grouped GEMM's block -> expert table), perm_to_unperm [n] and
-//   unperm_to_perm [n].
+//   ceil(count / tile_m): the grouped GEMM's block -> expert table, tile_m its rows per tile: 64 for
+//   gemm_w4a16.cu's, 64 or 128 for gemm_wgmma.cu's gemm_moe_rs), perm_to_unperm [n] and unperm_to_perm [n].
 __global__ void __launch_bounds__(MOE_MAP_WARPS * 32)
 moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
-                int n, int E,
+                int n, int E, int tile_m,
                 int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
                 int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {
     __shared__ int cnt[MOE_MAP_WARPS][MOE_MAX_E];  // per warp: its count, then its write cursor
@@ -191,7 +235,7 @@ moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
             offsets[e] = off;
             tile_offsets[e] = toff;
             off += counts[e];
-            toff += (counts[e] + MOE_TILE_M - 1) / MOE_TILE_M;
+            toff += (counts[e] + tile_m - 1) / tile_m;
         }
         offsets[E] = off;
         tile_offsets[E] = toff;
@@ -218,6 +262,17 @@ moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
         if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp][e] += __popc(peers);
         __syncwarp();
     }
+}
+
+// xp[r] = x[perm_to_unperm[r] / k]: the rows of every expert contiguous, for gemm_moe_rs's TMA loads (which
+// cannot gather). grid n, block 128, 16-byte copies; D % 8 == 0.
+__global__ void moe_gather_rows(const half* __restrict__ x,              // [T, D]
+                                const int* __restrict__ perm_to_unperm,  // [n = T*k]
+                                half* __restrict__ xp,                   // [n, D]
+                                int D, int k) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)(perm_to_unperm[blockIdx.x] / k) * D);
+    uint4* dst = reinterpret_cast<uint4*>(xp + (size_t)blockIdx.x * D);
+    for (int i = threadIdx.x; i < D / 8; i += blockDim.x) dst[i] = src[i];
 }
 
 // out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum, fp16 out; the residual add

@@ -158,7 +158,7 @@ GEMM_WGMMA_FORCE_TILE = tuple(int(v) for v in _t.split("x")) if _t else None
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
-GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe.cu MOE_TILE_M); dense prefill picks 64 or 128 rows
+GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe_maps' tile_m); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
 ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
@@ -262,6 +262,8 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
+MOE_RS_TILES = (64, 128)
+MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -269,9 +271,11 @@ _FILES = {
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
     # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
-    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]),
+    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
+                  + [f"gemm_moe_rs<{RS_STAGES[bt]}, {bt}>" for bt in MOE_RS_TILES]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_finalize"]),
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
+                       "moe_finalize"]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
                          for lp in ("", ",true")]),
@@ -1823,7 +1827,8 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     logits = cp.empty((T, E), cp.float32) if logits is None else logits
     ids = cp.empty((T, k), cp.int32) if ids is None else ids
     weights = cp.empty((T, k), cp.float32) if weights is None else weights
-    kernel("moe", "moe_router_logits")((math.ceil(E / 8), T), (256,), (x, router, logits, _i(D), _i(E)))
+    kernel("moe", "moe_router_logits")((math.ceil(E / 8), math.ceil(T / MOE_LOGIT_TB)), (256,),
+                                       (x, router, logits, _i(T), _i(D), _i(E)))
     kernel("moe", "moe_topk")((math.ceil(T / 8),), (256,), (logits, ids, weights, _i(T), _i(E), _i(k),
                                                            _i(int(norm_topk))))
     return ids, weights
@@ -1845,20 +1850,68 @@ def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, log
     return ids, weights
 
 
-def moe_maps(ids, n_experts: int, out=None):
-    """counts [E], expert_first_token_offset [E+1], tile offsets [E+1] (grouped-GEMM row tiles),
-    permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
+def moe_maps(ids, n_experts: int, out=None, tile_m: int = GEMM_BM):
+    """counts [E], expert_first_token_offset [E+1], tile offsets [E+1] (grouped-GEMM row tiles of tile_m
+    rows), permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
     n, E = ids.size, n_experts
     if out is None:
         out = tuple(cp.empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
     counts, offsets, tiles, p2u, u2p = out
-    kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), counts, offsets, tiles, p2u, u2p))
+    kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), _i(tile_m), counts, offsets, tiles, p2u,
+                                                     u2p))
     return counts, offsets, tiles, p2u, u2p
 
 
-def _moe_grid_rows(n: int, E: int) -> int:
-    """Row tiles the grouped GEMM launches: sum_e ceil(count_e / BM) <= ceil(n / BM) + min(E, n)."""
-    return math.ceil(n / GEMM_BM) + min(E, n)
+def _moe_grid_rows(n: int, E: int, tile_m: int = GEMM_BM) -> int:
+    """Row tiles the grouped GEMM launches: sum_e ceil(count_e / tile_m) <= ceil(n / tile_m) + min(E, n)."""
+    return math.ceil(n / tile_m) + min(E, n)
+
+
+# Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
+# PERFORMANCE.md change 168) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
+# "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
+MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
+# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 up to this many, 128 above
+MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "48"))
+
+
+def moe_rs_fits(D: int, inter: int, group: int) -> bool:
+    """gemm_moe_rs's shape table for both expert GEMMs: gate|up [D, 2 inter] and down [inter, D], each N a
+    multiple of 256 (whole 32-word column tiles), each K of 64, group of 64."""
+    return D % 256 == 0 and inter % 256 == 0 and group % 64 == 0
+
+
+def moe_rs_tile(n: int, E: int) -> int:
+    """gemm_moe_rs's rows per tile for n routed rows over E experts (MOE_RS_BT128_FROM)."""
+    return 128 if n >= MOE_RS_BT128_FROM * E else 64
+
+
+def moe_gather(x, p2u, k: int, out=None):
+    """xp [T*k, D] = x[p2u // k]: each expert's rows contiguous (moe.cu moe_gather_rows), for gemm_moe_rs."""
+    n, D = p2u.size, x.shape[1]
+    assert D % 8 == 0 and x.flags.c_contiguous
+    out = cp.empty((n, D), cp.float16) if out is None else out
+    kernel("moe", "moe_gather_rows")((n,), (128,), (x, p2u, out, _i(D), _i(k)))
+    return out
+
+
+def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
+    """One grouped GEMM over every expert (gemm_wgmma.cu gemm_moe_rs): x [n, K] in permuted row order (each
+    expert's rows contiguous, offsets [E+1]; tiles [E+1] moe_maps' tile offsets for tile_m = bt) times each
+    expert's [K, N] matrix -> out [n, N] in the same order."""
+    n, K = x.shape
+    E, N = stack.E, stack.scales.shape[-1]
+    assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and stack.group_size % 64 == 0
+    assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
+    out = cp.empty((n, N), cp.float16) if out is None else out
+    st = RS_STAGES[bt]
+    fn = kernel("gemm90rs", f"gemm_moe_rs<{st}, {bt}>")
+    smem = st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024  # RsSmem<st, bt>::bytes (the kernel traps on less)
+    allow_dynamic_smem(fn, smem)
+    launch_ex(fn, (N // 256, _moe_grid_rows(n, E, bt)), (512,), (
+        tma_map_2d(x, bt, 64), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
+        _i(out.strides[0] // 2), offsets, tiles, _i(E)), smem)
+    return out
 
 
 def moe_gemm_gate_up(x, w13: AwqStack, offsets, tiles, p2u, k: int, out=None):
@@ -1891,6 +1944,37 @@ def moe_finalize(y, u2p, weights, out=None):
     out = cp.empty((T, D), cp.float16) if out is None else out
     kernel("moe", "moe_finalize")((T,), (256,), (y, u2p, weights, out, _i(D), _i(k)))
     return out
+
+
+def moe_rs_path(w13: AwqStack, w2: AwqStack) -> bool:
+    """Whether moe_experts takes gemm_moe_rs for these stacks (MOE_RS, compute capability 9.0, moe_rs_fits)."""
+    D, inter = w2.scales.shape[-1], w2.qweight.shape[1]
+    return (MOE_RS != "0" and w13.group_size == w2.group_size and w13.scales.shape[-1] == 2 * inter
+            and moe_rs_fits(D, inter, w2.group_size) and wgmma_available())
+
+
+def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = None):
+    """Prefill's expert half: x [T, D] fp16 through each token's k experts (ids int32 [T, k], weights fp32
+    [T, k]) and their weighted sum -> [T, D] fp16, every stage on the device. rs (default moe_rs_path):
+    the expert maps in tiles of moe_rs_tile rows, the rows gathered per expert, gemm_moe_rs over gate|up,
+    SwiGLU, gemm_moe_rs over down; otherwise gemm_w4a16.cu's grouped GEMMs (the gather in gate|up's A
+    loads, SwiGLU in its epilogue). Then finalize."""
+    k = ids.shape[1]
+    n = ids.size
+    if rs is None:
+        rs = moe_rs_path(w13, w2)
+    if not rs:
+        _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E)
+        y = moe_gemm_down(moe_gemm_gate_up(x, w13, offsets, tiles, p2u, k), w2, offsets, tiles)
+        return moe_finalize(y, u2p, weights)
+    bt = moe_rs_tile(n, w13.E)
+    _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E, tile_m=bt)
+    gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
+    inter = gu.shape[1] // 2
+    act = cp.empty((n, inter), cp.float16)
+    kernel("gemm", "silu_mul")((math.ceil(n * inter / 2048),), (256,), (gu, gu[:, inter:], act, _i(n * inter),
+                                                                       _i(inter), _i(2 * inter)))
+    return moe_finalize(gemm_moe_rs(act, w2, offsets, tiles, bt), u2p, weights)
 
 
 def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
@@ -2577,10 +2661,7 @@ class CupyOps:
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
-        _, offsets, tiles, p2u, u2p = moe_maps(ids, a.num_experts)
-        act = moe_gemm_gate_up(x, layer.experts_w13, offsets, tiles, p2u, k)
-        y = moe_gemm_down(act, layer.experts_w2, offsets, tiles)
-        return moe_finalize(y, u2p, w)
+        return moe_experts(x, layer.experts_w13, layer.experts_w2, ids, w)
 
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size

@@ -57,6 +57,8 @@ PRESETS = {
 MOE_PRESETS = {
     "tiny-moe": (128, 256, 2, 4, 2, 64, True, 8, 2, 128, ()),
     "tiny-moe-mixed": (128, 256, 3, 4, 2, 64, False, 8, 3, 128, (1,)),
+    # the smallest shapes the Hopper grouped expert GEMMs take (hidden and expert intermediate of 256)
+    "small-moe": (256, 512, 2, 4, 2, 64, True, 16, 4, 256, ()),
     "30b-a3b": (2048, 6144, 48, 32, 4, 128, False, 128, 8, 768, ()),
     "235b-a22b": (4096, 12288, 94, 64, 4, 128, False, 128, 8, 1536, ()),
 }

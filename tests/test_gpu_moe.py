@@ -15,7 +15,7 @@ from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
-from kuiper_py.ops_numpy import NumpyOps, awq_linear
+from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
 from reference import (PROMPT, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
                        decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, rel)
 
@@ -128,6 +128,65 @@ def test_moe_stages_match_reference(layer, T, norm_topk):
         assert rel(cp.asnumpy(gu).astype(np.float64) / 2**32, gu_ref) < 1e-2
         assert rel(cp.asnumpy(yacc).astype(np.float64) / 2**32, full_ref[0]) < 1e-2
         assert int(cp.count_nonzero(zero)) == 0
+
+
+def row_rel(got, ref):
+    """The largest relative error of one row (a wrong or unwritten row cannot hide in the whole's norm)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float((np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
+
+
+@pytest.mark.parametrize("bt", oc.MOE_RS_TILES)
+@pytest.mark.parametrize("T", [1, 7, 300, 2048])
+def test_moe_rs_stages_match_reference(layer, T, bt):
+    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md change 168): the
+    expert maps in tiles of bt rows, the rows gathered per expert, the grouped gate|up and down GEMMs, each
+    stage against moe_ref with poisoned outputs; then moe_experts whole, on this path and on the mma.sync
+    one, against moe_ref's pipeline. Experts with no tokens are part of every case (DEAD)."""
+    if not oc.wgmma_available():
+        pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    rng = np.random.default_rng()
+    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
+    n = T * K_TOP
+    ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, True)
+    counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids_ref, E)
+    assert (counts_ref[DEAD] == 0).all()
+    ids_d = cp.asarray(ids_ref)
+    maps = tuple(poisoned((m,), np.int32) for m in (E, E + 1, E + 1, n, n))
+    counts, offsets, tiles, p2u, u2p = oc.moe_maps(ids_d, E, out=maps, tile_m=bt)
+    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((counts_ref + bt - 1) // bt)]))
+    np.testing.assert_array_equal(cp.asnumpy(p2u), p2u_ref)
+
+    xp_ref = moe_ref.gather(x, p2u_ref, K_TOP)
+    xp = oc.moe_gather(cp.asarray(x), p2u, K_TOP, out=poisoned((n, D), np.float16))
+    np.testing.assert_array_equal(cp.asnumpy(xp), xp_ref)
+
+    gu_ref = moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets_ref, layer["w13"])  # [n, 2I]: gate | up
+    gu = oc.gemm_moe_rs(xp, layer["w13_d"], offsets, tiles, bt, out=poisoned((n, 2 * INTER), np.float16))
+    assert row_rel(cp.asnumpy(gu), gu_ref) < 5e-3
+
+    act16 = (silu(gu_ref[:, :INTER]) * gu_ref[:, INTER:]).astype(np.float16)
+    y_ref = moe_ref.grouped_gemm2(act16.astype(np.float32), offsets_ref, layer["w2"])
+    y = oc.gemm_moe_rs(cp.asarray(act16), layer["w2_d"], offsets, tiles, bt, out=poisoned((n, D), np.float16))
+    assert row_rel(cp.asnumpy(y), y_ref) < 5e-3
+
+    out_ref = moe_ref.finalize(moe_ref.grouped_gemm2(
+        moe_ref.grouped_gemm1_swiglu(xp_ref.astype(np.float32), offsets_ref, layer["w13"]), offsets_ref,
+        layer["w2"]), u2p_ref, w_ref)
+    for rs in (True, False):
+        got = oc.moe_experts(cp.asarray(x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref), rs=rs)
+        assert row_rel(cp.asnumpy(got), out_ref) < 1e-2, rs
+
+
+def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
+    """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless KUIPER_MOE_RS=0;
+    tiny-moe's hidden size of 128 (no whole 256-column tile) never does; moe_rs_tile by the mean rows."""
+    assert oc.moe_rs_path(layer["w13_d"], layer["w2_d"]) == oc.wgmma_available()
+    monkeypatch.setattr(oc, "MOE_RS", "0")
+    assert not oc.moe_rs_path(layer["w13_d"], layer["w2_d"])
+    assert not oc.moe_rs_fits(128, 128, 128) and oc.moe_rs_fits(2048, 768, 128) and not oc.moe_rs_fits(2048, 832, 128)
+    monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 64)
+    assert oc.moe_rs_tile(64 * E - 1, E) == 64 and oc.moe_rs_tile(64 * E, E) == 128
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])
@@ -350,6 +409,44 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
         gap, err, got_tok, runner_up = tie
         assert got_tok == runner_up and gap < err, (len(toks), tie)
     assert len(set(toks)) > 4
+
+
+def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
+    """A whole small-moe prefill (hidden and expert intermediate 256: the grouped expert GEMMs on gemm_moe_rs)
+    against the CPU engine at every position, and against the same prefill on the mma.sync grouped GEMMs
+    (KUIPER_MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
+    activations may flip) legitimately differs: at least 95% of the 300 must route the same, and those are
+    compared (1e-2, as the tiny models' prefill test). Rows are checked one by one in the stage tests above:
+    here the largest row's error is set by the draw (0.0085 and 0.056 in two draws on this path, 0.0077 on
+    the mma.sync one; H200), through tokens whose neighbours were rerouted."""
+    if not oc.wgmma_available():
+        pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    d = synth.make_checkpoint(tmp_path / "ck", "small-moe", seed=5, n_shards=1, tokenizer=False)
+    export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
+    mf = load(tmp_path / "m.bin")
+    assert oc.moe_rs_path(oc.device_linear(mf.weights.layers[0].experts_w13, 2),
+                          oc.device_linear(mf.weights.layers[0].experts_w2))
+    ids = np.random.default_rng().integers(0, 151643, size=300).tolist()
+    cpu = Qwen3(mf, NumpyOps, 320)
+    ref = cpu.prefill(ids, all_logits=True)
+    got, both = {}, np.ones(len(ids), bool)
+    calls, grouped = [], oc.gemm_moe_rs
+    monkeypatch.setattr(oc, "gemm_moe_rs", lambda *a, **k: calls.append(a[4]) or grouped(*a, **k))
+    for rs in ("auto", "0"):
+        monkeypatch.setattr(oc, "MOE_RS", rs)
+        gpu = Qwen3(mf, oc.CupyOps, 320)
+        gpu.ops.routing_log = []
+        got[rs] = cp.asnumpy(gpu.prefill(ids, all_logits=True))
+        # both layers' gate|up and down on gemm_moe_rs (75 rows per expert: 128-row tiles), or none
+        assert calls == ([128] * 4 if rs == "auto" else []), (rs, calls)
+        calls.clear()
+        same = np.ones(len(ids), bool)
+        for g, c in zip(gpu.ops.routing_log, cpu.ops.routing_log, strict=True):
+            same &= (np.sort(g, axis=1) == np.sort(c, axis=1)).all(axis=1)
+        assert same.mean() >= 0.95, (rs, same.mean())
+        assert np.isfinite(got[rs]).all() and rel(got[rs][same], ref[same]) < 1e-2, rs
+        both &= same
+    assert rel(got["auto"][both], got["0"][both]) < 1e-2
 
 
 def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):

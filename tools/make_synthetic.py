@@ -2,7 +2,7 @@
 """Write a synthetic Qwen3 AWQ checkpoint (random weights, real HF layout and Qwen tokenizer).
 
     python tools/make_synthetic.py OUT_DIR --preset tiny|tiny-untied|small|0.6b|1.7b|4b|8b|14b|32b|
-        tiny-moe|tiny-moe-mixed|30b-a3b|235b-a22b
+        tiny-moe|tiny-moe-mixed|small-moe|30b-a3b|235b-a22b
 """
 import sys
 from pathlib import Path
