@@ -263,7 +263,12 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 MOE_RS_TILES = (64, 128)
-MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
+MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
+# from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
+# instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
+# against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
+# went 1.5x slower, so below 1024 tokens the kernel stays)
+MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024"))  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -1827,8 +1832,11 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     logits = cp.empty((T, E), cp.float32) if logits is None else logits
     ids = cp.empty((T, k), cp.int32) if ids is None else ids
     weights = cp.empty((T, k), cp.float32) if weights is None else weights
-    kernel("moe", "moe_router_logits")((math.ceil(E / 8), math.ceil(T / MOE_LOGIT_TB)), (256,),
-                                       (x, router, logits, _i(T), _i(D), _i(E)))
+    if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
+        cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)
+    else:
+        kernel("moe", "moe_router_logits")((math.ceil(E / 8), math.ceil(T / MOE_LOGIT_TB)), (256,),
+                                           (x, router, logits, _i(T), _i(D), _i(E)))
     kernel("moe", "moe_topk")((math.ceil(T / 8),), (256,), (logits, ids, weights, _i(T), _i(E), _i(k),
                                                            _i(int(norm_topk))))
     return ids, weights
