@@ -2,7 +2,10 @@
 //
 // flash_attn_prefill: causal flash attention for a chunk of T queries at positions pos0..pos0+T-1,
 //   tensor cores for QK^T and PV, online softmax in registers, GQA by indexing the shared KV head.
-//   64 queries x one head per block (4 warps x 16 rows), 32-key tiles. HD in {64, 128}.
+//   64 queries x one head per block (4 warps x 16 rows), 64-key tiles double-buffered in dynamic shared
+//   memory (the next tile's cp.async copies in flight while this one is multiplied; FaSmem, 69.6 KB at HD
+//   128, 3 blocks per SM), heaviest query tiles first, the causal mask only on diagonal tiles (PERFORMANCE.md
+//   change 169). HD in {64, 128}.
 // attn_decode_gqa + attn_decode_combine: flash-decoding for one query token, the KV length split
 //   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
 //   a second pass merges the partial softmaxes.
@@ -10,26 +13,48 @@
 #include "attn_decode.cuh"
 
 #define FA_BQ 64
-#define FA_BKV 32
+#define FA_BKV 64
 #define FA_PAD 8
 
 template <int HD>
-struct FaSmem {
+union FaSmem {  // q is read into registers before the first K/V copy lands in its bytes
     half q[FA_BQ][HD + FA_PAD];
-    half k[FA_BKV][HD + FA_PAD];
-    half v[FA_BKV][HD + FA_PAD];
+    struct {
+        half k[2][FA_BKV][HD + FA_PAD];
+        half v[2][FA_BKV][HD + FA_PAD];
+    } kv;
 };
 
+// Issue the cp.async copies of the K/V tile at key kv0 into stage st (zero-filled past n_keys: V rows must
+// not hold NaN garbage), as one commit group.
 template <int HD>
-__global__ void __launch_bounds__(128)
+__device__ __forceinline__ void fa_load_kv(FaSmem<HD>& sm, int st, int kv0, int n_keys, const half* __restrict__ Kc,
+                                           const half* __restrict__ Vc, int KV, int kvh) {
+    constexpr int CH = HD / 8;
+    for (int c = threadIdx.x; c < FA_BKV * CH; c += 128) {
+        const int r = c / CH, cc = c % CH;
+        const bool ok = kv0 + r < n_keys;
+        const size_t off = ((size_t)(kv0 + r) * KV + kvh) * HD + cc * 8;
+        cp_async16(&sm.kv.k[st][r][cc * 8], ok ? Kc + off : Kc, ok ? 16 : 0);
+        cp_async16(&sm.kv.v[st][r][cc * 8], ok ? Vc + off : Vc, ok ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128, 3)
 flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
                    const half* __restrict__ Kc,  // [ctx, KV, HD] this layer
                    const half* __restrict__ Vc,  // [ctx, KV, HD]
                    half* __restrict__ O,         // [T, H, HD]
                    int T, int pos0, int H, int KV, float scale_log2) {
-    __shared__ __align__(16) FaSmem<HD> sm;
+    // sizeof(FaSmem<HD>) of dynamic shared memory (ops_cupy.attention_prefill); no size check here: a trap's
+    // registers pushed HD 128 past its 168 (3 blocks per SM) into spills
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    FaSmem<HD>& sm = *reinterpret_cast<FaSmem<HD>*>(fa_smem);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int q0 = blockIdx.x * FA_BQ, h = blockIdx.y, kvh = h / (H / KV);
+    // the last query tiles have the most keys: they start first, so the grid does not end on them
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ, h = blockIdx.y, kvh = h / (H / KV);
     const int g = lane >> 2, tq = lane & 3;
     constexpr int CH = HD / 8;  // 16-byte chunks per row
 
@@ -45,6 +70,7 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
         ldmatrix_x4(qf[kk], &sm.q[warp * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]);
+    __syncthreads();  // every warp holds its q: the K/V stages may overwrite it
 
     float o[HD / 8][4];
 #pragma unroll
@@ -54,18 +80,15 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
     const int n_keys = pos0 + T;
     const int kv_end = min(n_keys, pos0 + q0 + FA_BQ);  // causal bound of this query tile
 
+    fa_load_kv<HD>(sm, 0, 0, n_keys, Kc, Vc, KV, kvh);
     for (int kv0 = 0; kv0 < kv_end; kv0 += FA_BKV) {
-        __syncthreads();  // previous tile fully consumed
-        for (int c = t; c < FA_BKV * CH; c += 128) {
-            int r = c / CH, cc = c % CH;
-            bool ok = kv0 + r < n_keys;  // zero-fill past the end: V rows must not hold NaN garbage
-            size_t off = ((size_t)(kv0 + r) * KV + kvh) * HD + cc * 8;
-            cp_async16(&sm.k[r][cc * 8], ok ? Kc + off : Kc, ok ? 16 : 0);
-            cp_async16(&sm.v[r][cc * 8], ok ? Vc + off : Vc, ok ? 16 : 0);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        const int st = (kv0 / FA_BKV) & 1;
+        if (kv0 + FA_BKV < kv_end) fa_load_kv<HD>(sm, st ^ 1, kv0 + FA_BKV, n_keys, Kc, Vc, KV, kvh);
+        else cp_async_commit();  // an empty group: the wait below still means "this tile has landed"
+        cp_async_wait<1>();
+        __syncthreads();  // this tile's copies by every thread are visible
+        const half (*sk)[HD + FA_PAD] = sm.kv.k[st];
+        const half (*sv)[HD + FA_PAD] = sm.kv.v[st];
 
         float s[FA_BKV / 8][4];
 #pragma unroll
@@ -75,19 +98,23 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 #pragma unroll
             for (int np = 0; np < FA_BKV / 16; ++np) {
                 u32 kf[4];  // non-transposed: K rows are B's columns
-                ldmatrix_x4(kf, &sm.k[np * 16 + (lane >> 4) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+                ldmatrix_x4(kf, &sk[np * 16 + (lane >> 4) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
                 mma_16816(s[np * 2], qf[kk], kf[0], kf[1]);
                 mma_16816(s[np * 2 + 1], qf[kk], kf[2], kf[3]);
             }
-        // mask, scale into log2 domain, online softmax (each row lives in one quad of lanes)
+        // mask, scale into log2 domain, online softmax (each row lives in one quad of lanes). A tile wholly
+        // before the warp's first query and inside the keys needs no mask (all but the diagonal tiles).
+        const bool unmasked = kv0 + FA_BKV - 1 <= pos0 + q0 + warp * 16 && kv0 + FA_BKV <= n_keys;
         float mnew[2] = {mrow[0], mrow[1]};
 #pragma unroll
         for (int nt = 0; nt < FA_BKV / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                int key = kv0 + nt * 8 + tq * 2 + (e & 1);
-                int qp = qpos0 + (e >> 1) * 8;
-                float v = (key <= qp && key < n_keys) ? s[nt][e] * scale_log2 : -INFINITY;
+                float v = s[nt][e] * scale_log2;
+                if (!unmasked) {
+                    const int key = kv0 + nt * 8 + tq * 2 + (e & 1), qp = qpos0 + (e >> 1) * 8;
+                    if (key > qp || key >= n_keys) v = -INFINITY;
+                }
                 s[nt][e] = v;
                 mnew[e >> 1] = fmaxf(mnew[e >> 1], v);
             }
@@ -130,11 +157,12 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
                 u32 vf[4];
-                ldmatrix_x4_trans(vf, &sm.v[ks * 16 + (lane & 15)][np * 16 + (lane >> 4) * 8]);
+                ldmatrix_x4_trans(vf, &sv[ks * 16 + (lane & 15)][np * 16 + (lane >> 4) * 8]);
                 mma_16816(o[np * 2], pf, vf[0], vf[1]);
                 mma_16816(o[np * 2 + 1], pf, vf[2], vf[3]);
             }
         }
+        __syncthreads();  // every warp is done with stage st before the next iteration copies into it
     }
     float inv[2] = {lrow[0] > 0.f ? 1.f / lrow[0] : 0.f, lrow[1] > 0.f ? 1.f / lrow[1] : 0.f};
 #pragma unroll

@@ -1269,8 +1269,11 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
     """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd]."""
     T, H, hd = q.shape
     out = cp.empty((T, H * hd), cp.float16) if out is None else out
-    kernel("attn", f"flash_attn_prefill<{hd}>")((math.ceil(T / 64), H), (128,), (
-        q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(hd))))
+    fn = kernel("attn", f"flash_attn_prefill<{hd}>")
+    smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves
+    allow_dynamic_smem(fn, smem)
+    fn((math.ceil(T / 64), H), (128,), (q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
+                                        _f(math.log2(math.e) / math.sqrt(hd))), shared_mem=smem)
     return out
 
 
