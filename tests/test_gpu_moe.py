@@ -178,6 +178,35 @@ def test_moe_rs_stages_match_reference(layer, T, bt):
         assert row_rel(cp.asnumpy(got), out_ref) < 1e-2, rs
 
 
+@pytest.mark.parametrize("bt", oc.MOE_RS_TILES)
+def test_gemm_moe_rs_at_235b_shapes(bt):
+    """gemm_moe_rs at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536: 12 column tiles of
+    gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, rows routed at random (one expert left empty,
+    one with more rows than two tiles, so a tile ends inside an expert), every row against moe_ref with
+    poisoned outputs."""
+    if not oc.wgmma_available():
+        pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    rng = np.random.default_rng()
+    Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * bt + 20
+    w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
+    w2, w2_d = rand_stack(rng, Eb, Ib, Db)
+    # every token picks expert 1 (more than two tiles of rows) and 7 distinct others of 2..15; expert 0 none
+    ids = np.stack([np.concatenate([[1], rng.choice(np.arange(2, Eb), kb - 1, replace=False)])
+                    for _ in range(T)]).astype(np.int32)
+    counts, offsets, p2u, _ = moe_ref.expert_maps(ids, Eb)
+    assert counts[0] == 0 and counts[1] > 2 * bt
+    n = T * kb
+    _, offs, tiles, p2u_d, _ = oc.moe_maps(cp.asarray(ids), Eb, tile_m=bt)
+    x = rng.standard_normal((T, Db)).astype(np.float16)
+    xp_ref = moe_ref.gather(x, p2u, kb)
+    gu = oc.gemm_moe_rs(oc.moe_gather(cp.asarray(x), p2u_d, kb), w13_d, offs, tiles, bt,
+                        out=poisoned((n, 2 * Ib), np.float16))
+    assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
+    act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
+    y = oc.gemm_moe_rs(cp.asarray(act), w2_d, offs, tiles, bt, out=poisoned((n, Db), np.float16))
+    assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
+
+
 def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
     """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless KUIPER_MOE_RS=0;
     tiny-moe's hidden size of 128 (no whole 256-column tile) never does; moe_rs_tile by the mean rows."""
