@@ -262,13 +262,13 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
-MOE_RS_TILES = (64, 128)
+MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
 MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
 # instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
 # against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
 # went 1.5x slower, so below 1024 tokens the kernel stays)
-MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024"))  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
+MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024"))
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -1148,6 +1148,11 @@ def rs_choose(T: int, N: int, K: int) -> tuple[int, int]:
     return min(((bt, rs_plan(T, N, K, bt)) for bt in (256, 128)), key=lambda p: rs_cost(T, N, K, *p))
 
 
+def rs_smem_bytes(st: int, bt: int) -> int:
+    """RsSmem<st, bt>::bytes of gemm_wgmma.cu (gemm_w4a16_rs and gemm_moe_rs trap on less)."""
+    return st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024
+
+
 _RS_CALLS: dict[tuple, tuple] = {}
 
 
@@ -1176,7 +1181,7 @@ def _rs_call(x, mats, out, bt, split) -> tuple:
     part, ticket = _gemm_split_buffers(tiles * split * bt // 2 * (2 * bc) if split > 1 else 0)  # bt / 2 per thread
     assert split == 1 or tiles <= ticket.size
     fn = kernel("gemm90rs", f"gemm_w4a16_rs<{st}, {bt}>")
-    smem = st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024  # RsSmem<st, bt>::bytes (the kernel traps on less)
+    smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(split), part, ticket)
     # a warpgroup per 64 channels (the kernel traps on another block size)
@@ -1882,7 +1887,9 @@ def _moe_grid_rows(n: int, E: int, tile_m: int = GEMM_BM) -> int:
 # PERFORMANCE.md change 168) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
 # "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
 MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
-# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 up to this many, 128 above
+# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
+# both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
+# against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168)
 MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "48"))
 
 
@@ -1917,7 +1924,7 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     out = cp.empty((n, N), cp.float16) if out is None else out
     st = RS_STAGES[bt]
     fn = kernel("gemm90rs", f"gemm_moe_rs<{st}, {bt}>")
-    smem = st * (bt * 128 + 8192 + 512 + 128) + 16 * st + 1024  # RsSmem<st, bt>::bytes (the kernel traps on less)
+    smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     launch_ex(fn, (N // 256, _moe_grid_rows(n, E, bt)), (512,), (
         tma_map_2d(x, bt, 64), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
