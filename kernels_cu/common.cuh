@@ -80,6 +80,18 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// The MoE grouped GEMMs' block -> expert table: the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
+// (moe.cu moe_expert_maps' prefix sum of row tiles; experts with no rows share their successor's offset, and
+// the search lands on the one that owns the tile). tile < tile_offsets[E].
+__device__ __forceinline__ int moe_tile_expert(const int* __restrict__ tile_offsets, int E, int tile) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (tile_offsets[mid] <= tile) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
 // Four half2 with the biased codes of columns (0,1),(2,3),(4,5),(6,7): pairs 0 and 2 hold
 // 1024+q, pairs 1 and 3 hold 1024+16q (awq_zero_bias / awq_dequant8 below undo the bias).
 __device__ __forceinline__ void awq_magic(u32 w, half2 (&h)[4]) {

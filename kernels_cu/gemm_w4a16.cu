@@ -226,12 +226,7 @@ __device__ __forceinline__ void gemm_moe(const half* A, const u32* qw, const u32
     __shared__ int a_row[BM], c_row[BM];
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case
-    int lo = 0, hi = E;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (tile_offsets[mid] <= tile) lo = mid; else hi = mid;
-    }
-    const int e = lo;
+    const int e = moe_tile_expert(tile_offsets, E, tile);
     const int r0 = offsets[e] + (tile - tile_offsets[e]) * BM, r1 = offsets[e + 1];
     if (threadIdx.x < BM) {
         int r = r0 + (int)threadIdx.x;

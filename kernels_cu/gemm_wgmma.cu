@@ -388,11 +388,15 @@ struct RsSmem {  // byte offsets from the 1024-aligned base of dynamic shared me
     static constexpr int bytes = bar + 16 * ST + 1024; // + the alignment slack
 };
 
+// 1024 + the codes of a packed word's nibble pair sh / 4 (columns c, c + 1 of a word's 8; sh = 0, 4, 8, 12) as
+// a half2's bits: the pair's two nibbles sit 16 bits apart, so one shift and one LOP3 bias both.
+__device__ __forceinline__ u32 rs_codes(u32 w, int sh) { return lop3_and_or(w >> sh, 0x000f000fu, 0x64006400u); }
+
 // Two A registers from one column pair's codes at k and k + 1 (packed words w0, w1; sh = 4 x the pair's
 // nibble index): (q - z) * s exactly as awq_dequant8 (one rounding), then regrouped by channel:
 // ra = (c at k, c at k+1), rb = (c+1 at k, c+1 at k+1).
 __device__ __forceinline__ void rs_pair(u32 w0, u32 w1, int sh, half2 zb, half2 s2, u32& ra, u32& rb) {
-    u32 e0 = lop3_and_or(w0 >> sh, 0x000f000fu, 0x64006400u), e1 = lop3_and_or(w1 >> sh, 0x000f000fu, 0x64006400u);
+    u32 e0 = rs_codes(w0, sh), e1 = rs_codes(w1, sh);
     half2 v0 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e0), zb), s2);
     half2 v1 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e1), zb), s2);
     const u32 a = *reinterpret_cast<u32*>(&v0), b = *reinterpret_cast<u32*>(&v1);
@@ -498,7 +502,7 @@ __device__ __forceinline__ void rs_keep(const u32 (&a)[16], u32& keep) {
 template <int ND>
 __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_w, u32 st_s, u32 st_z, u32 xs,
                                           int wi, int wl, int sh, int t0, int first) {
-    u32 zw = lop3_and_or(lds32(st_z + wl * 4) >> sh, 0x000f000fu, 0x64006400u);
+    u32 zw = rs_codes(lds32(st_z + wl * 4), sh);
     const half2 zb = *reinterpret_cast<half2*>(&zw);
     u32 sw = lds32(st_s + (wl * 8 + sh / 2) * 2);
     const half2 s2 = *reinterpret_cast<half2*>(&sw);
@@ -680,12 +684,7 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
     static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 with 4 consumer warpgroups");
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
-    int lo = 0, hi = E;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (tile_offsets[mid] <= tile) lo = mid; else hi = mid;
-    }
-    const int e = lo, n0 = blockIdx.x * 64 * RS_WG(BT);
+    const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * RS_WG(BT);
     rs_block<ST, BT>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
                      sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
                      offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);

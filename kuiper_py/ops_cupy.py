@@ -1265,6 +1265,13 @@ def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
         g, u, ld = y, y[:, I:], 2 * I
     else:
         g, u, ld = gemm(x, w1), gemm(x, w3), I
+    return silu_mul(g, u, I, ld, out)
+
+
+def silu_mul(g, u, I: int, ld: int, out=None):
+    """out [T, I] fp16 = silu(g) * u (gemm_w4a16.cu silu_mul): g and u the first I columns of rows ld elements
+    apart (ld = I for separate matrices, 2I for the halves of one [T, 2I] product, u then g[:, I:])."""
+    T = g.shape[0]
     out = cp.empty((T, I), cp.float16) if out is None else out
     kernel("gemm", "silu_mul")((math.ceil(T * I / 2048),), (256,), (g, u, out, _i(T * I), _i(I), _i(ld)))
     return out
@@ -1989,9 +1996,7 @@ def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = 
     _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E, tile_m=bt)
     gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
     inter = gu.shape[1] // 2
-    act = cp.empty((n, inter), cp.float16)
-    kernel("gemm", "silu_mul")((math.ceil(n * inter / 2048),), (256,), (gu, gu[:, inter:], act, _i(n * inter),
-                                                                       _i(inter), _i(2 * inter)))
+    act = silu_mul(gu, gu[:, inter:], inter, 2 * inter)
     return moe_finalize(gemm_moe_rs(act, w2, offsets, tiles, bt), u2p, weights)
 
 
