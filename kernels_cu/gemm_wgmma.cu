@@ -39,6 +39,7 @@
 // c ^ (r & 7), tiles on 1024-byte boundaries): x K-major (a row: 64 k of one token), W N-major (a
 // row: 64 columns of one k), so a dequantized word (8 columns of one k) is one 16-byte store.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define WG_BK 64
 // NP producer warpgroups, 2 consumer warpgroups, the x loader warp
@@ -49,73 +50,6 @@
 // chunks XOR-swizzled by the row.
 __device__ __forceinline__ u32 bmn_off(int k, int wd, int bn) {
     return (u32)((k >> 3) * (bn / 64) * 1024 + (wd >> 3) * 1024 + (k & 7) * 128 + (((wd & 7) ^ (k & 7)) << 4));
-}
-
-// Shared-memory matrix descriptor (PTX ISA "matrix descriptor") of a K-major tile: start address
-// >> 4, leading byte offset unused for swizzled K-major (1), stride byte offset 1024 (8 rows of 128
-// bytes) >> 4, and the 128-byte swizzle mode (1 << 62).
-__device__ __forceinline__ unsigned long long wg_desc(u32 saddr) {
-    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-// The same for an MN-major (N-contiguous) 128B-swizzled tile: atoms of 64 n x 8 k (1024 bytes),
-// leading byte offset = the next 64 n, stride byte offset = the next 8 k.
-__device__ __forceinline__ unsigned long long wg_desc_mn(u32 saddr, u32 lbo, u32 sbo) {
-    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-
-// Generic-proxy shared-memory writes (the W tile's st.shared) made visible to wgmma's async proxy.
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-
-#define WG_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define WG_D16(i) WG_D4(i), WG_D4(i + 4), WG_D4(i + 8), WG_D4(i + 12)
-
-// d [64 rows x N cols of the warpgroup] += A (64 x 16, descriptor da) * B (16 x N, descriptor db),
-// or d = A B when acc is 0 (scale-d: the first K step overwrites, so no instruction outside wgmma
-// defines d, which would serialize the wgmma pipeline); A and B scaled by 1, A K-major, B K-major
-// (TB 0) or N-major (TB 1).
-template <int N, int TB>
-__device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], unsigned long long da, unsigned long long db, int acc) {
-    static_assert(N == 64 || N == 128, "m64n64k16 and m64n128k16 only");
-    if constexpr (N == 128) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
-        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
-        : "l"(da), "l"(db), "r"(acc), "n"(TB));
-    } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, %35;\n}\n"
-        : WG_D16(0), WG_D16(16)
-        : "l"(da), "l"(db), "r"(acc), "n"(TB));
-    }
-}
-
-// A CUtensorMap (the driver's opaque 128-byte TMA descriptor), passed by value as a __grid_constant__.
-struct alignas(64) TmaDesc {
-    unsigned long long v[16];
-};
-// TMA: the 2D box at (c0 inner, c1 outer) of the described tensor into shared memory at dst, laid
-// out as the map's swizzle says; rows past the tensor are zero-filled; completes on bar's tx count.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0, int c1, u32 bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
 // The producer warpgroup's own barrier (id 1; __syncthreads is 0): the slot's scales and zeros were
@@ -404,14 +338,6 @@ __device__ __forceinline__ void rs_pair(u32 w0, u32 w1, int sh, half2 zb, half2 
     rb = __byte_perm(a, b, 0x7632);
 }
 
-// Pins the accumulators at this point (an empty asm that reads and writes them), so no other
-// instruction touches them between a K tile's wgmma.fence and its commit (ptxas would serialize, C7515).
-template <int ND>
-__device__ __forceinline__ void rs_pin(float (&d)[ND]) {
-#pragma unroll
-    for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // shared-memory loads by address (the stage pointers are shared addresses: no generic loads)
 __device__ __forceinline__ u32 lds32(u32 a) {
     u32 v;
@@ -423,20 +349,6 @@ __device__ __forceinline__ uint2 lds64(u32 a) {
     asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
     return v;
 }
-
-// wgmma's accumulator operands %0 .. %(n - 1) for n = 32, 64, 128 (m64n64, m64n128, m64n256 with f32 C):
-// each list extends the one before
-#define RS_D32 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define RS_D64 RS_D32 ", " \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define RS_D128 RS_D64 ", " \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
 // The 4 k16 steps of a K tile in one asm statement: A registers a[4 kk ..], B at db0 + 2 kk (descriptor units
 // of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0).
@@ -518,7 +430,7 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
         rs_pair(hi.x, hi.y, sh, zb, s2, af[4 * kk + 2], af[4 * kk + 3]);
 #endif
     }
-    rs_pin(d);
+    wg_pin(d);
     wg_fence();
 #if RS_DIAG_NOMMA  // diagnosis (wrong results): no wgmma, the A registers still built and kept
     if (first) {
@@ -532,7 +444,7 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
     else wgmma_rs256x4(d, af, wg_desc(xs), !first);
 #endif
     wg_commit();
-    rs_pin(d);
+    wg_pin(d);
 }
 
 // One block of gemm_w4a16_rs: tokens tok0 .. tok0 + BT - 1 of x (those from tok_end on are computed, not

@@ -263,6 +263,18 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
+# attn_wgmma.cu flash_attn_wgmma's (K/V stages, pipelined) instantiations, and the one prefill takes
+# (KUIPER_FW_CONFIG "stages,pipe"; H100, PERFORMANCE.md change 170: (4, 1) 333-472 TFLOP/s at 2048-8192 tokens,
+# (3, 1) within 1-3% of it, (3, 0) / (4, 0) 297-425)
+FW_CONFIGS = ((3, False), (4, False), (3, True), (4, True))
+FW_CONFIG = tuple(int(v) for v in os.environ.get("KUIPER_FW_CONFIG", "4,1").split(","))
+
+
+def fw_name(st: int, pipe: bool) -> str:
+    """The name expression of one flash_attn_wgmma instantiation."""
+    return f"flash_attn_wgmma<{st}, {'true' if pipe else 'false'}>"
+
+
 MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
 # instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
@@ -281,6 +293,8 @@ _FILES = {
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
+    # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
+    "attn90": ("attn_wgmma.cu", [fw_name(*c) for c in FW_CONFIGS]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
                          for lp in ("", ",true")]),
@@ -557,7 +571,7 @@ def _compiled(family: str, name: str):
             opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
         if family.startswith("dl:"):
             opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
-        if family in ("gemm90", "gemm90rs"):  # wgmma exists only in the arch-specific sm_90a target
+        if family in ("gemm90", "gemm90rs", "attn90"):  # wgmma exists only in the arch-specific sm_90a target
             opts += ("-arch=sm_90a",)
         if family == "gemv":
             opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
@@ -1277,10 +1291,42 @@ def silu_mul(g, u, I: int, ld: int, out=None):
     return out
 
 
-def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None):
-    """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd]."""
+# prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
+ATTN_WGMMA = os.environ.get("KUIPER_ATTN_WGMMA", "auto")
+
+
+def attn_wgmma_fits(hd: int) -> bool:
+    """flash_attn_wgmma's table: head dim 128 on compute capability 9.0 (ATTN_WGMMA not "0")."""
+    return ATTN_WGMMA != "0" and hd == 128 and wgmma_available()
+
+
+def fw_smem_bytes(st: int) -> int:
+    """FwSmem<st>::bytes of attn_wgmma.cu (flash_attn_wgmma traps on less)."""
+    return 4 * 8192 + st * 4 * 8192 + 8 * (1 + 3 * st) + 1024
+
+
+def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None):
+    """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd].
+    path: "wgmma" (attn_wgmma.cu) or "mma" (attention.cu); by default wgmma where attn_wgmma_fits."""
     T, H, hd = q.shape
     out = cp.empty((T, H * hd), cp.float16) if out is None else out
+    if path is None:
+        path = "wgmma" if attn_wgmma_fits(hd) else "mma"
+    if path == "wgmma":
+        KV, n = n_kv_heads, pos0 + T
+        assert hd == 128 and H % KV == 0 and kc.shape[1:] == (KV, hd) and kc.shape[0] >= n
+        assert q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
+        assert kc.flags.c_contiguous and vc.flags.c_contiguous
+        st, pipe = FW_CONFIG
+        assert (st, bool(pipe)) in FW_CONFIGS
+        fn = kernel("attn90", fw_name(st, bool(pipe)))
+        smem = fw_smem_bytes(st)
+        allow_dynamic_smem(fn, smem)
+        maps = tuple(tma_map_2d(a, 64, 64) for a in (q.reshape(T, H * hd), kc[:n].reshape(n, KV * hd),
+                                                     vc[:n].reshape(n, KV * hd)))
+        launch_ex(fn, (math.ceil(T / 128), H), (288,), (*maps, out, _i(T), _i(pos0), _i(H), _i(KV),
+                                                         _f(math.log2(math.e) / math.sqrt(hd))), smem)
+        return out
     fn = kernel("attn", f"flash_attn_prefill<{hd}>")
     smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves
     allow_dynamic_smem(fn, smem)

@@ -631,30 +631,64 @@ def attention_ref(q, K, V, pos0):
     return out.reshape(T, H * hd)
 
 
-@pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (16, 8, 128), (4, 2, 64)])
-@pytest.mark.parametrize("T,pos0", [(2, 0), (17, 0), (127, 5), (300, 0), (65, 70)])
-def test_flash_attention_prefill(H, KV, hd, T, pos0):
+def attn_path_or_skip(path: str, hd: int) -> str:
+    """The prefill attention path to test: "mma" anywhere, "wgmma" where its kernel runs (head dim 128 on
+    compute capability 9.0), else the test is skipped."""
+    if path == "wgmma" and not (hd == 128 and oc.wgmma_available()):
+        pytest.skip("flash_attn_wgmma runs at head dim 128 on compute capability 9.0 only")
+    return path
+
+
+@pytest.mark.parametrize("path", ["mma", "wgmma"])
+@pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (16, 8, 128), (32, 4, 128), (4, 2, 64)])
+@pytest.mark.parametrize("T,pos0", [(2, 0), (17, 0), (127, 5), (300, 0), (65, 70), (129, 200)])
+def test_flash_attention_prefill(H, KV, hd, T, pos0, path):
+    """Against float64 per head. pos0 > 0: a chunk after cached positions (the causal bound is then off the
+    query tiles' edges); T 129: a second query tile of one row; the cache holds 7 positions past the chunk,
+    stale rows that must not be read."""
+    path = attn_path_or_skip(path, hd)
     rng = np.random.default_rng()
     ctx = pos0 + T + 7
     Kc = (rng.standard_normal((ctx, KV, hd)) * 2).astype(np.float16)
     Vc = rng.standard_normal((ctx, KV, hd)).astype(np.float16)
+    Kc[pos0 + T:] = Vc[pos0 + T:] = np.nan  # past the keys: a kernel that read them would put NaN into its output
     q = (rng.standard_normal((T, H, hd)) * 2).astype(np.float16)
     out = nan_like((T, H * hd), cp.float16)
-    oc.attention_prefill(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), pos0, KV, out)
+    oc.attention_prefill(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), pos0, KV, out, path=path)
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, pos0)) < 1e-2
 
 
-def test_flash_attention_prefill_long():
+@pytest.mark.parametrize("path", ["mma", "wgmma"])
+def test_flash_attention_prefill_long(path):
+    path = attn_path_or_skip(path, 128)
     rng = np.random.default_rng()
     T, H, KV, hd = 2047, 32, 8, 128
     Kc = rng.standard_normal((T, KV, hd)).astype(np.float16)
     Vc = rng.standard_normal((T, KV, hd)).astype(np.float16)
     q = rng.standard_normal((T, H, hd)).astype(np.float16)
     out = nan_like((T, H * hd), cp.float16)
-    oc.attention_prefill(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), 0, KV, out)
+    oc.attention_prefill(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), 0, KV, out, path=path)
     sel = rng.choice(T, 40, replace=False)  # check a random subset of rows against float64
     ref = np.stack([attention_ref(q[t:t + 1], Kc[:t + 1], Vc[:t + 1], t)[0] for t in sel])
     assert rel(cp.asnumpy(out)[sel], ref) < 1e-2
+
+
+def test_flash_attention_prefill_paths_agree_and_default():
+    """Where the wgmma kernel runs it is the default at head dim 128, and it agrees with the mma.sync kernel
+    (both fp32 softmax over fp16 products: within fp16 rounding of each other) on 4100 tokens after 300
+    cached positions, 40 heads over 8 KV heads (Qwen3-14B's grouping)."""
+    attn_path_or_skip("wgmma", 128)
+    rng = np.random.default_rng()
+    T, pos0, H, KV, hd = 4100, 300, 40, 8, 128
+    Kc = cp.asarray(rng.standard_normal((pos0 + T, KV, hd)).astype(np.float16))
+    Vc = cp.asarray(rng.standard_normal((pos0 + T, KV, hd)).astype(np.float16))
+    q = cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
+    a, b, c = (nan_like((T, H * hd), cp.float16) for _ in range(3))
+    oc.attention_prefill(q, Kc, Vc, pos0, KV, a)
+    oc.attention_prefill(q, Kc, Vc, pos0, KV, b, path="wgmma")
+    oc.attention_prefill(q, Kc, Vc, pos0, KV, c, path="mma")
+    assert bool(cp.all(a == b)) and bool(cp.all(cp.isfinite(b)))
+    assert rel(cp.asnumpy(b), cp.asnumpy(c)) < 2e-3
 
 
 def decode_inputs(rng, H, KV, hd, n, splits):

@@ -323,6 +323,33 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
     assert rel(rs, ref) < 1e-2 and rel(rs, other) < 1e-2
 
 
+def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
+    """A 700-token prefill of two Qwen3-0.6B-shaped layers (head dim 128) with its attention on attn_wgmma.cu
+    (Hopper's default: both layers' launches counted), in two chunks (500 tokens, then 200 at position 500),
+    against the CPU engine's logits at every position and against the same prefill on attention.cu's kernel."""
+    if not oc.wgmma_available():
+        pytest.skip("flash_attn_wgmma needs compute capability 9.0")
+    mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
+    ids = np.random.default_rng().integers(0, 151643, size=700).tolist()
+    paths = []
+    real = oc.attention_prefill
+    monkeypatch.setattr(oc, "attention_prefill", lambda *a, **k: paths.append(
+        k.get("path") or ("wgmma" if oc.attn_wgmma_fits(a[0].shape[2]) else "mma")) or real(*a, **k))
+
+    def run(ops):
+        m = Qwen3(mf, ops, 704)
+        return np.concatenate([np.asarray(cp.asnumpy(m.prefill(ids[:500], all_logits=True))),
+                               np.asarray(cp.asnumpy(m.prefill(ids[500:], all_logits=True)))])
+    wg = run(oc.CupyOps)
+    assert paths == ["wgmma"] * 4
+    monkeypatch.setattr(oc, "ATTN_WGMMA", "0")
+    mma = run(oc.CupyOps)
+    assert paths[4:] == ["mma"] * 4
+    ref = run(NumpyOps)
+    assert np.isfinite(wg).all()
+    assert rel(wg, ref) < 1e-2 and rel(wg, mma) < 1e-2
+
+
 # (preset, query heads per cluster (0: the plan's choice), o's weights copied after q|k|v's): g4 runs
 # two clusters of 2 query heads per KV head, one of 4 with o's weights beside q|k|v's, and one of 4
 # with o's weights over them (the layout Qwen3-8B takes on H100)

@@ -1,0 +1,251 @@
+// Causal prefill flash attention on Hopper's warpgroup MMA (wgmma, sm_90a only; ops_cupy compiles this file
+// with -arch=sm_90a and takes it on compute capability 9.0 at head dim 128; elsewhere attention.cu's
+// flash_attn_prefill runs).
+//
+// Why: flash_attn_prefill (mma.sync, 4 warps x 16 query rows) reads every K and V fragment from shared memory
+// by ldmatrix once per 16 query rows, and it ran at 171-242 TFLOP/s on the H100 at 2048-8192 tokens
+// (PERFORMANCE.md change 169) where the tensor cores allow ~3x that. Here a block of 128 query rows of one
+// head is two consumer warpgroups of 64 rows each:
+//   - S = Q K^T is a wgmma with both operands in shared memory as TMA wrote them (128B-swizzled, K-major);
+//   - the online softmax runs on S's accumulator registers;
+//   - O += P V is a register-A wgmma: S's accumulator layout is already the A fragment layout, so P is S
+//     rounded to fp16 in place, and V is read MN-major straight from its TMA tile.
+// A load warp brings the block's Q once and K/V tiles of 64 keys into a ring of ST stages; both warpgroups
+// read each tile, so K and V leave L2 once per 128 query rows, and a stage is handed back once every
+// consumer warp's P V has read it. PIPE (the default): a warpgroup issues tile j + 1's Q K^T before tile j's
+// P V and runs tile j + 1's softmax while that P V is on the tensor cores (P double-buffered); without it the
+// softmax waits for both, and only the other warpgroup fills the gap (H100, PERFORMANCE.md change 170: 4
+// stages and PIPE 333-472 TFLOP/s at 2048-8192 tokens, 297-425 without PIPE, flash_attn_prefill 174-246).
+//
+// Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
+// and out [T, H*128] contiguous, the K/V cache rows [n_keys, KV*128] (n_keys = pos0 + T; TMA reads zeros past
+// them); ST 3 or 4 (132 or 164 KB, 1 block per SM). Tiles of 128 keys measured slower: ptxas holds a block of
+// 288 threads to 168 registers, which serialized their wgmmas, and the pipelined form spilled.
+// grid (ceil(T / 128), H), block FW_THREADS, FwSmem<ST>::bytes of dynamic shared memory.
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#define FW_HD 128       // head dim
+#define FW_BQ 128       // query rows per block: two consumer warpgroups of 64
+#define FW_THREADS 288  // the two consumer warpgroups, then the load warp
+#define FW_BKV 64       // keys per K/V tile (the S wgmma's N)
+#define FW_BOX 8192     // one TMA box: 64 rows x 64 fp16 columns (128 bytes, one swizzle row)
+
+template <int ST>
+struct FwSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory; a tile is two boxes
+    static constexpr int q = 0;                       // [2 warpgroups][2 column halves] Q boxes
+    static constexpr int k = q + 4 * FW_BOX;          // [ST][2 column halves] K boxes (64 keys)
+    static constexpr int v = k + ST * 2 * FW_BOX;     // [ST][2 column halves] V boxes
+    static constexpr int bar = v + ST * 2 * FW_BOX;   // Q full, K full [ST], V full [ST], empty [ST]
+    static constexpr int bytes = bar + 8 * (1 + 3 * ST) + 1024;  // + the alignment slack
+};
+
+// O [64 x 128] (+)= P [64 x 64 keys] V [64 keys x 128], the tile's 4 k16 steps in one statement. P: the 16 A
+// registers (4 per step). V MN-major: its two 64-column halves a box apart (the leading byte offset, in db0),
+// 8-key groups 1 KB apart (the stride byte offset), so step kk starts 2 KB further (descriptor units of 16
+// bytes: + 128). scale-d off for the first (acc 0): O is overwritten.
+__device__ __forceinline__ void fw_pv(float (&d)[64], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %81, 0;\n"
+        "add.s64 b1, %80, 128;\nadd.s64 b2, %80, 256;\nadd.s64 b3, %80, 384;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%64, %65, %66, %67}, %80, p, 1, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%68, %69, %70, %71}, b1, 1, 1, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%72, %73, %74, %75}, b2, 1, 1, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%76, %77, %78, %79}, b3, 1, 1, 1, 1;\n"
+        "}\n"
+        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
+// A real use of P's registers after the P V that read them is known done: ptxas ends a register's life at
+// its last use, which for wgmma's A operand is the instruction's issue, and would otherwise build other values
+// in them while the wgmma still reads them (as gemm_wgmma.cu's rs_keep).
+template <int N>
+__device__ __forceinline__ void fw_keep(const u32 (&a)[N], u32& keep) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) keep ^= a[i];
+}
+
+template <int ST, bool PIPE>  // K/V stages; PIPE: tile j + 1's Q K^T ahead of tile j's P V (see below)
+__global__ void __launch_bounds__(FW_THREADS, 1)
+flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (rotated), boxes 64 x 64
+                 const __grid_constant__ TmaDesc kmap,  // K [n_keys, KV*128] this layer's cache rows
+                 const __grid_constant__ TmaDesc vmap,  // V [n_keys, KV*128]
+                 half* __restrict__ O,                  // [T, H*128]
+                 int T, int pos0, int H, int KV, float scale_log2) {
+    typedef FwSmem<ST> L;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);  // swizzle atoms: 1 KB
+    const u32 sb = smem_u32(sm), qbar = sb + L::bar, kfull = qbar + 8, vfull = kfull + 8 * ST,
+              empty = vfull + 8 * ST;
+    const int tid = threadIdx.x;
+    // the last query tiles have the most keys: they start first, so the grid does not end on them
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FW_BQ, h = blockIdx.y, kvh = h / (H / KV);
+    const int n_keys = pos0 + T;
+    if (tid == 0) {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        // too little shared memory or too few threads would hang on the barriers: fail the launch instead
+        if (dyn < (u32)L::bytes || blockDim.x != FW_THREADS) __trap();
+        mbar_init(qbar, 1);
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(kfull + 8 * s, 1);
+            mbar_init(vfull + 8 * s, 1);
+            mbar_init(empty + 8 * s, 8);  // every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // (the last block-wide barrier: the load warp's other lanes leave below)
+
+    if (tid >= 256) {  // ---- the load warp: one thread issues every copy ----
+        if (tid == 256) {
+            const int n_tiles = (min(n_keys, pos0 + q0 + FW_BQ) + FW_BKV - 1) / FW_BKV;  // the block's causal bound
+            mbar_arrive_expect_tx(qbar, 4 * FW_BOX);
+            for (int i = 0; i < 4; ++i)  // box i: warpgroup i / 2, column half i % 2
+                tma_load_2d(sb + L::q + i * FW_BOX, &qmap, h * FW_HD + (i & 1) * 64, q0 + (i >> 1) * 64, qbar);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = j % ST;
+                if (j >= ST) mbar_wait(empty + 8 * s, (j / ST - 1) & 1);  // tile j - ST's P V is done
+                mbar_arrive_expect_tx(kfull + 8 * s, 2 * FW_BOX);
+                for (int c = 0; c < 2; ++c)
+                    tma_load_2d(sb + L::k + (2 * s + c) * FW_BOX, &kmap, kvh * FW_HD + c * 64, j * FW_BKV, kfull + 8 * s);
+                mbar_arrive_expect_tx(vfull + 8 * s, 2 * FW_BOX);
+                for (int c = 0; c < 2; ++c)
+                    tma_load_2d(sb + L::v + (2 * s + c) * FW_BOX, &vmap, kvh * FW_HD + c * 64, j * FW_BKV, vfull + 8 * s);
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroup wg: query rows qw0 .. qw0 + 63. Thread (warp w, lane = 4 g + t0) holds S and O
+    // for rows row0 = qw0 + 16 w + g and row0 + 8: s[4 c + e] is row row0 + 8 (e >> 1), key 8 c + 2 t0 + (e & 1)
+    // of the tile, o[4 c + e] the same rows at head-dim column 8 c + 2 t0 + (e & 1)
+    const int wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t0 = lane & 3;
+    const int qw0 = q0 + 64 * wg, row0 = qw0 + 16 * w + g, qp0 = pos0 + row0;
+    // the tiles this warpgroup needs (the block's last one only the second warpgroup may need)
+    const int tiles = (min(n_keys, pos0 + qw0 + 64) + FW_BKV - 1) / FW_BKV;
+    // no initial values: the first wgmma of each overwrites them (scale-d off), and zeroing them here made
+    // ptxas serialize every wgmma (C7515)
+    constexpr int NS = FW_BKV / 2, NP = FW_BKV / 4;  // S accumulators, P registers per thread
+    float s[NS], o[64];
+    u32 p[NP] = {}, pn[NP] = {}, keep = 0;     // P of the tile in P V; PIPE: the next tile's
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];  // l: this thread's share of each row's sum
+    const u32 qs = sb + L::q + wg * 2 * FW_BOX;
+
+    // S = Q K^T of tile j into s (committed as one group)
+    auto issue_s = [&](int j) {
+        const int st = j % ST;
+        const u32 ks = sb + L::k + st * 2 * FW_BOX;
+        mbar_wait(kfull + 8 * st, (j / ST) & 1);
+        wg_pin(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < FW_HD / 16; ++kk)  // 32 bytes of k per step: + 2 in descriptor units
+            wgmma_f16<FW_BKV, 0>(s, wg_desc(qs + (kk >> 2) * FW_BOX) + 2 * (kk & 3),
+                              wg_desc(ks + (kk >> 2) * FW_BOX) + 2 * (kk & 3), kk);
+        wg_commit();
+        wg_pin(s);
+    };
+    // O (+)= P V of tile j (committed as one group; scale-d off on the first tile)
+    auto issue_pv = [&](int j, const u32 (&pj)[NP]) {
+        const int st = j % ST;
+        const u32 vs = sb + L::v + st * 2 * FW_BOX;
+        mbar_wait(vfull + 8 * st, (j / ST) & 1);
+        wg_pin(o);
+        wg_fence();
+        fw_pv(o, pj, wg_desc_mn(vs, FW_BOX, 1024), j > 0);
+        wg_commit();
+        wg_pin(o);
+    };
+    // tile j's S (landed in s) scaled into the log2 domain, masked, and through the online softmax (a row lives
+    // in one quad of lanes): m, l and alpha (O's factor) updated, P into pj. Only a tile that reaches past the
+    // warpgroup's first query needs the mask; keys past n_keys lie past every real query.
+    auto softmax = [&](int j, u32 (&pj)[NP]) {
+        const int kv0 = j * FW_BKV;
+        const bool mask = kv0 + FW_BKV - 1 > pos0 + qw0;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            float v = s[i] * scale_log2;
+            if (mask && kv0 + 8 * (i >> 2) + 2 * t0 + (i & 1) > qp0 + 8 * ((i >> 1) & 1)) v = -INFINITY;
+            s[i] = v;
+            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], v);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // finite: every row's first tile holds key 0, at or before its position
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            alpha[r] = exp2f(m[r] - mx[r]);  // 0 on the first tile (m = -inf)
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            s[i] = exp2f(s[i] - m[(i >> 1) & 1]);
+            l[(i >> 1) & 1] += s[i];
+        }
+#pragma unroll
+        for (int kk = 0; kk < FW_BKV / 16; ++kk)  // keys 16 kk ..: A rows (row0, k 2 t0), (row0 + 8, ..), (row0, k 8 + 2 t0), ..
+#pragma unroll
+            for (int i = 0; i < 4; ++i) pj[4 * kk + i] = pack_half2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    };
+    auto rescale_o = [&] {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    };
+
+    mbar_wait(qbar, 0);
+    if constexpr (PIPE) {
+        // tile j + 1's Q K^T is issued ahead of tile j's P V, and its softmax runs while that P V does
+        issue_s(0);
+        wg_wait<0>();
+        softmax(0, p);
+        for (int j = 0; j + 1 < tiles; ++j) {  // (the last tile after the loop: no conditions inside it)
+            issue_s(j + 1);
+            issue_pv(j, p);
+            wg_wait<1>();  // S of tile j + 1 (groups complete in order; P V of tile j may still run)
+            softmax(j + 1, pn);
+            wg_wait<0>();  // P V of tile j: its stage is free
+            fw_keep(p, keep);
+            if (lane == 0) mbar_arrive(empty + 8 * (j % ST));
+            rescale_o();
+#pragma unroll
+            for (int i = 0; i < NP; ++i) p[i] = pn[i];
+        }
+        issue_pv(tiles - 1, p);
+        wg_wait<0>();
+        fw_keep(p, keep);
+    } else {
+        for (int j = 0; j < tiles; ++j) {
+            issue_s(j);
+            wg_wait<0>();  // S of tile j, and tile j - 1's P V
+            fw_keep(p, keep);
+            if (j > 0 && lane == 0) mbar_arrive(empty + 8 * ((j - 1) % ST));
+            softmax(j, p);
+            if (j > 0) rescale_o();
+            issue_pv(j, p);
+        }
+        wg_wait<0>();
+        fw_keep(p, keep);
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+    const int ldo = H * FW_HD;
+    half* out = O + (size_t)h * FW_HD + 2 * t0;
+#pragma unroll
+    for (int c = 0; c < FW_HD / 8; ++c) {
+        if (row0 < T)
+            *reinterpret_cast<half2*>(out + (size_t)row0 * ldo + 8 * c) = __floats2half2_rn(o[4 * c] * inv0, o[4 * c + 1] * inv0);
+        if (row0 + 8 < T)
+            *reinterpret_cast<half2*>(out + (size_t)(row0 + 8) * ldo + 8 * c) =
+                __floats2half2_rn(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
+    }
+    if (T < 0) O[0] = __ushort_as_half((unsigned short)(keep ^ pn[0]));  // never: keep's only use (fw_keep)
+}
