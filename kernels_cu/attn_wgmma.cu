@@ -14,27 +14,32 @@
 // read each tile, so K and V leave L2 once per 128 query rows, and a stage is handed back once every
 // consumer warp's P V has read it. PIPE (the default): a warpgroup issues tile j + 1's Q K^T before tile j's
 // P V and runs tile j + 1's softmax while that P V is on the tensor cores (P double-buffered); without it the
-// softmax waits for both, and only the other warpgroup fills the gap (H100, PERFORMANCE.md change 170: 4
-// stages and PIPE 333-472 TFLOP/s at 2048-8192 tokens, 297-425 without PIPE, flash_attn_prefill 174-246).
+// softmax waits for both, and only the other warpgroup fills the gap. Long prompts take 3 consumer warpgroups
+// (NC): each K/V tile then serves 192 query rows. H100 (PERFORMANCE.md change 170), TFLOP/s at 2048 / 8192
+// tokens: 339-404 / 476-486 with 2, 328-401 / 495-524 with 3, 297-346 / 406-425 without PIPE; flash_attn_prefill
+// 174-246.
 //
 // Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
 // and out [T, H*128] contiguous, the K/V cache rows [n_keys, KV*128] (n_keys = pos0 + T; TMA reads zeros past
 // them); ST 3 or 4 (132 or 164 KB, 1 block per SM). Tiles of 128 keys measured slower: ptxas holds a block of
 // 288 threads to 168 registers, which serialized their wgmmas, and the pipelined form spilled.
-// grid (ceil(T / 128), H), block FW_THREADS, FwSmem<ST>::bytes of dynamic shared memory.
+// grid (ceil(T / (64 NC)), H), block FW_THREADS(NC), FwSmem<ST, NC>::bytes of dynamic shared memory.
 #include "common.cuh"
 #include "wgmma.cuh"
 
 #define FW_HD 128       // head dim
-#define FW_BQ 128       // query rows per block: two consumer warpgroups of 64
-#define FW_THREADS 288  // the two consumer warpgroups, then the load warp
+// NC consumer warpgroups of 64 query rows each, then the loads: with 2, one load warp (288 threads, which
+// ptxas holds to 168 registers); with 3, a load warpgroup that gives its registers to the consumers
+// (setmaxnreg: 24 for it, FW_NC3_REGS for each consumer thread, of the 128 a 512-thread block starts with)
+#define FW_THREADS(NC) ((NC) == 2 ? 288 : 128 * ((NC) + 1))
+#define FW_NC3_REGS 160
 #define FW_BKV 64       // keys per K/V tile (the S wgmma's N)
 #define FW_BOX 8192     // one TMA box: 64 rows x 64 fp16 columns (128 bytes, one swizzle row)
 
-template <int ST>
+template <int ST, int NC>
 struct FwSmem {  // byte offsets from the 1024-aligned base of dynamic shared memory; a tile is two boxes
-    static constexpr int q = 0;                       // [2 warpgroups][2 column halves] Q boxes
-    static constexpr int k = q + 4 * FW_BOX;          // [ST][2 column halves] K boxes (64 keys)
+    static constexpr int q = 0;                       // [NC warpgroups][2 column halves] Q boxes
+    static constexpr int k = q + 2 * NC * FW_BOX;     // [ST][2 column halves] K boxes (64 keys)
     static constexpr int v = k + ST * 2 * FW_BOX;     // [ST][2 column halves] V boxes
     static constexpr int bar = v + ST * 2 * FW_BOX;   // Q full, K full [ST], V full [ST], empty [ST]
     static constexpr int bytes = bar + 8 * (1 + 3 * ST) + 1024;  // + the alignment slack
@@ -59,6 +64,14 @@ __device__ __forceinline__ void fw_pv(float (&d)[64], const u32 (&a)[16], unsign
           "l"(db0), "r"(acc));
 }
 
+// 2^x by the MUFU alone (ex2.approx.ftz): exp2f's non-ftz form adds a denormal fixup per call, and P's
+// values below 2^-126 are zeros in fp16 anyway.
+__device__ __forceinline__ float fw_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // A real use of P's registers after the P V that read them is known done: ptxas ends a register's life at
 // its last use, which for wgmma's A operand is the instruction's issue, and would otherwise build other values
 // in them while the wgmma still reads them (as gemm_wgmma.cu's rs_keep).
@@ -68,42 +81,45 @@ __device__ __forceinline__ void fw_keep(const u32 (&a)[N], u32& keep) {
     for (int i = 0; i < N; ++i) keep ^= a[i];
 }
 
-template <int ST, bool PIPE>  // K/V stages; PIPE: tile j + 1's Q K^T ahead of tile j's P V (see below)
-__global__ void __launch_bounds__(FW_THREADS, 1)
+template <int ST, bool PIPE, int NC>  // K/V stages; PIPE: tile j + 1's Q K^T ahead of tile j's P V (see
+__global__ void __launch_bounds__(FW_THREADS(NC), 1)  // above); consumer warpgroups (2 or 3)
 flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (rotated), boxes 64 x 64
                  const __grid_constant__ TmaDesc kmap,  // K [n_keys, KV*128] this layer's cache rows
                  const __grid_constant__ TmaDesc vmap,  // V [n_keys, KV*128]
                  half* __restrict__ O,                  // [T, H*128]
                  int T, int pos0, int H, int KV, float scale_log2) {
-    typedef FwSmem<ST> L;
+    static_assert(NC == 2 || NC == 3, "2 consumer warpgroups and a load warp, or 3 and a load warpgroup");
+    constexpr int BQ = 64 * NC;  // query rows per block
+    typedef FwSmem<ST, NC> L;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);  // swizzle atoms: 1 KB
     const u32 sb = smem_u32(sm), qbar = sb + L::bar, kfull = qbar + 8, vfull = kfull + 8 * ST,
               empty = vfull + 8 * ST;
     const int tid = threadIdx.x;
     // the last query tiles have the most keys: they start first, so the grid does not end on them
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FW_BQ, h = blockIdx.y, kvh = h / (H / KV);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ, h = blockIdx.y, kvh = h / (H / KV);
     const int n_keys = pos0 + T;
     if (tid == 0) {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         // too little shared memory or too few threads would hang on the barriers: fail the launch instead
-        if (dyn < (u32)L::bytes || blockDim.x != FW_THREADS) __trap();
+        if (dyn < (u32)L::bytes || blockDim.x != FW_THREADS(NC)) __trap();
         mbar_init(qbar, 1);
         for (int s = 0; s < ST; ++s) {
             mbar_init(kfull + 8 * s, 1);
             mbar_init(vfull + 8 * s, 1);
-            mbar_init(empty + 8 * s, 8);  // every consumer warp
+            mbar_init(empty + 8 * s, 4 * NC);  // every consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();  // (the last block-wide barrier: the load warp's other lanes leave below)
 
-    if (tid >= 256) {  // ---- the load warp: one thread issues every copy ----
-        if (tid == 256) {
-            const int n_tiles = (min(n_keys, pos0 + q0 + FW_BQ) + FW_BKV - 1) / FW_BKV;  // the block's causal bound
-            mbar_arrive_expect_tx(qbar, 4 * FW_BOX);
-            for (int i = 0; i < 4; ++i)  // box i: warpgroup i / 2, column half i % 2
+    if (tid >= 128 * NC) {  // ---- the loads: one thread issues every copy ----
+        if constexpr (NC == 3) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (tid == 128 * NC) {
+            const int n_tiles = (min(n_keys, pos0 + q0 + BQ) + FW_BKV - 1) / FW_BKV;  // the block's causal bound
+            mbar_arrive_expect_tx(qbar, 2 * NC * FW_BOX);
+            for (int i = 0; i < 2 * NC; ++i)  // box i: warpgroup i / 2, column half i % 2
                 tma_load_2d(sb + L::q + i * FW_BOX, &qmap, h * FW_HD + (i & 1) * 64, q0 + (i >> 1) * 64, qbar);
             for (int j = 0; j < n_tiles; ++j) {
                 const int s = j % ST;
@@ -118,6 +134,8 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
         }
         return;
     }
+
+    if constexpr (NC == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FW_NC3_REGS) : "memory");
 
     // ---- consumer warpgroup wg: query rows qw0 .. qw0 + 63. Thread (warp w, lane = 4 g + t0) holds S and O
     // for rows row0 = qw0 + 16 w + g and row0 + 8: s[4 c + e] is row row0 + 8 (e >> 1), key 8 c + 2 t0 + (e & 1)
@@ -159,31 +177,34 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
         wg_commit();
         wg_pin(o);
     };
-    // tile j's S (landed in s) scaled into the log2 domain, masked, and through the online softmax (a row lives
-    // in one quad of lanes): m, l and alpha (O's factor) updated, P into pj. Only a tile that reaches past the
-    // warpgroup's first query needs the mask; keys past n_keys lie past every real query.
+    // tile j's S (landed in s) masked and through the online softmax in the log2 domain (a row lives in one
+    // quad of lanes): m (the row's running maximum of S, times scale_log2), l and alpha (O's factor) updated, P
+    // into pj. The maximum is taken on S itself (scale_log2 > 0 keeps the order), so each element costs one
+    // FFMA and one MUFU.EX2. Only a tile that reaches past the warpgroup's first query needs the mask; keys past
+    // n_keys lie past every real query.
     auto softmax = [&](int j, u32 (&pj)[NP]) {
         const int kv0 = j * FW_BKV;
         const bool mask = kv0 + FW_BKV - 1 > pos0 + qw0;
-        float mx[2] = {m[0], m[1]};
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int i = 0; i < NS; ++i) {
-            float v = s[i] * scale_log2;
-            if (mask && kv0 + 8 * (i >> 2) + 2 * t0 + (i & 1) > qp0 + 8 * ((i >> 1) & 1)) v = -INFINITY;
-            s[i] = v;
-            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], v);
+            if (mask && kv0 + 8 * (i >> 2) + 2 * t0 + (i & 1) > qp0 + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
+            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
         }
+        float nm[2];  // -(the new maximum) in the log2 domain
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // finite: every row's first tile holds key 0, at or before its position
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            alpha[r] = exp2f(m[r] - mx[r]);  // 0 on the first tile (m = -inf)
-            m[r] = mx[r];
+            const float mn = fmaxf(m[r], mx[r] * scale_log2);
+            alpha[r] = fw_exp2(m[r] - mn);  // 0 on the first tile (m = -inf)
+            m[r] = mn;
+            nm[r] = -mn;
             l[r] *= alpha[r];
         }
 #pragma unroll
         for (int i = 0; i < NS; ++i) {
-            s[i] = exp2f(s[i] - m[(i >> 1) & 1]);
+            s[i] = fw_exp2(fmaf(s[i], scale_log2, nm[(i >> 1) & 1]));
             l[(i >> 1) & 1] += s[i];
         }
 #pragma unroll

@@ -263,16 +263,18 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
-# attn_wgmma.cu flash_attn_wgmma's (K/V stages, pipelined) instantiations, and the one prefill takes
-# (KUIPER_FW_CONFIG "stages,pipe"; H100, PERFORMANCE.md change 170: (4, 1) 333-472 TFLOP/s at 2048-8192 tokens,
-# (3, 1) within 1-3% of it, (3, 0) / (4, 0) 297-425)
-FW_CONFIGS = ((3, False), (4, False), (3, True), (4, True))
-FW_CONFIG = tuple(int(v) for v in os.environ.get("KUIPER_FW_CONFIG", "4,1").split(","))
+# attn_wgmma.cu flash_attn_wgmma's (K/V stages, pipelined, consumer warpgroups) instantiations; prefill takes
+# (4, 1, 3) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG ("stages,pipe,warpgroups") always.
+# H100, PERFORMANCE.md change 170, TFLOP/s: (4, 1, 2) 172 / 339-404 / 476-486 at 512 / 2048 / 8192 tokens, (4, 1, 3)
+# 135 / 328-401 / 495-524; (3, 1, 2) within 1-3% of (4, 1, 2); without the pipelining 297-425 at 2048-8192
+FW_CONFIGS = ((3, False, 2), (3, True, 2), (4, True, 2), (3, True, 3), (4, True, 3))
+FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if "KUIPER_FW_CONFIG" in os.environ else None
+FW_NC3_FROM = 4096
 
 
-def fw_name(st: int, pipe: bool) -> str:
+def fw_name(st: int, pipe: bool, nc: int) -> str:
     """The name expression of one flash_attn_wgmma instantiation."""
-    return f"flash_attn_wgmma<{st}, {'true' if pipe else 'false'}>"
+    return f"flash_attn_wgmma<{st}, {'true' if pipe else 'false'}, {nc}>"
 
 
 MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
@@ -1300,9 +1302,9 @@ def attn_wgmma_fits(hd: int) -> bool:
     return ATTN_WGMMA != "0" and hd == 128 and wgmma_available()
 
 
-def fw_smem_bytes(st: int) -> int:
-    """FwSmem<st>::bytes of attn_wgmma.cu (flash_attn_wgmma traps on less)."""
-    return 4 * 8192 + st * 4 * 8192 + 8 * (1 + 3 * st) + 1024
+def fw_smem_bytes(st: int, nc: int) -> int:
+    """FwSmem<st, nc>::bytes of attn_wgmma.cu (flash_attn_wgmma traps on less)."""
+    return 2 * nc * 8192 + st * 4 * 8192 + 8 * (1 + 3 * st) + 1024
 
 
 def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None):
@@ -1317,15 +1319,16 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         assert hd == 128 and H % KV == 0 and kc.shape[1:] == (KV, hd) and kc.shape[0] >= n
         assert q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
         assert kc.flags.c_contiguous and vc.flags.c_contiguous
-        st, pipe = FW_CONFIG
-        assert (st, bool(pipe)) in FW_CONFIGS
-        fn = kernel("attn90", fw_name(st, bool(pipe)))
-        smem = fw_smem_bytes(st)
+        st, pipe, nc = FW_CONFIG or (4, 1, 3 if T >= FW_NC3_FROM else 2)
+        assert (st, bool(pipe), nc) in FW_CONFIGS
+        fn = kernel("attn90", fw_name(st, bool(pipe), nc))
+        smem = fw_smem_bytes(st, nc)
         allow_dynamic_smem(fn, smem)
         maps = tuple(tma_map_2d(a, 64, 64) for a in (q.reshape(T, H * hd), kc[:n].reshape(n, KV * hd),
                                                      vc[:n].reshape(n, KV * hd)))
-        launch_ex(fn, (math.ceil(T / 128), H), (288,), (*maps, out, _i(T), _i(pos0), _i(H), _i(KV),
-                                                         _f(math.log2(math.e) / math.sqrt(hd))), smem)
+        threads = 288 if nc == 2 else 128 * (nc + 1)  # attn_wgmma.cu FW_THREADS(nc)
+        launch_ex(fn, (math.ceil(T / (64 * nc)), H), (threads,), (*maps, out, _i(T), _i(pos0), _i(H), _i(KV),
+                                                                   _f(math.log2(math.e) / math.sqrt(hd))), smem)
         return out
     fn = kernel("attn", f"flash_attn_prefill<{hd}>")
     smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves

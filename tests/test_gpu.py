@@ -631,22 +631,25 @@ def attention_ref(q, K, V, pos0):
     return out.reshape(T, H * hd)
 
 
-def attn_path_or_skip(path: str, hd: int) -> str:
-    """The prefill attention path to test: "mma" anywhere, "wgmma" where its kernel runs (head dim 128 on
-    compute capability 9.0), else the test is skipped."""
-    if path == "wgmma" and not (hd == 128 and oc.wgmma_available()):
+def attn_path_or_skip(path: str, hd: int, monkeypatch) -> str:
+    """The prefill attention path to test: "mma" anywhere, "wgmma" (the default form at fewer than
+    FW_NC3_FROM tokens: 2 consumer warpgroups) and "wgmma-nc3" (3 consumer warpgroups, set here) where that
+    kernel runs (head dim 128 on compute capability 9.0), else the test is skipped."""
+    if path.startswith("wgmma") and not (hd == 128 and oc.wgmma_available()):
         pytest.skip("flash_attn_wgmma runs at head dim 128 on compute capability 9.0 only")
-    return path
+    if path == "wgmma-nc3":
+        monkeypatch.setattr(oc, "FW_CONFIG", (4, 1, 3))
+    return path.split("-")[0]
 
 
-@pytest.mark.parametrize("path", ["mma", "wgmma"])
+@pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
 @pytest.mark.parametrize("H,KV,hd", [(32, 8, 128), (64, 8, 128), (16, 8, 128), (32, 4, 128), (4, 2, 64)])
 @pytest.mark.parametrize("T,pos0", [(2, 0), (17, 0), (127, 5), (300, 0), (65, 70), (129, 200)])
-def test_flash_attention_prefill(H, KV, hd, T, pos0, path):
+def test_flash_attention_prefill(H, KV, hd, T, pos0, path, monkeypatch):
     """Against float64 per head. pos0 > 0: a chunk after cached positions (the causal bound is then off the
     query tiles' edges); T 129: a second query tile of one row; the cache holds 7 positions past the chunk,
     stale rows that must not be read."""
-    path = attn_path_or_skip(path, hd)
+    path = attn_path_or_skip(path, hd, monkeypatch)
     rng = np.random.default_rng()
     ctx = pos0 + T + 7
     Kc = (rng.standard_normal((ctx, KV, hd)) * 2).astype(np.float16)
@@ -658,9 +661,9 @@ def test_flash_attention_prefill(H, KV, hd, T, pos0, path):
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, pos0)) < 1e-2
 
 
-@pytest.mark.parametrize("path", ["mma", "wgmma"])
-def test_flash_attention_prefill_long(path):
-    path = attn_path_or_skip(path, 128)
+@pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
+def test_flash_attention_prefill_long(path, monkeypatch):
+    path = attn_path_or_skip(path, 128, monkeypatch)
     rng = np.random.default_rng()
     T, H, KV, hd = 2047, 32, 8, 128
     Kc = rng.standard_normal((T, KV, hd)).astype(np.float16)
@@ -673,11 +676,12 @@ def test_flash_attention_prefill_long(path):
     assert rel(cp.asnumpy(out)[sel], ref) < 1e-2
 
 
-def test_flash_attention_prefill_paths_agree_and_default():
-    """Where the wgmma kernel runs it is the default at head dim 128, and it agrees with the mma.sync kernel
-    (both fp32 softmax over fp16 products: within fp16 rounding of each other) on 4100 tokens after 300
-    cached positions, 40 heads over 8 KV heads (Qwen3-14B's grouping)."""
-    attn_path_or_skip("wgmma", 128)
+def test_flash_attention_prefill_paths_agree_and_default(monkeypatch):
+    """Where the wgmma kernel runs it is the default at head dim 128 (here its 3-warpgroup form: 4100 tokens),
+    and it agrees with the mma.sync kernel (both fp32 softmax over fp16 products: within fp16 rounding of each
+    other) on 4100 tokens after 300 cached positions, 40 heads over 8 KV heads (Qwen3-14B's grouping)."""
+    attn_path_or_skip("wgmma", 128, monkeypatch)
+    assert oc.FW_NC3_FROM <= 4100
     rng = np.random.default_rng()
     T, pos0, H, KV, hd = 4100, 300, 40, 8, 128
     Kc = cp.asarray(rng.standard_normal((pos0 + T, KV, hd)).astype(np.float16))

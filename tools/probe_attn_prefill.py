@@ -38,8 +38,8 @@ def ref_rows(q, K, V, pos0, rows):
 
 @click.command()
 @click.option("--tokens", default="512,2048,8192", help="prompt lengths")
-@click.option("--configs", default=None, help="flash_attn_wgmma (stages, pipelined) configurations to time beside the "
-              "default, e.g. 3x0,3x1 (ops_cupy.FW_CONFIGS)")
+@click.option("--configs", default=None, help="flash_attn_wgmma (stages, pipelined, consumer warpgroups) configurations to "
+              "time beside the default, e.g. 3x0x2,4x1x3 (ops_cupy.FW_CONFIGS)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(tokens, configs, json_path):
     if not oc.wgmma_available():
