@@ -6,6 +6,8 @@
 //   memory (the next tile's cp.async copies in flight while this one is multiplied; FaSmem, 69.6 KB at HD
 //   128, 3 blocks per SM), heaviest query tiles first, the causal mask only on diagonal tiles (PERFORMANCE.md
 //   change 169). HD in {64, 128}.
+//   On compute capability 9.0 at HD 128 prefill takes attn_wgmma.cu's wgmma kernel instead (change 170);
+//   this one serves HD 64, other GPUs, and KUIPER_ATTN_WGMMA=0.
 // attn_decode_gqa + attn_decode_combine: flash-decoding for one query token, the KV length split
 //   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
 //   a second pass merges the partial softmaxes.

@@ -4,25 +4,28 @@
 //
 // Why: flash_attn_prefill (mma.sync, 4 warps x 16 query rows) reads every K and V fragment from shared memory
 // by ldmatrix once per 16 query rows, and it ran at 171-242 TFLOP/s on the H100 at 2048-8192 tokens
-// (PERFORMANCE.md change 169) where the tensor cores allow ~3x that. Here a block of 128 query rows of one
-// head is two consumer warpgroups of 64 rows each:
+// (PERFORMANCE.md change 169) where the tensor cores allow ~3x that. Here a block of 64 NC query rows of one
+// head is NC consumer warpgroups of 64 rows each:
 //   - S = Q K^T is a wgmma with both operands in shared memory as TMA wrote them (128B-swizzled, K-major);
 //   - the online softmax runs on S's accumulator registers;
 //   - O += P V is a register-A wgmma: S's accumulator layout is already the A fragment layout, so P is S
 //     rounded to fp16 in place, and V is read MN-major straight from its TMA tile.
-// A load warp brings the block's Q once and K/V tiles of 64 keys into a ring of ST stages; both warpgroups
-// read each tile, so K and V leave L2 once per 128 query rows, and a stage is handed back once every
-// consumer warp's P V has read it. PIPE (the default): a warpgroup issues tile j + 1's Q K^T before tile j's
-// P V and runs tile j + 1's softmax while that P V is on the tensor cores (P double-buffered); without it the
-// softmax waits for both, and only the other warpgroup fills the gap. Long prompts take 3 consumer warpgroups
-// (NC): each K/V tile then serves 192 query rows. H100 (PERFORMANCE.md change 170), TFLOP/s at 2048 / 8192
-// tokens: 339-404 / 476-486 with 2, 328-401 / 495-524 with 3, 297-346 / 406-425 without PIPE; flash_attn_prefill
-// 174-246.
+// One load thread brings the block's Q once and K/V tiles of 64 keys into a ring of ST stages; every warpgroup
+// reads each tile, so K and V leave L2 once per block, and a stage is handed back once every consumer warp's
+// P V has read it. PIPE 1: a warpgroup issues tile j + 1's Q K^T before tile j's P V and runs tile j + 1's
+// softmax while that P V is on the tensor cores (P double-buffered); without it (0) the softmax waits for both.
+// PIPE 2 also has the warpgroups issue those wgmmas in turn (FlashAttention-3's ping-pong), so one
+// warpgroup's softmax meets the next one's wgmmas rather than all softmaxes at once.
+// Forms (the host's FW_CONFIGS; ops_cupy picks (4, 1, 2) below 2048 tokens and (4, 2, 3) from there), H100
+// TFLOP/s at 2048 / 8192 tokens (PERFORMANCE.md change 170): (4, 1, 2) 340-405 / 441-493, (4, 2, 3) 342-429 /
+// 501-556, (4, 1, 3) 327-396 / 471-524, (3, 0, 2) 297-346 / 402-425; flash_attn_prefill 174-246. At 512 tokens
+// 3 warpgroups leave SMs idle (4 x 32 blocks of 128 rows: 172; of 192 rows: 135).
 //
 // Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
 // and out [T, H*128] contiguous, the K/V cache rows [n_keys, KV*128] (n_keys = pos0 + T; TMA reads zeros past
-// them); ST 3 or 4 (132 or 164 KB, 1 block per SM). Tiles of 128 keys measured slower: ptxas holds a block of
-// 288 threads to 168 registers, which serialized their wgmmas, and the pipelined form spilled.
+// them); ST 3 or 4 (up to 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured
+// slower: ptxas holds a block of 288 threads to 168 registers, which serialized their wgmmas, and the pipelined
+// form spilled.
 // grid (ceil(T / (64 NC)), H), block FW_THREADS(NC), FwSmem<ST, NC>::bytes of dynamic shared memory.
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -81,8 +84,9 @@ __device__ __forceinline__ void fw_keep(const u32 (&a)[N], u32& keep) {
     for (int i = 0; i < N; ++i) keep ^= a[i];
 }
 
-template <int ST, bool PIPE, int NC>  // K/V stages; PIPE: tile j + 1's Q K^T ahead of tile j's P V (see
-__global__ void __launch_bounds__(FW_THREADS(NC), 1)  // above); consumer warpgroups (2 or 3)
+template <int ST, int PIPE, int NC>  // K/V stages; PIPE: 1 tile j + 1's Q K^T ahead of tile j's P V, 2 and the
+__global__ void __launch_bounds__(FW_THREADS(NC), 1)  // warpgroups' wgmmas issued in turn (see above); consumer
+                                                      // warpgroups (2 or 3)
 flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (rotated), boxes 64 x 64
                  const __grid_constant__ TmaDesc kmap,  // K [n_keys, KV*128] this layer's cache rows
                  const __grid_constant__ TmaDesc vmap,  // V [n_keys, KV*128]
@@ -142,8 +146,9 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
     // of the tile, o[4 c + e] the same rows at head-dim column 8 c + 2 t0 + (e & 1)
     const int wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t0 = lane & 3;
     const int qw0 = q0 + 64 * wg, row0 = qw0 + 16 * w + g, qp0 = pos0 + row0;
-    // the tiles this warpgroup needs (the block's last one only the second warpgroup may need)
-    const int tiles = (min(n_keys, pos0 + qw0 + 64) + FW_BKV - 1) / FW_BKV;
+    // the tiles this warpgroup needs (the block's last one only the last warpgroup may need); taking turns,
+    // every warpgroup runs the block's count (the extra tile wholly masked) so that the turns pair up
+    const int tiles = (min(n_keys, pos0 + (PIPE == 2 ? q0 + BQ : qw0 + 64)) + FW_BKV - 1) / FW_BKV;
     // no initial values: the first wgmma of each overwrites them (scale-d off), and zeroing them here made
     // ptxas serialize every wgmma (C7515)
     constexpr int NS = FW_BKV / 2, NP = FW_BKV / 4;  // S accumulators, P registers per thread
@@ -217,15 +222,33 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
         for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
     };
 
+    // PIPE 2: warpgroup wg issues a batch of wgmmas only in its turn (named barrier 1 + wg, completed by the
+    // warpgroup before it passing the turn on), so that one warpgroup's softmax runs while the next one's
+    // wgmmas hold the tensor cores rather than all of them at once; the last warpgroup's final pass would
+    // have no taker, so it is left out, and it hands the first turn to warpgroup 0
+    auto turn_take = [&] {
+        if constexpr (PIPE == 2) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+    };
+    auto turn_pass = [&](bool last) {
+        if constexpr (PIPE == 2)
+            if (!last || wg != NC - 1) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % NC) : "memory");
+    };
+    if constexpr (PIPE == 2)
+        if (wg == NC - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+
     mbar_wait(qbar, 0);
-    if constexpr (PIPE) {
+    if constexpr (PIPE != 0) {
         // tile j + 1's Q K^T is issued ahead of tile j's P V, and its softmax runs while that P V does
+        turn_take();
         issue_s(0);
+        turn_pass(false);
         wg_wait<0>();
         softmax(0, p);
         for (int j = 0; j + 1 < tiles; ++j) {  // (the last tile after the loop: no conditions inside it)
+            turn_take();
             issue_s(j + 1);
             issue_pv(j, p);
+            turn_pass(false);
             wg_wait<1>();  // S of tile j + 1 (groups complete in order; P V of tile j may still run)
             softmax(j + 1, pn);
             wg_wait<0>();  // P V of tile j: its stage is free
@@ -235,7 +258,9 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
 #pragma unroll
             for (int i = 0; i < NP; ++i) p[i] = pn[i];
         }
+        turn_take();
         issue_pv(tiles - 1, p);
+        turn_pass(true);
         wg_wait<0>();
         fw_keep(p, keep);
     } else {

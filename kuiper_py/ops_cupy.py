@@ -263,18 +263,19 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
-# attn_wgmma.cu flash_attn_wgmma's (K/V stages, pipelined, consumer warpgroups) instantiations; prefill takes
-# (4, 1, 3) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG ("stages,pipe,warpgroups") always.
-# H100, PERFORMANCE.md change 170, TFLOP/s: (4, 1, 2) 172 / 339-404 / 476-486 at 512 / 2048 / 8192 tokens, (4, 1, 3)
-# 135 / 328-401 / 495-524; (3, 1, 2) within 1-3% of (4, 1, 2); without the pipelining 297-425 at 2048-8192
-FW_CONFIGS = ((3, False, 2), (3, True, 2), (4, True, 2), (3, True, 3), (4, True, 3))
+# attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
+# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
+# ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
+# then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
+# / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
+FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
 FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if "KUIPER_FW_CONFIG" in os.environ else None
-FW_NC3_FROM = 4096
+FW_NC3_FROM = 2048
 
 
-def fw_name(st: int, pipe: bool, nc: int) -> str:
+def fw_name(st: int, pipe: int, nc: int) -> str:
     """The name expression of one flash_attn_wgmma instantiation."""
-    return f"flash_attn_wgmma<{st}, {'true' if pipe else 'false'}, {nc}>"
+    return f"flash_attn_wgmma<{st}, {pipe}, {nc}>"
 
 
 MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
@@ -1319,9 +1320,9 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         assert hd == 128 and H % KV == 0 and kc.shape[1:] == (KV, hd) and kc.shape[0] >= n
         assert q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
         assert kc.flags.c_contiguous and vc.flags.c_contiguous
-        st, pipe, nc = FW_CONFIG or (4, 1, 3 if T >= FW_NC3_FROM else 2)
-        assert (st, bool(pipe), nc) in FW_CONFIGS
-        fn = kernel("attn90", fw_name(st, bool(pipe), nc))
+        st, pipe, nc = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
+        assert (st, pipe, nc) in FW_CONFIGS
+        fn = kernel("attn90", fw_name(st, pipe, nc))
         smem = fw_smem_bytes(st, nc)
         allow_dynamic_smem(fn, smem)
         maps = tuple(tma_map_2d(a, 64, 64) for a in (q.reshape(T, H * hd), kc[:n].reshape(n, KV * hd),

@@ -632,13 +632,13 @@ def attention_ref(q, K, V, pos0):
 
 
 def attn_path_or_skip(path: str, hd: int, monkeypatch) -> str:
-    """The prefill attention path to test: "mma" anywhere, "wgmma" (the default form at fewer than
-    FW_NC3_FROM tokens: 2 consumer warpgroups) and "wgmma-nc3" (3 consumer warpgroups, set here) where that
-    kernel runs (head dim 128 on compute capability 9.0), else the test is skipped."""
+    """The prefill attention path to test: "mma" anywhere, "wgmma" (the default form: 2 consumer warpgroups
+    below FW_NC3_FROM tokens, 3 taking turns from there) and "wgmma-nc3" (that second form at any length, set
+    here) where that kernel runs (head dim 128 on compute capability 9.0), else the test is skipped."""
     if path.startswith("wgmma") and not (hd == 128 and oc.wgmma_available()):
         pytest.skip("flash_attn_wgmma runs at head dim 128 on compute capability 9.0 only")
     if path == "wgmma-nc3":
-        monkeypatch.setattr(oc, "FW_CONFIG", (4, 1, 3))
+        monkeypatch.setattr(oc, "FW_CONFIG", (4, 2, 3))
     return path.split("-")[0]
 
 
@@ -677,7 +677,7 @@ def test_flash_attention_prefill_long(path, monkeypatch):
 
 
 def test_flash_attention_prefill_paths_agree_and_default(monkeypatch):
-    """Where the wgmma kernel runs it is the default at head dim 128 (here its 3-warpgroup form: 4100 tokens),
+    """Where the wgmma kernel runs it is the default at head dim 128 (here its 3-warpgroup form with turns),
     and it agrees with the mma.sync kernel (both fp32 softmax over fp16 products: within fp16 rounding of each
     other) on 4100 tokens after 300 cached positions, 40 heads over 8 KV heads (Qwen3-14B's grouping)."""
     attn_path_or_skip("wgmma", 128, monkeypatch)
