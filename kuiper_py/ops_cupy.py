@@ -269,7 +269,7 @@ MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 
 # then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
 # / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
 FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
-FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if "KUIPER_FW_CONFIG" in os.environ else None
+FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if os.environ.get("KUIPER_FW_CONFIG") else None
 FW_NC3_FROM = 2048
 
 
@@ -1320,8 +1320,12 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         assert hd == 128 and H % KV == 0 and kc.shape[1:] == (KV, hd) and kc.shape[0] >= n
         assert q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
         assert kc.flags.c_contiguous and vc.flags.c_contiguous
-        st, pipe, nc = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
-        assert (st, pipe, nc) in FW_CONFIGS
+        cfg = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
+        if cfg not in FW_CONFIGS:
+            forms = " ".join(",".join(map(str, c)) for c in FW_CONFIGS)
+            raise KuiperError(f"KUIPER_FW_CONFIG={','.join(map(str, cfg))} is not a compiled form of flash_attn_wgmma "
+                              f"(stages,pipe,warpgroups: {forms})")
+        st, pipe, nc = cfg
         fn = kernel("attn90", fw_name(st, pipe, nc))
         smem = fw_smem_bytes(st, nc)
         allow_dynamic_smem(fn, smem)
