@@ -48,40 +48,12 @@ struct FwSmem {  // byte offsets from the 1024-aligned base of dynamic shared me
     static constexpr int bytes = bar + 8 * (1 + 3 * ST) + 1024;  // + the alignment slack
 };
 
-// O [64 x 128] (+)= P [64 x 64 keys] V [64 keys x 128], the tile's 4 k16 steps in one statement. P: the 16 A
-// registers (4 per step). V MN-major: its two 64-column halves a box apart (the leading byte offset, in db0),
-// 8-key groups 1 KB apart (the stride byte offset), so step kk starts 2 KB further (descriptor units of 16
-// bytes: + 128). scale-d off for the first (acc 0): O is overwritten.
-__device__ __forceinline__ void fw_pv(float (&d)[64], const u32 (&a)[16], unsigned long long db0, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %81, 0;\n"
-        "add.s64 b1, %80, 128;\nadd.s64 b2, %80, 256;\nadd.s64 b3, %80, 384;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%64, %65, %66, %67}, %80, p, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%68, %69, %70, %71}, b1, 1, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%72, %73, %74, %75}, b2, 1, 1, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%76, %77, %78, %79}, b3, 1, 1, 1, 1;\n"
-        "}\n"
-        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
-          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
-          "l"(db0), "r"(acc));
-}
-
 // 2^x by the MUFU alone (ex2.approx.ftz): exp2f's non-ftz form adds a denormal fixup per call, and P's
 // values below 2^-126 are zeros in fp16 anyway.
 __device__ __forceinline__ float fw_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-// A real use of P's registers after the P V that read them is known done: ptxas ends a register's life at
-// its last use, which for wgmma's A operand is the instruction's issue, and would otherwise build other values
-// in them while the wgmma still reads them (as gemm_wgmma.cu's rs_keep).
-template <int N>
-__device__ __forceinline__ void fw_keep(const u32 (&a)[N], u32& keep) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) keep ^= a[i];
 }
 
 template <int ST, int PIPE, int NC>  // K/V stages; PIPE: 1 tile j + 1's Q K^T ahead of tile j's P V, 2 and the
@@ -178,7 +150,9 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
         mbar_wait(vfull + 8 * st, (j / ST) & 1);
         wg_pin(o);
         wg_fence();
-        fw_pv(o, pj, wg_desc_mn(vs, FW_BOX, 1024), j > 0);
+        // V MN-major: its 64-column halves a box apart (leading byte offset), 8-key groups 1 KB apart (stride
+        // byte offset), so each k16 step of 16 keys starts 2 KB (128 descriptor units) further
+        wgmma_rs128x4<128, 1>(o, pj, wg_desc_mn(vs, FW_BOX, 1024), j > 0);
         wg_commit();
         wg_pin(o);
     };
@@ -252,7 +226,7 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
             wg_wait<1>();  // S of tile j + 1 (groups complete in order; P V of tile j may still run)
             softmax(j + 1, pn);
             wg_wait<0>();  // P V of tile j: its stage is free
-            fw_keep(p, keep);
+            wg_keep(p, keep);
             if (lane == 0) mbar_arrive(empty + 8 * (j % ST));
             rescale_o();
 #pragma unroll
@@ -262,19 +236,19 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
         issue_pv(tiles - 1, p);
         turn_pass(true);
         wg_wait<0>();
-        fw_keep(p, keep);
+        wg_keep(p, keep);
     } else {
         for (int j = 0; j < tiles; ++j) {
             issue_s(j);
             wg_wait<0>();  // S of tile j, and tile j - 1's P V
-            fw_keep(p, keep);
+            wg_keep(p, keep);
             if (j > 0 && lane == 0) mbar_arrive(empty + 8 * ((j - 1) % ST));
             softmax(j, p);
             if (j > 0) rescale_o();
             issue_pv(j, p);
         }
         wg_wait<0>();
-        fw_keep(p, keep);
+        wg_keep(p, keep);
     }
 
 #pragma unroll
@@ -293,5 +267,5 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
             *reinterpret_cast<half2*>(out + (size_t)(row0 + 8) * ldo + 8 * c) =
                 __floats2half2_rn(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
     }
-    if (T < 0) O[0] = __ushort_as_half((unsigned short)(keep ^ pn[0]));  // never: keep's only use (fw_keep)
+    if (T < 0) O[0] = __ushort_as_half((unsigned short)(keep ^ pn[0]));  // never: keep's only use (wg_keep)
 }

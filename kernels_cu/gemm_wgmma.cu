@@ -350,64 +350,6 @@ __device__ __forceinline__ uint2 lds64(u32 a) {
     return v;
 }
 
-// The 4 k16 steps of a K tile in one asm statement: A registers a[4 kk ..], B at db0 + 2 kk (descriptor units
-// of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0).
-__device__ __forceinline__ void wgmma_rs64x4(float (&d)[32], const u32 (&a)[16], unsigned long long db0, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %49, 0;\n"
-        "add.s64 b1, %48, 2;\nadd.s64 b2, %48, 4;\nadd.s64 b3, %48, 6;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%32, %33, %34, %35}, %48, p, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%36, %37, %38, %39}, b1, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%40, %41, %42, %43}, b2, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%44, %45, %46, %47}, b3, 1, 1, 1, 0;\n}\n"
-        : WG_D16(0), WG_D16(16)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
-          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
-          "l"(db0), "r"(acc));
-}
-
-// As wgmma_rs64x4 with 128 columns (tokens) per instruction.
-__device__ __forceinline__ void wgmma_rs128x4(float (&d)[64], const u32 (&a)[16], unsigned long long db0, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %81, 0;\n"
-        "add.s64 b1, %80, 2;\nadd.s64 b2, %80, 4;\nadd.s64 b3, %80, 6;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%64, %65, %66, %67}, %80, p, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%68, %69, %70, %71}, b1, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%72, %73, %74, %75}, b2, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%76, %77, %78, %79}, b3, 1, 1, 1, 0;\n"
-        "}\n"
-        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
-          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
-          "l"(db0), "r"(acc));
-}
-
-// As wgmma_rs64x4 with 256 columns (tokens) per instruction (128 accumulators per thread).
-__device__ __forceinline__ void wgmma_rs256x4(float (&d)[128], const u32 (&a)[16], unsigned long long db0, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %145, 0;\n"
-        "add.s64 b1, %144, 2;\nadd.s64 b2, %144, 4;\nadd.s64 b3, %144, 6;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%128, %129, %130, %131}, %144, p, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%132, %133, %134, %135}, b1, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%136, %137, %138, %139}, b2, 1, 1, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%140, %141, %142, %143}, b3, 1, 1, 1, 0;\n"
-        "}\n"
-        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48), WG_D16(64), WG_D16(80), WG_D16(96), WG_D16(112)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
-          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
-          "l"(db0), "r"(acc));
-}
-
-// A real use of a K tile's A registers (their XOR into keep, stored only where T < 0, i.e. never):
-// ptxas ends a register's life at its last use, which for wgmma's A is the instruction's issue, so it
-// would build the next tile's A in the same registers while the wgmmas still read them, and serialize
-// every wgmma to make that safe (C7513). Used after the next tile's wgmmas are issued and the previous
-// group's wait, it keeps the two tiles' registers apart at 8 LOP3 per tile.
-__device__ __forceinline__ void rs_keep(const u32 (&a)[16], u32& keep) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) keep ^= a[i];
-}
-
 // One K tile of a consumer: its 16 A registers from the stage's packed words (shared addresses st_w,
 // st_s, st_z), then 4 wgmmas on x (committed as one group). wi: the thread's word of the 32-word tile, wl
 // the same word of the block's scales and zeros; sh: its nibble pair's shift; t0: lane % 4.
@@ -513,7 +455,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
             rs_k_tile(d, h ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
                       sbase + L::x + s * BT * 128, wi, wl, sh, t0, k == 0);
             wg_wait<1>();  // K tile k - 1's wgmmas are done: its stage and its A registers are free
-            rs_keep(h ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
+            wg_keep(h ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
             if (k > 0 && lane == 0) mbar_arrive(empty + 8 * ((k - 1) % ST));
             // the stage of tile k - RS_REFILL_LAG refilled once every warp is done with it (a lag of 2: the
             // other warpgroups have had a tile's time to hand it back, so thread 0's warpgroup rarely waits)
@@ -524,7 +466,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
         }
     }
     wg_wait<0>();
-    if (tok_end < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (rs_keep)
+    if (tok_end < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (wg_keep)
     if (split > 1) {  // K split: each part stores its sums, the last of the tile to finish adds them
         __shared__ int last;
         float* pt = part + (size_t)ts * split * (BT / 2) * NT + tid;

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) helpers shared by the wgmma kernels: gemm_wgmma.cu's prefill GEMMs and attn_wgmma.cu's
 // prefill flash attention. Shared-memory matrix descriptors, the wgmma fence / commit / wait, wgmma with both
-// operands in shared memory, TMA tensor loads, and the accumulator operand lists of the register-A forms.
+// operands in shared memory, TMA tensor loads, and the register-A forms (A in registers, 4 k16 steps a statement).
 #pragma once
 #include "common.cuh"
 
@@ -93,3 +93,64 @@ __device__ __forceinline__ void wg_pin(float (&d)[ND]) {
     for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The 4 k16 steps of a K tile in one asm statement: A registers a[4 kk ..], B at db0 + 2 kk (descriptor units
+// of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0).
+__device__ __forceinline__ void wgmma_rs64x4(float (&d)[32], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %49, 0;\n"
+        "add.s64 b1, %48, 2;\nadd.s64 b2, %48, 4;\nadd.s64 b3, %48, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%32, %33, %34, %35}, %48, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%36, %37, %38, %39}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%40, %41, %42, %43}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" RS_D32 "}, {%44, %45, %46, %47}, b3, 1, 1, 1, 0;\n}\n"
+        : WG_D16(0), WG_D16(16)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
+// As wgmma_rs64x4 with 128 columns per instruction. DSTEP: the B descriptor's advance per k16 step (16-byte
+// units: 2 for a K-major 128B-swizzled tile, the GEMM's x; 128 for attn_wgmma.cu's MN-major V, 8-key groups 1 KB
+// apart), TB: B transposed (MN-major).
+template <int DSTEP = 2, int TB = 0>
+__device__ __forceinline__ void wgmma_rs128x4(float (&d)[64], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %81, 0;\n"
+        "add.s64 b1, %80, %82;\nadd.s64 b2, %80, %83;\nadd.s64 b3, %80, %84;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%64, %65, %66, %67}, %80, p, 1, 1, %85;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%68, %69, %70, %71}, b1, 1, 1, 1, %85;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%72, %73, %74, %75}, b2, 1, 1, 1, %85;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" RS_D64 "}, {%76, %77, %78, %79}, b3, 1, 1, 1, %85;\n"
+        "}\n"
+        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc), "n"(DSTEP), "n"(2 * DSTEP), "n"(3 * DSTEP), "n"(TB));
+}
+
+// As wgmma_rs64x4 with 256 columns (tokens) per instruction (128 accumulators per thread).
+__device__ __forceinline__ void wgmma_rs256x4(float (&d)[128], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %145, 0;\n"
+        "add.s64 b1, %144, 2;\nadd.s64 b2, %144, 4;\nadd.s64 b3, %144, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%128, %129, %130, %131}, %144, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%132, %133, %134, %135}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%136, %137, %138, %139}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" RS_D128 "}, {%140, %141, %142, %143}, b3, 1, 1, 1, 0;\n"
+        "}\n"
+        : WG_D16(0), WG_D16(16), WG_D16(32), WG_D16(48), WG_D16(64), WG_D16(80), WG_D16(96), WG_D16(112)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
+// A real use of wgmma A registers (their XOR into keep, stored only where a size is negative, i.e. never):
+// ptxas ends a register's life at its last use, which for wgmma's A is the instruction's issue, so it
+// would build the next tile's A in the same registers while the wgmmas still read them, and serialize
+// every wgmma to make that safe (C7513). Used once the wgmma group that read them is known done, it keeps
+// them apart at one LOP3 per register (gemm_wgmma.cu's K tiles, attn_wgmma.cu's P).
+template <int N>
+__device__ __forceinline__ void wg_keep(const u32 (&a)[N], u32& keep) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) keep ^= a[i];
+}
