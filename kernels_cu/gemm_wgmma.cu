@@ -408,7 +408,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         // too little shared memory, or too few threads for the consumer warpgroups (their empty barriers
         // would never complete: a hang, change 166's first run), fails the launch instead
-        if (dyn < (u32)L::bytes || blockDim.x != NT) __trap();
+        if (dyn < (u32)L::bytes || blockDim.x != NT || (group & (group - 1)) != 0) __trap();
         for (int s = 0; s < ST; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 4 * WG);  // every consumer warp
@@ -419,22 +419,29 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
 
     // ---- loads: thread 0 issues a K tile's x (TMA), packed words, scales and zeros (bulk copies) into its
     // stage; the first ST now, then each as the stage is handed back (in the consumer loop below)
-    const u32* tile_w = qw + (size_t)(n0 >> 8) * 32 * K;  // full 32-word tiles: [K/4][32][4]
-    auto issue = [&](int kt) {  // kt: the part's own K tile count, its stage kt % ST
-        const int s = kt % ST, gi = (kt0 + kt) * WG_BK / group;
+    // Thread 0 is a consumer too, and its K tile's wgmmas wait for its issue: the issue is kept short (pointers
+    // made once, the group index a shift). As first written (a division by group, the addresses rebuilt per
+    // tile: ~95 instructions at a quarter of its scheduler's issue slots) it took ~800 cycles of a ~1600-cycle
+    // K tile, and the consumers waited for data a third of the time (change 171's probe, H100, MoE at 512 tokens).
+    const u32* w_src = qw + (size_t)(n0 >> 8) * 32 * K + (size_t)kt0 * 2048;  // full 32-word tiles: [K/4][32][4]
+    const half* s_src = sc + n0;
+    const u32* z_src = qz + (n0 >> 3);
+    const int gsh = 31 - __clz(group >> 6);  // group = 64 << gsh (a power of two: wgmma_fits, moe_rs_fits)
+    auto issue = [&](int kt, int s) {  // kt: the part's own K tile count, s = kt % ST its stage
+        const int gi = (kt0 + kt) >> gsh;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
         mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
         if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         if (lw) {
             // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
             // 2-warpgroup block reads half
-            bulk_g2s(sbase + L::w + s * 8192, tile_w + (size_t)(kt0 + kt) * 2048, 8192, full + 8 * s);
-            bulk_g2s(sbase + L::s + s * 512, sc + (size_t)gi * N + n0, 128 * WG, full + 8 * s);
-            bulk_g2s(sbase + L::z + s * 128, qz + (size_t)gi * (N / 8) + (n0 >> 3), 32 * WG, full + 8 * s);
+            bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+            bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
+            bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
         }
     };
     if (tid == 0)
-        for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt);
+        for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt, kt);
 
     // ---- consumer warpgroup g: channels 64 g .. 64 g + 63 of the block. Thread (warp w, lane = 4 t1 + t0)
     // holds A rows m = 16 w + t1 and m + 8 as the column pair (c, c + 1), c = 8 wl + 2 (t1 & 3), of the block's
@@ -445,23 +452,31 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     float d[BT / 2];
     u32 fa[16] = {}, fb[16] = {};  // two K tiles' A registers: one is read by wgmma while the other is built
     u32 keep = 0;
-    for (int kt = 0; kt < nk; kt += 2) {
+    // The loop runs U K tiles per pass: with U = ST each tile's stage is a constant, so every shared address
+    // below is one base register plus an immediate (with k % ST the compiler rebuilt ~35 addresses per tile:
+    // the consumers' instructions per K tile fell by a quarter, change 171); an odd ST keeps U = 2 (the A
+    // register buffers alternate by tile parity)
+    constexpr int U = ST % 2 == 0 ? ST : 2;
+    u32 ph = 0;  // (kt / ST) & 1 when U = ST: the parity of this pass's full barriers
+    for (int kt = 0; kt < nk; kt += U, ph ^= (U == ST)) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < U; ++h) {
             const int k = kt + h;
             if (k >= nk) break;
-            const int s = k % ST;
-            mbar_wait(full + 8 * s, (k / ST) & 1);
-            rs_k_tile(d, h ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
+            const int s = U == ST ? h : k % ST;
+            mbar_wait(full + 8 * s, U == ST ? ph : (k / ST) & 1);
+            rs_k_tile(d, h & 1 ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
                       sbase + L::x + s * BT * 128, wi, wl, sh, t0, k == 0);
             wg_wait<1>();  // K tile k - 1's wgmmas are done: its stage and its A registers are free
-            wg_keep(h ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
-            if (k > 0 && lane == 0) mbar_arrive(empty + 8 * ((k - 1) % ST));
+            wg_keep(h & 1 ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
+            if (k > 0 && lane == 0) mbar_arrive(empty + 8 * (U == ST ? (h + ST - 1) % ST : (k - 1) % ST));
             // the stage of tile k - RS_REFILL_LAG refilled once every warp is done with it (a lag of 2: the
             // other warpgroups have had a tile's time to hand it back, so thread 0's warpgroup rarely waits)
             if (tid == 0 && k >= RS_REFILL_LAG && k - RS_REFILL_LAG + ST < nk) {
-                mbar_wait(empty + 8 * ((k - RS_REFILL_LAG) % ST), ((k - RS_REFILL_LAG) / ST) & 1);
-                issue(k - RS_REFILL_LAG + ST);
+                const int r = k - RS_REFILL_LAG;
+                mbar_wait(empty + 8 * (U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST),
+                          U == ST ? (h >= RS_REFILL_LAG ? ph : ph ^ 1u) : (r / ST) & 1);
+                issue(r + ST, U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST);
             }
         }
     }

@@ -1010,8 +1010,8 @@ def wgmma_available() -> bool:
 
 
 def wgmma_fits(mats) -> bool:
-    """gemm_wgmma.cu's shape table: up to 3 matrices with one K, K % 64, N % 256, group % 64."""
-    return len(mats) <= 3 and all(m.K == mats[0].K and m.K % 64 == 0 and m.N % 256 == 0 and m.group_size % 64 == 0
+    """gemm_wgmma.cu's shape table: up to 3 matrices with one K, K % 64, N % 256, group a power of two >= 64."""
+    return len(mats) <= 3 and all(m.K == mats[0].K and m.K % 64 == 0 and m.N % 256 == 0 and _pow2_group(m.group_size)
                                   and m.group_size == mats[0].group_size for m in mats)
 
 
@@ -1954,10 +1954,15 @@ MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
 MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "48"))
 
 
+def _pow2_group(group: int) -> bool:
+    """The register-A kernels' group sizes: 64 << n (a K tile's group index is a shift)."""
+    return group >= 64 and group & (group - 1) == 0
+
+
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
     """gemm_moe_rs's shape table for both expert GEMMs: gate|up [D, 2 inter] and down [inter, D], each N a
-    multiple of 256 (whole 32-word column tiles), each K of 64, group of 64."""
-    return D % 256 == 0 and inter % 256 == 0 and group % 64 == 0
+    multiple of 256 (whole 32-word column tiles), each K of 64, group 64 << n."""
+    return D % 256 == 0 and inter % 256 == 0 and _pow2_group(group)
 
 
 def moe_rs_tile(n: int, E: int) -> int:
@@ -1980,7 +1985,7 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     expert's [K, N] matrix -> out [n, N] in the same order."""
     n, K = x.shape
     E, N = stack.E, stack.scales.shape[-1]
-    assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and stack.group_size % 64 == 0
+    assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
     out = cp.empty((n, N), cp.float16) if out is None else out
     st = RS_STAGES[bt]

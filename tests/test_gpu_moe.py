@@ -214,6 +214,7 @@ def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
     monkeypatch.setattr(oc, "MOE_RS", "0")
     assert not oc.moe_rs_path(layer["w13_d"], layer["w2_d"])
     assert not oc.moe_rs_fits(128, 128, 128) and oc.moe_rs_fits(2048, 768, 128) and not oc.moe_rs_fits(2048, 832, 128)
+    assert oc.moe_rs_fits(2048, 768, 64) and not oc.moe_rs_fits(2048, 768, 192)  # groups 64 << n only
     monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 64)
     assert oc.moe_rs_tile(64 * E - 1, E) == 64 and oc.moe_rs_tile(64 * E, E) == 128
 
