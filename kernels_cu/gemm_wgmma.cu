@@ -273,9 +273,9 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // back as B (1/64 byte of shared-memory reads plus 1/128 of stores per FLOP, x as A another 1/128), and the
 // producers' dequantization, the loads and the wgmmas measured additive (change 44). Here the product is
 // transposed, C^T [N, T] = W^T x^T: W^T is wgmma's A operand, dequantized by the consumer warps straight
-// into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. Thread 0
-// of the block issues the loads: per K tile x's box, the column tile's 64-k slab of packed words (8
-// contiguous KB: one bulk copy, whichever part of it the block uses), the block's scales and zeros.
+// into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. The first
+// thread of each warpgroup issues a share of the loads: per K tile x's box, the column tile's 64-k slab of
+// packed words (8 contiguous KB: one bulk copy, whichever part of it the block uses), the block's scales and zeros.
 // Supported tiles (ops_cupy.RS_STAGES):
 //   BT = 64 or 128 tokens x 256 channels (one 32-word column tile), 4 consumer warpgroups of 64 channels
 //     (m64nBTk16), 8 stages: H200 456-475 TFLOP/s at 2048 rows against 369-393 for gemm_w4a16_ws (164);
@@ -417,30 +417,35 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     }
     __syncthreads();
 
-    // ---- loads: thread 0 issues a K tile's x (TMA), packed words, scales and zeros (bulk copies) into its
-    // stage; the first ST now, then each as the stage is handed back (in the consumer loop below)
-    // Thread 0 is a consumer too, and its K tile's wgmmas wait for its issue: the issue is kept short (pointers
-    // made once, the group index a shift). As first written (a division by group, the addresses rebuilt per
-    // tile: ~95 instructions at a quarter of its scheduler's issue slots) it took ~800 cycles of a ~1600-cycle
-    // K tile, and the consumers waited for data a third of the time (change 171's probe, H100, MoE at 512 tokens).
+    // ---- loads into a K tile's stage: the first ST now, then each as the stage is handed back (in the consumer
+    // loop below). The loads of a K tile: x by TMA, the column tile's 8 KB of packed words, the block's scales and zeros by
+    // bulk copies, each from the first thread of a warpgroup (copy c by warpgroup c % WG). Those threads are
+    // consumers too, and their warpgroups' wgmmas wait for their issue: from thread 0 alone, as first written
+    // (a division by the group, the addresses rebuilt per tile: ~95 instructions at a quarter of its scheduler's
+    // issue slots) it took ~800 cycles of a ~1600-cycle K tile and the consumers waited for data a third of the
+    // time (change 171's probe, H100, MoE at 512 tokens); now the pointers are made once, the group index is a
+    // shift and the copies are spread (change 173). Warpgroup 0's arrive.expect_tx may come after another
+    // warpgroup's bytes have landed: the tx-count goes below zero and the phase still waits for that arrival.
     const u32* w_src = qw + (size_t)(n0 >> 8) * 32 * K + (size_t)kt0 * 2048;  // full 32-word tiles: [K/4][32][4]
     const half* s_src = sc + n0;
     const u32* z_src = qz + (n0 >> 3);
     const int gsh = 31 - __clz(group >> 6);  // group = 64 << gsh (a power of two: wgmma_fits, moe_rs_fits)
+    const int gi_ = tid >> 7;
     auto issue = [&](int kt, int s) {  // kt: the part's own K tile count, s = kt % ST its stage
         const int gi = (kt0 + kt) >> gsh;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
-        mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
-        if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
-        if (lw) {
-            // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
-            // 2-warpgroup block reads half
-            bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
-            bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
-            bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
+        if (gi_ == 0) {
+            mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
+            if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
+        // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
+        // 2-warpgroup block reads half
+        if (lw && gi_ == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+        if (lw && gi_ == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
+        if (lw && gi_ == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
     };
-    if (tid == 0)
+    const bool issuer = (tid & 127) == 0;
+    if (issuer)
         for (int kt = 0; kt < min(ST, nk); ++kt) issue(kt, kt);
 
     // ---- consumer warpgroup g: channels 64 g .. 64 g + 63 of the block. Thread (warp w, lane = 4 t1 + t0)
@@ -471,8 +476,8 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
             wg_keep(h & 1 ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
             if (k > 0 && lane == 0) mbar_arrive(empty + 8 * (U == ST ? (h + ST - 1) % ST : (k - 1) % ST));
             // the stage of tile k - RS_REFILL_LAG refilled once every warp is done with it (a lag of 2: the
-            // other warpgroups have had a tile's time to hand it back, so thread 0's warpgroup rarely waits)
-            if (tid == 0 && k >= RS_REFILL_LAG && k - RS_REFILL_LAG + ST < nk) {
+            // other warpgroups have had a tile's time to hand it back, so the issuing threads rarely wait)
+            if (issuer && k >= RS_REFILL_LAG && k - RS_REFILL_LAG + ST < nk) {
                 const int r = k - RS_REFILL_LAG;
                 mbar_wait(empty + 8 * (U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST),
                           U == ST ? (h >= RS_REFILL_LAG ? ph : ph ^ 1u) : (r / ST) & 1);
