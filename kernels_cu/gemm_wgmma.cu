@@ -430,19 +430,19 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     const half* s_src = sc + n0;
     const u32* z_src = qz + (n0 >> 3);
     const int gsh = 31 - __clz(group >> 6);  // group = 64 << gsh (a power of two: wgmma_fits, moe_rs_fits)
-    const int gi_ = tid >> 7;
+    const int wgi = tid >> 7;  // this thread's warpgroup (its first thread issues copies wgi, wgi + WG, ...)
     auto issue = [&](int kt, int s) {  // kt: the part's own K tile count, s = kt % ST its stage
         const int gi = (kt0 + kt) >> gsh;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
-        if (gi_ == 0) {
+        if (wgi == 0) {
             mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
             if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
         // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
         // 2-warpgroup block reads half
-        if (lw && gi_ == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
-        if (lw && gi_ == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
-        if (lw && gi_ == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
+        if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+        if (lw && wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
+        if (lw && wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
     };
     const bool issuer = (tid & 127) == 0;
     if (issuer)
