@@ -478,10 +478,9 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
             // the stage of tile k - RS_REFILL_LAG refilled once every warp is done with it (a lag of 2: the
             // other warpgroups have had a tile's time to hand it back, so the issuing threads rarely wait)
             if (issuer && k >= RS_REFILL_LAG && k - RS_REFILL_LAG + ST < nk) {
-                const int r = k - RS_REFILL_LAG;
-                mbar_wait(empty + 8 * (U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST),
-                          U == ST ? (h >= RS_REFILL_LAG ? ph : ph ^ 1u) : (r / ST) & 1);
-                issue(r + ST, U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST);
+                const int r = k - RS_REFILL_LAG, sr = U == ST ? (h + ST - RS_REFILL_LAG) % ST : r % ST;  // r's stage
+                mbar_wait(empty + 8 * sr, U == ST ? (h >= RS_REFILL_LAG ? ph : ph ^ 1u) : (r / ST) & 1);
+                issue(r + ST, sr);
             }
         }
     }

@@ -1009,6 +1009,11 @@ def wgmma_available() -> bool:
     return _WGMMA_OK[dev]
 
 
+def _pow2_group(group: int) -> bool:
+    """gemm_wgmma.cu's group sizes: 64 << n (a K tile's group index is a shift)."""
+    return group >= 64 and group & (group - 1) == 0
+
+
 def wgmma_fits(mats) -> bool:
     """gemm_wgmma.cu's shape table: up to 3 matrices with one K, K % 64, N % 256, group a power of two >= 64."""
     return len(mats) <= 3 and all(m.K == mats[0].K and m.K % 64 == 0 and m.N % 256 == 0 and _pow2_group(m.group_size)
@@ -1952,11 +1957,6 @@ MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
 # both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
 # against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168)
 MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "48"))
-
-
-def _pow2_group(group: int) -> bool:
-    """The register-A kernels' group sizes: 64 << n (a K tile's group index is a shift)."""
-    return group >= 64 and group & (group - 1) == 0
 
 
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
