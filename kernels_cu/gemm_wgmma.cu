@@ -390,14 +390,16 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
 }
 
 // One block of gemm_w4a16_rs: tokens tok0 .. tok0 + BT - 1 of x (those from tok_end on are computed, not
-// stored) times channels n0 .. n0 + 64 RS_WG - 1 of one matrix (qw, qz, sc, N columns), stored at out's
-// column c_out; K tiles kt0 .. kt0 + nk - 1 (part z of split, tile ts of the split buffers).
-template <int ST, int BT>
+// stored) times channels n0 .. n0 + 64 WG - 1 of one matrix (qw, qz, sc, N columns), stored at out's
+// column c_out; K tiles kt0 .. kt0 + nk - 1 (part z of split, tile ts of the split buffers). WG: consumer
+// warpgroups (RS_WG(BT), or 2 for the MoE form that runs 2 blocks per SM).
+template <int ST, int BT, int WG = RS_WG(BT)>
 __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restrict__ qw, const u32* __restrict__ qz,
                                          const half* __restrict__ sc, int N, int n0, int c_out, int tok0, int tok_end,
                                          half* __restrict__ out, int K, int group, int ldo, int split, int z, int ts,
                                          float* __restrict__ part, int* __restrict__ ticket) {
-    constexpr int WG = RS_WG(BT), NT = 128 * WG;
+    static_assert(WG == 2 || WG == 4, "a block is 2 or 4 consumer warpgroups of 64 channels");
+    constexpr int NT = 128 * WG;
     typedef RsSmem<ST, BT> L;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sm = (unsigned char*)(((size_t)smem_raw + 1023) & ~(size_t)1023);
@@ -543,11 +545,13 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // all experts in permuted order (moe.cu moe_gather_rows for the gate|up GEMM, the activations for down), each
 // expert's rows contiguous (offsets). blockIdx.y walks the row tiles of all experts (tile_offsets counted in
 // tiles of BT rows by moe_expert_maps; blocks past the last tile exit), blockIdx.x the column tiles. A tile's
-// TMA box may run into the next expert's rows: they are multiplied and not stored. No split.
+// TMA box may run into the next expert's rows: they are multiplied and not stored. No split. WG 2 (64-row
+// tiles by default, ops_cupy.MOE_RS_FORMS): blocks of 128 channels, two per SM, so one block's pipeline fill and
+// stores overlap the other's K loop (change 176: -1 to -7% at 30B-A3B's shapes on the H100).
 //   qw [E][K, N/8] tiled, qz [E][K/g, N/8], sc [E][K/g, N] (an expert's [gate | up] is one [K, 2I] tiled
 //   matrix: its gate tiles then its up tiles); out [n, ldo] permuted rows.
-template <int ST, int BT>
-__global__ void __launch_bounds__(128 * RS_WG(BT), 1)
+template <int ST, int BT, int WG = RS_WG(BT)>  // WG 2 (BT <= 128): 128 channels a block, 2 blocks per SM
+__global__ void __launch_bounds__(128 * WG, WG == 2 && BT <= 128 ? 2 : 1)
 gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted rows), box 64 k x BT rows
             const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restrict__ sc, int N,
             half* __restrict__ out, int K, int group, int ldo,
@@ -557,8 +561,8 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
     static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 with 4 consumer warpgroups");
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
-    const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * RS_WG(BT);
-    rs_block<ST, BT>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+    const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * WG;
+    rs_block<ST, BT, WG>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
                      sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
                      offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);
 }

@@ -262,7 +262,14 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
-MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile (4 consumer warpgroups: 256 channels a block)
+MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile
+# gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
+# one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
+# so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
+# 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
+# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B)
+MOE_RS_FORMS_ALL = ((64, 8, 4), (64, 4, 2), (128, 8, 4))  # compiled: (rows, stages, warpgroups)
+MOE_RS_FORMS = {64: (8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2), 128: (8, 4)}
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
 # ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
@@ -292,7 +299,7 @@ _FILES = {
     # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
     # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
-                  + [f"gemm_moe_rs<{RS_STAGES[bt]}, {bt}>" for bt in MOE_RS_TILES]),
+                  + [f"gemm_moe_rs<{st}, {bt}, {wg}>" for bt, st, wg in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
@@ -1988,11 +1995,11 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
     out = cp.empty((n, N), cp.float16) if out is None else out
-    st = RS_STAGES[bt]
-    fn = kernel("gemm90rs", f"gemm_moe_rs<{st}, {bt}>")
+    st, wg = MOE_RS_FORMS[bt]
+    fn = kernel("gemm90rs", f"gemm_moe_rs<{st}, {bt}, {wg}>")
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
-    launch_ex(fn, (N // 256, _moe_grid_rows(n, E, bt)), (512,), (
+    launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
         tma_map_2d(x, bt, 64), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
         _i(out.strides[0] // 2), offsets, tiles, _i(E)), smem)
     return out

@@ -136,15 +136,22 @@ def row_rel(got, ref):
     return float((np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
 
 
-@pytest.mark.parametrize("bt", oc.MOE_RS_TILES)
+def rs_form_ids(form):
+    return f"{form[0]}rows-{form[1]}st-{form[2]}wg"
+
+
+@pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
-def test_moe_rs_stages_match_reference(layer, T, bt):
-    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md change 168): the
-    expert maps in tiles of bt rows, the rows gathered per expert, the grouped gate|up and down GEMMs, each
-    stage against moe_ref with poisoned outputs; then moe_experts whole, on this path and on the mma.sync
-    one, against moe_ref's pipeline. Experts with no tokens are part of every case (DEAD)."""
+def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
+    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md change 168) in each
+    compiled form (rows per tile, stages, consumer warpgroups: change 176): the expert maps in tiles of those rows,
+    the rows gathered per expert, the grouped gate|up and down GEMMs, each stage against moe_ref with poisoned
+    outputs; then moe_experts whole, on this path and on the mma.sync one, against moe_ref's pipeline. Experts
+    with no tokens are part of every case (DEAD)."""
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    bt = form[0]
+    monkeypatch.setitem(oc.MOE_RS_FORMS, bt, form[1:])
     rng = np.random.default_rng()
     x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
     n = T * K_TOP
@@ -178,14 +185,16 @@ def test_moe_rs_stages_match_reference(layer, T, bt):
         assert row_rel(cp.asnumpy(got), out_ref) < 1e-2, rs
 
 
-@pytest.mark.parametrize("bt", oc.MOE_RS_TILES)
-def test_gemm_moe_rs_at_235b_shapes(bt):
-    """gemm_moe_rs at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536: 12 column tiles of
-    gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, rows routed at random (one expert left empty,
-    one with more rows than two tiles, so a tile ends inside an expert), every row against moe_ref with
-    poisoned outputs."""
+@pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
+def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
+    """gemm_moe_rs (each compiled form) at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536:
+    12 column tiles of gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, rows routed at random (one
+    expert left empty, one with more rows than two tiles, so a tile ends inside an expert), every row against
+    moe_ref with poisoned outputs."""
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    bt = form[0]
+    monkeypatch.setitem(oc.MOE_RS_FORMS, bt, form[1:])
     rng = np.random.default_rng()
     Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * bt + 20
     w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
