@@ -558,7 +558,7 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
             const int* __restrict__ offsets,       // [E+1] first permuted row of each expert
             const int* __restrict__ tile_offsets,  // [E+1] first row tile of each expert (tiles of BT rows)
             int E) {
-    static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 with 4 consumer warpgroups");
+    static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 (2 or 4 consumer warpgroups)");
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
     const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * WG;
