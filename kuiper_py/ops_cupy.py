@@ -262,7 +262,6 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
 
 
 RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
-MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile
 # gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
@@ -270,6 +269,7 @@ MOE_RS_TILES = (64, 128)  # gemm_moe_rs's rows per tile
 # KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B)
 MOE_RS_FORMS_ALL = ((64, 8, 4), (64, 4, 2), (128, 8, 4))  # compiled: (rows, stages, warpgroups)
 MOE_RS_FORMS = {64: (8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2), 128: (8, 4)}
+MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
 # ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,

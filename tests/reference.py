@@ -219,6 +219,19 @@ def cpu_decode(mf, ids, n_prefill):
     return np.stack([ref.decode(t) for t in ids[n_prefill:]])
 
 
+def record_calls(monkeypatch, name, note):
+    """Replaces ops_cupy's function `name` by a wrapper that appends note(*args, **kwargs) to the returned list,
+    then calls the real one: which path each launch of a prefill took."""
+    from kuiper_py import ops_cupy as oc
+    seen, real = [], getattr(oc, name)
+
+    def wrapper(*a, **k):
+        seen.append(note(*a, **k))
+        return real(*a, **k)
+    monkeypatch.setattr(oc, name, wrapper)
+    return seen
+
+
 def assert_as_accurate(name, fused, separate, cpu):
     """A fused decode path's logits against the separate kernels' and the CPU reference's. Both GPU
     paths round activations to fp16 at the same points but sum in different fp32 orders, so a value

@@ -9,7 +9,7 @@ from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
 from reference import (PROMPT, assert_as_accurate, cpu_decode, decode_cluster_merge_ab, decode_logits,
-                       decode_step_twice, greedy_tokens, rel)
+                       decode_step_twice, greedy_tokens, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -301,18 +301,6 @@ def _synth_bin(ckpt_root, name, preset, layers):
     return out
 
 
-def _record_calls(monkeypatch, name, note):
-    """Replaces ops_cupy's function `name` by a wrapper that appends note(*args, **kwargs) to the returned list,
-    then calls the real one: which path each launch of a prefill took."""
-    seen, real = [], getattr(oc, name)
-
-    def wrapper(*a, **k):
-        seen.append(note(*a, **k))
-        return real(*a, **k)
-    monkeypatch.setattr(oc, name, wrapper)
-    return seen
-
-
 def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
     """A 600-token prefill of two Qwen3-0.6B-shaped layers, every projection on the "rs" path (inside each
     shape's rs_range; 600 rows: ragged last token tiles) on Hopper, against the CPU engine's logits at every
@@ -321,7 +309,7 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
         pytest.skip("the rs path needs compute capability 9.0")
     mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
     ids = np.random.default_rng().integers(0, 151643, size=600).tolist()
-    calls = _record_calls(monkeypatch, "gemm_rs", lambda *a, **k: a[1])
+    calls = record_calls(monkeypatch, "gemm_rs", lambda *a, **k: a[1])
     monkeypatch.setattr(oc, "GEMM_RS", "auto")
     rs = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
     assert len(calls) == 2 * 4  # q|k|v, o, gate|up, down in each layer
@@ -341,7 +329,7 @@ def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
         pytest.skip("flash_attn_wgmma needs compute capability 9.0")
     mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
     ids = np.random.default_rng().integers(0, 151643, size=700).tolist()
-    paths = _record_calls(monkeypatch, "attention_prefill",
+    paths = record_calls(monkeypatch, "attention_prefill",
                           lambda *a, **k: k.get("path") or ("wgmma" if oc.attn_wgmma_fits(a[0].shape[2]) else "mma"))
 
     def run(ops):

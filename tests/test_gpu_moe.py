@@ -17,7 +17,7 @@ from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
 from reference import (PROMPT, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
-                       decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, rel)
+                       decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -140,6 +140,15 @@ def rs_form_ids(form):
     return f"{form[0]}rows-{form[1]}st-{form[2]}wg"
 
 
+def rs_form_or_skip(monkeypatch, form) -> int:
+    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups) for its row count, which it returns, or
+    skips where the kernel does not run."""
+    if not oc.wgmma_available():
+        pytest.skip("gemm_moe_rs needs compute capability 9.0")
+    monkeypatch.setitem(oc.MOE_RS_FORMS, form[0], form[1:])
+    return form[0]
+
+
 @pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
@@ -148,10 +157,7 @@ def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
     the rows gathered per expert, the grouped gate|up and down GEMMs, each stage against moe_ref with poisoned
     outputs; then moe_experts whole, on this path and on the mma.sync one, against moe_ref's pipeline. Experts
     with no tokens are part of every case (DEAD)."""
-    if not oc.wgmma_available():
-        pytest.skip("gemm_moe_rs needs compute capability 9.0")
-    bt = form[0]
-    monkeypatch.setitem(oc.MOE_RS_FORMS, bt, form[1:])
+    bt = rs_form_or_skip(monkeypatch, form)
     rng = np.random.default_rng()
     x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
     n = T * K_TOP
@@ -191,10 +197,7 @@ def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
     12 column tiles of gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, rows routed at random (one
     expert left empty, one with more rows than two tiles, so a tile ends inside an expert), every row against
     moe_ref with poisoned outputs."""
-    if not oc.wgmma_available():
-        pytest.skip("gemm_moe_rs needs compute capability 9.0")
-    bt = form[0]
-    monkeypatch.setitem(oc.MOE_RS_FORMS, bt, form[1:])
+    bt = rs_form_or_skip(monkeypatch, form)
     rng = np.random.default_rng()
     Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * bt + 20
     w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
@@ -469,8 +472,7 @@ def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     cpu = Qwen3(mf, NumpyOps, 320)
     ref = cpu.prefill(ids, all_logits=True)
     got, both = {}, np.ones(len(ids), bool)
-    calls, grouped = [], oc.gemm_moe_rs
-    monkeypatch.setattr(oc, "gemm_moe_rs", lambda *a, **k: calls.append(a[4]) or grouped(*a, **k))
+    calls = record_calls(monkeypatch, "gemm_moe_rs", lambda *a, **k: a[4])
     for rs in ("auto", "0"):
         monkeypatch.setattr(oc, "MOE_RS", rs)
         gpu = Qwen3(mf, oc.CupyOps, 320)
