@@ -1,0 +1,115 @@
+"""Every GPU-marked test, sharded over the GPUs of one machine: one pytest process per GPU (CUDA_VISIBLE_DEVICES),
+all under one time limit. The suite no longer fits one device call on one GPU (1223 tests in session 63, about
+45 GPU-minutes on the H100), and several processes on one GPU stall each other: the decode kernels that spin on
+cluster or global exchanges, time-sliced against another context, ran for minutes (PERFORMANCE.md session 58).
+
+The collected tests are dealt round-robin, so each shard gets a share of every file's slow end. Each process runs
+under `timeout -s INT`, so a shard stopped by the limit still prints pytest's summary, and `-v` names every test as
+it finishes: the table counts what passed, failed, was skipped or errored and what the limit left unreached, whose
+ids go to --left. `--only FILE` runs just the ids listed there (a later call resumes with the file --left wrote).
+Logs go to --log-dir. Exit status 1 if a test failed or errored, 2 if some were not reached, else 0."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("tests/test_gpu.py", "tests/test_gpu_e2e.py", "tests/test_gpu_moe.py", "tests/test_hardening.py")
+# pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
+OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def gpu_count() -> int:
+    """GPUs nvidia-smi lists (0 where it is missing or fails)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def collect(files, marker: str) -> list[str]:
+    """The test ids pytest collects from files under the marker expression, in order."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", marker, "-p", "no:cacheprovider", *files],
+                       capture_output=True, text=True, cwd=ROOT)
+    if r.returncode not in (0, 5):  # 5: nothing collected
+        raise click.ClickException(f"collection failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return [line.strip() for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def outcomes(log: str) -> dict[str, str]:
+    """test id -> its outcome, from a pytest -v log (the last outcome a test reported: a teardown error after
+    PASSED counts as ERROR)."""
+    got = {}
+    for line in log.splitlines():
+        m = OUTCOME.match(line)
+        if m:
+            tid, res = m.groups()
+            got[tid] = res if got.get(tid) in (None, "PASSED", "SKIPPED") else got[tid]
+    return got
+
+
+@click.command()
+@click.argument("files", nargs=-1)
+@click.option("--gpus", type=int, default=0, help="shards, one per GPU (default: every GPU nvidia-smi lists)")
+@click.option("--limit", type=int, default=540, help="seconds each shard may run")
+@click.option("--marker", default="gpu", help="pytest -m expression selecting the tests")
+@click.option("--only", "only", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="run only the test ids listed in this file (one per line), e.g. an earlier run's --left")
+@click.option("--left", default=None, help="write the ids no shard reached here (default LOG_DIR/left.txt)")
+@click.option("--log-dir", default=os.environ.get("OUT", "gpu_suite_logs"), help="per-shard logs (default $OUT)")
+def main(files, gpus, limit, marker, only, left, log_dir):
+    files = files or FILES
+    n = gpus or gpu_count()
+    if n < 1:
+        raise click.ClickException("no GPU found (nvidia-smi -L); --gpus N sets the shard count")
+    ids = collect(files, marker)
+    if only:
+        wanted = {line.strip() for line in Path(only).read_text().splitlines() if line.strip()}
+        ids = [t for t in ids if t in wanted]
+    if not ids:
+        raise click.ClickException("no tests selected")
+    logs = Path(log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    shards = [ids[i::n] for i in range(n)]
+    print(f"{len(ids)} tests in {n} shards, {limit} s each", file=sys.stderr, flush=True)
+    procs, t0 = [], time.time()
+    for i, sh in enumerate(shards):
+        if not sh:
+            continue
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        log = open(logs / f"shard{i}.log", "w")
+        # SIGINT first, so pytest reports what it has; SIGKILL 30 s later if it does not stop
+        cmd = ["timeout", "-s", "INT", "-k", "30", str(limit), sys.executable, "-m", "pytest", "-v", "-rfEs",
+               "-p", "no:cacheprovider", "--tb=short", *sh]
+        procs.append((i, sh, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    rows, unreached, bad = [], [], 0
+    for i, sh, p, log in procs:
+        p.wait()
+        log.close()
+        got = outcomes((logs / f"shard{i}.log").read_text(errors="replace"))
+        miss = [t for t in sh if t not in got]
+        unreached += miss
+        counts = {k: sum(1 for t in sh if got.get(t) == k) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+        bad += counts["FAILED"] + counts["ERROR"]
+        rows.append((i, len(sh), counts, len(miss), p.returncode, time.time() - t0))
+    left_path = Path(left) if left else logs / "left.txt"
+    left_path.write_text("".join(t + "\n" for t in unreached))
+    print("| shard (GPU) | tests | passed | failed | skipped | errors | not reached | pytest exit | s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, n_t, c, miss, rc, s in rows:
+        print(f"| {i} | {n_t} | {c['PASSED']} | {c['FAILED']} | {c['SKIPPED']} | {c['ERROR']} | {miss} | {rc} | {s:.0f} |")
+    tot = {k: sum(r[2][k] for r in rows) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    print(f"| all | {len(ids)} | {tot['PASSED']} | {tot['FAILED']} | {tot['SKIPPED']} | {tot['ERROR']} | {len(unreached)} | | |")
+    if unreached:
+        print(f"{len(unreached)} not reached: {left_path} (--only {left_path} resumes them)", file=sys.stderr)
+    sys.exit(1 if bad else 2 if unreached else 0)
+
+
+if __name__ == "__main__":
+    main()
