@@ -3,10 +3,10 @@ all under one time limit. The suite no longer fits one device call on one GPU (1
 45 GPU-minutes on the H100), and several processes on one GPU stall each other: the decode kernels that spin on
 cluster or global exchanges, time-sliced against another context, ran for minutes (PERFORMANCE.md session 58).
 
-The collected tests are dealt round-robin, so each shard gets a share of every file's slow end. Each process runs
-under `timeout -s INT`, so a shard stopped by the limit still prints pytest's summary, and `-v` names every test as
-it finishes: the table counts what passed, failed, was skipped or errored and what the limit left unreached, whose
-ids go to --left. `--only FILE` runs just the ids listed there (a later call resumes with the file --left wrote).
+The collected tests (the end-to-end files first) are dealt round-robin, so each shard gets a share of the slow
+ones, and each log ends with its 15 slowest tests. Each process runs under `timeout -s INT`, so a shard stopped by
+the limit still prints pytest's summary, and `-v` names every test as it finishes: the table counts what passed,
+failed, was skipped or errored and what the limit left unreached, whose ids go to --left. `--only FILE` runs just the ids listed there (a later call resumes with the file --left wrote).
 Logs go to --log-dir. Exit status 1 if a test failed or errored, 2 if some were not reached, else 0."""
 import os
 import re
@@ -18,7 +18,8 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("tests/test_gpu.py", "tests/test_gpu_e2e.py", "tests/test_gpu_moe.py", "tests/test_hardening.py")
+# the slow end-to-end files first: what the limit leaves unreached is then test_gpu.py's short kernel cases
+FILES = ("tests/test_gpu_e2e.py", "tests/test_gpu_moe.py", "tests/test_hardening.py", "tests/test_gpu.py")
 # pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
 OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 
@@ -86,7 +87,7 @@ def main(files, gpus, limit, marker, only, left, log_dir):
         log = open(logs / f"shard{i}.log", "w")
         # SIGINT first, so pytest reports what it has; SIGKILL 30 s later if it does not stop
         cmd = ["timeout", "-s", "INT", "-k", "30", str(limit), sys.executable, "-m", "pytest", "-v", "-rfEs",
-               "-p", "no:cacheprovider", "--tb=short", *sh]
+               "-p", "no:cacheprovider", "--tb=short", "--durations=15", *sh]
         procs.append((i, sh, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     rows, unreached, bad = [], [], 0
     for i, sh, p, log in procs:
