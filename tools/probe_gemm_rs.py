@@ -1,5 +1,5 @@
-"""Probe of the register-A wgmma GEMM prototype (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes
-164-166), 128 tokens x 256 channels or 256 tokens x 128 channels per block, each tile's K in 1, 2 or 4
+"""Probe of the register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-166; prefill's "rs"
+path since change 167), 128 tokens x 256 channels or 256 tokens x 128 channels per block, each tile's K in 1, 2 or 4
 ranges or as rs_plan splits it: TFLOP/s at the Qwen3-8B (and 30B-A3B attention) projection shapes against
 cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the dequant + cuBLAS path in the same run,
 weights rotated over > 6x L2 as in bench_kernels, and each form's largest error against the float32 product
