@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ("tests/test_gpu_e2e.py", "tests/test_gpu_moe.py", "tests/test_hardening.py", "tests/test_gpu.py")
 # pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
 OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+COUNTED = ("PASSED", "FAILED", "SKIPPED", "ERROR")  # the table's outcome columns
 
 
 def gpu_count() -> int:
@@ -96,7 +97,7 @@ def main(files, gpus, limit, marker, only, left, log_dir):
         got = outcomes((logs / f"shard{i}.log").read_text(errors="replace"))
         miss = [t for t in sh if t not in got]
         unreached += miss
-        counts = {k: sum(1 for t in sh if got.get(t) == k) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+        counts = {k: sum(1 for t in sh if got.get(t) == k) for k in COUNTED}
         bad += counts["FAILED"] + counts["ERROR"]
         rows.append((i, len(sh), counts, len(miss), p.returncode, time.time() - t0))
     left_path = Path(left) if left else logs / "left.txt"
@@ -105,7 +106,7 @@ def main(files, gpus, limit, marker, only, left, log_dir):
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for i, n_t, c, miss, rc, s in rows:
         print(f"| {i} | {n_t} | {c['PASSED']} | {c['FAILED']} | {c['SKIPPED']} | {c['ERROR']} | {miss} | {rc} | {s:.0f} |")
-    tot = {k: sum(r[2][k] for r in rows) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    tot = {k: sum(r[2][k] for r in rows) for k in COUNTED}
     print(f"| all | {len(ids)} | {tot['PASSED']} | {tot['FAILED']} | {tot['SKIPPED']} | {tot['ERROR']} | {len(unreached)} | | |")
     if unreached:
         print(f"{len(unreached)} not reached: {left_path} (--only {left_path} resumes them)", file=sys.stderr)

@@ -23,12 +23,13 @@ from kuiper_py.loader import AwqStack  # noqa: E402
 SHAPES = {"30b-a3b": (2048, 768, 128, 8), "235b-a22b": (4096, 1536, 128, 8)}  # D, expert intermediate, E, k
 
 
-def rand_stack(E, K, N, segments):
-    """Random AWQ tensors of E experts on the device, tiled as the loader uploads them."""
+def rand_stack(E, K, N):
+    """Random AWQ tensors of E experts on the device. The packed words are uniformly random, so they need no
+    tiling (any rearrangement of them is as random), and both kernels read the same buffer."""
     qw = cp.random.randint(-2**31, 2**31 - 1, size=(E, K, N // 8), dtype=cp.int64).astype(cp.int32)
     qz = cp.random.randint(-2**31, 2**31 - 1, size=(E, K // 128, N // 8), dtype=cp.int64).astype(cp.int32)
     sc = (cp.random.random((E, K // 128, N), dtype=cp.float32) * 2 / (8 * K ** 0.5)).astype(cp.float16)
-    return AwqStack(oc.tile_qweight(qw, segments), qz, sc, 128)
+    return AwqStack(qw, qz, sc, 128)
 
 
 def rel_err(got, ref) -> float:
@@ -47,16 +48,18 @@ def main(shape, tokens, rounds, json_out):
         raise click.ClickException("needs compute capability 9.0 (sm_90a)")
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     D, inter, E, k = SHAPES[shape]
-    w13, w2 = rand_stack(E, D, 2 * inter, 2), rand_stack(E, inter, D, 1)  # [gate | up]: two tiled matrices
+    w13, w2 = rand_stack(E, D, 2 * inter), rand_stack(E, inter, D)  # [gate | up], down
     saved = dict(oc.MOE_RS_FORMS)
     out = []
     try:
         for T in (int(v) for v in tokens.split(",")):
-            x = (cp.random.standard_normal((T, D), dtype=cp.float32)).astype(cp.float16)
+            x = cp.random.standard_normal((T, D), dtype=cp.float32).astype(cp.float16)
             ids = cp.argsort(cp.random.random((T, E), dtype=cp.float32), axis=1)[:, :k].astype(cp.int32)
             # the independent reference: the mma.sync grouped GEMMs on their own maps
             _, offs_m, tiles_m, p2u_m, _ = oc.moe_maps(ids, E)
             act_ref_m = oc.moe_gemm_gate_up(x, w13, offs_m, tiles_m, p2u_m, k)  # [n, inter] permuted (mma maps)
+            act = cp.random.standard_normal((T * k, inter), dtype=cp.float32).astype(cp.float16)  # down's input
+            down_ref = oc.moe_gemm_down(act, w2, offs_m, tiles_m)
             for bt in sorted({f[0] for f in oc.MOE_RS_FORMS_ALL}):
                 forms = [f for f in oc.MOE_RS_FORMS_ALL if f[0] == bt]
                 _, offs, tiles, p2u, _ = oc.moe_maps(ids, E, tile_m=bt)
@@ -64,8 +67,6 @@ def main(shape, tokens, rounds, json_out):
                 # the same permutation either way (rows of an expert in token order): check it, then the
                 # mma.sync path's activations are the rs path's row for row
                 assert bool((p2u == p2u_m).all()), "the maps of both tile sizes permute the rows alike"
-                act = (cp.random.standard_normal((T * k, inter), dtype=cp.float32)).astype(cp.float16)
-                down_ref = oc.moe_gemm_down(act, w2, offs_m, tiles_m)
                 row = {"shape": shape, "tokens": T, "rows_per_tile": bt}
                 for _, st, wg in forms:
                     oc.MOE_RS_FORMS[bt] = (st, wg)
