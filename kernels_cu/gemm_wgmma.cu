@@ -381,7 +381,8 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
     }
     d[0] += __uint_as_float(af[0] & 1u);
 #else
-    if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
+    if constexpr (ND == 16) wgmma_rs32x4(d, af, wg_desc(xs), !first);
+    else if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
     else if constexpr (ND == 64) wgmma_rs128x4(d, af, wg_desc(xs), !first);
     else wgmma_rs256x4(d, af, wg_desc(xs), !first);
 #endif
@@ -392,13 +393,16 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
 // One block of gemm_w4a16_rs: tokens tok0 .. tok0 + BT - 1 of x (those from tok_end on are computed, not
 // stored) times channels n0 .. n0 + 64 WG - 1 of one matrix (qw, qz, sc, N columns), stored at out's
 // column c_out; K tiles kt0 .. kt0 + nk - 1 (part z of split, tile ts of the split buffers). WG: consumer
-// warpgroups (RS_WG(BT), or 2 for the MoE form that runs 2 blocks per SM).
-template <int ST, int BT, int WG = RS_WG(BT)>
+// warpgroups (RS_WG(BT), or 2 for the MoE form that runs 2 blocks per SM). NTOK: the tokens the wgmmas compute,
+// BT or, for a MoE tile whose expert has at most BT / 2 rows left, BT / 2 (half the tensor-core work; the stages
+// still hold BT rows of x, of which the first NTOK are read).
+template <int ST, int BT, int WG = RS_WG(BT), int NTOK = BT>
 __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restrict__ qw, const u32* __restrict__ qz,
                                          const half* __restrict__ sc, int N, int n0, int c_out, int tok0, int tok_end,
                                          half* __restrict__ out, int K, int group, int ldo, int split, int z, int ts,
                                          float* __restrict__ part, int* __restrict__ ticket) {
     static_assert(WG == 2 || WG == 4, "a block is 2 or 4 consumer warpgroups of 64 channels");
+    static_assert(NTOK == BT || NTOK * 2 == BT, "the wgmmas cover the tile's tokens or their first half");
     constexpr int NT = 128 * WG;
     typedef RsSmem<ST, BT> L;
     extern __shared__ unsigned char smem_raw[];
@@ -456,7 +460,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     // (rows map to channels freely: the epilogue undoes it).
     const int g = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, t0 = lane & 3, t1 = lane >> 2;
     const int wl = 8 * g + 2 * w + (t1 >> 2), wi = 8 * ((n0 >> 6) & 3) + wl, sh = 4 * (t1 & 3);
-    float d[BT / 2];
+    float d[NTOK / 2];
     u32 fa[16] = {}, fb[16] = {};  // two K tiles' A registers: one is read by wgmma while the other is built
     u32 keep = 0;
     // The loop runs U K tiles per pass: with U = ST each tile's stage is a constant, so every shared address
@@ -490,9 +494,9 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     if (tok_end < 0) out[0] = __ushort_as_half((unsigned short)keep);  // never: keep's only use (wg_keep)
     if (split > 1) {  // K split: each part stores its sums, the last of the tile to finish adds them
         __shared__ int last;
-        float* pt = part + (size_t)ts * split * (BT / 2) * NT + tid;
+        float* pt = part + (size_t)ts * split * (NTOK / 2) * NT + tid;
 #pragma unroll
-        for (int i = 0; i < BT / 2; ++i) pt[((size_t)z * (BT / 2) + i) * NT] = d[i];
+        for (int i = 0; i < NTOK / 2; ++i) pt[((size_t)z * (NTOK / 2) + i) * NT] = d[i];
         __threadfence();  // the stores reach L2 before the ticket says so
         __syncthreads();
         if (tid == 0) last = atomicAdd(ticket + ts, 1) == split - 1;
@@ -502,16 +506,16 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
         // the sum in part order whatever the arrival order (this part's own sums read back too): repeats
         // are bitwise equal
 #pragma unroll
-        for (int i = 0; i < BT / 2; ++i) d[i] = __ldcg(pt + (size_t)i * NT);
+        for (int i = 0; i < NTOK / 2; ++i) d[i] = __ldcg(pt + (size_t)i * NT);
         for (int q = 1; q < split; ++q)
 #pragma unroll
-            for (int i = 0; i < BT / 2; ++i) d[i] += __ldcg(pt + ((size_t)q * (BT / 2) + i) * NT);
+            for (int i = 0; i < NTOK / 2; ++i) d[i] += __ldcg(pt + ((size_t)q * (NTOK / 2) + i) * NT);
         if (tid == 0) ticket[ts] = 0;  // no other block of this launch touches it again
     }
     // D fragment: d[4 j + v0 + 2 v1] is (row m + 8 v1, token 8 j + 2 t0 + v0), rows m, m + 8 the channels c, c + 1
     const int col = c_out + 8 * wl + 2 * (t1 & 3);
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
+    for (int j = 0; j < NTOK / 8; ++j) {
 #pragma unroll
         for (int v0 = 0; v0 < 2; ++v0) {
             const int tok = tok0 + 8 * j + 2 * t0 + v0;
@@ -550,7 +554,10 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // stores overlap the other's K loop (change 176: -1 to -7% at 30B-A3B's shapes on the H100).
 //   qw [E][K, N/8] tiled, qz [E][K/g, N/8], sc [E][K/g, N] (an expert's [gate | up] is one [K, 2I] tiled
 //   matrix: its gate tiles then its up tiles); out [n, ldo] permuted rows.
-template <int ST, int BT, int WG = RS_WG(BT)>  // WG 2 (BT <= 128): 128 channels a block, 2 blocks per SM
+// NARROW 1: a tile whose expert has at most BT / 2 rows from the tile's first runs its wgmmas on those BT / 2
+// tokens only (m64n32 for 64-row tiles, m64n64 for 128): random routing at 512 tokens leaves ~55% of 30B-A3B's
+// 64-row tiles so, at 256 tokens nearly all, and at 2048 the last tile of an expert past 128 rows.
+template <int ST, int BT, int WG = RS_WG(BT), int NARROW = 0>  // WG 2 (BT <= 128): 128 channels a block, 2 per SM
 __global__ void __launch_bounds__(128 * WG, WG == 2 && BT <= 128 ? 2 : 1)
 gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted rows), box 64 k x BT rows
             const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restrict__ sc, int N,
@@ -562,6 +569,15 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
     const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * WG;
+    if constexpr (NARROW) {
+        const int tok0 = offsets[e] + (tile - tile_offsets[e]) * BT, tok_end = offsets[e + 1];
+        if (tok_end - tok0 <= BT / 2) {  // block-uniform: the whole block takes one of the two forms
+            rs_block<ST, BT, WG, BT / 2>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                                         sc + (size_t)e * (K / group) * N, N, n0, n0, tok0, tok_end, out, K, group,
+                                         ldo, 1, 0, 0, nullptr, nullptr);
+            return;
+        }
+    }
     rs_block<ST, BT, WG>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
                      sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
                      offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);

@@ -71,10 +71,10 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0,
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
-// wgmma's accumulator operands %0 .. %(n - 1) for n = 32, 64, 128 (m64n64, m64n128, m64n256 with f32 C):
-// each list extends the one before
-#define RS_D32 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+// wgmma's accumulator operands %0 .. %(n - 1) for n = 16, 32, 64, 128 (m64n32, m64n64, m64n128, m64n256 with
+// f32 C): each list extends the one before
+#define RS_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define RS_D32 RS_D16 ", " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define RS_D64 RS_D32 ", " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
@@ -94,7 +94,22 @@ __device__ __forceinline__ void wg_pin(float (&d)[ND]) {
 }
 
 // The 4 k16 steps of a K tile in one asm statement: A registers a[4 kk ..], B at db0 + 2 kk (descriptor units
-// of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0).
+// of 16 bytes: 32 bytes of k per step); scale-d off for the very first (acc 0). 32 columns (tokens): the MoE
+// GEMM's tiles whose expert has at most half a tile of rows left.
+__device__ __forceinline__ void wgmma_rs32x4(float (&d)[16], const u32 (&a)[16], unsigned long long db0, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %33, 0;\n"
+        "add.s64 b1, %32, 2;\nadd.s64 b2, %32, 4;\nadd.s64 b3, %32, 6;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" RS_D16 "}, {%16, %17, %18, %19}, %32, p, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" RS_D16 "}, {%20, %21, %22, %23}, b1, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" RS_D16 "}, {%24, %25, %26, %27}, b2, 1, 1, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" RS_D16 "}, {%28, %29, %30, %31}, b3, 1, 1, 1, 0;\n}\n"
+        : WG_D16(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(a[4]), "r"(a[5]), "r"(a[6]), "r"(a[7]),
+          "r"(a[8]), "r"(a[9]), "r"(a[10]), "r"(a[11]), "r"(a[12]), "r"(a[13]), "r"(a[14]), "r"(a[15]),
+          "l"(db0), "r"(acc));
+}
+
 __device__ __forceinline__ void wgmma_rs64x4(float (&d)[32], const u32 (&a)[16], unsigned long long db0, int acc) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 b1, b2, b3;\nsetp.ne.b32 p, %49, 0;\n"

@@ -266,9 +266,13 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B)
-MOE_RS_FORMS_ALL = ((64, 8, 4), (64, 4, 2), (128, 8, 4))  # compiled: (rows, stages, warpgroups)
-MOE_RS_FORMS = {64: (8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2), 128: (8, 4)}
+# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B). The narrow flag (KUIPER_MOE_RS_NARROW=1, not
+# measured yet: off): a tile whose expert has at most half a tile of rows left runs half-width wgmmas
+MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "0") == "1")
+MOE_RS_FORMS_ALL = ((64, 8, 4, 0), (64, 4, 2, 0), (128, 8, 4, 0),  # compiled: (rows, stages, warpgroups, narrow)
+                    (64, 4, 2, 1), (128, 8, 4, 1))
+MOE_RS_FORMS = {64: (8, 4, MOE_RS_NARROW) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW),
+                128: (8, 4, MOE_RS_NARROW)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
@@ -278,6 +282,11 @@ MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
 FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if os.environ.get("KUIPER_FW_CONFIG") else None
 FW_NC3_FROM = 2048
+
+
+def moe_rs_name(st: int, bt: int, wg: int, narrow: int) -> str:
+    """The name expression of one gemm_moe_rs instantiation (the narrow flag written out only when set)."""
+    return f"gemm_moe_rs<{st}, {bt}, {wg}{', 1' if narrow else ''}>"
 
 
 def fw_name(st: int, pipe: int, nc: int) -> str:
@@ -299,7 +308,7 @@ _FILES = {
     # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
     # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
-                  + [f"gemm_moe_rs<{st}, {bt}, {wg}>" for bt, st, wg in MOE_RS_FORMS_ALL]),
+                  + [moe_rs_name(st, bt, wg, nw) for bt, st, wg, nw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
@@ -1995,8 +2004,8 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
     out = cp.empty((n, N), cp.float16) if out is None else out
-    st, wg = MOE_RS_FORMS[bt]
-    fn = kernel("gemm90rs", f"gemm_moe_rs<{st}, {bt}, {wg}>")
+    st, wg, nw = MOE_RS_FORMS[bt]
+    fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw))
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (

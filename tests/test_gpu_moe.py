@@ -137,12 +137,12 @@ def row_rel(got, ref):
 
 
 def rs_form_ids(form):
-    return f"{form[0]}rows-{form[1]}st-{form[2]}wg"
+    return f"{form[0]}rows-{form[1]}st-{form[2]}wg" + ("-narrow" if form[3] else "")
 
 
 def rs_form_or_skip(monkeypatch, form) -> int:
-    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups) for its row count, which it returns, or
-    skips where the kernel does not run."""
+    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups, narrow) for its row count, which it returns,
+    or skips where the kernel does not run."""
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
     monkeypatch.setitem(oc.MOE_RS_FORMS, form[0], form[1:])
