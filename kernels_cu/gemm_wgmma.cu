@@ -353,9 +353,10 @@ __device__ __forceinline__ uint2 lds64(u32 a) {
 // One K tile of a consumer: its 16 A registers from the stage's packed words (shared addresses st_w,
 // st_s, st_z), then 4 wgmmas on x (committed as one group). wi: the thread's word of the 32-word tile, wl
 // the same word of the block's scales and zeros; sh: its nibble pair's shift; t0: lane % 4.
-template <int ND>
+// SWZ (gemm_moe_rs's swizzled stages): the words at st_w + w_lo / w_hi + kk KKS instead (rs_block computes them).
+template <int ND, int SWZ = 0, int KKS = 0>
 __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_w, u32 st_s, u32 st_z, u32 xs,
-                                          int wi, int wl, int sh, int t0, int first) {
+                                          int wi, int wl, int sh, int t0, int first, u32 w_lo = 0, u32 w_hi = 0) {
     u32 zw = rs_codes(lds32(st_z + wl * 4), sh);
     const half2 zb = *reinterpret_cast<half2*>(&zw);
     u32 sw = lds32(st_s + (wl * 8 + sh / 2) * 2);
@@ -363,8 +364,14 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         const int qa = 4 * kk + (t0 >> 1), ra = 2 * (t0 & 1);  // k = 16 kk + 2 t0 (+1) and + 8 (+9)
-        const uint2 lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
-        const uint2 hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
+        uint2 lo, hi;
+        if constexpr (SWZ) {
+            lo = lds64(st_w + w_lo + kk * KKS);
+            hi = lds64(st_w + w_hi + kk * KKS);
+        } else {
+            lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
+            hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
+        }
 #if RS_DIAG_NODEQ  // diagnosis (wrong results): the loaded words as the A registers, no dequantization
         af[4 * kk] = lo.x, af[4 * kk + 1] = lo.y, af[4 * kk + 2] = hi.x, af[4 * kk + 3] = hi.y + zw + sw;
 #else
@@ -396,11 +403,14 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
 // warpgroups (RS_WG(BT), or 2 for the MoE form that runs 2 blocks per SM). NTOK: the tokens the wgmmas compute,
 // BT or, for a MoE tile whose expert has at most BT / 2 rows left, BT / 2 (half the tensor-core work; the stages
 // still hold BT rows of x, of which the first NTOK are read).
-template <int ST, int BT, int WG = RS_WG(BT), int NTOK = BT>
+// SWZ: the packed words come by a 3D TMA box (wmap: [row quads][4 quarters][32 words], 128B-swizzled) of only
+// the block's WG quarters, starting at row quad wrq0 of the column tile, instead of the whole 8 KB bulk copy.
+template <int ST, int BT, int WG = RS_WG(BT), int NTOK = BT, int SWZ = 0>
 __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restrict__ qw, const u32* __restrict__ qz,
                                          const half* __restrict__ sc, int N, int n0, int c_out, int tok0, int tok_end,
                                          half* __restrict__ out, int K, int group, int ldo, int split, int z, int ts,
-                                         float* __restrict__ part, int* __restrict__ ticket) {
+                                         float* __restrict__ part, int* __restrict__ ticket,
+                                         const TmaDesc* wmap = nullptr, int wrq0 = 0) {
     static_assert(WG == 2 || WG == 4, "a block is 2 or 4 consumer warpgroups of 64 channels");
     static_assert(NTOK == BT || NTOK * 2 == BT, "the wgmmas cover the tile's tokens or their first half");
     constexpr int NT = 128 * WG;
@@ -441,12 +451,17 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
         const int gi = (kt0 + kt) >> gsh;
         const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
         if (wgi == 0) {
-            mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? 8192 + 160 * WG : 0));
+            mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? (SWZ ? 2048 * WG : 8192) + 160 * WG : 0));
             if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
         // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
         // 2-warpgroup block reads half
-        if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+        if constexpr (SWZ) {  // the block's quarters of the tile's 16 row quads (WG x 2 KB)
+            if (lw && wgi == 1 % WG)
+                tma_load_3d(sbase + L::w + s * 8192, wmap, 0, (n0 >> 6) & 3, wrq0 + (kt0 + kt) * 16, full + 8 * s);
+        } else {
+            if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+        }
         if (lw && wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
         if (lw && wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
     };
@@ -460,6 +475,13 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     // (rows map to channels freely: the epilogue undoes it).
     const int g = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, t0 = lane & 3, t1 = lane >> 2;
     const int wl = 8 * g + 2 * w + (t1 >> 2), wi = 8 * ((n0 >> 6) & 3) + wl, sh = 4 * (t1 & 3);
+    // SWZ: 128-byte row r = row quad x WG + quarter (= g) of the stage, its 16-byte chunks XORed with r % 8 by the
+    // 128B swizzle. Row quads qa and qa + 1 (one LDS64's lanes) are WG rows apart, so their words land in other
+    // banks: one wavefront per load instead of two (with the plain layout both sit 512 bytes apart, in one bank).
+    // kk adds 4 WG rows (a multiple of 8: the same XOR), so each thread's two offsets are fixed.
+    const int r_lo = (t0 >> 1) * WG + g, r_hi = r_lo + 2 * WG;
+    const u32 w_lo = r_lo * 128 + (((wl & 7) ^ (r_lo & 7)) << 4) + 8 * (t0 & 1);
+    const u32 w_hi = r_hi * 128 + (((wl & 7) ^ (r_hi & 7)) << 4) + 8 * (t0 & 1);
     float d[NTOK / 2];
     u32 fa[16] = {}, fb[16] = {};  // two K tiles' A registers: one is read by wgmma while the other is built
     u32 keep = 0;
@@ -476,8 +498,9 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
             if (k >= nk) break;
             const int s = U == ST ? h : k % ST;
             mbar_wait(full + 8 * s, U == ST ? ph : (k / ST) & 1);
-            rs_k_tile(d, h & 1 ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512, sbase + L::z + s * 128,
-                      sbase + L::x + s * BT * 128, wi, wl, sh, t0, k == 0);
+            rs_k_tile<NTOK / 2, SWZ, 512 * WG>(d, h & 1 ? fb : fa, sbase + L::w + s * 8192, sbase + L::s + s * 512,
+                                              sbase + L::z + s * 128, sbase + L::x + s * BT * 128, wi, wl, sh, t0,
+                                              k == 0, w_lo, w_hi);
             wg_wait<1>();  // K tile k - 1's wgmmas are done: its stage and its A registers are free
             wg_keep(h & 1 ? fa : fb, keep);  // K tile k - 1's A registers live until here: tile k's were built in others
             if (k > 0 && lane == 0) mbar_arrive(empty + 8 * (U == ST ? (h + ST - 1) % ST : (k - 1) % ST));
@@ -557,28 +580,39 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // NARROW 1: a tile whose expert has at most BT / 2 rows from the tile's first runs its wgmmas on those BT / 2
 // tokens only (m64n32 for 64-row tiles, m64n64 for 128): random routing at 512 tokens leaves ~55% of 30B-A3B's
 // 64-row tiles so, at 256 tokens nearly all, and at 2048 the last tile of an expert past 128 rows.
-template <int ST, int BT, int WG = RS_WG(BT), int NARROW = 0>  // WG 2 (BT <= 128): 128 channels a block, 2 per SM
+// SWZ 1: the packed words by wmap's swizzled 3D boxes (rs_block), the block's quarters of each tile only.
+template <int ST, int BT, int WG = RS_WG(BT), int NARROW = 0, int SWZ = 0>  // WG 2: 128 channels a block, 2 per SM
 __global__ void __launch_bounds__(128 * WG, WG == 2 && BT <= 128 ? 2 : 1)
 gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted rows), box 64 k x BT rows
             const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restrict__ sc, int N,
             half* __restrict__ out, int K, int group, int ldo,
             const int* __restrict__ offsets,       // [E+1] first permuted row of each expert
             const int* __restrict__ tile_offsets,  // [E+1] first row tile of each expert (tiles of BT rows)
-            int E) {
+            int E,
+            const __grid_constant__ TmaDesc wmap) {  // SWZ: qw as [E K N / 1024 row quads][4][32] u32, box 32 x WG x 16
     static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 (2 or 4 consumer warpgroups)");
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
     const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * WG;
+    // the column tile's first row quad in wmap: expert e's tiles, then tile n0 / 256's K / 4 row quads
+    const int wrq0 = SWZ ? (e * (N >> 8) + (n0 >> 8)) * (K >> 2) : 0;
     if constexpr (NARROW) {
         const int tok0 = offsets[e] + (tile - tile_offsets[e]) * BT, tok_end = offsets[e + 1];
         if (tok_end - tok0 <= BT / 2) {  // block-uniform: the whole block takes one of the two forms
-            rs_block<ST, BT, WG, BT / 2>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
-                                         sc + (size_t)e * (K / group) * N, N, n0, n0, tok0, tok_end, out, K, group,
-                                         ldo, 1, 0, 0, nullptr, nullptr);
+            rs_block<ST, BT, WG, BT / 2, SWZ>(&xmap, qw + (size_t)e * K * (N / 8),
+                                              qz + (size_t)e * (K / group) * (N / 8), sc + (size_t)e * (K / group) * N,
+                                              N, n0, n0, tok0, tok_end, out, K, group, ldo, 1, 0, 0, nullptr, nullptr,
+                                              &wmap, wrq0);
             return;
         }
     }
-    rs_block<ST, BT, WG>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
-                     sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
-                     offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);
+    if constexpr (SWZ)
+        rs_block<ST, BT, WG, BT, 1>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                                    sc + (size_t)e * (K / group) * N, N, n0, n0,
+                                    offsets[e] + (tile - tile_offsets[e]) * BT, offsets[e + 1], out, K, group, ldo, 1,
+                                    0, 0, nullptr, nullptr, &wmap, wrq0);
+    else
+        rs_block<ST, BT, WG>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                         sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
+                         offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);
 }

@@ -71,6 +71,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0,
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The same for a 3D box at (c0, c1, c2) (gemm_moe_rs's swizzled packed-word stages).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
 // wgmma's accumulator operands %0 .. %(n - 1) for n = 16, 32, 64, 128 (m64n32, m64n64, m64n128, m64n256 with
 // f32 C): each list extends the one before
 #define RS_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"

@@ -266,13 +266,16 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B). The narrow flag (KUIPER_MOE_RS_NARROW=1, not
-# measured yet: off): a tile whose expert has at most half a tile of rows left runs half-width wgmmas
+# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B). Not measured yet, so off: the narrow flag
+# (KUIPER_MOE_RS_NARROW=1: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
+# swizzled flag (KUIPER_MOE_RS_SWZ=1: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only)
 MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "0") == "1")
-MOE_RS_FORMS_ALL = ((64, 8, 4, 0), (64, 4, 2, 0), (128, 8, 4, 0),  # compiled: (rows, stages, warpgroups, narrow)
-                    (64, 4, 2, 1), (128, 8, 4, 1))
-MOE_RS_FORMS = {64: (8, 4, MOE_RS_NARROW) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW),
-                128: (8, 4, MOE_RS_NARROW)}
+MOE_RS_SWZ = int(os.environ.get("KUIPER_MOE_RS_SWZ", "0") == "1")
+MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
+                    *((64, 4, 2, nw, sw) for nw in (0, 1) for sw in (0, 1)),
+                    *((128, 8, 4, nw, sw) for nw in (0, 1) for sw in (0, 1)))
+MOE_RS_FORMS = {64: ((8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2)) + (MOE_RS_NARROW, MOE_RS_SWZ),
+                128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
@@ -284,9 +287,9 @@ FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if 
 FW_NC3_FROM = 2048
 
 
-def moe_rs_name(st: int, bt: int, wg: int, narrow: int) -> str:
-    """The name expression of one gemm_moe_rs instantiation (the narrow flag written out only when set)."""
-    return f"gemm_moe_rs<{st}, {bt}, {wg}{', 1' if narrow else ''}>"
+def moe_rs_name(st: int, bt: int, wg: int, narrow: int, swz: int) -> str:
+    """The name expression of one gemm_moe_rs instantiation (the flags written out only where one is set)."""
+    return f"gemm_moe_rs<{st}, {bt}, {wg}" + (f", {narrow}, 1>" if swz else ", 1>" if narrow else ">")
 
 
 def fw_name(st: int, pipe: int, nc: int) -> str:
@@ -308,7 +311,7 @@ _FILES = {
     # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
     # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
-                  + [moe_rs_name(st, bt, wg, nw) for bt, st, wg, nw in MOE_RS_FORMS_ALL]),
+                  + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
@@ -542,6 +545,28 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, interleave none = 0, swizzle 128B = 3, L2 promotion 128B = 2,
     # out-of-bounds fill zeros = 0
     err = _cu_tmap_encode()(ctypes.addressof(m), 6, 2, a.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
+                          ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+    return _remember(_TMAPS, key, m)
+
+
+def tma_map_words(qw, wg: int):
+    """A CUtensorMap of a tiled qweight (int32, contiguous; common.cuh's layout, whole 32-word tiles) as
+    [row quads][4 quarters][32 words] (a quarter: 8 words x 4 rows, 128 bytes), boxes of 32 x wg x 16 (the quarters
+    of wg consumer warpgroups over one 64-k tile) with the 128-byte swizzle, for gemm_moe_rs's SWZ forms."""
+    key = (_dev_id(), qw.data.ptr, qw.size, wg)
+    m = _TMAPS.get(key)
+    if m is not None:
+        return m
+    assert qw.dtype == cp.int32 and qw.flags.c_contiguous and qw.size % 128 == 0 and qw.data.ptr % 16 == 0
+    m = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 3)(32, 4, qw.size // 128)
+    strides = (ctypes.c_uint64 * 2)(128, 512)
+    box = (ctypes.c_uint32 * 3)(32, wg, 16)
+    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
+    # CU_TENSOR_MAP_DATA_TYPE_UINT32 = 2, interleave none, swizzle 128B = 3, L2 promotion 128B = 2, zero fill
+    err = _cu_tmap_encode()(ctypes.addressof(m), 2, 3, qw.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
                           ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
@@ -2004,13 +2029,14 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
     out = cp.empty((n, N), cp.float16) if out is None else out
-    st, wg, nw = MOE_RS_FORMS[bt]
-    fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw))
+    st, wg, nw, sw = MOE_RS_FORMS[bt]
+    fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw, sw))
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
         tma_map_2d(x, bt, 64), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
-        _i(out.strides[0] // 2), offsets, tiles, _i(E)), smem)
+        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else tma_map_2d(x, bt, 64)),
+        smem)
     return out
 
 

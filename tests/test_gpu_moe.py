@@ -137,11 +137,11 @@ def row_rel(got, ref):
 
 
 def rs_form_ids(form):
-    return f"{form[0]}rows-{form[1]}st-{form[2]}wg" + ("-narrow" if form[3] else "")
+    return f"{form[0]}rows-{form[1]}st-{form[2]}wg" + ("-narrow" if form[3] else "") + ("-swz" if form[4] else "")
 
 
 def rs_form_or_skip(monkeypatch, form) -> int:
-    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups, narrow) for its row count, which it returns,
+    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups, narrow, swizzled) for its row count, which it returns,
     or skips where the kernel does not run."""
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")

@@ -1,5 +1,5 @@
 """Probe of Qwen3-MoE prefill's grouped expert GEMMs (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md changes 168-176):
-each compiled form (rows per tile, stages, consumer warpgroups, narrow: ops_cupy.MOE_RS_FORMS_ALL) timed alone on the
+each compiled form (rows per tile, stages, consumer warpgroups, narrow, swizzled: ops_cupy.MOE_RS_FORMS_ALL) timed alone on the
 gate|up and down GEMMs of a real MoE layer shape (random weights, random routing), the forms of one tile size in
 alternation over several rounds so a slow spell of the GPU lands on all of them. One launch reads every expert's
 weights (30B-A3B: 201 MB for gate|up, more than the L2 several times over), so the numbers are DRAM numbers.
@@ -68,7 +68,7 @@ def main(shape, tokens, rounds, json_out):
                 # mma.sync path's activations are the rs path's row for row
                 assert bool((p2u == p2u_m).all()), "the maps of both tile sizes permute the rows alike"
                 row = {"shape": shape, "tokens": T, "rows_per_tile": bt}
-                name = {f: f"st{f[1]}wg{f[2]}" + ("narrow" if f[3] else "") for f in forms}
+                name = {f: f"st{f[1]}wg{f[2]}" + ("narrow" if f[3] else "") + ("swz" if f[4] else "") for f in forms}
                 for f in forms:
                     oc.MOE_RS_FORMS[bt] = f[1:]
                     gu = cp.full((T * k, 2 * inter), cp.nan, cp.float16)
@@ -96,7 +96,7 @@ def main(shape, tokens, rounds, json_out):
         Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "default_forms": saved}, indent=1))
     print(f"# {gpu}, {shape} expert GEMMs: µs per launch, median of {rounds} alternating rounds (min-max); "
           f"largest error against the mma.sync grouped GEMMs / largest |reference|; default forms {saved}")
-    print("| tokens | rows per tile | form (stages, warpgroups, narrow) | gate\\|up µs | down µs | error |")
+    print("| tokens | rows per tile | form (stages, warpgroups, narrow, swizzled) | gate\\|up µs | down µs | error |")
     print("| ---: | ---: | --- | ---: | ---: | ---: |")
     for r in out:
         for key in sorted({kk.rsplit("_", 1)[0] for kk in r["us"]}):
