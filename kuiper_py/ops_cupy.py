@@ -271,7 +271,9 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # swizzled flag (KUIPER_MOE_RS_SWZ=1: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only)
 MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "0") == "1")
 MOE_RS_SWZ = int(os.environ.get("KUIPER_MOE_RS_SWZ", "0") == "1")
-MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
+# (64, 4, 4): the 4-warpgroup block at 4 stages, whose wgmmas ptxas does not serialize (at 8 stages C7512), to tell
+# that apart from change 176's two blocks per SM in the probe
+MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0), (64, 4, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
                     *((64, 4, 2, nw, sw) for nw in (0, 1) for sw in (0, 1)),
                     *((128, 8, 4, nw, sw) for nw in (0, 1) for sw in (0, 1)))
 MOE_RS_FORMS = {64: ((8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2)) + (MOE_RS_NARROW, MOE_RS_SWZ),
