@@ -266,17 +266,18 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B). Not measured yet, so off: the narrow flag
-# (KUIPER_MOE_RS_NARROW=1: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (KUIPER_MOE_RS_SWZ=1: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only)
-MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "0") == "1")
-MOE_RS_SWZ = int(os.environ.get("KUIPER_MOE_RS_SWZ", "0") == "1")
-# (64, 4, 4): the 4-warpgroup block at 4 stages, whose wgmmas ptxas does not serialize (at 8 stages C7512), to tell
-# that apart from change 176's two blocks per SM in the probe
-MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0), (64, 4, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
+# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B; plain, without the two flags below).
+# On by default (PERFORMANCE.md change 177), each can be turned off with =0 for A/B: the narrow flag
+# (KUIPER_MOE_RS_NARROW: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
+# swizzled flag (KUIPER_MOE_RS_SWZ: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only).
+# H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8 / -7
+# / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
+MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "1") != "0")
+MOE_RS_SWZ = int(os.environ.get("KUIPER_MOE_RS_SWZ", "1") != "0")
+MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
                     *((64, 4, 2, nw, sw) for nw in (0, 1) for sw in (0, 1)),
                     *((128, 8, 4, nw, sw) for nw in (0, 1) for sw in (0, 1)))
-MOE_RS_FORMS = {64: ((8, 4) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2)) + (MOE_RS_NARROW, MOE_RS_SWZ),
+MOE_RS_FORMS = {64: (8, 4, 0, 0) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
                 128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
