@@ -2000,9 +2000,10 @@ MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
 # gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
 # both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
 # against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168). With change 177's narrow forms
-# (H100, the pair of GEMMs alone): 48 rows per expert 252.5 µs with 64 against 276.9 with 128, 64 rows 352.8 against
-# 319.2, so the bound sits between them (change 179; 56 itself not measured)
-MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "56"))
+# (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
+# against 276.9, 56 rows 286.7 against 307.0, 64 rows 352.8 against 319.2, so the bound sits between 56 and 64 (change
+# 179; 60 interpolates the two margins, not measured itself)
+MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "60"))
 
 
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
