@@ -2001,8 +2001,8 @@ MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
 # both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
 # against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168). With change 177's narrow forms
 # (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
-# against 276.9, 56 rows 286.7 against 307.0, 64 rows 352.8 against 319.2, so the bound sits between 56 and 64 (change
-# 179; 60 interpolates the two margins, not measured itself)
+# against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
+# 352.8 against 319.2: the two cost the same at 60 (change 179)
 MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "60"))
 
 
