@@ -1,4 +1,4 @@
-"""Probe of Qwen3-MoE prefill's grouped expert GEMMs (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md changes 168-176):
+"""Probe of Qwen3-MoE prefill's grouped expert GEMMs (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md changes 168-179):
 each compiled form (rows per tile, stages, consumer warpgroups, narrow, swizzled: ops_cupy.MOE_RS_FORMS_ALL) timed alone on the
 gate|up and down GEMMs of a real MoE layer shape (random weights, random routing), the forms of one tile size in
 alternation over several rounds so a slow spell of the GPU lands on all of them. One launch reads every expert's
