@@ -529,6 +529,21 @@ def _cu_tmap_encode():
 _TMAPS: dict[tuple, ctypes.Array] = {}
 
 
+def _tmap_encode(dtype: int, ptr: int, dims, strides, box):
+    """cuTensorMapEncodeTiled into a new 128-byte map: CUtensorMapDataType dtype, dims innermost first, byte
+    strides of the outer dims, box sizes; element strides 1, interleave none, the 128-byte swizzle, L2
+    promotion 128B, out-of-bounds elements filled with zeros."""
+    n = len(dims)
+    m = (ctypes.c_uint64 * 16)()
+    d, st = (ctypes.c_uint64 * n)(*dims), (ctypes.c_uint64 * (n - 1))(*strides)
+    bx, el = (ctypes.c_uint32 * n)(*box), (ctypes.c_uint32 * n)(*([1] * n))
+    err = _cu_tmap_encode()(ctypes.addressof(m), dtype, n, ptr, ctypes.addressof(d), ctypes.addressof(st),
+                          ctypes.addressof(bx), ctypes.addressof(el), 0, 3, 2, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
+    return m
+
+
 def tma_map_2d(a, box_rows: int, box_cols: int):
     """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
@@ -540,18 +555,9 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
         return m
     assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
     assert box_cols * 2 == 128
-    m = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(a.shape[1], a.shape[0])
-    strides = (ctypes.c_uint64 * 1)(a.strides[0])
-    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6, interleave none = 0, swizzle 128B = 3, L2 promotion 128B = 2,
-    # out-of-bounds fill zeros = 0
-    err = _cu_tmap_encode()(ctypes.addressof(m), 6, 2, a.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
-                          ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
-    return _remember(_TMAPS, key, m)
+    # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+    return _remember(_TMAPS, key, _tmap_encode(6, a.data.ptr, (a.shape[1], a.shape[0]), (a.strides[0],),
+                                               (box_cols, box_rows)))
 
 
 def tma_map_words(qw, wg: int):
@@ -563,17 +569,8 @@ def tma_map_words(qw, wg: int):
     if m is not None:
         return m
     assert qw.dtype == cp.int32 and qw.flags.c_contiguous and qw.size % 128 == 0 and qw.data.ptr % 16 == 0
-    m = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 3)(32, 4, qw.size // 128)
-    strides = (ctypes.c_uint64 * 2)(128, 512)
-    box = (ctypes.c_uint32 * 3)(32, wg, 16)
-    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
-    # CU_TENSOR_MAP_DATA_TYPE_UINT32 = 2, interleave none, swizzle 128B = 3, L2 promotion 128B = 2, zero fill
-    err = _cu_tmap_encode()(ctypes.addressof(m), 2, 3, qw.data.ptr, ctypes.addressof(dims), ctypes.addressof(strides),
-                          ctypes.addressof(box), ctypes.addressof(elem), 0, 3, 2, 0)
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
-    return _remember(_TMAPS, key, m)
+    # CU_TENSOR_MAP_DATA_TYPE_UINT32 = 2
+    return _remember(_TMAPS, key, _tmap_encode(2, qw.data.ptr, (32, 4, qw.size // 128), (128, 512), (32, wg, 16)))
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -2039,9 +2036,10 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw, sw))
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
+    xmap = tma_map_2d(x, bt, 64)
     launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
-        tma_map_2d(x, bt, 64), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
-        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else tma_map_2d(x, bt, 64)),
+        xmap, stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
+        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else xmap),  # (unread)
         smem)
     return out
 
