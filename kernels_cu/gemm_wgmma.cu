@@ -454,12 +454,11 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
             mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? (SWZ ? 2048 * WG : 8192) + 160 * WG : 0));
             if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
-        // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
-        // 2-warpgroup block reads half
         if constexpr (SWZ) {  // the block's quarters of the tile's 16 row quads (WG x 2 KB)
             if (lw && wgi == 1 % WG)
                 tma_load_3d(sbase + L::w + s * 8192, wmap, 0, (n0 >> 6) & 3, wrq0 + (kt0 + kt) * 16, full + 8 * s);
-        } else {
+        } else {  // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
+                  // 2-warpgroup block reads half
             if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
         }
         if (lw && wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
