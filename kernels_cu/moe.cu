@@ -98,6 +98,113 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
     }
 }
 
+// Lane (g, q) = (lane / 4, lane % 4) of moe_route_mma reads halves 8q .. 8q + 7 of a 32-wide k chunk of a row.
+// The dot product does not care in which order k runs, so for each chunk the two mma.sync take logical k
+// (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3) and (8q + 4, 8q + 5 | 8q + 6, 8q + 7),
+// for A and B alike: every operand is one 16-byte piece, and no ldmatrix is needed.
+
+// Prefill routing in one launch on tensor cores: logits[t, e] = x[t] . router[e], fp16 products summed in
+// fp32 (mma.sync m16n8k16 with fp32 accumulators: products of fp16 values are exact in fp32, as in
+// moe_router_logits; only the order of the sums differs), then each token's softmax, top-k and
+// renormalisation (moe_topk_regs) from the block's logits in shared memory. Why: moe_router_logits' CUDA-core
+// dot products took 29 µs per Qwen3-30B-A3B layer at 512 tokens (H200), the fp32 cuBLAS GEMM used from 1024
+// tokens needed fp32 copies of x and the router (58 µs at 2048), and moe_topk was a launch of its own.
+// A block takes 16 tokens (one m16 tile) and every expert: warp w the 32 experts of group w % NG (4 n8 tiles)
+// over its chunks c = w / NG, w / NG + 8 / NG, .. of D's 32-wide chunks, whose 6 pieces per lane (2 rows of
+// x, 4 router rows) come through MOE_RMMA_ST stages of cp.async in the warp's own shared memory (each lane
+// reads back only what it copied: no barrier). With the pieces loaded into registers instead, nvcc placed
+// each chunk's loads just before its products, one L2 round trip per chunk: 39 µs per layer (change 181).
+// The 8 / NG partial sums are added in shared memory in a fixed order (the same bits on every run). Rows
+// past T and experts past E read clamped rows and are not stored. grid ceil(T / 16), block 256, dynamic
+// shared memory moe_rmma_smem; D % 32 == 0, E <= 32 NG.
+#define MOE_RMMA_T 16   // tokens per block
+#define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
+template <int NG>       // expert groups of 32: 4 (E <= 128) or 8 (E <= 256)
+__global__ void __launch_bounds__(256)
+moe_route_mma(const half* __restrict__ x,       // [T, D]
+              const half* __restrict__ router,  // [E, D]
+              float* __restrict__ logits,       // [T, E]
+              int* __restrict__ ids,            // [T, k]
+              float* __restrict__ weights,      // [T, k]
+              int T, int D, int E, int k, int norm_topk) {
+    constexpr int KS = 8 / NG, EP = NG * 32 + 4, ST = MOE_RMMA_ST;  // K parts; a partial row's stride (+4: banks)
+    static_assert(NG * KS == 8, "8 warps: expert groups x K parts");
+    __shared__ float part[KS][MOE_RMMA_T][EP];
+    extern __shared__ uint4 stage[];  // [warp][ST][6 pieces][32 lanes]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, q = lane & 3;
+    const int grp = warp % NG, kp = warp / NG, t0 = blockIdx.x * MOE_RMMA_T;
+    const half* src[6];  // the lane's rows at its 8q offset: x rows g8, g8 + 8, router rows of the 4 n8 tiles
+    src[0] = x + (size_t)min(t0 + g8, T - 1) * D + 8 * q;
+    src[1] = x + (size_t)min(t0 + g8 + 8, T - 1) * D + 8 * q;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) src[2 + nt] = router + (size_t)min(grp * 32 + nt * 8 + g8, E - 1) * D + 8 * q;
+    uint4* my = stage + (size_t)warp * ST * 6 * 32 + lane;
+    const int nc = D / 32, mine = (nc - kp + KS - 1) / KS;  // chunks of D; this warp's
+    // chunk i of the warp's into stage i % ST, one commit group each (past the last: zeros, so every
+    // iteration commits a group and the wait count stays ST - 1)
+    auto issue = [&](int i) {
+        const bool in = i < mine;
+        const int k0 = in ? (kp + i * KS) * 32 : 0;
+        uint4* d = my + (i % ST) * 6 * 32;
+#pragma unroll
+        for (int p = 0; p < 6; ++p) cp_async16(d + p * 32, src[p] + k0, in ? 16 : 0);
+        cp_async_commit();
+    };
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) issue(i);
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    for (int i = 0; i < mine; ++i) {
+        issue(i + ST - 1);  // into the stage chunk i - 1 used: its pieces are in registers, consumed
+        cp_async_wait<ST - 1>();
+        asm volatile("" ::: "memory");  // (the reads below stay after the wait)
+        const uint4* d = my + (i % ST) * 6 * 32;
+        const uint4 va = d[0], vb = d[32];
+        const u32 a_lo[4] = {va.x, vb.x, va.y, vb.y}, a_hi[4] = {va.z, vb.z, va.w, vb.w};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const uint4 w = d[(2 + nt) * 32];
+            mma_16816(acc[nt], a_lo, w.x, w.y);
+            mma_16816(acc[nt], a_hi, w.z, w.w);
+        }
+    }
+    cp_async_wait_all();  // (the zero groups past the end)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {  // C fragment: rows g8 and g8 + 8, columns 2q and 2q + 1 of the n8 tile
+        const int e = grp * 32 + nt * 8 + 2 * q;
+        part[kp][g8][e] = acc[nt][0];
+        part[kp][g8][e + 1] = acc[nt][1];
+        part[kp][g8 + 8][e] = acc[nt][2];
+        part[kp][g8 + 8][e + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    // warp w: tokens 2w and 2w + 1 of the block; lane l holds experts l, l + 32, .. (moe_topk_regs' layout)
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+        const int r = 2 * warp + tt, t = t0 + r;
+        if (t >= T) break;
+        float p[MOE_MAX_E / 32];
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+            const int e = lane + 32 * j;
+            float s = -INFINITY;
+            if (e < E) {
+                s = part[0][r][e];
+#pragma unroll
+                for (int i = 1; i < KS; ++i) s += part[i][r][e];
+                logits[(size_t)t * E + e] = s;
+            }
+            p[j] = s;
+        }
+        moe_topk_regs(p, E, k, norm_topk, ids + (size_t)t * k, weights + (size_t)t * k);
+    }
+}
+
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp (common.cuh's
 // moe_topk_regs). Logits are read through L2 (__ldcg): in the fused decode router other blocks wrote
 // them moments ago.
@@ -275,18 +382,40 @@ __global__ void moe_gather_rows(const half* __restrict__ x,              // [T, 
     for (int i = threadIdx.x; i < D / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum, fp16 out; the residual add
-// happens in the next add_rmsnorm). grid T, block 256.
-__global__ void moe_finalize(const half* __restrict__ y,            // [T*k, D] permuted rows
-                             const int* __restrict__ unperm_to_perm,  // [T*k]
-                             const float* __restrict__ weights,     // [T, k]
-                             half* __restrict__ out,                // [T, D]
-                             int D, int k) {
+// out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum in j order, fp16 out; the residual add
+// happens in the next add_rmsnorm). grid T, block 256: each thread 8 columns at a time, the k rows' 16-byte loads
+// issued together (with 2-byte loads, one column per thread, it ran at ~0.4 of the copy rate: PERFORMANCE.md
+// change 182). D % 8 == 0, k <= 32.
+__global__ void __launch_bounds__(256)
+moe_finalize(const half* __restrict__ y,               // [T*k, D] permuted rows
+             const int* __restrict__ unperm_to_perm,   // [T*k]
+             const float* __restrict__ weights,        // [T, k]
+             half* __restrict__ out,                   // [T, D]
+             int D, int k) {
+    __shared__ int row[32];
+    __shared__ float wt[32];
     const int t = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float s = 0.f;
-        for (int j = 0; j < k; ++j)
-            s += weights[(size_t)t * k + j] * __half2float(y[(size_t)unperm_to_perm[(size_t)t * k + j] * D + d]);
-        out[(size_t)t * D + d] = __float2half(s);
+    if (threadIdx.x < k) {
+        row[threadIdx.x] = unperm_to_perm[(size_t)t * k + threadIdx.x];
+        wt[threadIdx.x] = weights[(size_t)t * k + threadIdx.x];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
+        float s[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll 8
+        for (int j = 0; j < k; ++j) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(y + (size_t)row[j] * D) + c);
+            const half* hv = reinterpret_cast<const half*>(&v);
+            const float w = wt[j];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] += w * __half2float(hv[i]);
+        }
+        uint4 o;
+        half2* oh = reinterpret_cast<half2*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oh[i] = __floats2half2_rn(s[2 * i], s[2 * i + 1]);
+        reinterpret_cast<uint4*>(out + (size_t)t * D)[c] = o;
     }
 }

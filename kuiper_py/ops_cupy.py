@@ -306,6 +306,11 @@ MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
 # went 1.5x slower, so below 1024 tokens the kernel stays)
 MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024"))
+# "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
+# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from MOE_ROUTER_GEMM_MIN_T tokens)
+# and moe_topk, as before PERFORMANCE.md change 181
+MOE_ROUTER = os.environ.get("KUIPER_MOE_ROUTER", "mma")
+MOE_RMMA_SMEM = 8 * 4 * 6 * 32 * 16  # moe_route_mma's cp.async stages: [8 warps][MOE_RMMA_ST 4][6 pieces][32 lanes] x 16 B
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -316,7 +321,8 @@ _FILES = {
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_decode", "moe_expert_maps", "moe_gather_rows",
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>", "moe_route_decode",
+                       "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
     # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
     "attn90": ("attn_wgmma.cu", [fw_name(*c) for c in FW_CONFIGS]),
@@ -353,7 +359,8 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
 PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_decode"} | {
+               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>",
+               "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
 _PDL: dict[int, bool] = {}
 
@@ -1940,13 +1947,20 @@ def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
 
 # ---------------------------------------------------------------------------------------------- MoE stages
 def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None):
-    """Router logits in fp32, softmax, top-k, optional renormalisation.
-    x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]."""
+    """Router logits in fp32, softmax, top-k, optional renormalisation (logits [T, E] fp32 kept).
+    x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]. One launch on tensor cores
+    (moe_route_mma) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is "cuda"."""
     T, D = x.shape
     E = router.shape[0]
     logits = cp.empty((T, E), cp.float32) if logits is None else logits
     ids = cp.empty((T, k), cp.int32) if ids is None else ids
     weights = cp.empty((T, k), cp.float32) if weights is None else weights
+    if MOE_ROUTER != "cuda" and D % 32 == 0 and E <= 256 and x.flags.c_contiguous and router.flags.c_contiguous:
+        name = f"moe_route_mma<{4 if E <= 128 else 8}>"
+        allow_dynamic_smem(_compiled("moe", name), MOE_RMMA_SMEM)
+        kernel("moe", name)((math.ceil(T / 16),), (256,), (
+            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), shared_mem=MOE_RMMA_SMEM)
+        return ids, weights
     if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
         cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)
     else:
@@ -2071,7 +2085,9 @@ def moe_finalize(y, u2p, weights, out=None):
     """Un-permute and weight: out [T, D] = sum_j weights[t, j] * y[u2p[t*k + j]]."""
     T, k = weights.shape
     D = y.shape[1]
+    assert D % 8 == 0 and k <= 32 and y.flags.c_contiguous and u2p.size == T * k
     out = cp.empty((T, D), cp.float16) if out is None else out
+    assert out.flags.c_contiguous
     kernel("moe", "moe_finalize")((T,), (256,), (y, u2p, weights, out, _i(D), _i(k)))
     return out
 

@@ -327,6 +327,84 @@ def test_moe_topk_picks_as_a_stable_sort_with_many_ties(n_exp, k):
         np.testing.assert_allclose(cp.asnumpy(wts), w_ref, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_exp,k,dim", [(E, K_TOP, D), (60, 4, 256), (200, 8, 4096), (8, 2, 128), (256, 8, 2048),
+                                         (33, 1, 96)])
+@pytest.mark.parametrize("T", [1, 15, 17, 300, 2048])
+@pytest.mark.parametrize("path", ["mma", "cuda"])
+def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
+    """moe_route's two paths, moe_route_mma (the logits on tensor cores, the softmax and top-k in the same
+    launch) and "cuda" (moe_router_logits or the fp32 cuBLAS GEMM, then moe_topk), against float64: every
+    logit within the fp32 bound of a chain of D / 16 sums (4e-5 of sum |x_i r_i|, the row's absolute
+    products), the ids the exact logits' top-k (experts whose exact logits lie within that bound may trade
+    places: assert_same_topk), the weights the softmax of the kernel's own logits over its picks. Outputs
+    poisoned; 33 experts and D = 96 leave a partial expert group and an odd chunk count."""
+    monkeypatch.setattr(oc, "MOE_ROUTER", path)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((T, dim)).astype(np.float16)
+    router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
+    x64, r64 = x.astype(np.float64), router.astype(np.float64)
+    lg64 = x64 @ r64.T
+    bound = 4e-5 * (np.abs(x64) @ np.abs(r64).T)
+    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
+    launches = ([f"moe_route_mma<{4 if n_exp <= 128 else 8}>"] if path == "mma" else
+                ["moe_topk"] if T >= oc.MOE_ROUTER_GEMM_MIN_T else ["moe_router_logits", "moe_topk"])
+    for norm_topk in (True, False):
+        lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
+        del calls[:]
+        oc.moe_route(cp.asarray(x), cp.asarray(router), k, norm_topk, lg, ids, w)
+        assert calls == launches
+        got, ids = cp.asnumpy(lg), cp.asnumpy(ids)
+        assert (np.abs(got - lg64) <= bound).all(), np.abs(got - lg64).max()
+        ids_ref = np.argsort(-lg64, axis=1, kind="stable")[:, :k]
+        assert_same_topk(ids, ids_ref, lg64, tie=float(bound.max()))
+        p = np.exp(got.astype(np.float64) - got.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        w_ref = np.take_along_axis(p, ids, axis=1)
+        if norm_topk:
+            w_ref /= w_ref.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(cp.asnumpy(w), w_ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_exp,k", [(128, 8), (256, 8), (60, 4), (33, 1), (200, 32)])
+def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k):
+    """moe_route_mma's top-k on exactly representable logits with many ties (tied_logits: each logit a
+    multiple of 0.5, made as x . router with x a one-hot row and the router holding the logits): the ids of
+    NumPy's stable sort (ties to the lower id), as moe_topk gives them."""
+    rng = np.random.default_rng()
+    T, dim = 64, 128
+    lg = tied_logits(rng, T, n_exp, k)
+    x = np.zeros((T, dim), np.float16)
+    x[np.arange(T), np.arange(T) % dim] = 1.0
+    router = np.zeros((n_exp, dim), np.float16)
+    router[:, :T] = lg.T  # logit (t, e) = router[e, t]
+    ids, w = poisoned((T, k), np.int32), poisoned((T, k), np.float32)
+    lgd = poisoned((T, n_exp), np.float32)
+    oc.moe_route(cp.asarray(x), cp.asarray(router), k, True, lgd, ids, w)
+    np.testing.assert_array_equal(cp.asnumpy(lgd), lg)
+    np.testing.assert_array_equal(cp.asnumpy(ids), np.argsort(-lg, axis=1, kind="stable")[:, :k])
+
+
+@pytest.mark.parametrize("T,dim,k", [(1, D, K_TOP), (7, 136, 3), (300, 4096, 8), (33, 2048, 32), (5, 2056, 1)])
+def test_moe_finalize_weighted_sum(T, dim, k):
+    """moe_finalize (8 columns per thread, the k rows' loads together) against float64: out[t] = sum_j
+    w[t, j] y[u2p[t k + j]] summed in fp32 in j order and rounded to fp16, so within one fp16 ulp of the
+    exact sum plus fp32's bound for k sums (k 2^-23 sum_j |w_j y_j|, which matters where the terms cancel).
+    Rows are a random permutation; output poisoned. D = 136 and 2056 leave threads without a full pass of
+    256 8-column pieces."""
+    rng = np.random.default_rng()
+    n = T * k
+    y = rng.standard_normal((n, dim)).astype(np.float16)
+    u2p = rng.permutation(n).astype(np.int32)
+    w = rng.random((T, k)).astype(np.float32)
+    rows = y.astype(np.float64)[u2p.reshape(T, k)]
+    ref = np.einsum("tj,tjd->td", w.astype(np.float64), rows)
+    bound = (np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
+             + k * 2.0**-23 * np.einsum("tj,tjd->td", w.astype(np.float64), np.abs(rows)))
+    out = oc.moe_finalize(cp.asarray(y), cp.asarray(u2p), cp.asarray(w), out=poisoned((T, dim), np.float16))
+    got = cp.asnumpy(out).astype(np.float64)
+    assert (np.abs(got - ref) <= bound).all(), np.abs(got - ref).max()
+
+
 # ---------------------------------------------------------------------------------------------
 # The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, softmax and top-k of the logits
 # the o GEMV computed, and the selected experts' SwiGLU FFN with the weighted sum, every cluster routing

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Where a prefill's time goes (device machine): the GPU time of each kernel of one prefill, summed by kernel name
+(torch.profiler's CUPTI trace, which records CuPy's launches as well; torch is needed for this tool only), and the
+host's side: the wall time of the prefill against the time the host takes to enqueue it while the GPU is held busy
+by a spinning kernel, and the GPU time of the queued work. Where the enqueue time comes near the GPU time, the
+prefill is host-bound. Table last, JSON with --json.
+
+    python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--json F]
+"""
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupy as cp  # noqa: E402
+
+from kuiper_py.generate import Engine  # noqa: E402
+from kuiper_py.ops_cupy import gpu_name  # noqa: E402
+
+_SPIN = r'''extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'''
+
+
+def host_and_gpu(m, ids, reps):
+    """(wall, enqueue, gpu) seconds per rep: wall = the prefill synchronised; enqueue = the host's time to queue it
+    behind a ~0.4 s spinning kernel (so no launch waits for the GPU), gpu = its GPU time from the spinner's end."""
+    spin = cp.RawKernel(_SPIN, "spin")
+    s = cp.cuda.get_current_stream()
+    wall, enq, gpu = [], [], []
+    for _ in range(reps):
+        m.reset()
+        s.synchronize()
+        t0 = time.perf_counter()
+        m.prefill(ids)
+        s.synchronize()
+        wall.append(time.perf_counter() - t0)
+        m.reset()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        spin((1,), (1,), (np.int64(8 * 10**8),))
+        a.record(s)
+        t0 = time.perf_counter()
+        m.prefill(ids)
+        enq.append(time.perf_counter() - t0)
+        b.record(s)
+        b.synchronize()
+        gpu.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return wall, enq, gpu
+
+
+def kernel_times(m, ids):
+    """{kernel name: (launches, GPU µs)} of one prefill."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    m.reset()
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m.prefill(ids)
+        cp.cuda.Device().synchronize()
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("(")[0]
+            agg[name][0] += 1
+            agg[name][1] += e.device_time_total
+    return dict(sorted(agg.items(), key=lambda kv: -kv[1][1]))
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompts", default="512,2048", show_default=True)
+@click.option("--reps", default=5, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False))
+def main(model, prompts, reps, json_out):
+    eng = Engine.load(model, "cuda", need_tokenizer=False)
+    rng = np.random.default_rng(0)
+    res = {"gpu": gpu_name(), "prefill": []}
+    for p in [int(x) for x in prompts.split(",")]:
+        m = eng.session(p)
+        ids = rng.integers(0, 151643, p).tolist()
+        for _ in range(3):  # compiles, tensor maps, the pool's blocks
+            m.reset()
+            m.prefill(ids)
+        cp.cuda.Device().synchronize()
+        wall, enq, gpu = host_and_gpu(m, ids, reps)
+        kt = kernel_times(m, ids)
+        res["prefill"].append({"prompt": p, "wall_ms": [x * 1e3 for x in wall], "enqueue_ms": [x * 1e3 for x in enq],
+                               "gpu_ms": [x * 1e3 for x in gpu],
+                               "kernels": {k: {"launches": n, "us": t} for k, (n, t) in kt.items()}})
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    print(f"{res['gpu']}")
+    for r in res["prefill"]:
+        med = {k: float(np.median(r[k])) for k in ("wall_ms", "enqueue_ms", "gpu_ms")}
+        tot = sum(v["us"] for v in r["kernels"].values())
+        print(f"\n{r['prompt']} tokens: wall {med['wall_ms']:.2f} ms ({r['prompt'] / med['wall_ms'] * 1e3:.0f} tok/s), "
+              f"host enqueue {med['enqueue_ms']:.2f} ms, GPU {med['gpu_ms']:.2f} ms (medians of {reps}); "
+              f"kernel time {tot / 1e3:.2f} ms")
+        print("| kernel | launches | ms | share |\n|---|---:|---:|---:|")
+        for k, v in list(r["kernels"].items())[:14]:
+            print(f"| {k[:60]} | {v['launches']} | {v['us'] / 1e3:.3f} | {v['us'] / tot:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
