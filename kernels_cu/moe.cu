@@ -318,6 +318,7 @@ moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
                 int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
                 int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {
     __shared__ int cnt[MOE_MAP_WARPS][MOE_MAX_E];  // per warp: its count, then its write cursor
+    __shared__ int tot[MOE_MAX_E];                 // per expert: its count, then its offset
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int chunk = ((n + MOE_MAP_WARPS - 1) / MOE_MAP_WARPS + 31) / 32 * 32;
     const int s0 = warp * chunk, s1 = min(n, s0 + chunk);
@@ -334,22 +335,50 @@ moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
             run += c;
         }
         counts[e] = run;
+        tot[e] = run;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {  // E <= 256 serial steps: cheaper than a scan's synchronisation
-        int off = 0, toff = 0;
-        for (int e = 0; e < E; ++e) {
-            offsets[e] = off;
-            tile_offsets[e] = toff;
-            off += counts[e];
-            toff += (counts[e] + tile_m - 1) / tile_m;
+    // the offsets and tile offsets: warp 0's exclusive scan, 8 experts per lane (E <= 256), from shared memory
+    // (one thread's serial pass over E counts read back from global memory took longer, PERFORMANCE.md change 183)
+    if (warp == 0) {
+        int c[MOE_MAX_E / 32], sc = 0, st = 0;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+            const int e = lane * (MOE_MAX_E / 32) + j;
+            c[j] = e < E ? tot[e] : 0;
+            sc += c[j];
+            st += (c[j] + tile_m - 1) / tile_m;
         }
-        offsets[E] = off;
-        tile_offsets[E] = toff;
+        int off = sc, toff = st;  // inclusive over lanes, then exclusive
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, off, o), b = __shfl_up_sync(0xffffffffu, toff, o);
+            if (lane >= o) {
+                off += a;
+                toff += b;
+            }
+        }
+        off -= sc;
+        toff -= st;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+            const int e = lane * (MOE_MAX_E / 32) + j;
+            if (e < E) {
+                offsets[e] = off;
+                tile_offsets[e] = toff;
+                tot[e] = off;
+            }
+            off += c[j];
+            toff += (c[j] + tile_m - 1) / tile_m;
+        }
+        if (lane == 31) {  // (experts past E count 0: lane 31 ends on the totals)
+            offsets[E] = off;
+            tile_offsets[E] = toff;
+        }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int base = offsets[e];
+        const int base = tot[e];
         for (int w = 0; w < MOE_MAP_WARPS; ++w) cnt[w][e] += base;
     }
     __syncthreads();
