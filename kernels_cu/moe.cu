@@ -2,8 +2,8 @@
 // the expert GEMV (with its SwiGLU and weighted-sum epilogues) in gemv_w4a16.cu, on the same tiles
 // as the dense path; this file holds what sits between them.
 //
-// Stage order (prefill):  router_logits -> topk -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU)
-//                         -> GEMM2 (down) -> finalize.
+// Stage order (prefill):  route_mma (logits on tensor cores + topk; router_logits -> topk where it does not
+//                         fit) -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU) -> GEMM2 (down) -> finalize.
 //   On compute capability 9.0 (gemm_wgmma.cu gemm_moe_rs, ops_cupy.moe_experts): expert_maps in tiles of
 //   64 or 128 rows -> gather_rows (TMA cannot gather) -> GEMM1 (gate|up) -> silu_mul -> GEMM2 -> finalize.
 // Stage order (decode):   route_decode (rmsnorm + router + topk) -> expert GEMV gate|up (+SwiGLU)
