@@ -98,11 +98,6 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
     }
 }
 
-// Lane (g, q) = (lane / 4, lane % 4) of moe_route_mma reads halves 8q .. 8q + 7 of a 32-wide k chunk of a row.
-// The dot product does not care in which order k runs, so for each chunk the two mma.sync take logical k
-// (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3) and (8q + 4, 8q + 5 | 8q + 6, 8q + 7),
-// for A and B alike: every operand is one 16-byte piece, and no ldmatrix is needed.
-
 // Prefill routing in one launch on tensor cores: logits[t, e] = x[t] . router[e], fp16 products summed in
 // fp32 (mma.sync m16n8k16 with fp32 accumulators: products of fp16 values are exact in fp32, as in
 // moe_router_logits; only the order of the sums differs), then each token's softmax, top-k and
@@ -115,8 +110,11 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
 // reads back only what it copied: no barrier). With the pieces loaded into registers instead, nvcc placed
 // each chunk's loads just before its products, one L2 round trip per chunk: 39 µs per layer (change 181).
 // The 8 / NG partial sums are added in shared memory in a fixed order (the same bits on every run). Rows
-// past T and experts past E read clamped rows and are not stored. grid ceil(T / 16), block 256, dynamic
-// shared memory moe_rmma_smem; D % 32 == 0, E <= 32 NG.
+// past T and experts past E read clamped rows and are not stored. Lane (g, q) = (lane / 4, lane % 4) reads
+// halves 8q .. 8q + 7 of a chunk of each row: the dot product does not care in which order k runs, so the
+// chunk's two mma.sync take logical k (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3)
+// and (8q + 4, 8q + 5 | 8q + 6, 8q + 7), for A and B alike: every operand is one 16-byte piece, no ldmatrix.
+// grid ceil(T / 16), block 256, dynamic shared memory ops_cupy.MOE_RMMA_SMEM (96 KB); D % 32 == 0, E <= 32 NG.
 #define MOE_RMMA_T 16   // tokens per block
 #define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
 template <int NG>       // expert groups of 32: 4 (E <= 128) or 8 (E <= 256)
