@@ -1955,7 +1955,8 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     logits = cp.empty((T, E), cp.float32) if logits is None else logits
     ids = cp.empty((T, k), cp.int32) if ids is None else ids
     weights = cp.empty((T, k), cp.float32) if weights is None else weights
-    if MOE_ROUTER != "cuda" and D % 32 == 0 and E <= 256 and x.flags.c_contiguous and router.flags.c_contiguous:
+    if (MOE_ROUTER != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
+            and router.flags.c_contiguous):
         name = f"moe_route_mma<{4 if E <= 128 else 8}>"
         allow_dynamic_smem(_compiled("moe", name), MOE_RMMA_SMEM)
         kernel("moe", name)((math.ceil(T / 16),), (256,), (
