@@ -605,13 +605,8 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
             return;
         }
     }
-    if constexpr (SWZ)
-        rs_block<ST, BT, WG, BT, 1>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
-                                    sc + (size_t)e * (K / group) * N, N, n0, n0,
-                                    offsets[e] + (tile - tile_offsets[e]) * BT, offsets[e + 1], out, K, group, ldo, 1,
-                                    0, 0, nullptr, nullptr, &wmap, wrq0);
-    else
-        rs_block<ST, BT, WG>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
-                         sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
-                         offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr);
+    rs_block<ST, BT, WG, BT, SWZ>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                                  sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
+                                  offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr, SWZ ? &wmap : nullptr,
+                                  wrq0);
 }
