@@ -571,6 +571,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
         int my_id = 0;
         float my_z = 0.f;
         moe_topk_pick(p, k, -INFINITY, my_id, my_z);
+#ifdef MOE_DIAG_FIXED_IDS
+        my_id = lane;  // (diagnosis: every token takes experts 0..k-1; wrong results)
+#endif
         if (lane < k) {
             sel_id[lane] = my_id;
             sel_z[lane] = my_z;

@@ -1780,6 +1780,10 @@ DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
 # the H100, 0.4% on the H200; change 80 had measured it 0.2-0.5% faster)
 MOE_PREFETCH = os.environ.get("KUIPER_MOE_PREFETCH", "0")
 MOE_PREFETCH_KB = int(os.environ.get("KUIPER_MOE_PREFETCH_KB", "32"))
+# Diagnosis (KUIPER_MOE_DIAG_SHARED=1, wrong results): every MoE decode layer's FFN half reads the first MoE
+# layer's experts, so with -DMOE_DIAG_FIXED_IDS in KUIPER_DIAG_DEFINES (every token takes experts 0..k-1) its
+# 8 experts stay in L2: the FFN half's time with its weights L2-resident (PERFORMANCE.md change 186).
+MOE_DIAG_SHARED = os.environ.get("KUIPER_MOE_DIAG_SHARED", "0") == "1"
 
 
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
@@ -2278,6 +2282,8 @@ class CupyOps:
             for L, nxt in ((L, nxt) for L, nxt in zip(Ls, Ls[1:]) if L.router is not None):
                 arrs = [m for lin in (nxt.wq, nxt.wk, nxt.wv) for m in (lin.qweight, lin.qzeros, lin.scales)]
                 self._moe_pf[id(L)] = (*moe_prefetch_table(arrs, MOE_PREFETCH_KB << 10), MOE_PREFETCH == "2")
+        # (MOE_DIAG_SHARED: the layer whose experts every MoE decode layer reads)
+        self._moe_diag = next(ly for ly in self.weights.layers if ly.router is not None) if MOE_DIAG_SHARED else None
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
@@ -2772,8 +2778,8 @@ class CupyOps:
         if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
             # logits from this layer's o GEMV, its router rows)
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
-                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"], a.rms_norm_eps, k,
-                               a.norm_topk_prob, d["acc_z"], self._moe_pf.get(id(layer)))
+                decode_moe_ffn(self._moe, x, self._moe_diag or layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"], self._moe_pf.get(id(layer)))
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))
                 return d["acc_d"]
