@@ -61,3 +61,47 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
     for (int d = threadIdx.x; d < D; d += blockDim.x)
         x[(size_t)blockIdx.x * D + d] = __float2half(hr[d] * inv * __half2float(w[d]));
 }
+
+// add_rmsnorm for rows of D % 8 == 0 without pend: each thread one 8-element chunk by 16-byte loads and
+// stores, the row kept in registers between the two passes (the scalar kernel's 2- and 4-byte accesses ran
+// at ~0.6 of the copy rate on prefill rows: PERFORMANCE.md change 187). grid T, block ceil(D / 8 / 32) * 32
+// (D <= 8192). Each thread sums its 8 squares in order, then block_sum.
+__global__ void add_rmsnorm_v8(float* __restrict__ h,        // [T, D]
+                               const half* __restrict__ r,   // [T, D] or null
+                               const half* __restrict__ w,   // [D]
+                               half* __restrict__ x,         // [T, D]
+                               int D, float eps) {
+    pdl_wait();
+    pdl_trigger();
+    __shared__ float red[32];
+    const int c = threadIdx.x;
+    const bool on = c < D / 8;
+    float4* hr = reinterpret_cast<float4*>(h + (size_t)blockIdx.x * D) + 2 * c;
+    float v[8];
+    float ss = 0.f;
+    if (on) {
+        const float4 a = hr[0], b = hr[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        if (r) {
+            float f[8];
+            unpack8(reinterpret_cast<const uint4*>(r + (size_t)blockIdx.x * D)[c], f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] += f[i];
+            hr[0] = make_float4(v[0], v[1], v[2], v[3]);
+            hr[1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
+    if (on) {
+        float f[8];
+        unpack8(reinterpret_cast<const uint4*>(w)[c], f);
+        uint4 o;
+        half2* oh = reinterpret_cast<half2*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            oh[i] = __halves2half2(__float2half(v[2 * i] * inv * f[2 * i]), __float2half(v[2 * i + 1] * inv * f[2 * i + 1]));
+        reinterpret_cast<uint4*>(x + (size_t)blockIdx.x * D)[c] = o;
+    }
+}

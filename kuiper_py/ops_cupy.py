@@ -329,8 +329,9 @@ _FILES = {
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
                          for lp in ("", ",true")]),
-    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
-    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
+    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm", "add_rmsnorm_v8"]),
+    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "qk_norm_rope_store_v8<64>",
+                         "qk_norm_rope_store_v8<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
@@ -1922,7 +1923,10 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
     q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
     T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
     out = cp.empty((T, n_heads, hd), cp.float16) if out is None else out
-    kernel("rope", f"qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / 4)), (128,), (
+    # prefill rows by 16-byte accesses (rope.cu qk_norm_rope_store_v8); one decode row keeps the scalar kernel
+    v8 = T > 1 and all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
+    heads = 4 * (512 // hd) if v8 else 4  # per block: 4 warps of 32 / (hd / 16) heads, or of one
+    kernel("rope", f"qk_norm_rope_store{'_v8' if v8 else ''}<{hd}>")((T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
         q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
         out, kc, vc, _i(n_heads), _i(KV), _i(pos0), pos_dev if pos_dev is not None else np.uint64(0), _f(eps)))
     return out
@@ -1934,6 +1938,12 @@ def add_rmsnorm(h, r, w, eps: float, out=None, pend=None):
     T, D = h.shape
     out = cp.empty((T, D), cp.float16) if out is None else out
     assert pend is None or (r is None and T == 1 and pend.size == D)
+    if T > 1 and D % 8 == 0 and D <= 8192 and all(a.flags.c_contiguous and a.data.ptr % 16 == 0
+                                                  for a in (h, w, out) + ((r,) if r is not None else ())):
+        # prefill rows: one 16-byte chunk a thread (norm.cu add_rmsnorm_v8); one decode row keeps the kernel below
+        kernel("norm", "add_rmsnorm_v8")((T,), (math.ceil(D / 8 / 32) * 32,), (
+            h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
+        return out
     threads = min(1024, math.ceil(D / 4 / 32) * 32)  # about four elements a thread
     kernel("norm", "add_rmsnorm")((T,), (threads,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps),
                                                       pend if pend is not None else np.uint64(0)))

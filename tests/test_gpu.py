@@ -825,7 +825,8 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
     assert int(cp.count_nonzero(oc.gemv_counters())) == 0
 
 
-@pytest.mark.parametrize("H,KV,hd,T,pos0", [(32, 8, 128, 1, 9), (64, 8, 128, 37, 0), (4, 2, 64, 5, 3)])
+@pytest.mark.parametrize("H,KV,hd,T,pos0", [(32, 8, 128, 1, 9), (64, 8, 128, 37, 0), (4, 2, 64, 5, 3),
+                                             (32, 4, 128, 300, 17), (16, 8, 64, 2, 40), (1, 1, 64, 3, 0)])
 def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
     from kuiper_py.config import ModelArgs, rope_tables
     from kuiper_py.ops_numpy import rmsnorm, rope
@@ -1192,7 +1193,20 @@ def test_ffn_decode_global_exchange(CL, TB, massive, cap):
     assert int(plan["xcnt"].sum()) == 3 * CL * 3  # every block counted itself in, once per launch
 
 
-@pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120)])
+@pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120), (2, 8192), (65, 136)])
+def test_add_rmsnorm_without_residual(T, D):
+    """add_rmsnorm with no residual row (a prefill's first layer): h kept, x its RMSNorm."""
+    from kuiper_py.ops_numpy import rmsnorm
+    rng = np.random.default_rng()
+    hs = (3 * rng.standard_normal((T, D))).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float16)
+    h = cp.asarray(hs)
+    x = oc.add_rmsnorm(h, None, cp.asarray(w), 1e-6, nan_like((T, D), cp.float16))
+    np.testing.assert_array_equal(cp.asnumpy(h), hs)
+    assert rel(cp.asnumpy(x), rmsnorm(hs, w, 1e-6)) < 2e-3
+
+
+@pytest.mark.parametrize("T,D", [(1, 4096), (7, 1024), (300, 5120), (513, 2048), (3, 136)])
 def test_add_rmsnorm_and_embed(T, D):
     from kuiper_py.ops_numpy import rmsnorm
     rng = np.random.default_rng()
