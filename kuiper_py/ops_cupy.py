@@ -2293,7 +2293,8 @@ class CupyOps:
                 arrs = [m for lin in (nxt.wq, nxt.wk, nxt.wv) for m in (lin.qweight, lin.qzeros, lin.scales)]
                 self._moe_pf[id(L)] = (*moe_prefetch_table(arrs, MOE_PREFETCH_KB << 10), MOE_PREFETCH == "2")
         # (MOE_DIAG_SHARED: the layer whose experts every MoE decode layer reads)
-        self._moe_diag = next(ly for ly in self.weights.layers if ly.router is not None) if MOE_DIAG_SHARED else None
+        self._moe_diag = (next(ly for ly in self.weights.layers if ly.router is not None)
+                          if MOE_DIAG_SHARED and self._moe is not None else None)
         self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
         if self._dl is not None:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
