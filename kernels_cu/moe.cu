@@ -105,28 +105,32 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
 // dot products took 29 µs per Qwen3-30B-A3B layer at 512 tokens (H200), the fp32 cuBLAS GEMM used from 1024
 // tokens needed fp32 copies of x and the router (58 µs at 2048), and moe_topk was a launch of its own.
 // A block takes 16 tokens (one m16 tile) and every expert: warp w the 32 experts of group w % NG (4 n8 tiles)
-// over its chunks c = w / NG, w / NG + 8 / NG, .. of D's 32-wide chunks, whose 6 pieces per lane (2 rows of
+// over its chunks c = w / NG, w / NG + KS, .. of D's 32-wide chunks, whose 6 pieces per lane (2 rows of
 // x, 4 router rows) come through MOE_RMMA_ST stages of cp.async in the warp's own shared memory (each lane
 // reads back only what it copied: no barrier). With the pieces loaded into registers instead, nvcc placed
 // each chunk's loads just before its products, one L2 round trip per chunk: 39 µs per layer (change 181).
-// The 8 / NG partial sums are added in shared memory in a fixed order (the same bits on every run). Rows
+// The KS partial sums are added in shared memory in a fixed order (the same bits on every run). Rows
 // past T and experts past E read clamped rows and are not stored. Lane (g, q) = (lane / 4, lane % 4) reads
 // halves 8q .. 8q + 7 of a chunk of each row: the dot product does not care in which order k runs, so the
 // chunk's two mma.sync take logical k (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3)
 // and (8q + 4, 8q + 5 | 8q + 6, 8q + 7), for A and B alike: every operand is one 16-byte piece, no ldmatrix.
-// grid ceil(T / 16), block 256, dynamic shared memory ops_cupy.MOE_RMMA_SMEM (96 KB); D % 32 == 0, E <= 32 NG.
+// KS = 16 / NG (16 warps, each over half the chunks) is the form for short prompts (ops_cupy.MOE_ROUTE_WIDE_T):
+// there the grid is a fraction of the SMs and a block's time is its warps' chains of chunks (PERFORMANCE.md
+// change 188). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
+// 12 KB per warp); D % 32 == 0, E <= 32 NG.
 #define MOE_RMMA_T 16   // tokens per block
 #define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
-template <int NG>       // expert groups of 32: 4 (E <= 128) or 8 (E <= 256)
-__global__ void __launch_bounds__(256)
+template <int NG, int KS = 8 / NG>  // expert groups of 32: 4 (E <= 128) or 8 (E <= 256); K parts: 8 or 16 warps
+__global__ void __launch_bounds__(NG * KS * 32)
 moe_route_mma(const half* __restrict__ x,       // [T, D]
               const half* __restrict__ router,  // [E, D]
               float* __restrict__ logits,       // [T, E]
               int* __restrict__ ids,            // [T, k]
               float* __restrict__ weights,      // [T, k]
               int T, int D, int E, int k, int norm_topk) {
-    constexpr int KS = 8 / NG, EP = NG * 32 + 4, ST = MOE_RMMA_ST;  // K parts; a partial row's stride (+4: banks)
-    static_assert(NG * KS == 8, "8 warps: expert groups x K parts");
+    constexpr int EP = NG * 32 + 4, ST = MOE_RMMA_ST, NW = NG * KS;  // a partial row's stride (+4: banks)
+    constexpr int TPW = MOE_RMMA_T / NW;                              // tokens per warp in the top-k
+    static_assert(NW == 8 || NW == 16, "8 or 16 warps: expert groups x K parts");
     __shared__ float part[KS][MOE_RMMA_T][EP];
     extern __shared__ uint4 stage[];  // [warp][ST][6 pieces][32 lanes]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g8 = lane >> 2, q = lane & 3;
@@ -181,10 +185,10 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
         part[kp][g8 + 8][e + 1] = acc[nt][3];
     }
     __syncthreads();
-    // warp w: tokens 2w and 2w + 1 of the block; lane l holds experts l, l + 32, .. (moe_topk_regs' layout)
+    // warp w: tokens TPW w .. TPW w + TPW - 1 of the block; lane l holds experts l, l + 32, .. (moe_topk_regs' layout)
 #pragma unroll
-    for (int tt = 0; tt < 2; ++tt) {
-        const int r = 2 * warp + tt, t = t0 + r;
+    for (int tt = 0; tt < TPW; ++tt) {
+        const int r = TPW * warp + tt, t = t0 + r;
         if (t >= T) break;
         float p[MOE_MAX_E / 32];
 #pragma unroll

@@ -310,7 +310,36 @@ MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024
 # D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from MOE_ROUTER_GEMM_MIN_T tokens)
 # and moe_topk, as before PERFORMANCE.md change 181
 MOE_ROUTER = os.environ.get("KUIPER_MOE_ROUTER", "mma")
-MOE_RMMA_SMEM = 8 * 4 * 6 * 32 * 16  # moe_route_mma's cp.async stages: [8 warps][MOE_RMMA_ST 4][6 pieces][32 lanes] x 16 B
+# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8: a short
+# prompt's grid is a fraction of the SMs (PERFORMANCE.md change 188); 0: always 8
+MOE_ROUTE_WIDE_T = int(os.environ.get("KUIPER_MOE_ROUTE_WIDE_T", "1024"))
+
+
+_OPTIN: dict[int, int] = {}
+
+
+def smem_optin() -> int:
+    """The current device's most shared memory per block with the opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
+    dev = _dev_id()
+    if dev not in _OPTIN:
+        _OPTIN[dev] = cp.cuda.runtime.deviceGetAttribute(97, dev)
+    return _OPTIN[dev]
+
+
+def moe_rmma_smem(warps: int) -> int:
+    """moe_route_mma's dynamic shared memory: its cp.async stages, [warps][MOE_RMMA_ST 4][6 pieces][32 lanes] x 16 B."""
+    return warps * 4 * 6 * 32 * 16
+
+
+def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
+    """(instantiation, warps) of moe_route_mma for T tokens and E experts: 16 warps up to MOE_ROUTE_WIDE_T tokens where
+    the block's shared memory (the stages and its partial logits, [K parts][16][32 NG + 4] floats) fits the device."""
+    ng = 4 if E <= 128 else 8
+    if T <= MOE_ROUTE_WIDE_T:
+        ks = 16 // ng
+        if moe_rmma_smem(16) + ks * 16 * (32 * ng + 4) * 4 <= smem_optin():
+            return f"moe_route_mma<{ng}, {ks}>", 16
+    return f"moe_route_mma<{ng}>", 8
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -321,7 +350,8 @@ _FILES = {
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>", "moe_route_decode",
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>", "moe_route_mma<4, 4>",
+                       "moe_route_mma<8, 2>", "moe_route_decode",
                        "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
     # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
@@ -359,9 +389,10 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels.
-PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>",
-               "moe_route_decode"} | {
+PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "add_rmsnorm_v8",
+               "qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "qk_norm_rope_store_v8<64>", "qk_norm_rope_store_v8<128>",
+               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>",
+               "moe_route_mma<8>", "moe_route_mma<4, 4>", "moe_route_mma<8, 2>", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
 _PDL: dict[int, bool] = {}
 
@@ -1909,7 +1940,7 @@ def decode_layers_plan(a: ModelArgs, is_moe: bool):
     ng = 4 * (32 // (hd // 8))
     attn = DL_CW * 32 // 128 * ng * hb * (hd + 2) * 4  # decode_layers.cu dl_attention's scratch
     xbytes = -(-max(kmax * 2 + DL_CW * (DL_COLS + 8) * 4, attn) // 128) * 128
-    optin = cp.cuda.runtime.deviceGetAttribute(97, _dev_id())  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    optin = smem_optin()
     ring = min(DL_MAX_RING, (optin - DL_FIXED - xbytes) // DL_STAGE)
     if ring < 2:
         return None, "not enough shared memory for its ring"
@@ -1963,7 +1994,8 @@ def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
 def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None):
     """Router logits in fp32, softmax, top-k, optional renormalisation (logits [T, E] fp32 kept).
     x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]. One launch on tensor cores
-    (moe_route_mma) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is "cuda"."""
+    (moe_route_mma, 8 or 16 warps per block: moe_rmma_form) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is
+    "cuda"."""
     T, D = x.shape
     E = router.shape[0]
     logits = cp.empty((T, E), cp.float32) if logits is None else logits
@@ -1971,10 +2003,11 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     weights = cp.empty((T, k), cp.float32) if weights is None else weights
     if (MOE_ROUTER != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
             and router.flags.c_contiguous):
-        name = f"moe_route_mma<{4 if E <= 128 else 8}>"
-        allow_dynamic_smem(_compiled("moe", name), MOE_RMMA_SMEM)
-        kernel("moe", name)((math.ceil(T / 16),), (256,), (
-            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), shared_mem=MOE_RMMA_SMEM)
+        name, warps = moe_rmma_form(T, E)
+        smem = moe_rmma_smem(warps)
+        allow_dynamic_smem(_compiled("moe", name), smem)
+        kernel("moe", name)((math.ceil(T / 16),), (32 * warps,), (
+            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), shared_mem=smem)
         return ids, weights
     if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
         cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)

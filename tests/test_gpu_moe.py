@@ -330,15 +330,17 @@ def test_moe_topk_picks_as_a_stable_sort_with_many_ties(n_exp, k):
 @pytest.mark.parametrize("n_exp,k,dim", [(E, K_TOP, D), (60, 4, 256), (200, 8, 4096), (8, 2, 128), (256, 8, 2048),
                                          (33, 1, 96)])
 @pytest.mark.parametrize("T", [1, 15, 17, 300, 2048])
-@pytest.mark.parametrize("path", ["mma", "cuda"])
+@pytest.mark.parametrize("path", ["mma8", "mma16", "cuda"])
 def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     """moe_route's two paths, moe_route_mma (the logits on tensor cores, the softmax and top-k in the same
-    launch) and "cuda" (moe_router_logits or the fp32 cuBLAS GEMM, then moe_topk), against float64: every
+    launch; its 8- and 16-warp forms at every T) and "cuda" (moe_router_logits or the fp32 cuBLAS GEMM, then
+    moe_topk), against float64: every
     logit within the fp32 bound of a chain of D / 16 sums (4e-5 of sum |x_i r_i|, the row's absolute
     products), the ids the exact logits' top-k (experts whose exact logits lie within that bound may trade
     places: assert_same_topk), the weights the softmax of the kernel's own logits over its picks. Outputs
     poisoned; 33 experts and D = 96 leave a partial expert group and an odd chunk count."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", path)
+    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if path == "cuda" else "mma")
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 1 << 30 if path == "mma16" else 0)
     rng = np.random.default_rng()
     x = rng.standard_normal((T, dim)).astype(np.float16)
     router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
@@ -346,7 +348,8 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     lg64 = x64 @ r64.T
     bound = 4e-5 * (np.abs(x64) @ np.abs(r64).T)
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
-    launches = ([f"moe_route_mma<{4 if n_exp <= 128 else 8}>"] if path == "mma" else
+    ng = 4 if n_exp <= 128 else 8
+    launches = ([f"moe_route_mma<{ng}>"] if path == "mma8" else [f"moe_route_mma<{ng}, {16 // ng}>"] if path == "mma16" else
                 ["moe_topk"] if T >= oc.MOE_ROUTER_GEMM_MIN_T else ["moe_router_logits", "moe_topk"])
     for norm_topk in (True, False):
         lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
@@ -365,11 +368,24 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
         np.testing.assert_allclose(cp.asnumpy(w), w_ref, rtol=1e-5)
 
 
+def test_moe_route_mma_form_by_token_count(monkeypatch):
+    """moe_route takes moe_route_mma's 16-warp form up to MOE_ROUTE_WIDE_T tokens and its 8-warp form above."""
+    monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
+    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
+    router = cp.asarray((np.random.default_rng().standard_normal((128, 64)) / 8).astype(np.float16))
+    for T, name in ((oc.MOE_ROUTE_WIDE_T, "moe_route_mma<4, 4>"), (oc.MOE_ROUTE_WIDE_T + 1, "moe_route_mma<4>")):
+        del calls[:]
+        oc.moe_route(cp.ones((T, 64), cp.float16), router, 8, True)
+        assert calls == [name]
+
+
 @pytest.mark.parametrize("n_exp,k", [(128, 8), (256, 8), (60, 4), (33, 1), (200, 32)])
-def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k):
-    """moe_route_mma's top-k on exactly representable logits with many ties (tied_logits: each logit a
-    multiple of 0.5, made as x . router with x a one-hot row and the router holding the logits): the ids of
-    NumPy's stable sort (ties to the lower id), as moe_topk gives them."""
+@pytest.mark.parametrize("wide_t", [0, 1 << 30])
+def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k, wide_t, monkeypatch):
+    """moe_route_mma's top-k (8- and 16-warp forms) on exactly representable logits with many ties
+    (tied_logits: each logit a multiple of 0.5, made as x . router with x a one-hot row and the router holding
+    the logits): the ids of NumPy's stable sort (ties to the lower id), as moe_topk gives them."""
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", wide_t)
     rng = np.random.default_rng()
     T, dim = 64, 128
     lg = tied_logits(rng, T, n_exp, k)
