@@ -388,7 +388,8 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
-# while the current kernel drains. These are the decode step's kernels.
+# while the current kernel drains. These are the decode step's kernels and some prefill ones (routing, the
+# 16-byte norm and RoPE forms).
 PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "add_rmsnorm_v8",
                "qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "qk_norm_rope_store_v8<64>", "qk_norm_rope_store_v8<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>",
