@@ -32,9 +32,11 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
     }
 }
 
-// h += r (when r is not null); x = h / rms(h) * w. grid T, block up to 1024 (a multiple of 32): a
-// decode step has one row, so the block must be wide and its loads unrolled, or the two passes
-// become a chain of dependent memory round trips.
+// h += r (when r is not null); x = h / rms(h) * w. Each thread one 8-element chunk by 16-byte loads and
+// stores, the row kept in registers between the two passes (2- and 4-byte accesses ran at ~0.6 of the copy
+// rate on prefill rows: PERFORMANCE.md change 187), so a decode row costs one round trip per pass, not a loop
+// of them. grid T, block ceil(D / 8 / 32) * 32, D % 8 == 0 and D <= 8192. Each thread sums its 8 squares in
+// order, then block_sum.
 // pend (T = 1, instead of r): a decode projection's pending output in fixed point (gemv_w4a16's
 // accumulating mode), added as its fp16 rounding and cleared for the next step.
 __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
@@ -42,35 +44,7 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
                             const half* __restrict__ w,   // [D]
                             half* __restrict__ x,         // [T, D]
                             int D, float eps,
-                            long long* __restrict__ pend) {  // [D] or null
-    pdl_wait();
-    pdl_trigger();
-    __shared__ float red[32];
-    float* hr = h + (size_t)blockIdx.x * D;
-    const half* rr = r ? r + (size_t)blockIdx.x * D : nullptr;
-    float ss = 0.f;
-#pragma unroll 4
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float v = hr[d];
-        if (rr) { v += __half2float(rr[d]); hr[d] = v; }
-        if (pend) { v += fix_h(pend[d]); pend[d] = 0; hr[d] = v; }
-        ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum(ss, red) / D + eps);
-#pragma unroll 4
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        x[(size_t)blockIdx.x * D + d] = __float2half(hr[d] * inv * __half2float(w[d]));
-}
-
-// add_rmsnorm for rows of D % 8 == 0 without pend: each thread one 8-element chunk by 16-byte loads and
-// stores, the row kept in registers between the two passes (the scalar kernel's 2- and 4-byte accesses ran
-// at ~0.6 of the copy rate on prefill rows: PERFORMANCE.md change 187). grid T, block ceil(D / 8 / 32) * 32
-// (D <= 8192). Each thread sums its 8 squares in order, then block_sum.
-__global__ void add_rmsnorm_v8(float* __restrict__ h,        // [T, D]
-                               const half* __restrict__ r,   // [T, D] or null
-                               const half* __restrict__ w,   // [D]
-                               half* __restrict__ x,         // [T, D]
-                               int D, float eps) {
+                            long long* __restrict__ pend) {
     pdl_wait();
     pdl_trigger();
     __shared__ float red[32];
@@ -87,6 +61,17 @@ __global__ void add_rmsnorm_v8(float* __restrict__ h,        // [T, D]
             unpack8(reinterpret_cast<const uint4*>(r + (size_t)blockIdx.x * D)[c], f);
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] += f[i];
+        } else if (pend) {
+            longlong2* p = reinterpret_cast<longlong2*>(pend) + 4 * c;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const longlong2 q = p[i];
+                v[2 * i] += fix_h(q.x);
+                v[2 * i + 1] += fix_h(q.y);
+                p[i] = make_longlong2(0, 0);
+            }
+        }
+        if (r || pend) {
             hr[0] = make_float4(v[0], v[1], v[2], v[3]);
             hr[1] = make_float4(v[4], v[5], v[6], v[7]);
         }

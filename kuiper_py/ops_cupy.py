@@ -310,9 +310,11 @@ MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024
 # D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from MOE_ROUTER_GEMM_MIN_T tokens)
 # and moe_topk, as before PERFORMANCE.md change 181
 MOE_ROUTER = os.environ.get("KUIPER_MOE_ROUTER", "mma")
-# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8: a short
-# prompt's grid is a fraction of the SMs (PERFORMANCE.md change 188); 0: always 8
-MOE_ROUTE_WIDE_T = int(os.environ.get("KUIPER_MOE_ROUTE_WIDE_T", "1024"))
+# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
+# Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
+# one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
+# 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35 (PERFORMANCE.md changes 188-189)
+MOE_ROUTE_WIDE_T = int(os.environ["KUIPER_MOE_ROUTE_WIDE_T"]) if "KUIPER_MOE_ROUTE_WIDE_T" in os.environ else None
 
 
 _OPTIN: dict[int, int] = {}
@@ -331,15 +333,21 @@ def moe_rmma_smem(warps: int) -> int:
     return warps * 4 * 6 * 32 * 16
 
 
+def moe_route_wide_t() -> int:
+    """The most prompt tokens moe_route_mma runs its 16-warp form for (MOE_ROUTE_WIDE_T)."""
+    return MOE_ROUTE_WIDE_T if MOE_ROUTE_WIDE_T is not None else 16 * sm_count()
+
+
 def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
-    """(instantiation, warps) of moe_route_mma for T tokens and E experts: 16 warps up to MOE_ROUTE_WIDE_T tokens where
-    the block's shared memory (the stages and its partial logits, [K parts][16][32 NG + 4] floats) fits the device."""
+    """(instantiation, warps) of moe_route_mma for T tokens and E experts: 16 warps up to moe_route_wide_t() tokens where
+    the block's shared memory (the dynamic stages and the compiled kernel's static partial logits) fits the device."""
     ng = 4 if E <= 128 else 8
-    if T <= MOE_ROUTE_WIDE_T:
-        ks = 16 // ng
-        if moe_rmma_smem(16) + ks * 16 * (32 * ng + 4) * 4 <= smem_optin():
-            return f"moe_route_mma<{ng}, {ks}>", 16
+    if T <= moe_route_wide_t():
+        wide = f"moe_route_mma<{ng}, {16 // ng}>"
+        if moe_rmma_smem(16) + _compiled("moe", wide).shared_size_bytes <= smem_optin():
+            return wide, 16
     return f"moe_route_mma<{ng}>", 8
+
 
 _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
@@ -359,9 +367,8 @@ _FILES = {
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
                          for lp in ("", ",true")]),
-    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm", "add_rmsnorm_v8"]),
-    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "qk_norm_rope_store_v8<64>",
-                         "qk_norm_rope_store_v8<128>", "advance_position"]),
+    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
+    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
@@ -390,8 +397,8 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels and some prefill ones (routing, the
 # 16-byte norm and RoPE forms).
-PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "add_rmsnorm_v8",
-               "qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "qk_norm_rope_store_v8<64>", "qk_norm_rope_store_v8<128>",
+PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm",
+               "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>",
                "moe_route_mma<8>", "moe_route_mma<4, 4>", "moe_route_mma<8, 2>", "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
@@ -1955,10 +1962,10 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
     q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
     T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
     out = cp.empty((T, n_heads, hd), cp.float16) if out is None else out
-    # prefill rows by 16-byte accesses (rope.cu qk_norm_rope_store_v8); one decode row keeps the scalar kernel
-    v8 = T > 1 and all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
-    heads = 4 * (512 // hd) if v8 else 4  # per block: 4 warps of 32 / (hd / 16) heads, or of one
-    kernel("rope", f"qk_norm_rope_store{'_v8' if v8 else ''}<{hd}>")((T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
+    # 16-byte accesses: views of a q|k|v row whose head dims (64, 128) keep every start and stride aligned
+    assert all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
+    heads = 4 * (512 // hd)  # per block: 4 warps of 32 / (hd / 16) heads
+    kernel("rope", f"qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
         q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
         out, kc, vc, _i(n_heads), _i(KV), _i(pos0), pos_dev if pos_dev is not None else np.uint64(0), _f(eps)))
     return out
@@ -1970,15 +1977,11 @@ def add_rmsnorm(h, r, w, eps: float, out=None, pend=None):
     T, D = h.shape
     out = cp.empty((T, D), cp.float16) if out is None else out
     assert pend is None or (r is None and T == 1 and pend.size == D)
-    if T > 1 and D % 8 == 0 and D <= 8192 and all(a.flags.c_contiguous and a.data.ptr % 16 == 0
-                                                  for a in (h, w, out) + ((r,) if r is not None else ())):
-        # prefill rows: one 16-byte chunk a thread (norm.cu add_rmsnorm_v8); one decode row keeps the kernel below
-        kernel("norm", "add_rmsnorm_v8")((T,), (math.ceil(D / 8 / 32) * 32,), (
-            h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps)))
-        return out
-    threads = min(1024, math.ceil(D / 4 / 32) * 32)  # about four elements a thread
-    kernel("norm", "add_rmsnorm")((T,), (threads,), (h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps),
-                                                      pend if pend is not None else np.uint64(0)))
+    # one 16-byte chunk a thread (norm.cu): a hidden size is a multiple of AWQ's group of 128
+    assert D % 8 == 0 and D <= 8192 and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in
+                                            (h, w, out) + tuple(a for a in (r, pend) if a is not None))
+    kernel("norm", "add_rmsnorm")((T,), (math.ceil(D / 8 / 32) * 32,), (
+        h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps), pend if pend is not None else np.uint64(0)))
     return out
 
 

@@ -369,11 +369,15 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
 
 
 def test_moe_route_mma_form_by_token_count(monkeypatch):
-    """moe_route takes moe_route_mma's 16-warp form up to MOE_ROUTE_WIDE_T tokens and its 8-warp form above."""
+    """moe_route takes moe_route_mma's 16-warp form up to moe_route_wide_t() tokens (unset: 16 per SM) and its 8-warp
+    form above."""
     monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     router = cp.asarray((np.random.default_rng().standard_normal((128, 64)) / 8).astype(np.float16))
-    for T, name in ((oc.MOE_ROUTE_WIDE_T, "moe_route_mma<4, 4>"), (oc.MOE_ROUTE_WIDE_T + 1, "moe_route_mma<4>")):
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
+    wide = oc.moe_route_wide_t()
+    assert wide == 16 * oc.sm_count()
+    for T, name in ((wide, "moe_route_mma<4, 4>"), (wide + 1, "moe_route_mma<4>")):
         del calls[:]
         oc.moe_route(cp.ones((T, 64), cp.float16), router, 8, True)
         assert calls == [name]
