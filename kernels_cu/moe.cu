@@ -414,7 +414,7 @@ __global__ void moe_gather_rows(const half* __restrict__ x,              // [T, 
 }
 
 // out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum in j order, fp16 out; the residual add
-// happens in the next add_rmsnorm). grid T, block 256: each thread 8 columns at a time, the k rows' 16-byte loads
+// happens in the next add_rmsnorm, which by default takes this sum itself: norm.cu, PERFORMANCE.md change 190). grid T, block 256: each thread 8 columns at a time, the k rows' 16-byte loads
 // issued together (with 2-byte loads, one column per thread, it ran at ~0.4 of the copy rate: PERFORMANCE.md
 // change 182). D % 8 == 0, k <= 32.
 __global__ void __launch_bounds__(256)

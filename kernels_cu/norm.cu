@@ -39,16 +39,31 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
 // order, then block_sum.
 // pend (T = 1, instead of r): a decode projection's pending output in fixed point (gemv_w4a16's
 // accumulating mode), added as its fp16 rounding and cleared for the next step.
-__global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
-                            const half* __restrict__ r,   // [T, D] or null
-                            const half* __restrict__ w,   // [D]
-                            half* __restrict__ x,         // [T, D]
+// y (instead of r): a MoE prefill's expert rows, r = fp16(sum_j wts[t, j] * y[u2p[t*k + j]]) summed in fp32 in
+// j order, moe.cu moe_finalize's value (bitwise), without writing r and reading it back; k <= 32 and <= the block.
+__global__ void add_rmsnorm(float* __restrict__ h,          // [T, D]
+                            const half* __restrict__ r,     // [T, D] or null
+                            const half* __restrict__ w,     // [D]
+                            half* __restrict__ x,           // [T, D]
                             int D, float eps,
-                            long long* __restrict__ pend) {
+                            long long* __restrict__ pend,   // [D] or null
+                            const half* __restrict__ y,     // [T*k, D] permuted expert rows, or null
+                            const int* __restrict__ u2p,    // [T*k] unpermuted -> permuted row
+                            const float* __restrict__ wts,  // [T, k] routing weights
+                            int k) {
     pdl_wait();
     pdl_trigger();
     __shared__ float red[32];
+    __shared__ int yrow[32];
+    __shared__ float ywt[32];
     const int c = threadIdx.x;
+    if (y) {
+        if (c < k) {
+            yrow[c] = u2p[(size_t)blockIdx.x * k + c];
+            ywt[c] = wts[(size_t)blockIdx.x * k + c];
+        }
+        __syncthreads();
+    }
     const bool on = c < D / 8;
     float4* hr = reinterpret_cast<float4*>(h + (size_t)blockIdx.x * D) + 2 * c;
     float v[8];
@@ -56,7 +71,21 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
     if (on) {
         const float4 a = hr[0], b = hr[1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        if (r) {
+        if (y) {
+            float s[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll 8
+            for (int j = 0; j < k; ++j) {
+                float f[8];
+                unpack8(__ldg(reinterpret_cast<const uint4*>(y + (size_t)yrow[j] * D) + c), f);
+                const float wj = ywt[j];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s[i] += wj * f[i];
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] += __half2float(__float2half_rn(s[i]));
+        } else if (r) {
             float f[8];
             unpack8(reinterpret_cast<const uint4*>(r + (size_t)blockIdx.x * D)[c], f);
 #pragma unroll
@@ -71,7 +100,7 @@ __global__ void add_rmsnorm(float* __restrict__ h,        // [T, D]
                 p[i] = make_longlong2(0, 0);
             }
         }
-        if (r || pend) {
+        if (y || r || pend) {
             hr[0] = make_float4(v[0], v[1], v[2], v[3]);
             hr[1] = make_float4(v[4], v[5], v[6], v[7]);
         }

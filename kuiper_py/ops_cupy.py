@@ -1971,17 +1971,25 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
     return out
 
 
-def add_rmsnorm(h, r, w, eps: float, out=None, pend=None):
+def add_rmsnorm(h, r, w, eps: float, out=None, pend=None, experts=None):
     """h [T, D] fp32 += r (fp16, or None), or (T = 1) += fp16(pend) with pend (int64 fixed point,
-    gemv's accumulating mode) cleared; returns rmsnorm(h) * w in fp16."""
+    gemv's accumulating mode) cleared, or += moe_finalize(*experts) (experts = (y, u2p, weights): a MoE
+    prefill's expert rows, summed here instead); returns rmsnorm(h) * w in fp16."""
     T, D = h.shape
     out = cp.empty((T, D), cp.float16) if out is None else out
     assert pend is None or (r is None and T == 1 and pend.size == D)
-    # one 16-byte chunk a thread (norm.cu): a hidden size is a multiple of AWQ's group of 128
+    threads = math.ceil(D / 8 / 32) * 32  # one 16-byte chunk a thread (norm.cu)
+    y, u2p, wts = experts if experts is not None else (None, None, None)
+    k = wts.shape[1] if experts is not None else 0
+    assert experts is None or (r is None and pend is None and k <= min(32, threads) and y.shape[1] == D
+                               and u2p.size == T * k and wts.flags.c_contiguous)
+    # a hidden size is a multiple of AWQ's group of 128
     assert D % 8 == 0 and D <= 8192 and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in
-                                            (h, w, out) + tuple(a for a in (r, pend) if a is not None))
-    kernel("norm", "add_rmsnorm")((T,), (math.ceil(D / 8 / 32) * 32,), (
-        h, r if r is not None else np.uint64(0), w, out, _i(D), _f(eps), pend if pend is not None else np.uint64(0)))
+                                            (h, w, out) + tuple(a for a in (r, pend, y) if a is not None))
+    null = np.uint64(0)
+    kernel("norm", "add_rmsnorm")((T,), (threads,), (
+        h, r if r is not None else null, w, out, _i(D), _f(eps), pend if pend is not None else null,
+        y if y is not None else null, u2p if u2p is not None else null, wts if wts is not None else null, _i(k)))
     return out
 
 
@@ -2151,12 +2159,13 @@ def moe_rs_path(w13: AwqStack, w2: AwqStack) -> bool:
             and moe_rs_fits(D, inter, w2.group_size) and wgmma_available())
 
 
-def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = None):
+def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = None, finalize: bool = True):
     """Prefill's expert half: x [T, D] fp16 through each token's k experts (ids int32 [T, k], weights fp32
     [T, k]) and their weighted sum -> [T, D] fp16, every stage on the device. rs (default moe_rs_path):
     the expert maps in tiles of moe_rs_tile rows, the rows gathered per expert, gemm_moe_rs over gate|up,
     SwiGLU, gemm_moe_rs over down; otherwise gemm_w4a16.cu's grouped GEMMs (the gather in gate|up's A
-    loads, SwiGLU in its epilogue). Then finalize."""
+    loads, SwiGLU in its epilogue). Then finalize; without it, (y [T*k, D] permuted, u2p, weights), which
+    add_rmsnorm's experts argument sums."""
     k = ids.shape[1]
     n = ids.size
     if rs is None:
@@ -2164,13 +2173,13 @@ def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = 
     if not rs:
         _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E)
         y = moe_gemm_down(moe_gemm_gate_up(x, w13, offsets, tiles, p2u, k), w2, offsets, tiles)
-        return moe_finalize(y, u2p, weights)
-    bt = moe_rs_tile(n, w13.E)
-    _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E, tile_m=bt)
-    gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
-    inter = gu.shape[1] // 2
-    act = silu_mul(gu, gu[:, inter:], inter, 2 * inter)
-    return moe_finalize(gemm_moe_rs(act, w2, offsets, tiles, bt), u2p, weights)
+    else:
+        bt = moe_rs_tile(n, w13.E)
+        _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E, tile_m=bt)
+        gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
+        inter = gu.shape[1] // 2
+        y = gemm_moe_rs(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
+    return moe_finalize(y, u2p, weights) if finalize else (y, u2p, weights)
 
 
 def moe_gate_up_views(w13: AwqStack) -> tuple[AwqLinear, AwqLinear]:
@@ -2212,6 +2221,10 @@ FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
 FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
 # Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
 FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
+# MoE prefill's finalize (the routing-weighted sum of each token's expert rows) in the next add_rmsnorm, so the
+# [T, D] sum is neither written nor read back and one launch per layer goes; KUIPER_MOE_FUSE_FINALIZE=0: the
+# moe_finalize kernel, then add_rmsnorm (A/B; the same bits either way)
+MOE_FUSE_FINALIZE = os.environ.get("KUIPER_MOE_FUSE_FINALIZE", "1") != "0"
 # Decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
 # 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, docs/PERFORMANCE.md
 # changes 49-50 and, for MoE layers, 52-53); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
@@ -2249,6 +2262,16 @@ class _Normed:
 
     def __init__(self, h, w, pend=None, hout=None):
         self.h, self.w, self.shape, self.pend, self.hout = h, w, h.shape, pend, hout
+
+
+class _ExpertRows:
+    """A MoE prefill's output not yet summed: the expert rows y [T*k, D] (permuted), u2p and the routing weights
+    [T, k]; the next add_rmsnorm sums them as it adds them to h (MOE_FUSE_FINALIZE), any other consumer gets
+    moe_finalize's [T, D] (CupyOps._x)."""
+
+    def __init__(self, y, u2p, weights):
+        self.y, self.u2p, self.weights = y, u2p, weights
+        self.shape = (weights.shape[0], y.shape[1])
 
 
 class _QkvAcc:
@@ -2595,6 +2618,8 @@ class CupyOps:
                 r = r.run(None)
         if h.shape[0] == 1 and FUSE_NORM and r is None:
             return h, _Normed(h, w)
+        if isinstance(r, _ExpertRows):
+            return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
         out = self.d["x"] if h.shape[0] == 1 else None
         return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
 
@@ -2608,6 +2633,8 @@ class CupyOps:
             return out
         if isinstance(x, _SwigluAcc):
             raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
+        if isinstance(x, _ExpertRows):
+            return moe_finalize(x.y, x.u2p, x.weights)
         if isinstance(x, _Deferred):
             return x.run(None)
         if isinstance(x, _AttnParts):
@@ -2860,6 +2887,8 @@ class CupyOps:
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
+        if MOE_FUSE_FINALIZE:  # the weighted sum in the next add_rmsnorm
+            return _ExpertRows(*moe_experts(x, layer.experts_w13, layer.experts_w2, ids, w, finalize=False))
         return moe_experts(x, layer.experts_w13, layer.experts_w2, ids, w)
 
     def logits(self, x, all_positions: bool = False):

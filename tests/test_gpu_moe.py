@@ -425,6 +425,50 @@ def test_moe_finalize_weighted_sum(T, dim, k):
     assert (np.abs(got - ref) <= bound).all(), np.abs(got - ref).max()
 
 
+@pytest.mark.parametrize("T,dim,k", [(1, D, K_TOP), (7, 136, 3), (300, 4096, 8), (33, 2048, 32), (5, 2056, 1)])
+def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
+    """add_rmsnorm with a MoE prefill's expert rows (the routing-weighted sum in the same kernel,
+    MOE_FUSE_FINALIZE): the new residual and x bitwise equal to moe_finalize then add_rmsnorm from the same
+    residual, and x within fp16 rounding of NumPy's RMSNorm of h + the float64 weighted sum. x poisoned."""
+    from kuiper_py.ops_numpy import rmsnorm
+    rng = np.random.default_rng()
+    n = T * k
+    y = cp.asarray(rng.standard_normal((n, dim)).astype(np.float16))
+    u2p = cp.asarray(rng.permutation(n).astype(np.int32))
+    wts = cp.asarray(rng.random((T, k)).astype(np.float32))
+    h0 = (3 * rng.standard_normal((T, dim))).astype(np.float32)
+    nw = cp.asarray((1 + 0.1 * rng.standard_normal(dim)).astype(np.float16))
+    h_sep, h_fused = cp.asarray(h0), cp.asarray(h0)
+    r = oc.moe_finalize(y, u2p, wts, out=poisoned((T, dim), np.float16))
+    x_sep = oc.add_rmsnorm(h_sep, r, nw, 1e-6, poisoned((T, dim), np.float16))
+    x_fused = oc.add_rmsnorm(h_fused, None, nw, 1e-6, poisoned((T, dim), np.float16), experts=(y, u2p, wts))
+    np.testing.assert_array_equal(cp.asnumpy(h_fused), cp.asnumpy(h_sep))
+    np.testing.assert_array_equal(cp.asnumpy(x_fused), cp.asnumpy(x_sep))
+    rows = cp.asnumpy(y).astype(np.float64)[cp.asnumpy(u2p).reshape(T, k)]
+    h_ref = h0 + np.einsum("tj,tjd->td", cp.asnumpy(wts).astype(np.float64), rows)
+    assert rel(cp.asnumpy(x_fused), rmsnorm(h_ref, cp.asnumpy(nw), 1e-6)) < 2e-3
+
+
+def test_moe_prefill_finalize_in_add_rmsnorm_same_bits(moe_bin, monkeypatch):
+    """A whole MoE prefill (every position's logits) with the experts' weighted sum in the next add_rmsnorm
+    (MOE_FUSE_FINALIZE, the default) and with the moe_finalize kernel: the same bits; one moe_finalize
+    launch per MoE layer without the fusion and none with it."""
+    mf = load(moe_bin)
+    ids = np.random.default_rng().integers(0, 151643, size=37).tolist()
+    got, launches = {}, {}
+    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
+    for fuse in (True, False):
+        monkeypatch.setattr(oc, "MOE_FUSE_FINALIZE", fuse)
+        m = Qwen3(mf, oc.CupyOps, 64)
+        del calls[:]
+        got[fuse] = cp.asnumpy(m.prefill(ids, all_logits=True))
+        launches[fuse] = calls.count("moe_finalize")
+    n_moe = sum(1 for L in mf.weights.layers if L.router is not None)
+    assert n_moe > 0 and launches == {True: 0, False: n_moe}
+    assert np.isfinite(got[True]).all()
+    np.testing.assert_array_equal(got[True], got[False])
+
+
 # ---------------------------------------------------------------------------------------------
 # The one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: RMSNorm, softmax and top-k of the logits
 # the o GEMV computed, and the selected experts' SwiGLU FFN with the weighted sum, every cluster routing
