@@ -2266,8 +2266,8 @@ class _Normed:
 
 class _ExpertRows:
     """A MoE prefill's output not yet summed: the expert rows y [T*k, D] (permuted), u2p and the routing weights
-    [T, k]; the next add_rmsnorm sums them as it adds them to h (MOE_FUSE_FINALIZE), any other consumer gets
-    moe_finalize's [T, D] (CupyOps._x)."""
+    [T, k]; the next add_rmsnorm, the layer output's one consumer, sums them as it adds them to h
+    (MOE_FUSE_FINALIZE)."""
 
     def __init__(self, y, u2p, weights):
         self.y, self.u2p, self.weights = y, u2p, weights
@@ -2633,8 +2633,6 @@ class CupyOps:
             return out
         if isinstance(x, _SwigluAcc):
             raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
-        if isinstance(x, _ExpertRows):
-            return moe_finalize(x.y, x.u2p, x.weights)
         if isinstance(x, _Deferred):
             return x.run(None)
         if isinstance(x, _AttnParts):
