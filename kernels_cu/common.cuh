@@ -476,6 +476,34 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
     }
 }
 
+// A MoE prefill token's routing-weighted expert rows (moe.cu moe_finalize, norm.cu add_rmsnorm): its k (<= 32,
+// <= the block) permuted row indices and weights staged in shared memory by the block, then columns 8c..8c+7 of
+// sum_j wt[j] * y[row[j]] summed in fp32 in j order, the k rows' 16-byte loads issued together (one column per
+// thread by 2-byte loads ran at ~0.4 of the copy rate, PERFORMANCE.md change 182). The two kernels share this
+// so their sums are the same bits.
+__device__ __forceinline__ void expert_rows_stage(const int* __restrict__ u2p,    // [T*k]
+                                                  const float* __restrict__ wts,  // [T, k]
+                                                  int t, int k, int* row, float* wt) {
+    if (threadIdx.x < k) {
+        row[threadIdx.x] = u2p[(size_t)t * k + threadIdx.x];
+        wt[threadIdx.x] = wts[(size_t)t * k + threadIdx.x];
+    }
+    __syncthreads();
+}
+__device__ __forceinline__ void expert_rows_sum8(const half* __restrict__ y,  // [T*k, D] permuted rows
+                                                 const int* row, const float* wt, int k, int D, int c, float* s) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll 8
+    for (int j = 0; j < k; ++j) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(y + (size_t)row[j] * D) + c);
+        const half* hv = reinterpret_cast<const half*>(&v);
+        const float w = wt[j];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] += w * __half2float(hv[i]);
+    }
+}
+
 // Elements 4i..4i+3 of the row h + fp16(pend) (pend null: h), by 16-byte loads from L2.
 __device__ __forceinline__ float4 resid_pending4(const float* __restrict__ h, const long long* pend, int i) {
     float4 v = __ldcg(reinterpret_cast<const float4*>(h) + i);

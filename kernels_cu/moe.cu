@@ -6,6 +6,7 @@
 //                         fit) -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU) -> GEMM2 (down) -> finalize.
 //   On compute capability 9.0 (gemm_wgmma.cu gemm_moe_rs, ops_cupy.moe_experts): expert_maps in tiles of
 //   64 or 128 rows -> gather_rows (TMA cannot gather) -> GEMM1 (gate|up) -> silu_mul -> GEMM2 -> finalize.
+//   By default finalize is taken by the next layer's add_rmsnorm (norm.cu; common.cuh expert_rows_sum8).
 // Stage order (decode):   route_decode (rmsnorm + router + topk) -> expert GEMV gate|up (+SwiGLU)
 //                         -> expert GEMV down (+weighted sum over the k experts).
 // Everything stays on the device: expert ids are read by later kernels, never by the host, so a
@@ -114,9 +115,9 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
 // halves 8q .. 8q + 7 of a chunk of each row: the dot product does not care in which order k runs, so the
 // chunk's two mma.sync take logical k (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3)
 // and (8q + 4, 8q + 5 | 8q + 6, 8q + 7), for A and B alike: every operand is one 16-byte piece, no ldmatrix.
-// KS = 16 / NG (16 warps, each over half the chunks) is the form for short prompts (ops_cupy.MOE_ROUTE_WIDE_T):
-// there the grid is a fraction of the SMs and a block's time is its warps' chains of chunks (PERFORMANCE.md
-// change 188). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
+// KS = 16 / NG (16 warps, each over half the chunks) is the form while its blocks (one per SM) are one wave
+// (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks (PERFORMANCE.md changes
+// 188-189). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
 // 12 KB per warp); D % 32 == 0, E <= 32 NG.
 #define MOE_RMMA_T 16   // tokens per block
 #define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
@@ -413,10 +414,9 @@ __global__ void moe_gather_rows(const half* __restrict__ x,              // [T, 
     for (int i = threadIdx.x; i < D / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (fp32 sum in j order, fp16 out; the residual add
-// happens in the next add_rmsnorm, which by default takes this sum itself: norm.cu, PERFORMANCE.md change 190). grid T, block 256: each thread 8 columns at a time, the k rows' 16-byte loads
-// issued together (with 2-byte loads, one column per thread, it ran at ~0.4 of the copy rate: PERFORMANCE.md
-// change 182). D % 8 == 0, k <= 32.
+// out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (common.cuh expert_rows_sum8: fp32 sum in j order; fp16
+// out). The residual add happens in the next add_rmsnorm, which by default takes this sum itself (norm.cu,
+// PERFORMANCE.md change 190). grid T, block 256: each thread 8 columns at a time. D % 8 == 0, k <= 32.
 __global__ void __launch_bounds__(256)
 moe_finalize(const half* __restrict__ y,               // [T*k, D] permuted rows
              const int* __restrict__ unperm_to_perm,   // [T*k]
@@ -426,23 +426,10 @@ moe_finalize(const half* __restrict__ y,               // [T*k, D] permuted rows
     __shared__ int row[32];
     __shared__ float wt[32];
     const int t = blockIdx.x;
-    if (threadIdx.x < k) {
-        row[threadIdx.x] = unperm_to_perm[(size_t)t * k + threadIdx.x];
-        wt[threadIdx.x] = weights[(size_t)t * k + threadIdx.x];
-    }
-    __syncthreads();
+    expert_rows_stage(unperm_to_perm, weights, t, k, row, wt);
     for (int c = threadIdx.x; c < D / 8; c += blockDim.x) {
         float s[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = 0.f;
-#pragma unroll 8
-        for (int j = 0; j < k; ++j) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(y + (size_t)row[j] * D) + c);
-            const half* hv = reinterpret_cast<const half*>(&v);
-            const float w = wt[j];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[i] += w * __half2float(hv[i]);
-        }
+        expert_rows_sum8(y, row, wt, k, D, c, s);
         uint4 o;
         half2* oh = reinterpret_cast<half2*>(&o);
 #pragma unroll

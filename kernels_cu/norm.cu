@@ -39,8 +39,8 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
 // order, then block_sum.
 // pend (T = 1, instead of r): a decode projection's pending output in fixed point (gemv_w4a16's
 // accumulating mode), added as its fp16 rounding and cleared for the next step.
-// y (instead of r): a MoE prefill's expert rows, r = fp16(sum_j wts[t, j] * y[u2p[t*k + j]]) summed in fp32 in
-// j order, moe.cu moe_finalize's value (bitwise), without writing r and reading it back; k <= 32 and <= the block.
+// y (instead of r): a MoE prefill's expert rows, r = fp16(sum_j wts[t, j] * y[u2p[t*k + j]]) by the helpers
+// moe.cu moe_finalize uses (the same bits), without writing r and reading it back; k <= 32 and <= the block.
 __global__ void add_rmsnorm(float* __restrict__ h,          // [T, D]
                             const half* __restrict__ r,     // [T, D] or null
                             const half* __restrict__ w,     // [D]
@@ -57,13 +57,7 @@ __global__ void add_rmsnorm(float* __restrict__ h,          // [T, D]
     __shared__ int yrow[32];
     __shared__ float ywt[32];
     const int c = threadIdx.x;
-    if (y) {
-        if (c < k) {
-            yrow[c] = u2p[(size_t)blockIdx.x * k + c];
-            ywt[c] = wts[(size_t)blockIdx.x * k + c];
-        }
-        __syncthreads();
-    }
+    if (y) expert_rows_stage(u2p, wts, blockIdx.x, k, yrow, ywt);
     const bool on = c < D / 8;
     float4* hr = reinterpret_cast<float4*>(h + (size_t)blockIdx.x * D) + 2 * c;
     float v[8];
@@ -73,16 +67,7 @@ __global__ void add_rmsnorm(float* __restrict__ h,          // [T, D]
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
         if (y) {
             float s[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[i] = 0.f;
-#pragma unroll 8
-            for (int j = 0; j < k; ++j) {
-                float f[8];
-                unpack8(__ldg(reinterpret_cast<const uint4*>(y + (size_t)yrow[j] * D) + c), f);
-                const float wj = ywt[j];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) s[i] += wj * f[i];
-            }
+            expert_rows_sum8(y, yrow, ywt, k, D, c, s);
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] += __half2float(__float2half_rn(s[i]));
         } else if (r) {

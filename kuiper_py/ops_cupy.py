@@ -2271,7 +2271,6 @@ class _ExpertRows:
 
     def __init__(self, y, u2p, weights):
         self.y, self.u2p, self.weights = y, u2p, weights
-        self.shape = (weights.shape[0], y.shape[1])
 
 
 class _QkvAcc:
