@@ -89,6 +89,25 @@ def test_rank_table_groups_by_entry_order_on_each_sm():
     assert all(np.array_equal(again[k][g], ranks[k][g]) for k in ranks for g in ranks[k])
 
 
+def test_launches_sharing_an_id_split_by_grid_size():
+    # every launch of a kind given one id (the MoE FFN under KUIPER_MOE_DIAG_SHARED: all layers read one
+    # layer's experts): the same launches, in the same order, as with an id per launch
+    rec, tags = records()
+    shared = rec.copy()
+    for tag in ("gemv", "attn"):
+        shared[tags == tag, 0] = 7 if tag == "gemv" else 8
+    got, want = tl.split_launches(shared, tags), tl.split_launches(rec, tags)
+    assert len(got) == len(want) == LAYERS * 5
+    for (t0, tag0, ix0), (t1, tag1, ix1) in zip(got, want):
+        assert (t0, tag0) == (t1, tag1) and np.array_equal(ix0, ix1)
+    table, ref = tl.kernel_table(shared, tags, LAYERS), tl.kernel_table(rec, tags, LAYERS)
+    assert list(table) == list(ref) and all(np.array_equal(table[k], ref[k]) for k in ref)
+    # a group whose records are not whole grids (some dropped) stays one launch
+    cut = np.ones(len(rec), bool)
+    cut[np.flatnonzero(tags == "attn")[0]] = False
+    assert sum(tag == "attn" for _, tag, _ in tl.split_launches(shared[cut], tags[cut])) == 1
+
+
 def test_layer_kinds():
     assert tl.layer_kinds(5 * 36, 36) == tl.DENSE_KINDS
     assert tl.layer_kinds(4 * 48, 48) == tl.FFN_KINDS

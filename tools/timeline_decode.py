@@ -41,12 +41,18 @@ def records(mod):
 
 def split_launches(rec, tags):
     """The records as launches in start order: [(first entry, tag, row indices)]. A launch is one
-    module's blocks with one id (its weight or cache pointer)."""
+    module's blocks with one id (its weight or cache pointer); where several launches share an id
+    (KUIPER_MOE_DIAG_SHARED: every MoE layer reads one layer's experts), its records are cut into
+    launches of the grid's size (column 7) in record order: a block records at its end, and no block
+    of a later launch of a module ends before every block of an earlier one (each decode kernel waits
+    for the whole grid before it)."""
     out = []
     for tag in np.unique(tags):
         for ident in np.unique(rec[tags == tag, 0]):
             rows = np.flatnonzero((tags == tag) & (rec[:, 0] == ident))
-            out.append((rec[rows, 2].min(), str(tag), rows))
+            n = int(rec[rows[0], 7])
+            parts = np.split(rows, len(rows) // n) if 0 < n < len(rows) and len(rows) % n == 0 else [rows]
+            out.extend((rec[ix, 2].min(), str(tag), ix) for ix in parts)
     out.sort(key=lambda z: z[0])
     return out
 
