@@ -41,6 +41,7 @@ class Qwen3:
         # a backend may run every layer of a one-token step at once (CUDA: one persistent kernel)
         layers = () if len(ids) == 1 and ops.decode_layers(h, pos0) else w.layers
         for i, layer in enumerate(layers):
+            ops.begin_layer()
             h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
             q, k, v = ops.qkv(x, layer)
             q = ops.qk_norm_rope_store(q, k, v, layer, i, pos0)
@@ -58,7 +59,10 @@ class Qwen3:
         if pos0 + T > self.max_context:
             raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
         self.ops.begin_step(pos0, T)
-        out = self._body(ids, pos0, all_logits)
+        try:
+            out = self._body(ids, pos0, all_logits)
+        finally:
+            self.ops.end_step()
         self.pos += T
         return out
 

@@ -706,6 +706,49 @@ def device_linear(lin, segments: int = 1):
                      cp.asarray(lin.scales), lin.group_size)
 
 
+# A multi-token forward of at most this many tokens takes its activations from the CupyOps' _Arena instead of
+# cupy.empty (PERFORMANCE.md change 194): short prefills are host-bound, and the ~18 allocations of a MoE layer were
+# ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off (A/B). Longer
+# prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
+_ARENA_MAX_T = int(os.environ.get("KUIPER_ARENA_MAX_T", "512"))
+_ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
+
+
+class _Arena:
+    """Activation arrays of a short multi-token forward, kept from one forward to the next. A layer's n-th
+    allocation gets slot (layer parity, n): the same array as two layers before, whose values that layer's
+    own kernels and the next layer's first norm (the residual's input) have consumed in stream order
+    before anything of this layer is enqueued. So nothing a layer produces is overwritten before it is
+    read, provided that no value lives past the next layer, which holds for the model's loop (the
+    residual stream h is not taken from here). A request of another shape or dtype replaces its slot."""
+
+    def __init__(self):
+        self.slots: dict[tuple[int, int], tuple] = {}
+        self.half = self.seq = 0
+
+    def begin_layer(self) -> None:
+        self.half ^= 1
+        self.seq = 0
+
+    def take(self, shape: tuple, dtype):
+        key = (self.half, self.seq)
+        self.seq += 1
+        hit = self.slots.get(key)
+        if hit is not None and hit[0] == shape and hit[1] is dtype:
+            return hit[2]
+        a = cp.empty(shape, dtype)
+        self.slots[key] = (shape, dtype, a)
+        return a
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+
+def _empty(shape: tuple, dtype):
+    """cp.empty, or the active forward's arena slot (_ARENA): the prefill path's output arrays."""
+    return cp.empty(shape, dtype) if _ARENA is None else _ARENA.take(shape, dtype)
+
+
 def _i(v):
     """A kernel's int32 argument, refused (not wrapped) when it does not fit."""
     if not -2**31 <= int(v) < 2**31:
@@ -1335,7 +1378,7 @@ def gemm(x, m, out=None, path: str | None = None):
     mats = m if isinstance(m, tuple) else (m,)
     K, N = mats[0].K, sum(w.N for w in mats)
     T = x.shape[0]
-    out = cp.empty((T, N), cp.float16) if out is None else out
+    out = _empty((T, N), cp.float16) if out is None else out
     path = path or gemm_path(T, mats)
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
@@ -1382,7 +1425,7 @@ def silu_mul(g, u, I: int, ld: int, out=None):
     """out [T, I] fp16 = silu(g) * u (gemm_w4a16.cu silu_mul): g and u the first I columns of rows ld elements
     apart (ld = I for separate matrices, 2I for the halves of one [T, 2I] product, u then g[:, I:])."""
     T = g.shape[0]
-    out = cp.empty((T, I), cp.float16) if out is None else out
+    out = _empty((T, I), cp.float16) if out is None else out
     kernel("gemm", "silu_mul")((math.ceil(T * I / 2048),), (256,), (g, u, out, _i(T * I), _i(I), _i(ld)))
     return out
 
@@ -1405,7 +1448,7 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
     """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd].
     path: "wgmma" (attn_wgmma.cu) or "mma" (attention.cu); by default wgmma where attn_wgmma_fits."""
     T, H, hd = q.shape
-    out = cp.empty((T, H * hd), cp.float16) if out is None else out
+    out = _empty((T, H * hd), cp.float16) if out is None else out
     if path is None:
         path = "wgmma" if attn_wgmma_fits(hd) else "mma"
     if path == "wgmma":
@@ -1961,7 +2004,7 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
     """Per-head RMSNorm of q and k, RoPE at positions pos0.., k and v written into kc/vc [ctx, KV, hd].
     q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
     T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
-    out = cp.empty((T, n_heads, hd), cp.float16) if out is None else out
+    out = _empty((T, n_heads, hd), cp.float16) if out is None else out
     # 16-byte accesses: views of a q|k|v row whose head dims (64, 128) keep every start and stride aligned
     assert all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
     heads = 4 * (512 // hd)  # per block: 4 warps of 32 / (hd / 16) heads
@@ -1976,7 +2019,7 @@ def add_rmsnorm(h, r, w, eps: float, out=None, pend=None, experts=None):
     gemv's accumulating mode) cleared, or += moe_finalize(*experts) (experts = (y, u2p, weights): a MoE
     prefill's expert rows, summed here instead); returns rmsnorm(h) * w in fp16."""
     T, D = h.shape
-    out = cp.empty((T, D), cp.float16) if out is None else out
+    out = _empty((T, D), cp.float16) if out is None else out
     assert pend is None or (r is None and T == 1 and pend.size == D)
     threads = math.ceil(D / 8 / 32) * 32  # one 16-byte chunk a thread (norm.cu)
     y, u2p, wts = experts if experts is not None else (None, None, None)
@@ -2010,9 +2053,9 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     "cuda"."""
     T, D = x.shape
     E = router.shape[0]
-    logits = cp.empty((T, E), cp.float32) if logits is None else logits
-    ids = cp.empty((T, k), cp.int32) if ids is None else ids
-    weights = cp.empty((T, k), cp.float32) if weights is None else weights
+    logits = _empty((T, E), cp.float32) if logits is None else logits
+    ids = _empty((T, k), cp.int32) if ids is None else ids
+    weights = _empty((T, k), cp.float32) if weights is None else weights
     if (MOE_ROUTER != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
             and router.flags.c_contiguous):
         name, warps = moe_rmma_form(T, E)
@@ -2052,7 +2095,7 @@ def moe_maps(ids, n_experts: int, out=None, tile_m: int = GEMM_BM):
     rows), permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
     n, E = ids.size, n_experts
     if out is None:
-        out = tuple(cp.empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
+        out = tuple(_empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
     counts, offsets, tiles, p2u, u2p = out
     kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), _i(tile_m), counts, offsets, tiles, p2u,
                                                      u2p))
@@ -2092,7 +2135,7 @@ def moe_gather(x, p2u, k: int, out=None):
     """xp [T*k, D] = x[p2u // k]: each expert's rows contiguous (moe.cu moe_gather_rows), for gemm_moe_rs."""
     n, D = p2u.size, x.shape[1]
     assert D % 8 == 0 and x.flags.c_contiguous
-    out = cp.empty((n, D), cp.float16) if out is None else out
+    out = _empty((n, D), cp.float16) if out is None else out
     kernel("moe", "moe_gather_rows")((n,), (128,), (x, p2u, out, _i(D), _i(k)))
     return out
 
@@ -2105,7 +2148,7 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     E, N = stack.E, stack.scales.shape[-1]
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
-    out = cp.empty((n, N), cp.float16) if out is None else out
+    out = _empty((n, N), cp.float16) if out is None else out
     st, wg, nw, sw = MOE_RS_FORMS[bt]
     fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw, sw))
     smem = rs_smem_bytes(st, bt)
@@ -2124,7 +2167,7 @@ def moe_gemm_gate_up(x, w13: AwqStack, offsets, tiles, p2u, k: int, out=None):
     T, K = x.shape
     N = w13.scales.shape[-1]
     n = T * k
-    out = cp.empty((n, N // 2), cp.float16) if out is None else out
+    out = _empty((n, N // 2), cp.float16) if out is None else out
     kernel("gemm", "gemm_moe_gate_up")((N // 2 // (GEMM_BN // 2), _moe_grid_rows(n, w13.E)), (128,), (
         x, w13.qweight, w13.qzeros, w13.scales, out, offsets, tiles, p2u, _i(k), _i(w13.E), _i(N), _i(K),
         _i(w13.group_size)))
@@ -2135,7 +2178,7 @@ def moe_gemm_down(act, w2: AwqStack, offsets, tiles, out=None):
     """Grouped GEMM2: act [T*k, I] (permuted) times each expert's down weights -> y [T*k, D] (permuted)."""
     n, K = act.shape
     N = w2.scales.shape[-1]
-    out = cp.empty((n, N), cp.float16) if out is None else out
+    out = _empty((n, N), cp.float16) if out is None else out
     kernel("gemm", "gemm_moe_down")((math.ceil(N / GEMM_BN), _moe_grid_rows(n, w2.E)), (128,), (
         act, w2.qweight, w2.qzeros, w2.scales, out, offsets, tiles, _i(w2.E), _i(N), _i(K), _i(w2.group_size)))
     return out
@@ -2146,7 +2189,7 @@ def moe_finalize(y, u2p, weights, out=None):
     T, k = weights.shape
     D = y.shape[1]
     assert D % 8 == 0 and k <= 32 and y.flags.c_contiguous and u2p.size == T * k
-    out = cp.empty((T, D), cp.float16) if out is None else out
+    out = _empty((T, D), cp.float16) if out is None else out
     assert out.flags.c_contiguous
     kernel("moe", "moe_finalize")((T,), (256,), (y, u2p, weights, out, _i(D), _i(k)))
     return out
@@ -2320,6 +2363,7 @@ class CupyOps:
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
+        self._arena = _Arena()  # short prefills' activations (_ARENA_MAX_T)
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -2372,6 +2416,7 @@ class CupyOps:
         a = self.args
         L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         self.k_cache = self.v_cache = None
+        self._arena.clear()
         cp.get_default_memory_pool().free_all_blocks()
         try:
             self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
@@ -2706,11 +2751,27 @@ class CupyOps:
 
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, pos0: int, n_tokens: int) -> None:
-        """Single-token steps read their position from device memory (so a graph can replay them)."""
+        """Single-token steps read their position from device memory (so a graph can replay them). A
+        forward of 2.._ARENA_MAX_T tokens takes its activations from this ops' arena until end_step; a
+        longer one gives the arena's arrays back to the pool first (its own are larger)."""
+        global _ARENA
         self._argmax_ready = False
         if n_tokens == 1 and self._dev_pos != pos0:
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
+        if 1 < n_tokens <= _ARENA_MAX_T:
+            _ARENA = self._arena
+        elif n_tokens > 1:
+            self._arena.clear()
+
+    def begin_layer(self) -> None:
+        """The model's loop starts a decoder layer (the arena's slots alternate by layer)."""
+        if _ARENA is not None:
+            _ARENA.begin_layer()
+
+    def end_step(self) -> None:
+        global _ARENA
+        _ARENA = None
 
     def decode_step(self, body, token: int | None, pos0: int):
         """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32.

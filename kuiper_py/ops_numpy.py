@@ -73,6 +73,12 @@ class NumpyOps:
     def begin_step(self, pos0: int, n_tokens: int) -> None:
         pass
 
+    def begin_layer(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
     @staticmethod
     def decode_layers(h, pos0: int) -> bool:
         """The layers one by one (the model's loop): no fused whole-step path on the CPU."""

@@ -274,3 +274,33 @@ def pending_row_inputs(rng, D, massive):
     pend = np.round(rng.standard_normal(D) * 2**32).astype(np.int64)
     row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)
     return h, w, pend, row
+
+
+def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
+    """Prefills of the given lengths on one GPU model (a reset before each but the last, which continues the
+    one before it at its position), every position's logits, with the activations from the ops' arena
+    (ops_cupy._ARENA_MAX_T, the default for these lengths) and from cupy.empty (_ARENA_MAX_T = 0): the
+    same bits. Before each arena prefill its arrays are poisoned (NaN, -1), so a value read before this
+    prefill wrote it shows; the arena is inactive between forwards."""
+    import cupy as cp
+    from kuiper_py import ops_cupy as oc
+    from kuiper_py.model import Qwen3
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 151643, size=n).tolist() for n in lengths]
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(oc, "_ARENA_MAX_T", 512 if on else 0)
+        m = Qwen3(mf, oc.CupyOps, 128)
+        out = []
+        for j, ids in enumerate(prompts):
+            if j < len(prompts) - 1:
+                m.reset()
+            for _, _, a in m.ops._arena.slots.values():
+                a.fill(-1 if a.dtype.kind == "i" else np.nan)
+            out.append(cp.asnumpy(m.prefill(ids, all_logits=True)))
+            assert oc._ARENA is None
+            assert bool(m.ops._arena.slots) == on
+        got[on] = out
+    for a, b in zip(got[True], got[False]):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)

@@ -8,7 +8,7 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import (PROMPT, assert_as_accurate, cpu_decode, decode_cluster_merge_ab, decode_logits,
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, cpu_decode, decode_cluster_merge_ab, decode_logits,
                        decode_step_twice, greedy_tokens, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
@@ -19,6 +19,33 @@ oc = pytest.importorskip("kuiper_py.ops_cupy")
 @pytest.fixture(params=["tiny", "untied"])
 def model_bin(request, tiny_bin, untied_bin, tiny_dir, untied_dir):
     return (tiny_bin, tiny_dir) if request.param == "tiny" else (untied_bin, untied_dir)
+
+
+def test_prefill_arena_same_bits(model_bin, monkeypatch):
+    """Short dense prefills with their activations from the ops' arena against cupy.empty's: the same bits
+    (reference.py assert_arena_prefills_same_bits)."""
+    assert_arena_prefills_same_bits(load(model_bin[0]), monkeypatch)
+
+
+def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, monkeypatch):
+    """A forward that fails midway leaves no arena active (later direct kernel calls get fresh arrays), and
+    a prompt past _ARENA_MAX_T gives the arena's arrays back before it runs."""
+    m = Qwen3(load(model_bin[0]), oc.CupyOps, 64)
+    m.prefill(list(range(1, 9)))
+    assert m.ops._arena.slots and oc._ARENA is None
+
+    def fail(*a, **k):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(m.ops, "attention", fail)
+    m.reset()
+    with pytest.raises(RuntimeError, match="injected"):
+        m.prefill(list(range(1, 9)))
+    assert oc._ARENA is None
+    monkeypatch.undo()
+    monkeypatch.setattr(oc, "_ARENA_MAX_T", 4)
+    m.reset()
+    m.prefill(list(range(1, 9)))
+    assert not m.ops._arena.slots and oc._ARENA is None
 
 
 def test_prefill_logits_match_reference_and_transformers(model_bin):
