@@ -65,6 +65,28 @@ def test_context_overflow_is_an_error(tiny_bin):
         m.decode(9)
 
 
+def test_forward_brackets_layers_and_ends_step_after_an_error(tiny_bin, monkeypatch):
+    """The model's side of the ops protocol a backend's per-forward state relies on (CupyOps' arena):
+    begin_layer once per decoder layer between begin_step and end_step, and end_step also when a layer
+    fails midway."""
+    m = Qwen3(load(tiny_bin), NumpyOps, 32)
+    seen = []
+    for name in ("begin_step", "begin_layer", "end_step"):
+        real = getattr(m.ops, name)
+        monkeypatch.setattr(m.ops, name, lambda *a, _n=name, _r=real: (seen.append(_n), _r(*a))[1])
+    m.prefill([1, 2, 3])
+    L = m.args.num_hidden_layers
+    assert seen == ["begin_step"] + ["begin_layer"] * L + ["end_step"]
+    del seen[:]
+
+    def fail(*a):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(m.ops, "attention", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        m.prefill([4, 5])
+    assert seen == ["begin_step", "begin_layer", "end_step"]
+
+
 def test_rope_scaling_yarn_matches_transformers():
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
