@@ -723,6 +723,8 @@ class _Arena:
     residual stream h is not taken from here). A request of another shape or dtype replaces its slot."""
 
     def __init__(self):
+        # (shape, dtype, array): the shape and dtype kept beside the array so a hit is a tuple compare and an
+        # identity test, not reads of CuPy attributes on every allocation of the prefill path
         self.slots: dict[tuple[int, int], tuple] = {}
         self.half = self.seq = 0
 
