@@ -535,8 +535,8 @@ oc._RS_CALLS.clear()
 oc.gemm_rs(x, (m,), out, 128, 1)  # the right launch first: it keeps its record
 cp.cuda.Device().synchronize()
 print("right block ran", flush=True)
-(key, rec), = oc._RS_CALLS.items()
-oc._RS_CALLS[key] = rec[:3] + ((128,),) + rec[4:]  # one warpgroup for four consumer warpgroups' barriers
+(key, (rec, _)), = oc._RS_CALLS.items()
+oc._RS_CALLS[key] = (rec[:3] + ((128,),) + rec[4:], {})  # one warpgroup for four consumer warpgroups' barriers
 oc.gemm_rs(x, (m,), out, 128, 1)
 cp.cuda.Device().synchronize()
 """
