@@ -569,6 +569,10 @@ def site_launch(key: tuple, build) -> None:
     key = (key, cp.cuda.get_current_stream().ptr, _dev_id())
     rec = _SITES.get(key)
     if rec is None:
+        if _cu_launch_ex() is None:  # no driver entry point through ctypes (so no PDL either): CuPy's launcher,
+            fn, grid, block, args, *smem = build()  # nothing kept
+            fn(grid, block, args, shared_mem=smem[0] if smem else 0)
+            return
         rec = _remember(_SITES, key, _site_record(key[1], *build()))
     err = rec[0](rec[1], rec[2], rec[3], None)
     if err:
@@ -764,7 +768,7 @@ class _Arena:
     def __init__(self):
         # (shape, dtype, array): the shape and dtype kept beside the array so a hit is a tuple compare and an
         # identity test, not reads of CuPy attributes on every allocation of the prefill path
-        self.slots: dict[tuple[int, int], tuple] = {}
+        self.slots: dict[tuple[int, int] | str, tuple] = {}  # (layer parity, allocation index), or "h" (take_resid)
         self.half = self.seq = 0
 
     def begin_forward(self) -> None:
