@@ -555,49 +555,6 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr=None):
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
-_SITES: dict[tuple, tuple] = {}
-
-
-def site_launch(key: tuple, build) -> None:
-    """Launch the kernel that a call site's key determines completely (its arguments, grid, block and shared
-    memory all follow from the key): on a miss build() gives (kernel, grid, block, args, smem), checked and worked
-    out as the site always did, and packed once into a record of its own (a CUlaunchConfig and a kernelParams
-    buffer); a hit, with the same stream and device, is a dict lookup and the driver call. The prefill path's
-    launch sites use it: their Python (checks, int32 conversions, views, descriptors, packing) had cost more host
-    time than the launches (PERFORMANCE.md change 195). Keys hold addresses, shapes and strides (site_keys), never
-    arrays or object ids, so a record keeps no memory alive and a hit launches exactly what a miss would."""
-    key = (key, cp.cuda.get_current_stream().ptr, _dev_id())
-    rec = _SITES.get(key)
-    if rec is None:
-        if _cu_launch_ex() is None:  # no driver entry point through ctypes (so no PDL either): CuPy's launcher,
-            fn, grid, block, args, *smem = build()  # nothing kept
-            fn(grid, block, args, shared_mem=smem[0] if smem else 0)
-            return
-        rec = _remember(_SITES, key, _site_record(key[1], *build()))
-    err = rec[0](rec[1], rec[2], rec[3], None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
-
-
-def site_keys(*arrays) -> tuple:
-    """site_launch key material: each array's address, shape and strides (None for None). The strides carry the
-    itemsize and the layout the sites' checks look at."""
-    return tuple(None if a is None else (a.data.ptr, a.shape, a.strides) for a in arrays)
-
-
-def _site_record(stream: int, fn, grid, block, args, smem: int = 0) -> tuple:
-    """(cuLaunchKernelEx, the config by reference, the function, kernelParams, and what they point into)."""
-    if isinstance(fn, _PdlKernel):
-        ptr, attr = fn.ptr, fn.attr
-    else:
-        ptr, attr = (fn if isinstance(fn, int) else getattr(fn, "kernel", fn).ptr), None
-    pack = _ArgPack(args)
-    params = pack.pack(args)
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    cfg = _launch_config(grid, block, smem, stream, attr)
-    return _cu_launch_ex(), ctypes.byref(cfg), ptr, params, pack, cfg
-
-
 def _launch_config(grid, block, smem: int, stream: int, attr) -> _LaunchConfig:
     """A CUlaunchConfig holding its attributes (one _LaunchAttr, an array of them, or None)."""
     if attr is None:
@@ -768,13 +725,7 @@ class _Arena:
     def __init__(self):
         # (shape, dtype, array): the shape and dtype kept beside the array so a hit is a tuple compare and an
         # identity test, not reads of CuPy attributes on every allocation of the prefill path
-        self.slots: dict[tuple[int, int] | str, tuple] = {}  # (layer parity, allocation index), or "h" (take_resid)
-        self.half = self.seq = 0
-
-    def begin_forward(self) -> None:
-        """Layer i of every forward gets the same slots (whatever the layer count's parity), so the sites it
-        launches find their records. The last forward's arrays are free again: everything it enqueued runs
-        first, in stream order."""
+        self.slots: dict[tuple[int, int], tuple] = {}
         self.half = self.seq = 0
 
     def begin_layer(self) -> None:
@@ -789,17 +740,6 @@ class _Arena:
             return hit[2]
         a = cp.empty(shape, dtype)
         self.slots[key] = (shape, dtype, a)
-        return a
-
-    def take_resid(self, shape: tuple):
-        """The forward's residual stream (fp32): a slot of its own, as it lives through every layer. The next
-        forward's embedding writes it after this one's last norm has read it, in stream order. Stable addresses
-        keep the sites that read it on their site_launch records from one prefill to the next."""
-        hit = self.slots.get("h")
-        if hit is not None and hit[0] == shape:
-            return hit[2]
-        a = cp.empty(shape, cp.float32)
-        self.slots["h"] = (shape, cp.float32, a)
         return a
 
     def clear(self) -> None:
@@ -1318,24 +1258,13 @@ def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
     """Launch one of gemm_wgmma.cu's fused GEMMs from its record in cache, keyed by (matrices, x's and out's
     shapes and strides, settings, device); build() makes the record on a miss: (mats, kernel, grid, block,
     shared memory, rows per TMA box of x, the matrix arguments, the arguments after out). Only x's descriptor
-    and out are per call: each entry also keeps its launches packed per (x, out, stream) address (site_launch's
-    records; here beside the record that holds the matrices, whose ids key it)."""
+    and out are per call."""
     key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
-    hit = cache.get(key)
-    if hit is None:
-        hit = _remember(cache, key, (build(), {}))
-    rec, sites = hit
-    skey = (x.data.ptr, out.data.ptr, cp.cuda.get_current_stream().ptr)
-    launch = sites.get(skey)
-    if launch is None:
-        if len(sites) >= 64:
-            sites.clear()
-        _, fn, grid, block, smem, rows, head, tail = rec
-        launch = sites[skey] = _site_record(skey[2], fn, grid, block, (tma_map_2d(x, rows, 64), *head, out, *tail),
-                                            smem)
-    err = launch[0](launch[1], launch[2], launch[3], None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+    rec = cache.get(key)
+    if rec is None:
+        rec = _remember(cache, key, build())
+    _, fn, grid, block, smem, rows, head, tail = rec
+    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *head, out, *tail), smem)
     return out
 
 
@@ -1499,8 +1428,7 @@ def silu_mul(g, u, I: int, ld: int, out=None):
     apart (ld = I for separate matrices, 2I for the halves of one [T, 2I] product, u then g[:, I:])."""
     T = g.shape[0]
     out = _empty((T, I), cp.float16) if out is None else out
-    site_launch(("silu_mul", I, ld, site_keys(g, u, out)), lambda: (
-        kernel("gemm", "silu_mul"), (math.ceil(T * I / 2048),), (256,), (g, u, out, _i(T * I), _i(I), _i(ld))))
+    kernel("gemm", "silu_mul")((math.ceil(T * I / 2048),), (256,), (g, u, out, _i(T * I), _i(I), _i(ld)))
     return out
 
 
@@ -1523,13 +1451,6 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
     path: "wgmma" (attn_wgmma.cu) or "mma" (attention.cu); by default wgmma where attn_wgmma_fits."""
     T, H, hd = q.shape
     out = _empty((T, H * hd), cp.float16) if out is None else out
-    site_launch(("attention_prefill", path, ATTN_WGMMA, FW_CONFIG, FW_NC3_FROM, pos0, n_kv_heads,
-                 site_keys(q, kc, vc, out)), lambda: _attention_prefill_launch(q, kc, vc, pos0, n_kv_heads, out, path))
-    return out
-
-
-def _attention_prefill_launch(q, kc, vc, pos0: int, n_kv_heads: int, out, path) -> tuple:
-    T, H, hd = q.shape
     if path is None:
         path = "wgmma" if attn_wgmma_fits(hd) else "mma"
     if path == "wgmma":
@@ -1549,13 +1470,15 @@ def _attention_prefill_launch(q, kc, vc, pos0: int, n_kv_heads: int, out, path) 
         maps = tuple(tma_map_2d(a, 64, 64) for a in (q.reshape(T, H * hd), kc[:n].reshape(n, KV * hd),
                                                      vc[:n].reshape(n, KV * hd)))
         threads = 288 if nc == 2 else 128 * (nc + 1)  # attn_wgmma.cu FW_THREADS(nc)
-        return fn, (math.ceil(T / (64 * nc)), H), (threads,), (
-            *maps, out, _i(T), _i(pos0), _i(H), _i(KV), _f(math.log2(math.e) / math.sqrt(hd))), smem
+        launch_ex(fn, (math.ceil(T / (64 * nc)), H), (threads,), (*maps, out, _i(T), _i(pos0), _i(H), _i(KV),
+                                                                   _f(math.log2(math.e) / math.sqrt(hd))), smem)
+        return out
     fn = kernel("attn", f"flash_attn_prefill<{hd}>")
     smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves
     allow_dynamic_smem(fn, smem)
-    return fn, (math.ceil(T / 64), H), (128,), (q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
-                                                _f(math.log2(math.e) / math.sqrt(hd))), smem
+    fn((math.ceil(T / 64), H), (128,), (q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
+                                        _f(math.log2(math.e) / math.sqrt(hd))), shared_mem=smem)
+    return out
 
 
 def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
@@ -2082,23 +2005,15 @@ def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_h
                        out=None, pos_dev=None):
     """Per-head RMSNorm of q and k, RoPE at positions pos0.., k and v written into kc/vc [ctx, KV, hd].
     q [T, H*hd], k and v [T, KV*hd] (row strides may be wider: views of a fused buffer)."""
-    T, hd = q.shape[0], kc.shape[2]
-    out = _empty((T, n_heads, hd), cp.float16) if out is None else out
-    site_launch(("qk_norm_rope_store", pos0, n_heads, eps,
-                 site_keys(q, k, v, q_norm, k_norm, cos, sin, kc, vc, out, pos_dev)),
-                lambda: _qk_norm_rope_launch(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0, n_heads, eps, out,
-                                             pos_dev))
-    return out
-
-
-def _qk_norm_rope_launch(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0, n_heads, eps, out, pos_dev) -> tuple:
     T, KV, hd = q.shape[0], kc.shape[1], kc.shape[2]
+    out = _empty((T, n_heads, hd), cp.float16) if out is None else out
     # 16-byte accesses: views of a q|k|v row whose head dims (64, 128) keep every start and stride aligned
     assert all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
     heads = 4 * (512 // hd)  # per block: 4 warps of 32 / (hd / 16) heads
-    return kernel("rope", f"qk_norm_rope_store<{hd}>"), (T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
+    kernel("rope", f"qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
         q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
-        out, kc, vc, _i(n_heads), _i(KV), _i(pos0), pos_dev if pos_dev is not None else np.uint64(0), _f(eps))
+        out, kc, vc, _i(n_heads), _i(KV), _i(pos0), pos_dev if pos_dev is not None else np.uint64(0), _f(eps)))
+    return out
 
 
 def add_rmsnorm(h, r, w, eps: float, out=None, pend=None, experts=None):
@@ -2107,26 +2022,20 @@ def add_rmsnorm(h, r, w, eps: float, out=None, pend=None, experts=None):
     prefill's expert rows, summed here instead); returns rmsnorm(h) * w in fp16."""
     T, D = h.shape
     out = _empty((T, D), cp.float16) if out is None else out
-    y, u2p, wts = experts if experts is not None else (None, None, None)
-    site_launch(("add_rmsnorm", eps, site_keys(h, r, w, out, pend, y, u2p, wts)),
-                lambda: _add_rmsnorm_launch(h, r, w, eps, out, pend, y, u2p, wts))
-    return out
-
-
-def _add_rmsnorm_launch(h, r, w, eps: float, out, pend, y, u2p, wts) -> tuple:
-    T, D = h.shape
     assert pend is None or (r is None and T == 1 and pend.size == D)
     threads = math.ceil(D / 8 / 32) * 32  # one 16-byte chunk a thread (norm.cu)
-    k = wts.shape[1] if wts is not None else 0
-    assert y is None or (r is None and pend is None and k <= min(32, threads) and y.shape[1] == D
-                         and u2p.size == T * k and wts.flags.c_contiguous)
+    y, u2p, wts = experts if experts is not None else (None, None, None)
+    k = wts.shape[1] if experts is not None else 0
+    assert experts is None or (r is None and pend is None and k <= min(32, threads) and y.shape[1] == D
+                               and u2p.size == T * k and wts.flags.c_contiguous)
     # a hidden size is a multiple of AWQ's group of 128
     assert D % 8 == 0 and D <= 8192 and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in
                                             (h, w, out) + tuple(a for a in (r, pend, y) if a is not None))
     null = np.uint64(0)
-    return kernel("norm", "add_rmsnorm"), (T,), (threads,), (
+    kernel("norm", "add_rmsnorm")((T,), (threads,), (
         h, r if r is not None else null, w, out, _i(D), _f(eps), pend if pend is not None else null,
-        y if y is not None else null, u2p if u2p is not None else null, wts if wts is not None else null, _i(k))
+        y if y is not None else null, u2p if u2p is not None else null, wts if wts is not None else null, _i(k)))
+    return out
 
 
 def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
@@ -2151,8 +2060,11 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     weights = _empty((T, k), cp.float32) if weights is None else weights
     if (MOE_ROUTER != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
             and router.flags.c_contiguous):
-        site_launch(("moe_route_mma", k, norm_topk, MOE_ROUTE_WIDE_T, site_keys(x, router, logits, ids, weights)),
-                    lambda: _moe_route_mma_launch(x, router, logits, ids, weights, k, norm_topk))
+        name, warps = moe_rmma_form(T, E)
+        smem = moe_rmma_smem(warps)
+        allow_dynamic_smem(_compiled("moe", name), smem)
+        kernel("moe", name)((math.ceil(T / 16),), (32 * warps,), (
+            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), shared_mem=smem)
         return ids, weights
     if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
         cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)
@@ -2162,16 +2074,6 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     kernel("moe", "moe_topk")((math.ceil(T / 8),), (256,), (logits, ids, weights, _i(T), _i(E), _i(k),
                                                            _i(int(norm_topk))))
     return ids, weights
-
-
-def _moe_route_mma_launch(x, router, logits, ids, weights, k: int, norm_topk: bool) -> tuple:
-    T, D = x.shape
-    E = router.shape[0]
-    name, warps = moe_rmma_form(T, E)
-    smem = moe_rmma_smem(warps)
-    allow_dynamic_smem(_compiled("moe", name), smem)
-    return kernel("moe", name), (math.ceil(T / 16),), (32 * warps,), (
-        x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), smem
 
 
 def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, logits, xout, ids, weights, counter,
@@ -2197,9 +2099,8 @@ def moe_maps(ids, n_experts: int, out=None, tile_m: int = GEMM_BM):
     if out is None:
         out = tuple(_empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
     counts, offsets, tiles, p2u, u2p = out
-    site_launch(("moe_expert_maps", E, tile_m, site_keys(ids, *out)), lambda: (
-        kernel("moe", "moe_expert_maps"), (1,), (1024,), (ids, _i(n), _i(E), _i(tile_m), counts, offsets, tiles, p2u,
-                                                         u2p)))
+    kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), _i(tile_m), counts, offsets, tiles, p2u,
+                                                     u2p))
     return counts, offsets, tiles, p2u, u2p
 
 
@@ -2235,42 +2136,31 @@ def moe_rs_tile(n: int, E: int) -> int:
 def moe_gather(x, p2u, k: int, out=None):
     """xp [T*k, D] = x[p2u // k]: each expert's rows contiguous (moe.cu moe_gather_rows), for gemm_moe_rs."""
     n, D = p2u.size, x.shape[1]
-    out = _empty((n, D), cp.float16) if out is None else out
-    site_launch(("moe_gather_rows", k, site_keys(x, p2u, out)), lambda: _moe_gather_launch(x, p2u, k, out))
-    return out
-
-
-def _moe_gather_launch(x, p2u, k: int, out) -> tuple:
-    n, D = p2u.size, x.shape[1]
     assert D % 8 == 0 and x.flags.c_contiguous
-    return kernel("moe", "moe_gather_rows"), (n,), (128,), (x, p2u, out, _i(D), _i(k))
+    out = _empty((n, D), cp.float16) if out is None else out
+    kernel("moe", "moe_gather_rows")((n,), (128,), (x, p2u, out, _i(D), _i(k)))
+    return out
 
 
 def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     """One grouped GEMM over every expert (gemm_wgmma.cu gemm_moe_rs): x [n, K] in permuted row order (each
     expert's rows contiguous, offsets [E+1]; tiles [E+1] moe_maps' tile offsets for tile_m = bt) times each
     expert's [K, N] matrix -> out [n, N] in the same order."""
-    n, N = x.shape[0], stack.scales.shape[-1]
-    out = _empty((n, N), cp.float16) if out is None else out
-    site_launch(("gemm_moe_rs", bt, MOE_RS_FORMS.get(bt), stack.E, stack.group_size,
-                 site_keys(x, stack.qweight, stack.qzeros, stack.scales, offsets, tiles, out)),
-                lambda: _gemm_moe_rs_launch(x, stack, offsets, tiles, bt, out))
-    return out
-
-
-def _gemm_moe_rs_launch(x, stack: AwqStack, offsets, tiles, bt: int, out) -> tuple:
     n, K = x.shape
     E, N = stack.E, stack.scales.shape[-1]
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
+    out = _empty((n, N), cp.float16) if out is None else out
     st, wg, nw, sw = MOE_RS_FORMS[bt]
     fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw, sw))
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     xmap = tma_map_2d(x, bt, 64)
-    return fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
+    launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
         xmap, stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
-        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else xmap), smem  # (unread)
+        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else xmap),  # (unread)
+        smem)
+    return out
 
 
 def moe_gemm_gate_up(x, w13: AwqStack, offsets, tiles, p2u, k: int, out=None):
@@ -2754,7 +2644,7 @@ class CupyOps:
             h = self.d["h"]
         else:
             dev_ids = cp.asarray(np.asarray(ids, dtype=np.int32))
-            h = cp.empty((T, D), cp.float32) if _ARENA is None else _ARENA.take_resid((T, D))
+            h = cp.empty((T, D), cp.float32)
         table = self.weights.embed
         if isinstance(table, np.ndarray):  # pinned host memory: its address is valid on the device
             table = np.uint64(table.ctypes.data)
@@ -2873,7 +2763,6 @@ class CupyOps:
             self._dev_pos = pos0
         if 1 < n_tokens <= _ARENA_MAX_T:
             _ARENA = self._arena
-            _ARENA.begin_forward()
         elif n_tokens > 1:
             self._arena.clear()
 

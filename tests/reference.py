@@ -219,20 +219,11 @@ def cpu_decode(mf, ids, n_prefill):
     return np.stack([ref.decode(t) for t in ids[n_prefill:]])
 
 
-class _NoRecords(dict):
-    """A cache that keeps nothing (ops_cupy._SITES while record_calls spies on kernel())."""
-
-    def __setitem__(self, key, value):
-        pass
-
-
 def record_calls(monkeypatch, name, note):
     """Replaces ops_cupy's function `name` by a wrapper that appends note(*args, **kwargs) to the returned list,
     then calls the real one: which path each launch of a prefill took."""
     from kuiper_py import ops_cupy as oc
     seen, real = [], getattr(oc, name)
-    if name == "kernel":  # no site_launch record kept meanwhile: every launch asks for its kernel
-        monkeypatch.setattr(oc, "_SITES", _NoRecords())
 
     def wrapper(*a, **k):
         seen.append(note(*a, **k))
@@ -283,36 +274,6 @@ def pending_row_inputs(rng, D, massive):
     pend = np.round(rng.standard_normal(D) * 2**32).astype(np.int64)
     row = h + (pend.astype(np.float64) / 2**32).astype(np.float16).astype(np.float32)
     return h, w, pend, row
-
-
-def site_record_count() -> int:
-    """The launch records ops_cupy keeps: site_launch's and the fused GEMMs' per-address ones."""
-    from kuiper_py import ops_cupy as oc
-    return len(oc._SITES) + sum(len(hit[1]) for c in (oc._RS_CALLS, oc._WGMMA_CALLS) for hit in c.values())
-
-
-def assert_site_records_replay_same_bits(mf, n: int = 37):
-    """A short prefill whose every launch is worked out afresh (ops_cupy's launch records dropped first) against
-    the same prefill again, each of whose launches must come from those records (no record added: the arena
-    keeps every address), with the arena's arrays poisoned (NaN, -1) before it: every position's logits the
-    same bits."""
-    import cupy as cp
-    from kuiper_py import ops_cupy as oc
-    from kuiper_py.model import Qwen3
-    ids = np.random.default_rng().integers(0, 151643, size=n).tolist()
-    m = Qwen3(mf, oc.CupyOps, 128)
-    for c in (oc._SITES, oc._RS_CALLS, oc._WGMMA_CALLS):
-        c.clear()
-    first = cp.asnumpy(m.prefill(ids, all_logits=True))
-    made = site_record_count()
-    assert made > 0
-    m.reset()
-    for _, _, a in m.ops._arena.slots.values():
-        a.fill(-1 if a.dtype.kind == "i" else np.nan)
-    again = cp.asnumpy(m.prefill(ids, all_logits=True))
-    assert site_record_count() == made
-    assert np.isfinite(first).all()
-    np.testing.assert_array_equal(first, again)
 
 
 def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):

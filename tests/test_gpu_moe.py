@@ -16,7 +16,7 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
-from reference import (PROMPT, assert_arena_prefills_same_bits, assert_site_records_replay_same_bits, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
                        decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
@@ -473,12 +473,6 @@ def test_moe_prefill_arena_same_bits(moe_bin, monkeypatch):
     """Short prefills with their activations from the ops' arena, reused from prefill to prefill, against
     cupy.empty's (ops_cupy._ARENA_MAX_T): the same bits at every position (reference.py)."""
     assert_arena_prefills_same_bits(load(moe_bin), monkeypatch)
-
-
-def test_moe_prefill_site_records_replay_same_bits(moe_bin):
-    """A prefill replayed from ops_cupy's launch records (site_launch: every launch a hit, none added) against the
-    same prefill with every launch worked out afresh: the same bits at every position (reference.py)."""
-    assert_site_records_replay_same_bits(load(moe_bin))
 
 
 # ---------------------------------------------------------------------------------------------
