@@ -3,9 +3,11 @@
 (torch.profiler's CUPTI trace, which records CuPy's launches as well; torch is needed for this tool only), and the
 host's side: the wall time of the prefill against the time the host takes to enqueue it while the GPU is held busy
 by a spinning kernel, and the GPU time of the queued work. Where the enqueue time comes near the GPU time, the
-prefill is host-bound. Table last, JSON with --json.
+prefill is host-bound. With --fresh LO:HI, also the wall time of prefills at lengths LO..HI-1, each run once, none
+seen before in the process: what a chat's turns meet, where a per-length cache of the host side (change 195, not kept)
+had made repeated lengths faster and new ones slower. Table last, JSON with --json.
 
-    python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--json F]
+    python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--json F]
 """
 import collections
 import json
@@ -51,6 +53,22 @@ def host_and_gpu(m, ids, reps):
     return wall, enq, gpu
 
 
+def fresh_walls(eng, ids, lo: int, hi: int):
+    """Wall seconds of one prefill at each length lo..hi-1 (synchronised), in a new session after a warm-up at hi
+    (compiles, the pool): every length is new to the process's per-shape host state."""
+    m = eng.session(hi + 1)
+    m.prefill(ids[:hi])
+    cp.cuda.Device().synchronize()
+    walls = []
+    for n in range(lo, hi):
+        m.reset()
+        t0 = time.perf_counter()
+        m.prefill(ids[:n])
+        cp.cuda.Device().synchronize()
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
 def kernel_times(m, ids):
     """{kernel name: (launches, GPU µs)} of one prefill."""
     import torch
@@ -73,11 +91,16 @@ def kernel_times(m, ids):
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--prompts", default="512,2048", show_default=True)
 @click.option("--reps", default=5, show_default=True)
+@click.option("--fresh", default=None, help="LO:HI: one prefill at each length LO..HI-1, none seen before")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False))
-def main(model, prompts, reps, json_out):
+def main(model, prompts, reps, fresh, json_out):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     rng = np.random.default_rng(0)
     res = {"gpu": gpu_name(), "prefill": []}
+    if fresh:  # first, before any other length has been run
+        lo, hi = (int(v) for v in fresh.split(":"))
+        res["fresh"] = {"lengths": [lo, hi], "wall_ms": [x * 1e3 for x in
+                                                         fresh_walls(eng, rng.integers(0, 151643, hi).tolist(), lo, hi)]}
     for p in [int(x) for x in prompts.split(",")]:
         m = eng.session(p)
         ids = rng.integers(0, 151643, p).tolist()
@@ -93,6 +116,9 @@ def main(model, prompts, reps, json_out):
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
     print(f"{res['gpu']}")
+    if fresh:
+        w = res["fresh"]["wall_ms"]
+        print(f"\nnew lengths {fresh} (one prefill each): wall median {np.median(w):.2f} ms [{min(w):.2f}-{max(w):.2f}]")
     for r in res["prefill"]:
         med = {k: float(np.median(r[k])) for k in ("wall_ms", "enqueue_ms", "gpu_ms")}
         tot = sum(v["us"] for v in r["kernels"].values())
