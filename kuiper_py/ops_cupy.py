@@ -338,13 +338,22 @@ def moe_route_wide_t() -> int:
     return MOE_ROUTE_WIDE_T if MOE_ROUTE_WIDE_T is not None else 16 * sm_count()
 
 
+_RMMA_FITS: dict[tuple[int, str], bool] = {}
+
+
 def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
     """(instantiation, warps) of moe_route_mma for T tokens and E experts: 16 warps up to moe_route_wide_t() tokens where
-    the block's shared memory (the dynamic stages and the compiled kernel's static partial logits) fits the device."""
+    the block's shared memory (the dynamic stages and the compiled kernel's static partial logits) fits the device.
+    The fit is a device constant, asked of the driver once per device and instantiation (every MoE prefill layer
+    routes)."""
     ng = 4 if E <= 128 else 8
     if T <= moe_route_wide_t():
         wide = f"moe_route_mma<{ng}, {16 // ng}>"
-        if moe_rmma_smem(16) + _compiled("moe", wide).shared_size_bytes <= smem_optin():
+        key = (_dev_id(), wide)
+        fits = _RMMA_FITS.get(key)
+        if fits is None:
+            fits = _RMMA_FITS[key] = moe_rmma_smem(16) + _compiled("moe", wide).shared_size_bytes <= smem_optin()
+        if fits:
             return wide, 16
     return f"moe_route_mma<{ng}>", 8
 

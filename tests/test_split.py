@@ -251,3 +251,31 @@ def test_shape_choice_follows_the_table_and_the_override(sms, monkeypatch, choic
     monkeypatch.setattr(oc, "GEMV_O_MERGE", "0")
     sms(132, "NVIDIA H100 80GB HBM3")
     assert not oc.o_merge(a8b)
+
+
+@pytest.mark.parametrize("static,fits", [(1024, True), (64 * 1024, False)])
+def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fits):
+    """moe_route_mma's 16-warp form where its shared memory (dynamic stages + the kernel's static bytes) fits the
+    device's opt-in limit, else the 8-warp form; above moe_route_wide_t() tokens always 8 warps. The kernel's static
+    size is asked once per device and instantiation, not per prefill layer."""
+    sms(132)
+    asked = []
+
+    class Fn:
+        @property
+        def shared_size_bytes(self):
+            asked.append(1)
+            return static
+
+    monkeypatch.setattr(oc, "_RMMA_FITS", {})
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
+    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
+    monkeypatch.setattr(oc, "smem_optin", lambda: 227 * 1024)
+    monkeypatch.setattr(oc, "_compiled", lambda family, name: Fn())
+    wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4>", 8)
+    for _ in range(3):
+        assert oc.moe_rmma_form(128, 128) == wide
+        assert oc.moe_rmma_form(16 * 132 + 1, 128) == ("moe_route_mma<4>", 8)
+    assert len(asked) == 1
+    assert oc.moe_rmma_form(128, 256) == (("moe_route_mma<8, 2>", 16) if fits else ("moe_route_mma<8>", 8))
+    assert len(asked) == 2
