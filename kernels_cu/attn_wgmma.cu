@@ -22,8 +22,9 @@
 // 3 warpgroups leave SMs idle (4 x 32 blocks of 128 rows: 172; of 192 rows: 135).
 //
 // Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
-// and out [T, H*128] contiguous, the K/V cache rows [n_keys, KV*128] (n_keys = pos0 + T; TMA reads zeros past
-// them); ST 3 or 4 (up to 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured
+// and out [T, H*128] contiguous, the K/V caches read as [L][n_keys][KV*128] (n_keys = pos0 + T; TMA reads zeros
+// past them) at layer `layer`: one descriptor per cache and prompt length serves every layer, where one per layer
+// cost a prefill of a new length 2 L descriptor encodes on the host (PERFORMANCE.md change 196); ST 3 or 4 (up to 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured
 // slower: ptxas holds a block of 288 threads to 168 registers, which serialized their wgmmas, and the pipelined
 // form spilled.
 // grid (ceil(T / (64 NC)), H), block FW_THREADS(NC), FwSmem<ST, NC>::bytes of dynamic shared memory.
@@ -60,10 +61,10 @@ template <int ST, int PIPE, int NC>  // K/V stages; PIPE: 1 tile j + 1's Q K^T a
 __global__ void __launch_bounds__(FW_THREADS(NC), 1)  // warpgroups' wgmmas issued in turn (see above); consumer
                                                       // warpgroups (2 or 3)
 flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (rotated), boxes 64 x 64
-                 const __grid_constant__ TmaDesc kmap,  // K [n_keys, KV*128] this layer's cache rows
-                 const __grid_constant__ TmaDesc vmap,  // V [n_keys, KV*128]
+                 const __grid_constant__ TmaDesc kmap,  // K [L][n_keys][KV*128]: every layer's cache rows
+                 const __grid_constant__ TmaDesc vmap,  // V [L][n_keys][KV*128]
                  half* __restrict__ O,                  // [T, H*128]
-                 int T, int pos0, int H, int KV, float scale_log2) {
+                 int T, int pos0, int H, int KV, int layer, float scale_log2) {
     static_assert(NC == 2 || NC == 3, "2 consumer warpgroups and a load warp, or 3 and a load warpgroup");
     constexpr int BQ = 64 * NC;  // query rows per block
     typedef FwSmem<ST, NC> L;
@@ -102,10 +103,12 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
                 if (j >= ST) mbar_wait(empty + 8 * s, (j / ST - 1) & 1);  // tile j - ST's P V is done
                 mbar_arrive_expect_tx(kfull + 8 * s, 2 * FW_BOX);
                 for (int c = 0; c < 2; ++c)
-                    tma_load_2d(sb + L::k + (2 * s + c) * FW_BOX, &kmap, kvh * FW_HD + c * 64, j * FW_BKV, kfull + 8 * s);
+                    tma_load_3d(sb + L::k + (2 * s + c) * FW_BOX, &kmap, kvh * FW_HD + c * 64, j * FW_BKV, layer,
+                                kfull + 8 * s);
                 mbar_arrive_expect_tx(vfull + 8 * s, 2 * FW_BOX);
                 for (int c = 0; c < 2; ++c)
-                    tma_load_2d(sb + L::v + (2 * s + c) * FW_BOX, &vmap, kvh * FW_HD + c * 64, j * FW_BKV, vfull + 8 * s);
+                    tma_load_3d(sb + L::v + (2 * s + c) * FW_BOX, &vmap, kvh * FW_HD + c * 64, j * FW_BKV, layer,
+                                vfull + 8 * s);
             }
         }
         return;

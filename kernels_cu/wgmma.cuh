@@ -71,7 +71,8 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0,
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
-// The same for a 3D box at (c0, c1, c2) (gemm_moe_rs's swizzled packed-word stages).
+// The same for a 3D box at (c0, c1, c2) (gemm_moe_rs's swizzled packed-word stages; flash_attn_wgmma's K/V tiles
+// of one layer of the whole cache).
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* map, int c0, int c1, int c2, u32 bar) {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");

@@ -616,6 +616,21 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
                                                (box_cols, box_rows)))
 
 
+def tma_map_cache(c, n: int):
+    """A CUtensorMap of the first n rows of every layer of a KV cache c [L, ctx, KV, hd] (fp16, contiguous) as
+    [L][n][KV*hd], boxes of 64 rows x 64 columns of one layer with the 128-byte swizzle, rows past n zero-filled
+    (flash_attn_wgmma's K and V). One map per cache and length serves every layer: a map per layer made a prefill
+    of a length not seen before encode 2 L of them (PERFORMANCE.md change 196)."""
+    key = (_dev_id(), c.data.ptr, c.shape, n)
+    m = _TMAPS.get(key)
+    if m is not None:
+        return m
+    L, ctx, KV, hd = c.shape
+    W = KV * hd
+    assert c.dtype == cp.float16 and c.flags.c_contiguous and c.data.ptr % 16 == 0 and 0 < n <= ctx and W % 64 == 0
+    return _remember(_TMAPS, key, _tmap_encode(6, c.data.ptr, (W, n, L), (W * 2, ctx * W * 2), (64, 64, 1)))
+
+
 def tma_map_words(qw, wg: int):
     """A CUtensorMap of a tiled qweight (int32, contiguous; common.cuh's layout, whole 32-word tiles) as
     [row quads][4 quarters][32 words] (a quarter: 8 words x 4 rows, 128 bytes), boxes of 32 x wg x 16 (the quarters
@@ -1187,27 +1202,44 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     return (256 if N >= 4096 else 384), (512 if K * N >= 4096 * 4096 else 768)
 
 
-_GEMM_PATHS: dict[tuple, tuple] = {}
+_MATS: dict[tuple, tuple] = {}
+
+
+def _mats_rec(mats) -> list:
+    """[mats, shape signature, kernel arguments or None] of a projection's matrices, kept by their ids (each entry
+    holds its matrices, so no id is reused while it is kept): the signature ((K, N) of each, group size, whether
+    gemm_wgmma.cu's shape table takes them) keys what depends only on shapes, the prompt's path and launch plan,
+    so that a prompt length not seen before plans each projection shape once, not once per layer (PERFORMANCE.md
+    change 196); the arguments (_mat_slots') are filled in by the first fused GEMM launch that needs them."""
+    key = tuple(map(id, mats))
+    rec = _MATS.get(key)
+    if rec is None:
+        sig = (tuple((m.K, m.N) for m in mats), mats[0].group_size, wgmma_fits(mats))
+        rec = _remember(_MATS, key, [tuple(mats), sig, None])
+    return rec
+
+
+_GEMM_PATHS: dict[tuple, str] = {}
 
 
 def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rs" or "wgmma" (the two fused
-    Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, matrices, the settings it reads), each
-    entry holding its matrices (their ids key it): every prefill layer asks again."""
-    key = (T, tuple(map(id, mats)), GEMM_RS, GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(),
-           _dev_id())
-    hit = _GEMM_PATHS.get(key)
-    if hit is None:
-        K, N = mats[0].K, sum(m.N for m in mats)
-        hopper = wgmma_available() and wgmma_fits(mats)  # the two fused kernels share a shape table
+    Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
+    reads): every prefill layer asks again."""
+    sig = _mats_rec(mats)[1]
+    key = (T, sig, GEMM_RS, GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
+    path = _GEMM_PATHS.get(key)
+    if path is None:
+        K, N = sig[0][0][0], sum(n for _, n in sig[0])
+        hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
         lo, hi = rs_range(K, N)
         rs = GEMM_RS != "0" and hopper and (GEMM_RS == "1" or lo <= T <= hi)
         fused = (GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and hopper
                  and (GEMM_WGMMA == "1" or T <= wgmma_max_m(K, N)))
         path = ("rs" if rs else "wgmma" if fused else "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready()
                 else "mma")
-        hit = _remember(_GEMM_PATHS, key, (tuple(mats), path))
-    return hit[1]
+        path = _remember(_GEMM_PATHS, key, path)
+    return path
 
 
 def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -1257,23 +1289,28 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     WGMMA_TILES, in whole tiles; plan: (BM, BN, n_full, split) as wgmma_plan gives it (tests).
     producers: the kernel's producer warpgroups (one of WGMMA_PRODUCERS; by default the last). x is
     read through a TMA descriptor (tma_map_2d). Everything but x's descriptor and out is worked out
-    once per (matrices, shapes, strides, tile, plan, producers) and kept: a prefill repeats them per
-    layer and per prompt, and the checks and plan had cost more host time than the launch."""
+    once per (the matrices' shapes, x's and out's shapes and strides, tile, plan, producers) and kept: a
+    prefill repeats them per layer and per prompt, and the checks and plan had cost more host time than
+    the launch."""
     return _tma_gemm(_WGMMA_CALLS, x, mats, out, (tile, plan, producers),
                      lambda: _wgmma_call(x, mats, out, tile, plan, producers))
 
 
 def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
-    """Launch one of gemm_wgmma.cu's fused GEMMs from its record in cache, keyed by (matrices, x's and out's
-    shapes and strides, settings, device); build() makes the record on a miss: (mats, kernel, grid, block,
-    shared memory, rows per TMA box of x, the matrix arguments, the arguments after out). Only x's descriptor
-    and out are per call."""
-    key = (tuple(map(id, mats)), x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
+    """Launch one of gemm_wgmma.cu's fused GEMMs from its plan in cache, keyed by (the matrices' shape
+    signature, x's and out's shapes and strides, settings, device), so every layer's projection of one shape
+    shares it; build() makes the plan on a miss: (kernel, grid, block, shared memory, rows per TMA box of x,
+    the arguments after out). The matrices' own arguments come from _mats_rec; x's descriptor and out are
+    per call."""
+    mrec = _mats_rec(mats)
+    if mrec[2] is None:
+        mrec[2] = tuple(_mat_slots(mats))
+    key = (mrec[1], x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
     rec = cache.get(key)
     if rec is None:
         rec = _remember(cache, key, build())
-    _, fn, grid, block, smem, rows, head, tail = rec
-    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *head, out, *tail), smem)
+    fn, grid, block, smem, rows, tail = rec
+    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *mrec[2], out, *tail), smem)
     return out
 
 
@@ -1330,7 +1367,7 @@ def gemm_rs(x, mats, out, bt: int | None = None, split: int | None = None):
 
 
 def _rs_call(x, mats, out, bt, split) -> tuple:
-    """gemm_rs's launch for these shapes, laid out as _wgmma_call's."""
+    """gemm_rs's launch plan for these shapes, laid out as _wgmma_call's."""
     T, K = x.shape
     N = sum(m.N for m in mats)
     assert wgmma_fits(mats) and mats[0].K == K and out.shape[0] == T and out.shape[1] >= N
@@ -1349,13 +1386,13 @@ def _rs_call(x, mats, out, bt, split) -> tuple:
     allow_dynamic_smem(fn, smem)
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(split), part, ticket)
     # a warpgroup per 64 channels (the kernel traps on another block size)
-    return tuple(mats), fn, (math.ceil(T / bt), N // bc, split), (2 * bc,), smem, bt, tuple(_mat_slots(mats)), tail
+    return fn, (math.ceil(T / bt), N // bc, split), (2 * bc,), smem, bt, tail
 
 
 def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
-    """gemm_wgmma's launch for these shapes: (mats, kernel, grid, block, shared memory, BM, the
-    matrix arguments, the arguments after out). The entry holds the matrices (their ids key it) and
-    the split-K buffers it was planned with (a later, larger plan allocates new ones)."""
+    """gemm_wgmma's launch plan for these shapes: (kernel, grid, block, shared memory, BM, the arguments
+    after out). The plan holds the split-K buffers it was made with (a later, larger plan allocates new
+    ones)."""
     assert x.strides[1] == 2 and out.strides[1] == 2 and x.strides[0] % 16 == 0 and wgmma_fits(mats)
     T, K, N = x.shape[0], mats[0].K, sum(m.N for m in mats)
     assert x.shape[1] == K and out.shape[0] == T and out.shape[1] >= N
@@ -1376,7 +1413,7 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
     allow_dynamic_smem(fn, smem)
     tail = (_i(T), _i(K), _i(mats[0].group_size), _i(out.strides[0] // 2), _i(n_full), _i(split), part, ticket)
     # the block is the kernel's launch bound, WG_THREADS: its roles are laid out by thread index
-    return tuple(mats), fn, (n_full + n_split * split,), (fn.max_threads_per_block,), smem, bm, tuple(_mat_slots(mats)), tail
+    return fn, (n_full + n_split * split,), (fn.max_threads_per_block,), smem, bm, tail
 
 
 def gemm(x, m, out=None, path: str | None = None):
@@ -1455,18 +1492,20 @@ def fw_smem_bytes(st: int, nc: int) -> int:
     return 2 * nc * 8192 + st * 4 * 8192 + 8 * (1 + 3 * st) + 1024
 
 
-def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None):
-    """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc [ctx, KV, hd] -> [T, H*hd].
-    path: "wgmma" (attn_wgmma.cu) or "mma" (attention.cu); by default wgmma where attn_wgmma_fits."""
+def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None, layer: int = 0):
+    """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc one layer's cache [ctx, KV, hd] or every
+    layer's [L, ctx, KV, hd] with the layer to read -> [T, H*hd]. path: "wgmma" (attn_wgmma.cu) or "mma"
+    (attention.cu); by default wgmma where attn_wgmma_fits."""
     T, H, hd = q.shape
     out = _empty((T, H * hd), cp.float16) if out is None else out
     if path is None:
         path = "wgmma" if attn_wgmma_fits(hd) else "mma"
+    if kc.ndim == 3:
+        kc, vc, layer = kc[None], vc[None], 0
     if path == "wgmma":
         KV, n = n_kv_heads, pos0 + T
-        assert hd == 128 and H % KV == 0 and kc.shape[1:] == (KV, hd) and kc.shape[0] >= n
-        assert q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
-        assert kc.flags.c_contiguous and vc.flags.c_contiguous
+        assert hd == 128 and H % KV == 0 and kc.shape[2:] == (KV, hd) and kc.shape[1] >= n and vc.shape == kc.shape
+        assert 0 <= layer < kc.shape[0] and q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
         cfg = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
         if cfg not in FW_CONFIGS:
             forms = " ".join(",".join(map(str, c)) for c in FW_CONFIGS)
@@ -1476,16 +1515,15 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         fn = kernel("attn90", fw_name(st, pipe, nc))
         smem = fw_smem_bytes(st, nc)
         allow_dynamic_smem(fn, smem)
-        maps = tuple(tma_map_2d(a, 64, 64) for a in (q.reshape(T, H * hd), kc[:n].reshape(n, KV * hd),
-                                                     vc[:n].reshape(n, KV * hd)))
         threads = 288 if nc == 2 else 128 * (nc + 1)  # attn_wgmma.cu FW_THREADS(nc)
-        launch_ex(fn, (math.ceil(T / (64 * nc)), H), (threads,), (*maps, out, _i(T), _i(pos0), _i(H), _i(KV),
-                                                                   _f(math.log2(math.e) / math.sqrt(hd))), smem)
+        launch_ex(fn, (math.ceil(T / (64 * nc)), H), (threads,), (
+            tma_map_2d(q.reshape(T, H * hd), 64, 64), tma_map_cache(kc, n), tma_map_cache(vc, n), out, _i(T),
+            _i(pos0), _i(H), _i(KV), _i(layer), _f(math.log2(math.e) / math.sqrt(hd))), smem)
         return out
     fn = kernel("attn", f"flash_attn_prefill<{hd}>")
     smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves
     allow_dynamic_smem(fn, smem)
-    fn((math.ceil(T / 64), H), (128,), (q, kc, vc, out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
+    fn((math.ceil(T / 64), H), (128,), (q, kc[layer], vc[layer], out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
                                         _f(math.log2(math.e) / math.sqrt(hd))), shared_mem=smem)
     return out
 
@@ -2758,7 +2796,7 @@ class CupyOps:
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
-        return attention_prefill(q, self.k_cache[i], self.v_cache[i], pos0, KV)
+        return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, pos0: int, n_tokens: int) -> None:

@@ -506,7 +506,7 @@ def test_gemm_path_routes_rs(monkeypatch):
     if not oc.wgmma_available() or not oc.cublas_ready():
         pytest.skip("needs compute capability 9.0 and cuBLAS")
 
-    def mats(K, *Ns):  # gemm_path reads only K, N, group_size (and ids)
+    def mats(K, *Ns):  # gemm_path reads only K, N, group_size (and ids), not the arrays
         return tuple(types.SimpleNamespace(K=K, N=n, group_size=128) for n in Ns)
     qkv, o, gu, down = mats(4096, 4096, 1024, 1024), mats(4096, 4096), mats(4096, 12288, 12288), mats(12288, 4096)
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
@@ -536,7 +536,7 @@ oc.gemm_rs(x, (m,), out, 128, 1)  # the right launch first: it keeps its record
 cp.cuda.Device().synchronize()
 print("right block ran", flush=True)
 (key, rec), = oc._RS_CALLS.items()
-oc._RS_CALLS[key] = rec[:3] + ((128,),) + rec[4:]  # one warpgroup for four consumer warpgroups' barriers
+oc._RS_CALLS[key] = rec[:2] + ((128,),) + rec[3:]  # one warpgroup for four consumer warpgroups' barriers
 oc.gemm_rs(x, (m,), out, 128, 1)
 cp.cuda.Device().synchronize()
 """
@@ -659,6 +659,31 @@ def test_flash_attention_prefill(H, KV, hd, T, pos0, path, monkeypatch):
     out = nan_like((T, H * hd), cp.float16)
     oc.attention_prefill(cp.asarray(q), cp.asarray(Kc), cp.asarray(Vc), pos0, KV, out, path=path)
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, pos0)) < 1e-2
+
+
+@pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
+@pytest.mark.parametrize("T,pos0,layer", [(17, 0, 1), (130, 61, 2), (64, 0, 0)])
+def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, path, monkeypatch):
+    """The model's call: every layer's cache [L, ctx, KV, hd] and the layer to read (one TMA descriptor per cache
+    and length serves all layers). Every other layer and the rows past the chunk hold NaN, so reading another
+    layer or past n_keys shows; the result matches float64 and, bit for bit, the same attention on that layer's
+    cache alone."""
+    path = attn_path_or_skip(path, 128, monkeypatch)
+    rng = np.random.default_rng()
+    L, H, KV, hd = 3, 16, 4, 128
+    n, ctx = pos0 + T, pos0 + T + 70
+    Kc = np.full((L, ctx, KV, hd), np.nan, np.float16)
+    Vc = Kc.copy()
+    Kc[layer, :n] = rng.standard_normal((n, KV, hd)) * 2
+    Vc[layer, :n] = rng.standard_normal((n, KV, hd))
+    q = cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
+    whole, alone = nan_like((T, H * hd), cp.float16), nan_like((T, H * hd), cp.float16)
+    oc.attention_prefill(q, cp.asarray(Kc), cp.asarray(Vc), pos0, KV, whole, path=path, layer=layer)
+    oc.attention_prefill(q, cp.asarray(Kc[layer]), cp.asarray(Vc[layer]), pos0, KV, alone, path=path)
+    got = cp.asnumpy(whole)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, cp.asnumpy(alone))
+    assert rel(got, attention_ref(cp.asnumpy(q), Kc[layer], Vc[layer], pos0)) < 1e-2
 
 
 @pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])

@@ -348,6 +348,34 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
     assert rel(rs, ref) < 1e-2 and rel(rs, other) < 1e-2
 
 
+def test_new_prompt_length_plans_each_shape_once_not_each_layer(ckpt_root, monkeypatch):
+    """A prompt length the process has not seen (what every turn of a chat meets) plans each projection shape's
+    fused GEMM once and encodes one TMA descriptor per KV cache, however many layers share them (PERFORMANCE.md
+    change 196: plans and descriptors per layer made a new length's host side ~6 ms slower on 30B-A3B). Two
+    layers of Qwen3-0.6B shapes on Hopper; the logits of the new length equal those of a fresh engine's."""
+    if not oc.wgmma_available():
+        pytest.skip("the fused GEMMs and flash_attn_wgmma need compute capability 9.0")
+    mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
+    ids = np.random.default_rng().integers(0, 151643, size=120).tolist()
+    m = Qwen3(mf, oc.CupyOps, 128)
+    m.prefill(ids[:100])
+    shapes = lambda x, mats, *a: tuple((w.K, w.N) for w in mats)  # noqa: E731
+    wg, rs = record_calls(monkeypatch, "_wgmma_call", shapes), record_calls(monkeypatch, "_rs_call", shapes)
+    encodes = record_calls(monkeypatch, "_tmap_encode", lambda dtype, ptr, *a: ptr)
+    m.reset()
+    new = cp.asnumpy(m.prefill(ids[:113], all_logits=True))
+    builds = wg + rs
+    assert len(mf.weights.layers) == 2 and len(builds) == len(set(builds)) == 4  # q|k|v, o, gate|up, down
+    caches = {m.ops.k_cache.data.ptr, m.ops.v_cache.data.ptr}
+    assert sorted(p for p in encodes if p in caches) == sorted(caches)
+    assert not [p for p in encodes if p not in caches and any(
+        c.data.ptr <= p < c.data.ptr + c.nbytes for c in (m.ops.k_cache, m.ops.v_cache))]  # no per-layer map
+    monkeypatch.undo()
+    fresh = cp.asnumpy(Qwen3(mf, oc.CupyOps, 128).prefill(ids[:113], all_logits=True))
+    assert np.isfinite(new).all()
+    np.testing.assert_array_equal(new, fresh)
+
+
 def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
     """A 700-token prefill of two Qwen3-0.6B-shaped layers (head dim 128) with its attention on attn_wgmma.cu
     (Hopper's default: both layers' launches counted), in two chunks (500 tokens, then 200 at position 500),
