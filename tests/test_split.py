@@ -279,3 +279,18 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
     assert len(asked) == 1
     assert oc.moe_rmma_form(128, 256) == (("moe_route_mma<8, 2>", 16) if fits else ("moe_route_mma<8>", 8))
     assert len(asked) == 2
+
+
+def test_int32_arguments_made_once_and_range_checked_every_time():
+    """_i: each kernel size's np.int32 made once (the same object again), the value and type as np.int32(v) for
+    ints, bools and NumPy integers; a value outside int32 refused on every call, never kept."""
+    import numpy as np
+    from kuiper_py.errors import KuiperError
+    for v in (0, 1, -7, 4096, 2**31 - 1, -2**31, True, np.int64(12288), np.uint32(5)):
+        a = oc._i(v)
+        assert type(a) is np.int32 and a == np.int32(v) and oc._i(v) is a
+    for v in (2**31, -2**31 - 1, np.int64(2**40)):
+        for _ in range(2):
+            with pytest.raises(KuiperError, match="int32 range"):
+                oc._i(v)
+        assert v not in oc._I32
