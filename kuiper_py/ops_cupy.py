@@ -13,6 +13,7 @@ import math
 import os
 import struct
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -1216,16 +1217,23 @@ _MATS: dict[tuple, tuple] = {}
 
 
 def _mats_rec(mats) -> list:
-    """[mats, shape signature, kernel arguments or None] of a projection's matrices, kept by their ids (each entry
-    holds its matrices, so no id is reused while it is kept): the signature ((K, N) of each, group size, whether
-    gemm_wgmma.cu's shape table takes them) keys what depends only on shapes, the prompt's path and launch plan,
-    so that a prompt length not seen before plans each projection shape once, not once per layer (PERFORMANCE.md
-    change 196); the arguments (_mat_slots') are filled in by the first fused GEMM launch that needs them."""
+    """[(), shape signature, kernel arguments or None] of a projection's matrices, kept by their ids until one of
+    them is collected (a finalizer drops the entry then, before its id can be reused; a model's weights are not
+    kept alive by this cache): the signature ((K, N) of each, group size, whether gemm_wgmma.cu's shape table
+    takes them) keys what depends only on shapes, the prompt's path and launch plan, so that a prompt length not
+    seen before plans each projection shape once, not once per layer (PERFORMANCE.md change 196); the arguments
+    (_mat_slots') are filled in by the first fused GEMM launch that needs them. Objects without weak references
+    (test doubles) are held by the entry instead, in its first field."""
     key = tuple(map(id, mats))
     rec = _MATS.get(key)
     if rec is None:
-        sig = (tuple((m.K, m.N) for m in mats), mats[0].group_size, wgmma_fits(mats))
-        rec = _remember(_MATS, key, [tuple(mats), sig, None])
+        rec = [(), (tuple((m.K, m.N) for m in mats), mats[0].group_size, wgmma_fits(mats)), None]
+        try:
+            for m in mats:
+                weakref.finalize(m, _MATS.pop, key, None).atexit = False
+        except TypeError:
+            rec[0] = tuple(mats)
+        _remember(_MATS, key, rec)
     return rec
 
 

@@ -294,3 +294,27 @@ def test_int32_arguments_made_once_and_range_checked_every_time():
             with pytest.raises(KuiperError, match="int32 range"):
                 oc._i(v)
         assert v not in oc._I32
+
+
+def test_gemm_matrix_records_shared_by_shape_and_dropped_with_the_weights():
+    """_mats_rec: one entry per tuple of matrices (the same list again), a shape signature that two layers' q|k|v
+    share (so a new prompt length plans the shape once), and no reference that keeps a model's weights alive: the
+    entry goes when a matrix is collected."""
+    import gc
+    import weakref
+    import numpy as np
+    from kuiper_py.loader import AwqLinear
+
+    def lin(K, N):
+        return AwqLinear(np.zeros((K, N // 8), np.int32), np.zeros((K // 128, N // 8), np.int32),
+                         np.ones((K // 128, N), np.float16), 128)
+    a, b = (lin(2048, 4096), lin(2048, 512), lin(2048, 512)), (lin(2048, 4096), lin(2048, 512), lin(2048, 512))
+    ra, rb = oc._mats_rec(a), oc._mats_rec(b)
+    assert oc._mats_rec(a) is ra and ra is not rb and ra[1] == rb[1] == (((2048, 4096), (2048, 512), (2048, 512)), 128,
+                                                                         True)
+    assert oc._mats_rec(a[:1])[1] == (((2048, 4096),), 128, True) and not oc._mats_rec((lin(2048, 384),))[1][2]
+    key, alive = tuple(map(id, a)), weakref.ref(a[1])
+    assert key in oc._MATS and ra[0] == ()
+    del a, ra
+    gc.collect()
+    assert alive() is None and key not in oc._MATS
