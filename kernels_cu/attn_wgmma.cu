@@ -24,9 +24,9 @@
 // Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
 // and out [T, H*128] contiguous, the K/V caches read as [L][n_keys][KV*128] (n_keys = pos0 + T; TMA reads zeros
 // past them) at layer `layer`: one descriptor per cache and prompt length serves every layer, where one per layer
-// cost a prefill of a new length 2 L descriptor encodes on the host (PERFORMANCE.md change 196); ST 3 or 4 (up to 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured
-// slower: ptxas holds a block of 288 threads to 168 registers, which serialized their wgmmas, and the pipelined
-// form spilled.
+// cost a prefill of a new length 2 L descriptor encodes on the host (PERFORMANCE.md change 196); ST 3 or 4 (up to
+// 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured slower: ptxas holds a block of
+// 288 threads to 168 registers, which serialized their wgmmas, and the pipelined form spilled.
 // grid (ceil(T / (64 NC)), H), block FW_THREADS(NC), FwSmem<ST, NC>::bytes of dynamic shared memory.
 #include "common.cuh"
 #include "wgmma.cuh"

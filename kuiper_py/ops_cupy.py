@@ -1213,7 +1213,7 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     return (256 if N >= 4096 else 384), (512 if K * N >= 4096 * 4096 else 768)
 
 
-_MATS: dict[tuple, tuple] = {}
+_MATS: dict[tuple, list] = {}
 
 
 def _mats_rec(mats) -> list:
