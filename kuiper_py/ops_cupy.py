@@ -1217,22 +1217,18 @@ _MATS: dict[tuple, list] = {}
 
 
 def _mats_rec(mats) -> list:
-    """[(), shape signature, kernel arguments or None] of a projection's matrices, kept by their ids until one of
-    them is collected (a finalizer drops the entry then, before its id can be reused; a model's weights are not
-    kept alive by this cache): the signature ((K, N) of each, group size, whether gemm_wgmma.cu's shape table
-    takes them) keys what depends only on shapes, the prompt's path and launch plan, so that a prompt length not
-    seen before plans each projection shape once, not once per layer (PERFORMANCE.md change 196); the arguments
-    (_mat_slots') are filled in by the first fused GEMM launch that needs them. Objects without weak references
-    (test doubles) are held by the entry instead, in its first field."""
+    """[shape signature, kernel arguments or None] of a projection's matrices, kept by their ids until one of them
+    is collected (a finalizer drops the entry then, before its id can be reused; a model's weights are not kept
+    alive by this cache): the signature ((K, N) of each, group size, whether gemm_wgmma.cu's shape table takes
+    them) keys what depends only on shapes, the prompt's path and launch plan, so that a prompt length not seen
+    before plans each projection shape once, not once per layer (PERFORMANCE.md change 196); the arguments
+    (_mat_slots') are filled in by the first fused GEMM launch that needs them."""
     key = tuple(map(id, mats))
     rec = _MATS.get(key)
     if rec is None:
-        rec = [(), (tuple((m.K, m.N) for m in mats), mats[0].group_size, wgmma_fits(mats)), None]
-        try:
-            for m in mats:
-                weakref.finalize(m, _MATS.pop, key, None).atexit = False
-        except TypeError:
-            rec[0] = tuple(mats)
+        rec = [(tuple((m.K, m.N) for m in mats), mats[0].group_size, wgmma_fits(mats)), None]
+        for m in mats:
+            weakref.finalize(m, _MATS.pop, key, None).atexit = False
         _remember(_MATS, key, rec)
     return rec
 
@@ -1244,7 +1240,7 @@ def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rs" or "wgmma" (the two fused
     Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
-    sig = _mats_rec(mats)[1]
+    sig = _mats_rec(mats)[0]
     key = (T, sig, GEMM_RS, GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
     if path is None:
@@ -1321,14 +1317,14 @@ def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
     the arguments after out). The matrices' own arguments come from _mats_rec; x's descriptor and out are
     per call."""
     mrec = _mats_rec(mats)
-    if mrec[2] is None:
-        mrec[2] = tuple(_mat_slots(mats))
-    key = (mrec[1], x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
+    if mrec[1] is None:
+        mrec[1] = tuple(_mat_slots(mats))
+    key = (mrec[0], x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
     rec = cache.get(key)
     if rec is None:
         rec = _remember(cache, key, build())
     fn, grid, block, smem, rows, tail = rec
-    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *mrec[2], out, *tail), smem)
+    launch_ex(fn, grid, block, (tma_map_2d(x, rows, 64), *mrec[1], out, *tail), smem)
     return out
 
 
@@ -1518,8 +1514,8 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
     out = _empty((T, H * hd), cp.float16) if out is None else out
     if path is None:
         path = "wgmma" if attn_wgmma_fits(hd) else "mma"
-    if kc.ndim == 3:
-        kc, vc, layer = kc[None], vc[None], 0
+    if kc.ndim == 3:  # one layer's cache: layer 0 of a one-layer stack
+        kc, vc = kc[None], vc[None]
     if path == "wgmma":
         KV, n = n_kv_heads, pos0 + T
         assert hd == 128 and H % KV == 0 and kc.shape[2:] == (KV, hd) and kc.shape[1] >= n and vc.shape == kc.shape

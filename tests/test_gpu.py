@@ -506,8 +506,12 @@ def test_gemm_path_routes_rs(monkeypatch):
     if not oc.wgmma_available() or not oc.cublas_ready():
         pytest.skip("needs compute capability 9.0 and cuBLAS")
 
-    def mats(K, *Ns):  # gemm_path reads only K, N, group_size (and ids), not the arrays
-        return tuple(types.SimpleNamespace(K=K, N=n, group_size=128) for n in Ns)
+    class Mat:  # gemm_path reads only K, N, group_size (and ids), not the arrays
+        def __init__(self, K, N):
+            self.K, self.N, self.group_size = K, N, 128
+
+    def mats(K, *Ns):
+        return tuple(Mat(K, n) for n in Ns)
     qkv, o, gu, down = mats(4096, 4096, 1024, 1024), mats(4096, 4096), mats(4096, 12288, 12288), mats(12288, 4096)
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
     monkeypatch.setattr(oc, "GEMM_RS", "auto")

@@ -2,9 +2,10 @@
 """End-to-end benchmark (device machine), batch 1, on an ak48 file with real Qwen3 shapes (8B, 30B-A3B):
 decode tok/s at several contexts with the effective bandwidth (bytes read per step / step time) as a
 ratio to a same-run device copy (MoE: only the selected experts' bytes count); prefill tok/s, each prompt after a
-fresh KV cache and activations (set_context: the first prompt of a session, and the memory figure) and warm (the
-session kept, 8 lengths just under the prompt's that the process has not run: a chat's next turn); the same through
-Hugging Face transformers in FP16 (sdpa, same dequantized weights); peak GPU memory of both.
+fresh KV cache and activations (set_context: the first prompt of a session, and the memory figure) and warm
+(profile_prefill's fresh_walls: after a warm-up prefill, 8 lengths just under the prompt's that the process has not
+run, as a chat's next turn meets them); the same through Hugging Face transformers in FP16 (sdpa, same dequantized
+weights); peak GPU memory of both.
 
     python tools/bench_e2e.py MODEL.bin [--ctx 512,8192,32768] [--prompts 128,512,2048,8192] [--no-hf] [--json F]
 """
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
+from profile_prefill import fresh_walls  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py.ops_cupy import gpu_name  # noqa: E402
@@ -153,16 +155,9 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         # the pool keeps every block the prefill used: its size now is this prompt's peak footprint
         # (weights, a KV cache for p positions, the prefill's activations)
         mib = cp.get_default_memory_pool().total_bytes() / 2**20
-        # warm: the session's cache and activations kept (reset only), at 8 lengths just under p that this process
-        # has not run, as a chat's next turn meets them (tok/s: each prefill's own tokens over its time)
-        warm = []
-        for n in range(p - 8, p):
-            m.reset()
-            cp.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            m.prefill(ids[:n])
-            cp.cuda.Device().synchronize()
-            warm.append(n / (time.perf_counter() - t0))
+        # warm: a kept session at 8 lengths just under p that this process has not run, as a chat's next turn meets
+        # them (tok/s: each prefill's own tokens over its time)
+        warm = [n / s for n, s in zip(range(p - 8, p), fresh_walls(eng, ids, p - 8, p))]
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
                                "gpu_mib": mib})
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
