@@ -318,3 +318,33 @@ def test_gemm_matrix_records_shared_by_shape_and_dropped_with_the_weights():
     del a, ra
     gc.collect()
     assert alive() is None and key not in oc._MATS
+
+
+def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
+    """_tma_gemm (the launch mocked): two layers' q|k|v of one shape share one plan (build called once), and each
+    launch carries its own layer's matrices (_mat_slots) between x's descriptor and out, then the plan's tail."""
+    import numpy as np
+    from kuiper_py.loader import AwqLinear
+
+    def lin(K, N):
+        return AwqLinear(np.zeros((K, N // 8), np.int32), np.zeros((K // 128, N // 8), np.int32),
+                         np.ones((K // 128, N), np.float16), 128)
+    layers = [(lin(2048, 4096), lin(2048, 512), lin(2048, 512)) for _ in range(2)]
+    launches, builds = [], []
+    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
+    monkeypatch.setattr(oc, "tma_map_2d", lambda a, rows, cols: ("map", rows))
+    monkeypatch.setattr(oc, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
+    x, out = np.zeros((100, 2048), np.float16), np.zeros((100, 5120), np.float16)
+    cache = {}
+
+    def build():
+        builds.append(1)
+        return "fn", (1,), (128,), 0, 64, ("tail",)
+    for mats in layers * 2:
+        oc._tma_gemm(cache, x, mats, out, ("s",), build)
+    assert len(builds) == 1 and len(cache) == 1 and len(launches) == 4
+    for (fn, args), mats in zip(launches, layers * 2):
+        assert fn == "fn" and args[0] == ("map", 64) and args[-2] is out and args[-1] == "tail"
+        slots = args[1:-2]
+        assert len(slots) == 12 and all(slots[4 * i] is m.qweight and slots[4 * i + 2] is m.scales and slots[4 * i + 3] == m.N
+                                        for i, m in enumerate(mats))
