@@ -2,8 +2,9 @@
 // the expert GEMV (with its SwiGLU and weighted-sum epilogues) in gemv_w4a16.cu, on the same tiles
 // as the dense path; this file holds what sits between them.
 //
-// Stage order (prefill):  route_mma (logits on tensor cores + topk; router_logits -> topk where it does not
-//                         fit) -> expert_maps -> GEMM1 (gather + gate|up + SwiGLU) -> GEMM2 (down) -> finalize.
+// Stage order (prefill):  route_mma (logits on tensor cores + topk, the expert maps in its last block;
+//                         router_logits -> topk -> expert_maps where it does not fit) -> GEMM1 (gather +
+//                         gate|up + SwiGLU) -> GEMM2 (down) -> finalize.
 //   On compute capability 9.0 (gemm_wgmma.cu gemm_moe_rs, ops_cupy.moe_experts): expert_maps in tiles of
 //   64 or 128 rows -> gather_rows (TMA cannot gather) -> GEMM1 (gate|up) -> silu_mul -> GEMM2 -> finalize.
 //   By default finalize is taken by the next layer's add_rmsnorm (norm.cu; common.cuh expert_rows_sum8).
@@ -99,6 +100,142 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
     }
 }
 
+// The expert maps, by one block of NW warps (blockDim.x == 32 NW). Slots s = t*k + j are ordered by
+// (expert, s) -- a stable counting sort: each warp owns a contiguous slot range, counts it, and
+// then places its slots in order, so the result never depends on scheduling or on NW.
+//   counts [E], offsets [E+1] (exclusive prefix sum), tile_offsets [E+1] (prefix sum of
+//   ceil(count / tile_m): the grouped GEMM's block -> expert table, tile_m its rows per tile: 64 for
+//   gemm_w4a16.cu's, 64 or 128 for gemm_wgmma.cu's gemm_moe_rs), perm_to_unperm [n] and unperm_to_perm [n].
+// cnt: NW x MOE_MAX_E ints and tot: MOE_MAX_E ints of shared memory; p2u_s: cap more ints, where perm_to_unperm is
+// put together when n <= cap, then stored in order. Why: placed straight into global memory (scattered stores,
+// each chunk's followed by a __syncwarp that orders them) the maps took as long as with __match_any_sync: ~21 us
+// per 2048-token 30B-A3B layer on the H200 with either, ~15 with neither (PERFORMANCE.md change 197).
+// ids are read through L2 (__ldcg): in moe_route_mma's last block other blocks wrote them; a warp's ids come
+// MOE_MAP_BATCH chunks of 32 at a time, all loads in flight before the first is used.
+#define MOE_MAP_BATCH 4
+// The lanes whose e (an expert id below 256, or -1 for none) equals this lane's, as a mask (0 for e < 0): one ballot
+// per bit of e. Why: __match_any_sync kept the maps at ~21 us per 2048-token 30B-A3B layer on the H200 with
+// perm_to_unperm staged; these ballots ~15 (PERFORMANCE.md change 197).
+__device__ __forceinline__ unsigned lanes_with_same_expert(int e) {
+    unsigned m = __ballot_sync(0xffffffffu, e >= 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // MOE_MAX_E = 256: 8 bits
+        const bool bit = (e >> i) & 1;
+        const unsigned b = __ballot_sync(0xffffffffu, bit);
+        m &= bit ? b : ~b;
+    }
+    return e >= 0 ? m : 0u;
+}
+template <int NW>
+__device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, int tile_m, int* __restrict__ counts,
+                                                  int* __restrict__ offsets, int* __restrict__ tile_offsets,
+                                                  int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm,
+                                                  int* cnt, int* tot,  // cnt [NW][MOE_MAX_E], tot [MOE_MAX_E]
+                                                  int* p2u_s, int cap) {  // [cap]
+    const bool staged = n <= cap;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunk = ((n + NW - 1) / NW + 31) / 32 * 32;
+    const int s0 = warp * chunk, s1 = min(n, s0 + chunk);
+    int* my = cnt + warp * MOE_MAX_E;  // this warp's count per expert, then its write cursor
+    for (int i = threadIdx.x; i < NW * MOE_MAX_E; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int c0 = s0; c0 < s1; c0 += 32 * MOE_MAP_BATCH) {
+        int e[MOE_MAP_BATCH];
+#pragma unroll
+        for (int b = 0; b < MOE_MAP_BATCH; ++b) {
+            const int s = c0 + 32 * b + lane;
+            e[b] = s < s1 ? __ldcg(ids + s) : -1;
+        }
+#pragma unroll
+        for (int b = 0; b < MOE_MAP_BATCH; ++b)
+            if (e[b] >= 0) atomicAdd(my + e[b], 1);
+    }
+    __syncthreads();
+    // per expert: total count, and each warp's start inside the expert's segment (still relative)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < NW; ++w) {
+            const int c = cnt[w * MOE_MAX_E + e];
+            cnt[w * MOE_MAX_E + e] = run;
+            run += c;
+        }
+        counts[e] = run;
+        tot[e] = run;
+    }
+    __syncthreads();
+    // the offsets and tile offsets: warp 0's exclusive scan, 8 experts per lane (E <= 256), from shared memory
+    // (one thread's serial pass over E counts read back from global memory took longer, PERFORMANCE.md change 183)
+    if (warp == 0) {
+        int c[MOE_MAX_E / 32], sc = 0, st = 0;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+            const int e = lane * (MOE_MAX_E / 32) + j;
+            c[j] = e < E ? tot[e] : 0;
+            sc += c[j];
+            st += (c[j] + tile_m - 1) / tile_m;
+        }
+        int off = sc, toff = st;  // inclusive over lanes, then exclusive
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, off, o), b = __shfl_up_sync(0xffffffffu, toff, o);
+            if (lane >= o) {
+                off += a;
+                toff += b;
+            }
+        }
+        off -= sc;
+        toff -= st;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
+            const int e = lane * (MOE_MAX_E / 32) + j;
+            if (e < E) {
+                offsets[e] = off;
+                tile_offsets[e] = toff;
+                tot[e] = off;
+            }
+            off += c[j];
+            toff += (c[j] + tile_m - 1) / tile_m;
+        }
+        if (lane == 31) {  // (experts past E count 0: lane 31 ends on the totals)
+            offsets[E] = off;
+            tile_offsets[E] = toff;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int base = tot[e];
+        for (int w = 0; w < NW; ++w) cnt[w * MOE_MAX_E + e] += base;
+    }
+    __syncthreads();
+    // place this warp's slots in slot order: rank among equal experts in each 32-slot chunk, then the
+    // chunk's group leader advances the cursor
+    for (int c0 = s0; c0 < s1; c0 += 32 * MOE_MAP_BATCH) {
+        int e[MOE_MAP_BATCH];
+#pragma unroll
+        for (int b = 0; b < MOE_MAP_BATCH; ++b) {
+            const int s = c0 + 32 * b + lane;
+            e[b] = s < s1 ? __ldcg(ids + s) : -1;
+        }
+#pragma unroll
+        for (int b = 0; b < MOE_MAP_BATCH; ++b) {
+            const int s = c0 + 32 * b + lane;
+            const unsigned peers = lanes_with_same_expert(e[b]);
+            if (e[b] >= 0) {
+                const int pos = my[e[b]] + __popc(peers & ((1u << lane) - 1u));
+                (staged ? p2u_s : perm_to_unperm)[pos] = s;
+                unperm_to_perm[s] = pos;
+            }
+            __syncwarp();
+            if (e[b] >= 0 && lane == __ffs(peers) - 1) my[e[b]] += __popc(peers);
+            __syncwarp();
+        }
+    }
+    if (staged) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) perm_to_unperm[i] = p2u_s[i];
+    }
+}
+
 // Prefill routing in one launch on tensor cores: logits[t, e] = x[t] . router[e], fp16 products summed in
 // fp32 (mma.sync m16n8k16 with fp32 accumulators: products of fp16 values are exact in fp32, as in
 // moe_router_logits; only the order of the sums differs), then each token's softmax, top-k and
@@ -119,6 +256,9 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
 // (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks (PERFORMANCE.md changes
 // 188-189). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
 // 12 KB per warp); D % 32 == 0, E <= 32 NG.
+// With a counter (one int, zero before, left zero) the last block to finish also builds the expert maps of
+// the T k picks (expert_maps_block, in the stages' shared memory): one launch per MoE layer fewer than
+// moe_expert_maps after it, and no grid-wide wait (change 197). Without one (nullptr) the maps are not built.
 #define MOE_RMMA_T 16   // tokens per block
 #define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
 template <int NG, int KS = 8 / NG>  // expert groups of 32: 4 (E <= 128) or 8 (E <= 256); K parts: 8 or 16 warps
@@ -128,7 +268,10 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
               float* __restrict__ logits,       // [T, E]
               int* __restrict__ ids,            // [T, k]
               float* __restrict__ weights,      // [T, k]
-              int T, int D, int E, int k, int norm_topk) {
+              int T, int D, int E, int k, int norm_topk,
+              int* __restrict__ counter,        // nullptr, or [1] zero: the maps below are built
+              int tile_m, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
+              int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {  // as moe_expert_maps'
     constexpr int EP = NG * 32 + 4, ST = MOE_RMMA_ST, NW = NG * KS;  // a partial row's stride (+4: banks)
     constexpr int TPW = MOE_RMMA_T / NW;                              // tokens per warp in the top-k
     static_assert(NW == 8 || NW == 16, "8 or 16 warps: expert groups x K parts");
@@ -206,6 +349,15 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
         }
         moe_topk_regs(p, E, k, norm_topk, ids + (size_t)t * k, weights + (size_t)t * k);
     }
+    // (every thread gets here: the stages are free since the barrier above)
+    if (counter == nullptr || !block_arrives_last(counter, gridDim.x)) return;
+    // the stages' 12 NW KB: cnt and tot ((NW + 1) KB), then perm_to_unperm's staging (the picks of up to ~2.8K tokens
+    // at k = 8 in the 8-warp form, ~5.6K in the 16-warp one)
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    int* cnt = reinterpret_cast<int*>(stage);
+    expert_maps_block<NW>(ids, T * k, E, tile_m, counts, offsets, tile_offsets, perm_to_unperm, unperm_to_perm, cnt,
+                          cnt + NW * MOE_MAX_E, cnt + (NW + 1) * MOE_MAX_E, (int)(dyn / 4) - (NW + 1) * MOE_MAX_E);
 }
 
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp (common.cuh's
@@ -309,98 +461,21 @@ moe_route_decode(const float* __restrict__ h,       // [D] fp32 residual stream
     moe_topk_warp(logits, E, k, norm_topk, ids, weights);
 }
 
-// The expert maps, in one block of MOE_MAP_WARPS warps. Slots s = t*k + j are ordered by
-// (expert, s) -- a stable counting sort: each warp owns a contiguous slot range, counts it, and
-// then places its slots in order, so the result never depends on scheduling.
-//   counts [E], offsets [E+1] (exclusive prefix sum), tile_offsets [E+1] (prefix sum of
-//   ceil(count / tile_m): the grouped GEMM's block -> expert table, tile_m its rows per tile: 64 for
-//   gemm_w4a16.cu's, 64 or 128 for gemm_wgmma.cu's gemm_moe_rs), perm_to_unperm [n] and unperm_to_perm [n].
+// The expert maps (expert_maps_block) in a launch of their own: one block of MOE_MAP_WARPS warps, its dynamic shared
+// memory the staging of perm_to_unperm (4 n bytes where the host gives them: ops_cupy.moe_maps). moe_route_mma
+// builds the maps in its last block instead where the host asks it to (ops_cupy.moe_route's maps).
 __global__ void __launch_bounds__(MOE_MAP_WARPS * 32)
 moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
                 int n, int E, int tile_m,
                 int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
                 int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {
-    __shared__ int cnt[MOE_MAP_WARPS][MOE_MAX_E];  // per warp: its count, then its write cursor
-    __shared__ int tot[MOE_MAX_E];                 // per expert: its count, then its offset
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int chunk = ((n + MOE_MAP_WARPS - 1) / MOE_MAP_WARPS + 31) / 32 * 32;
-    const int s0 = warp * chunk, s1 = min(n, s0 + chunk);
-    for (int i = threadIdx.x; i < MOE_MAP_WARPS * MOE_MAX_E; i += blockDim.x) (&cnt[0][0])[i] = 0;
-    __syncthreads();
-    for (int s = s0 + lane; s < s1; s += 32) atomicAdd(&cnt[warp][ids[s]], 1);
-    __syncthreads();
-    // per expert: total count, and each warp's start inside the expert's segment (still relative)
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int run = 0;
-        for (int w = 0; w < MOE_MAP_WARPS; ++w) {
-            int c = cnt[w][e];
-            cnt[w][e] = run;
-            run += c;
-        }
-        counts[e] = run;
-        tot[e] = run;
-    }
-    __syncthreads();
-    // the offsets and tile offsets: warp 0's exclusive scan, 8 experts per lane (E <= 256), from shared memory
-    // (one thread's serial pass over E counts read back from global memory took longer, PERFORMANCE.md change 183)
-    if (warp == 0) {
-        int c[MOE_MAX_E / 32], sc = 0, st = 0;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
-            const int e = lane * (MOE_MAX_E / 32) + j;
-            c[j] = e < E ? tot[e] : 0;
-            sc += c[j];
-            st += (c[j] + tile_m - 1) / tile_m;
-        }
-        int off = sc, toff = st;  // inclusive over lanes, then exclusive
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int a = __shfl_up_sync(0xffffffffu, off, o), b = __shfl_up_sync(0xffffffffu, toff, o);
-            if (lane >= o) {
-                off += a;
-                toff += b;
-            }
-        }
-        off -= sc;
-        toff -= st;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_E / 32; ++j) {
-            const int e = lane * (MOE_MAX_E / 32) + j;
-            if (e < E) {
-                offsets[e] = off;
-                tile_offsets[e] = toff;
-                tot[e] = off;
-            }
-            off += c[j];
-            toff += (c[j] + tile_m - 1) / tile_m;
-        }
-        if (lane == 31) {  // (experts past E count 0: lane 31 ends on the totals)
-            offsets[E] = off;
-            tile_offsets[E] = toff;
-        }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int base = tot[e];
-        for (int w = 0; w < MOE_MAP_WARPS; ++w) cnt[w][e] += base;
-    }
-    __syncthreads();
-    // place this warp's slots in slot order: rank among equal experts in the 32-slot chunk, then
-    // the chunk's group leader advances the cursor
-    for (int c0 = s0; c0 < s1; c0 += 32) {
-        const int s = c0 + lane;
-        const int e = s < s1 ? ids[s] : -1;
-        const unsigned peers = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            const int rank = __popc(peers & ((1u << lane) - 1u));
-            const int pos = cnt[warp][e] + rank;
-            perm_to_unperm[pos] = s;
-            unperm_to_perm[s] = pos;
-        }
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp][e] += __popc(peers);
-        __syncwarp();
-    }
+    __shared__ int cnt[MOE_MAP_WARPS * MOE_MAX_E];
+    __shared__ int tot[MOE_MAX_E];
+    extern __shared__ int p2u_s[];
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    expert_maps_block<MOE_MAP_WARPS>(ids, n, E, tile_m, counts, offsets, tile_offsets, perm_to_unperm, unperm_to_perm,
+                                     cnt, tot, p2u_s, (int)(dyn / 4));
 }
 
 // xp[r] = x[perm_to_unperm[r] / k]: the rows of every expert contiguous, for gemm_moe_rs's TMA loads (which

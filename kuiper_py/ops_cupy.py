@@ -316,6 +316,9 @@ MOE_ROUTER = os.environ.get("KUIPER_MOE_ROUTER", "mma")
 # one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
 # 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35 (PERFORMANCE.md changes 188-189)
 MOE_ROUTE_WIDE_T = int(os.environ["KUIPER_MOE_ROUTE_WIDE_T"]) if "KUIPER_MOE_ROUTE_WIDE_T" in os.environ else None
+# "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
+# 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
+MOE_ROUTE_MAPS = os.environ.get("KUIPER_MOE_ROUTE_MAPS", "1") != "0"
 
 
 _OPTIN: dict[int, int] = {}
@@ -795,6 +798,9 @@ def _i(v):
 
 def _f(v):
     return np.float32(v)
+
+
+_NULL = np.uint64(0)  # a null pointer argument
 
 
 _COUNTERS: dict[int, object] = {}
@@ -2109,11 +2115,23 @@ def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------- MoE stages
-def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None):
+_MOE_COUNTER: dict[int, object] = {}
+
+
+def moe_route_counter():
+    """moe_route_mma's arrival counter (one int32, zero between launches; each launch leaves it zero), per device."""
+    dev = _dev_id()
+    if dev not in _MOE_COUNTER:
+        _MOE_COUNTER[dev] = cp.zeros((1,), cp.int32)
+    return _MOE_COUNTER[dev]
+
+
+def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None, maps=None):
     """Router logits in fp32, softmax, top-k, optional renormalisation (logits [T, E] fp32 kept).
     x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]. One launch on tensor cores
     (moe_route_mma, 8 or 16 warps per block: moe_rmma_form) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is
-    "cuda"."""
+    "cuda". maps (tile_m, counts, offsets, tiles, p2u, u2p): moe_maps' arrays for these picks are written too, by
+    the routing launch's last block (MOE_ROUTE_MAPS) or by moe_maps after it."""
     T, D = x.shape
     E = router.shape[0]
     logits = _empty((T, E), cp.float32) if logits is None else logits
@@ -2124,8 +2142,16 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
         name, warps = moe_rmma_form(T, E)
         smem = moe_rmma_smem(warps)
         allow_dynamic_smem(_compiled("moe", name), smem)
+        if maps is not None and MOE_ROUTE_MAPS:
+            assert all(a.dtype == cp.int32 and a.flags.c_contiguous for a in maps[1:])
+            assert [a.size for a in maps[1:]] == [E, E + 1, E + 1, T * k, T * k]
+            tail = (moe_route_counter(), _i(maps[0]), *maps[1:])
+        else:
+            tail = (_NULL, _i(0), _NULL, _NULL, _NULL, _NULL, _NULL)
         kernel("moe", name)((math.ceil(T / 16),), (32 * warps,), (
-            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk))), shared_mem=smem)
+            x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk)), *tail), shared_mem=smem)
+        if maps is not None and not MOE_ROUTE_MAPS:
+            moe_maps(ids, E, out=maps[1:], tile_m=maps[0])
         return ids, weights
     if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
         cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)
@@ -2134,6 +2160,8 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
                                            (x, router, logits, _i(T), _i(D), _i(E)))
     kernel("moe", "moe_topk")((math.ceil(T / 8),), (256,), (logits, ids, weights, _i(T), _i(E), _i(k),
                                                            _i(int(norm_topk))))
+    if maps is not None:
+        moe_maps(ids, E, out=maps[1:], tile_m=maps[0])
     return ids, weights
 
 
@@ -2153,15 +2181,32 @@ def moe_route_decode(h, norm_w, eps: float, router, k: int, norm_topk: bool, log
     return ids, weights
 
 
+MOE_MAPS_STAGE_MAX = 128 << 10  # moe_expert_maps' staging of p2u (dynamic shared memory): up to 32K picks
+_MAPS_ROOM: dict[int, int] = {}
+
+
+def moe_maps_stage_room() -> int:
+    """The bytes of dynamic shared memory moe_expert_maps may stage p2u in on this device (MOE_MAPS_STAGE_MAX, or
+    less where the opt-in limit and the kernel's static arrays leave less), allowed once per device."""
+    dev = _dev_id()
+    if dev not in _MAPS_ROOM:
+        fn = _compiled("moe", "moe_expert_maps")
+        room = _MAPS_ROOM[dev] = max(0, min(MOE_MAPS_STAGE_MAX, smem_optin() - fn.shared_size_bytes))
+        allow_dynamic_smem(fn, room)
+    return _MAPS_ROOM[dev]
+
+
 def moe_maps(ids, n_experts: int, out=None, tile_m: int = GEMM_BM):
     """counts [E], expert_first_token_offset [E+1], tile offsets [E+1] (grouped-GEMM row tiles of tile_m
     rows), permuted_row_to_unpermuted_row [T*k] and its inverse, built by one block on the device."""
     n, E = ids.size, n_experts
     if out is None:
-        out = tuple(_empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
+        out = moe_maps_arrays(n, E)
     counts, offsets, tiles, p2u, u2p = out
+    assert [a.size for a in out] == [E, E + 1, E + 1, n, n]
+    smem = 4 * n if 4 * n <= moe_maps_stage_room() else 0  # p2u put together in shared memory (expert_maps_block)
     kernel("moe", "moe_expert_maps")((1,), (1024,), (ids, _i(n), _i(E), _i(tile_m), counts, offsets, tiles, p2u,
-                                                     u2p))
+                                                     u2p), shared_mem=smem)
     return counts, offsets, tiles, p2u, u2p
 
 
@@ -2265,23 +2310,37 @@ def moe_rs_path(w13: AwqStack, w2: AwqStack) -> bool:
             and moe_rs_fits(D, inter, w2.group_size) and wgmma_available())
 
 
-def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = None, finalize: bool = True):
+def moe_experts_tile(w13: AwqStack, w2: AwqStack, n: int, rs: bool | None = None) -> tuple[bool, int]:
+    """(rs, tile rows) of moe_experts for n routed rows: whether it takes gemm_moe_rs (rs, default
+    moe_rs_path) and the rows per tile its expert maps are counted in (moe_rs_tile, or GEMM_BM)."""
+    if rs is None:
+        rs = moe_rs_path(w13, w2)
+    return rs, moe_rs_tile(n, w13.E) if rs else GEMM_BM
+
+
+def moe_maps_arrays(n: int, E: int) -> tuple:
+    """Output arrays for moe_maps of n picks over E experts: counts, offsets, tiles, p2u, u2p (int32)."""
+    return tuple(_empty((m,), cp.int32) for m in (E, E + 1, E + 1, n, n))
+
+
+def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = None, finalize: bool = True,
+                maps=None):
     """Prefill's expert half: x [T, D] fp16 through each token's k experts (ids int32 [T, k], weights fp32
     [T, k]) and their weighted sum -> [T, D] fp16, every stage on the device. rs (default moe_rs_path):
     the expert maps in tiles of moe_rs_tile rows, the rows gathered per expert, gemm_moe_rs over gate|up,
     SwiGLU, gemm_moe_rs over down; otherwise gemm_w4a16.cu's grouped GEMMs (the gather in gate|up's A
     loads, SwiGLU in its epilogue). Then finalize; without it, (y [T*k, D] permuted, u2p, weights), which
-    add_rmsnorm's experts argument sums."""
+    add_rmsnorm's experts argument sums. maps: moe_maps' arrays for ids, already built in the tiles of
+    moe_experts_tile (moe_route's maps); otherwise moe_maps builds them here."""
     k = ids.shape[1]
     n = ids.size
-    if rs is None:
-        rs = moe_rs_path(w13, w2)
+    rs, bt = moe_experts_tile(w13, w2, n, rs)
+    if maps is None:
+        maps = moe_maps(ids, w13.E, tile_m=bt)
+    _, offsets, tiles, p2u, u2p = maps
     if not rs:
-        _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E)
         y = moe_gemm_down(moe_gemm_gate_up(x, w13, offsets, tiles, p2u, k), w2, offsets, tiles)
     else:
-        bt = moe_rs_tile(n, w13.E)
-        _, offsets, tiles, p2u, u2p = moe_maps(ids, w13.E, tile_m=bt)
         gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
         inter = gu.shape[1] // 2
         y = gemm_moe_rs(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
@@ -3005,12 +3064,15 @@ class CupyOps:
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
                                   zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
             return _Deferred(run, run_acc if self.acc_moe else None)
-        ids, w = moe_route(x, layer.router, k, a.norm_topk_prob)
+        w13, w2 = layer.experts_w13, layer.experts_w2
+        rs, bt = moe_experts_tile(w13, w2, x.shape[0] * k)
+        maps = moe_maps_arrays(x.shape[0] * k, w13.E)  # built with the picks (moe_route_mma's last block)
+        ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, maps=(bt, *maps))
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
         if MOE_FUSE_FINALIZE:  # the weighted sum in the next add_rmsnorm
-            return _ExpertRows(*moe_experts(x, layer.experts_w13, layer.experts_w2, ids, w, finalize=False))
-        return moe_experts(x, layer.experts_w13, layer.experts_w2, ids, w)
+            return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
+        return moe_experts(x, w13, w2, ids, w, rs=rs, maps=maps)
 
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size

@@ -404,6 +404,50 @@ def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k, wide_t, m
     np.testing.assert_array_equal(cp.asnumpy(ids), np.argsort(-lg, axis=1, kind="stable")[:, :k])
 
 
+@pytest.mark.parametrize("n_exp,k", [(E, K_TOP), (256, 8), (60, 4), (33, 1), (200, 32)])
+@pytest.mark.parametrize("T", [1, 7, 17, 300, 2048, 4100])
+@pytest.mark.parametrize("form", ["mma8", "mma16", "separate", "cuda"])
+def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
+    """moe_route's maps: moe_route_mma's last block (8- and 16-warp forms), moe_expert_maps after it
+    (MOE_ROUTE_MAPS off) or after moe_topk ("cuda") build the expert maps of the picks they made, equal to NumPy's
+    stable argsort of those ids (moe_ref.expert_maps) and the tile offsets for 64 and 128 rows per tile. Outputs
+    poisoned; two launches in a row with fresh inputs (the arrival counter must be left at zero by the first);
+    the launches are the routing's alone where the maps ride in it. 4100 tokens leave warps whose slot range ends
+    inside a batch of loads; routers with low rows leave experts without tokens."""
+    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if form == "cuda" else "mma")
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 0 if form == "mma8" else 1 << 30)
+    monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", form != "separate")
+    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
+    rng = np.random.default_rng()
+    dim = 128
+    router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
+    router[::7] = -1 / math.sqrt(dim)  # with x >= 0 these experts lose (unless k is most of E)
+    n = T * k
+    for tile_m in (64, 128):
+        x = np.abs(rng.standard_normal((T, dim))).astype(np.float16)
+        maps = tuple(poisoned((m,), np.int32) for m in (n_exp, n_exp + 1, n_exp + 1, n, n))
+        ids = poisoned((T, k), np.int32)
+        del calls[:]
+        oc.moe_route(cp.asarray(x), cp.asarray(router), k, True, poisoned((T, n_exp), np.float32), ids,
+                     poisoned((T, k), np.float32), maps=(tile_m, *maps))
+        if form in ("mma8", "mma16"):
+            assert calls == [oc.moe_rmma_form(T, n_exp)[0]]
+        else:
+            assert calls[-1] == "moe_expert_maps"
+        assert int(oc.moe_route_counter()[0]) == 0
+        ids = cp.asnumpy(ids)
+        assert ((ids >= 0) & (ids < n_exp)).all()
+        counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids, n_exp)
+        if k < n_exp // 2 and T >= 300:
+            assert (counts_ref[::7] == 0).all()
+        counts, offsets, tiles, p2u, u2p = (cp.asnumpy(a) for a in maps)
+        np.testing.assert_array_equal(counts, counts_ref)
+        np.testing.assert_array_equal(offsets, offsets_ref)
+        np.testing.assert_array_equal(tiles, np.concatenate([[0], np.cumsum(-(-counts_ref // tile_m))]))
+        np.testing.assert_array_equal(p2u, p2u_ref)
+        np.testing.assert_array_equal(u2p, u2p_ref)
+
+
 @pytest.mark.parametrize("T,dim,k", [(1, D, K_TOP), (7, 136, 3), (300, 4096, 8), (33, 2048, 32), (5, 2056, 1)])
 def test_moe_finalize_weighted_sum(T, dim, k):
     """moe_finalize (8 columns per thread, the k rows' loads together) against float64: out[t] = sum_j

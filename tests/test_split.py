@@ -1,4 +1,5 @@
-"""The decode GEMV's split-K rule (ops_cupy.gemv_split / o_split) on a mocked SM count: no GPU needed."""
+"""The decode GEMV's split-K rule (ops_cupy.gemv_split / o_split) on a mocked SM count, and launch arguments the host
+builds (the launches mocked): no GPU needed."""
 import math
 
 import pytest
@@ -348,3 +349,48 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
         slots = args[1:-2]
         assert len(slots) == 12 and all(slots[4 * i] is m.qweight and slots[4 * i + 2] is m.scales and slots[4 * i + 3] == m.N
                                         for i, m in enumerate(mats))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused):
+    """moe_route (the launch mocked, NumPy arrays for CuPy's): with maps and MOE_ROUTE_MAPS, one moe_route_mma launch
+    whose arguments end with the arrival counter, the tile rows and the five map arrays in moe_expert_maps' order;
+    with MOE_ROUTE_MAPS off, null pointers there and then moe_maps over the same arrays and tile; without maps, null
+    pointers and no moe_maps."""
+    import numpy as np
+    T, D, E, k, tile = 40, 64, 128, 8, 128
+    launches, maps_calls = [], []
+    counter = np.zeros(1, np.int32)
+    monkeypatch.setattr(oc, "cp", np)
+    monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
+    monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", fused)
+    monkeypatch.setattr(oc, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
+    monkeypatch.setattr(oc, "_compiled", lambda family, name: name)
+    monkeypatch.setattr(oc, "allow_dynamic_smem", lambda fn, n: None)
+    monkeypatch.setattr(oc, "moe_route_counter", lambda: counter)
+    monkeypatch.setattr(oc, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
+        (name, grid, block, args, shared_mem)))
+    monkeypatch.setattr(oc, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
+        (ids, n_experts, out, tile_m)))
+    x, router = np.zeros((T, D), np.float16), np.zeros((E, D), np.float16)
+    lg, ids, w = np.zeros((T, E), np.float32), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+    arrays = tuple(np.zeros(m, np.int32) for m in (E, E + 1, E + 1, T * k, T * k))
+    for maps in ((tile, *arrays), None):
+        del launches[:], maps_calls[:]
+        assert oc.moe_route(x, router, k, True, lg, ids, w, maps=maps) == (ids, w)
+        (name, grid, block, args, smem), = launches
+        assert name == "moe_route_mma<4, 4>" and grid == (3,) and block == (512,) and smem == oc.moe_rmma_smem(16)
+        assert args[:5] == (x, router, lg, ids, w) and [int(a) for a in args[5:10]] == [T, D, E, k, 1]
+        tail = args[10:]
+        assert len(tail) == 7
+        if maps is not None and fused:
+            assert tail[0] is counter and int(tail[1]) == tile and all(a is b for a, b in zip(tail[2:], arrays))
+            assert maps_calls == []
+        else:
+            assert all(int(a) == 0 for a in tail)
+            if maps is None:
+                assert maps_calls == []
+            else:
+                (got_ids, n_exp, out, tile_m), = maps_calls
+                assert got_ids is ids and n_exp == E and tile_m == tile and all(a is b for a, b in zip(out, arrays))
+
