@@ -2131,7 +2131,8 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
     x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]. One launch on tensor cores
     (moe_route_mma, 8 or 16 warps per block: moe_rmma_form) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is
     "cuda". maps (tile_m, counts, offsets, tiles, p2u, u2p): moe_maps' arrays for these picks are written too, by
-    the routing launch's last block (MOE_ROUTE_MAPS) or by moe_maps after it."""
+    the routing launch's last block (MOE_ROUTE_MAPS, in the 16-warp form: up to moe_route_wide_t() tokens, where it
+    was measured; the 8-warp form's maps over more picks were not) or by moe_maps after it."""
     T, D = x.shape
     E = router.shape[0]
     logits = _empty((T, E), cp.float32) if logits is None else logits
@@ -2142,7 +2143,8 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
         name, warps = moe_rmma_form(T, E)
         smem = moe_rmma_smem(warps)
         allow_dynamic_smem(_compiled("moe", name), smem)
-        if maps is not None and MOE_ROUTE_MAPS:
+        fuse = maps is not None and MOE_ROUTE_MAPS and warps == 16
+        if fuse:
             assert all(a.dtype == cp.int32 and a.flags.c_contiguous for a in maps[1:])
             assert [a.size for a in maps[1:]] == [E, E + 1, E + 1, T * k, T * k]
             tail = (moe_route_counter(), _i(maps[0]), *maps[1:])
@@ -2150,7 +2152,7 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
             tail = (_NULL, _i(0), _NULL, _NULL, _NULL, _NULL, _NULL)
         kernel("moe", name)((math.ceil(T / 16),), (32 * warps,), (
             x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk)), *tail), shared_mem=smem)
-        if maps is not None and not MOE_ROUTE_MAPS:
+        if maps is not None and not fuse:
             moe_maps(ids, E, out=maps[1:], tile_m=maps[0])
         return ids, weights
     if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
