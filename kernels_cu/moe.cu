@@ -126,6 +126,15 @@ __device__ __forceinline__ unsigned lanes_with_same_expert(int e) {
     }
     return e >= 0 ? m : 0u;
 }
+// A warp's expert ids of slots c0 + 32 b + lane (b < MOE_MAP_BATCH), -1 from s1 on: every load issued before any
+// is used (both passes of expert_maps_block read them this way).
+__device__ __forceinline__ void map_ids_batch(const int* ids, int c0, int s1, int lane, int (&e)[MOE_MAP_BATCH]) {
+#pragma unroll
+    for (int b = 0; b < MOE_MAP_BATCH; ++b) {
+        const int s = c0 + 32 * b + lane;
+        e[b] = s < s1 ? __ldcg(ids + s) : -1;
+    }
+}
 template <int NW>
 __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, int tile_m, int* __restrict__ counts,
                                                   int* __restrict__ offsets, int* __restrict__ tile_offsets,
@@ -141,11 +150,7 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
     __syncthreads();
     for (int c0 = s0; c0 < s1; c0 += 32 * MOE_MAP_BATCH) {
         int e[MOE_MAP_BATCH];
-#pragma unroll
-        for (int b = 0; b < MOE_MAP_BATCH; ++b) {
-            const int s = c0 + 32 * b + lane;
-            e[b] = s < s1 ? __ldcg(ids + s) : -1;
-        }
+        map_ids_batch(ids, c0, s1, lane, e);
 #pragma unroll
         for (int b = 0; b < MOE_MAP_BATCH; ++b)
             if (e[b] >= 0) atomicAdd(my + e[b], 1);
@@ -211,11 +216,7 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
     // chunk's group leader advances the cursor
     for (int c0 = s0; c0 < s1; c0 += 32 * MOE_MAP_BATCH) {
         int e[MOE_MAP_BATCH];
-#pragma unroll
-        for (int b = 0; b < MOE_MAP_BATCH; ++b) {
-            const int s = c0 + 32 * b + lane;
-            e[b] = s < s1 ? __ldcg(ids + s) : -1;
-        }
+        map_ids_batch(ids, c0, s1, lane, e);
 #pragma unroll
         for (int b = 0; b < MOE_MAP_BATCH; ++b) {
             const int s = c0 + 32 * b + lane;
