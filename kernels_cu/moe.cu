@@ -260,19 +260,27 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
 // With a counter (one int, zero before, left zero) the last block to finish also builds the expert maps of
 // the T k picks (expert_maps_block, in the stages' shared memory): one launch per MoE layer fewer than
 // moe_expert_maps after it, and no grid-wide wait (change 197). Without one (nullptr) the maps are not built.
+// The split form (moe_route_mma_split, grid (ceil(T / 16), S), change 198): block (tile, y) takes chunks [y nc / S, (y + 1) nc / S) of D's nc,
+// stores its 16 x E sums to plog[y], and the last of a tile's S blocks (tile_counters[tile]) adds the S parts in
+// y order and runs the top-k. Why: below ~1K tokens the grid is a few blocks each reading the whole 0.5 MB router
+// (30B-A3B: ~19 us of loop per layer at 128 and 512 tokens on the H200, not load-latency-bound: session 72); K
+// split over blocks reads the same bytes in all, over S times the SMs. Both forms are route_mma_block below; the
+// unsplit one (moe_route_mma) keeps its own code and registers.
 #define MOE_RMMA_T 16   // tokens per block
 #define MOE_RMMA_ST 4   // cp.async stages per warp (6 pieces of 16 bytes per lane each)
-template <int NG, int KS = 8 / NG>  // expert groups of 32: 4 (E <= 128) or 8 (E <= 256); K parts: 8 or 16 warps
-__global__ void __launch_bounds__(NG * KS * 32)
-moe_route_mma(const half* __restrict__ x,       // [T, D]
-              const half* __restrict__ router,  // [E, D]
-              float* __restrict__ logits,       // [T, E]
-              int* __restrict__ ids,            // [T, k]
-              float* __restrict__ weights,      // [T, k]
-              int T, int D, int E, int k, int norm_topk,
-              int* __restrict__ counter,        // nullptr, or [1] zero: the maps below are built
-              int tile_m, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
-              int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {  // as moe_expert_maps'
+template <int NG, int KS, bool SPLIT>  // expert groups of 32: 4 (E <= 128) or 8 (E <= 256); K parts: 8 or 16 warps
+__device__ __forceinline__ void route_mma_block(
+        const half* __restrict__ x,       // [T, D]
+        const half* __restrict__ router,  // [E, D]
+        float* __restrict__ logits,       // [T, E]
+        int* __restrict__ ids,            // [T, k]
+        float* __restrict__ weights,      // [T, k]
+        int T, int D, int E, int k, int norm_topk,
+        int* __restrict__ counter,        // nullptr, or [1] zero: the maps below are built
+        int tile_m, int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ tile_offsets,
+        int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm,  // as moe_expert_maps'
+        float* __restrict__ plog,          // SPLIT: [S, T, E] the blocks' partial logits
+        int* __restrict__ tile_counters) { // SPLIT: [ceil(T / 16)] zero (left zero)
     constexpr int EP = NG * 32 + 4, ST = MOE_RMMA_ST, NW = NG * KS;  // a partial row's stride (+4: banks)
     constexpr int TPW = MOE_RMMA_T / NW;                              // tokens per warp in the top-k
     static_assert(NW == 8 || NW == 16, "8 or 16 warps: expert groups x K parts");
@@ -286,12 +294,14 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) src[2 + nt] = router + (size_t)min(grp * 32 + nt * 8 + g8, E - 1) * D + 8 * q;
     uint4* my = stage + (size_t)warp * ST * 6 * 32 + lane;
-    const int nc = D / 32, mine = (nc - kp + KS - 1) / KS;  // chunks of D; this warp's
+    const int nc = D / 32, S = SPLIT ? gridDim.y : 1, c_lo = SPLIT ? blockIdx.y * nc / S : 0;
+    const int c_hi = SPLIT ? (blockIdx.y + 1) * nc / S : nc;
+    const int mine = SPLIT ? max(0, (c_hi - c_lo - kp + KS - 1) / KS) : (nc - kp + KS - 1) / KS;  // this warp's chunks
     // chunk i of the warp's into stage i % ST, one commit group each (past the last: zeros, so every
     // iteration commits a group and the wait count stays ST - 1)
     auto issue = [&](int i) {
         const bool in = i < mine;
-        const int k0 = in ? (kp + i * KS) * 32 : 0;
+        const int k0 = in ? (c_lo + kp + i * KS) * 32 : 0;
         uint4* d = my + (i % ST) * 6 * 32;
 #pragma unroll
         for (int p = 0; p < 6; ++p) cp_async16(d + p * 32, src[p] + k0, in ? 16 : 0);
@@ -330,6 +340,18 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
         part[kp][g8 + 8][e + 1] = acc[nt][3];
     }
     __syncthreads();
+    if constexpr (SPLIT) {  // the block's part to plog[y]; the tile's last block goes on with every part (block-uniform)
+        for (int i = threadIdx.x; i < MOE_RMMA_T * E; i += blockDim.x) {
+            const int r = i / E, e = i - r * E;
+            if (t0 + r < T) {
+                float v = part[0][r][e];
+#pragma unroll
+                for (int j = 1; j < KS; ++j) v += part[j][r][e];
+                plog[((size_t)blockIdx.y * T + t0 + r) * E + e] = v;
+            }
+        }
+        if (!block_arrives_last(tile_counters + blockIdx.x, S)) return;
+    }
     // warp w: tokens TPW w .. TPW w + TPW - 1 of the block; lane l holds experts l, l + 32, .. (moe_topk_regs' layout)
 #pragma unroll
     for (int tt = 0; tt < TPW; ++tt) {
@@ -341,9 +363,14 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
             const int e = lane + 32 * j;
             float s = -INFINITY;
             if (e < E) {
-                s = part[0][r][e];
+                if constexpr (SPLIT) {  // the parts in y order (other blocks wrote them: through L2)
+                    s = __ldcg(plog + (size_t)t * E + e);
+                    for (int y = 1; y < S; ++y) s += __ldcg(plog + ((size_t)y * T + t) * E + e);
+                } else {
+                    s = part[0][r][e];
 #pragma unroll
-                for (int i = 1; i < KS; ++i) s += part[i][r][e];
+                    for (int i = 1; i < KS; ++i) s += part[i][r][e];
+                }
                 logits[(size_t)t * E + e] = s;
             }
             p[j] = s;
@@ -351,7 +378,7 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
         moe_topk_regs(p, E, k, norm_topk, ids + (size_t)t * k, weights + (size_t)t * k);
     }
     // (every thread gets here: the stages are free since the barrier above)
-    if (counter == nullptr || !block_arrives_last(counter, gridDim.x)) return;
+    if (counter == nullptr || !block_arrives_last(counter, gridDim.x)) return;  // (SPLIT: the tiles' last blocks)
     // the stages' 12 NW KB: cnt and tot ((NW + 1) KB), then perm_to_unperm's staging (the picks of up to ~2.8K tokens
     // at k = 8 in the 8-warp form, ~5.6K in the 16-warp one)
     u32 dyn;
@@ -359,6 +386,31 @@ moe_route_mma(const half* __restrict__ x,       // [T, D]
     int* cnt = reinterpret_cast<int*>(stage);
     expert_maps_block<NW>(ids, T * k, E, tile_m, counts, offsets, tile_offsets, perm_to_unperm, unperm_to_perm, cnt,
                           cnt + NW * MOE_MAX_E, cnt + (NW + 1) * MOE_MAX_E, (int)(dyn / 4) - (NW + 1) * MOE_MAX_E);
+}
+
+// The unsplit form: launch bounds without a block count, so ptxas keeps it at 64-70 registers as before the split
+// form existed (with a count of 1 it takes 96, and each launch ~0.6-0.9 us longer: session 73).
+template <int NG, int KS = 8 / NG>
+__global__ void __launch_bounds__(NG * KS * 32)
+moe_route_mma(const half* __restrict__ x, const half* __restrict__ router, float* __restrict__ logits,
+              int* __restrict__ ids, float* __restrict__ weights, int T, int D, int E, int k, int norm_topk,
+              int* __restrict__ counter, int tile_m, int* __restrict__ counts, int* __restrict__ offsets,
+              int* __restrict__ tile_offsets, int* __restrict__ perm_to_unperm, int* __restrict__ unperm_to_perm) {
+    route_mma_block<NG, KS, false>(x, router, logits, ids, weights, T, D, E, k, norm_topk, counter, tile_m, counts,
+                                   offsets, tile_offsets, perm_to_unperm, unperm_to_perm, nullptr, nullptr);
+}
+
+// The split form (gridDim.y = S): the 8-warp block at 2 per SM by its stages, which ptxas needs told (without the
+// count it spilled at 64 registers).
+template <int NG, int KS = 8 / NG>
+__global__ void __launch_bounds__(NG * KS * 32, NG * KS == 8 ? 2 : 1)
+moe_route_mma_split(const half* __restrict__ x, const half* __restrict__ router, float* __restrict__ logits,
+                    int* __restrict__ ids, float* __restrict__ weights, int T, int D, int E, int k, int norm_topk,
+                    int* __restrict__ counter, int tile_m, int* __restrict__ counts, int* __restrict__ offsets,
+                    int* __restrict__ tile_offsets, int* __restrict__ perm_to_unperm,
+                    int* __restrict__ unperm_to_perm, float* __restrict__ plog, int* __restrict__ tile_counters) {
+    route_mma_block<NG, KS, true>(x, router, logits, ids, weights, T, D, E, k, norm_topk, counter, tile_m, counts,
+                                  offsets, tile_offsets, perm_to_unperm, unperm_to_perm, plog, tile_counters);
 }
 
 // Softmax over one token's E logits, top-k, optional renormalisation, by one warp (common.cuh's

@@ -319,6 +319,10 @@ MOE_ROUTE_WIDE_T = int(os.environ["KUIPER_MOE_ROUTE_WIDE_T"]) if "KUIPER_MOE_ROU
 # "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
 # 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
 MOE_ROUTE_MAPS = os.environ.get("KUIPER_MOE_ROUTE_MAPS", "1") != "0"
+# moe_route_mma's split form (PERFORMANCE.md change 198): "auto" splits D over up to MOE_ROUTE_SPLIT_MAX blocks per
+# 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
+MOE_ROUTE_SPLITS = os.environ.get("KUIPER_MOE_ROUTE_SPLITS", "auto")
+MOE_ROUTE_SPLIT_MAX = int(os.environ.get("KUIPER_MOE_ROUTE_SPLIT_MAX", "8"))
 
 
 _OPTIN: dict[int, int] = {}
@@ -343,6 +347,15 @@ def moe_route_wide_t() -> int:
 
 
 _RMMA_FITS: dict[tuple[int, str], bool] = {}
+# moe_route_mma's instantiations <NG, KS> (expert groups of 32 x K parts: 8 or 16 warps), each also as
+# moe_route_mma_split (change 198)
+MOE_RMMA_NAMES = [f"moe_route_mma{sp}<{ng}, {w // ng}>" for ng in (4, 8) for w in (8, 16) for sp in ("", "_split")]
+
+
+def moe_rmma_split_name(E: int, warps: int) -> str:
+    """moe_route_mma's split instantiation of moe_rmma_form's form for E experts and warps per block."""
+    ng = 4 if E <= 128 else 8
+    return f"moe_route_mma_split<{ng}, {warps // ng}>"
 
 
 def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
@@ -359,7 +372,7 @@ def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
             fits = _RMMA_FITS[key] = moe_rmma_smem(16) + _compiled("moe", wide).shared_size_bytes <= smem_optin()
         if fits:
             return wide, 16
-    return f"moe_route_mma<{ng}>", 8
+    return f"moe_route_mma<{ng}, {8 // ng}>", 8
 
 
 _FILES = {
@@ -371,8 +384,7 @@ _FILES = {
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", "moe_route_mma<4>", "moe_route_mma<8>", "moe_route_mma<4, 4>",
-                       "moe_route_mma<8, 2>", "moe_route_decode",
+    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
                        "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
     # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
@@ -412,8 +424,8 @@ _FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_
 # 16-byte norm and RoPE forms).
 PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm",
                "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", "moe_route_mma<4>",
-               "moe_route_mma<8>", "moe_route_mma<4, 4>", "moe_route_mma<8, 2>", "moe_route_decode"} | {
+               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", *MOE_RMMA_NAMES,
+               "moe_route_decode"} | {
                f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
 _PDL: dict[int, bool] = {}
 
@@ -2116,14 +2128,41 @@ def lm_head(x, W, out, arg_slot=None, n_arg: int = 0):
 
 # ---------------------------------------------------------------------------------------------- MoE stages
 _MOE_COUNTER: dict[int, object] = {}
+_MOE_TILE_COUNTERS: dict[int, object] = {}
+MOE_ROUTE_MAX_TILES = 4096  # the split form's per-tile counters (65536 tokens)
 
 
 def moe_route_counter():
-    """moe_route_mma's arrival counter (one int32, zero between launches; each launch leaves it zero), per device."""
+    """moe_route_mma's arrival counter for the maps (one int32, zero between launches; each launch leaves it zero),
+    per device."""
     dev = _dev_id()
     if dev not in _MOE_COUNTER:
         _MOE_COUNTER[dev] = cp.zeros((1,), cp.int32)
     return _MOE_COUNTER[dev]
+
+
+def moe_route_tile_counters():
+    """moe_route_mma's split form's arrival counters, one per 16-token tile (int32 [MOE_ROUTE_MAX_TILES], zero between
+    launches; each launch leaves them zero), per device."""
+    dev = _dev_id()
+    if dev not in _MOE_TILE_COUNTERS:
+        _MOE_TILE_COUNTERS[dev] = cp.zeros((MOE_ROUTE_MAX_TILES,), cp.int32)
+    return _MOE_TILE_COUNTERS[dev]
+
+
+def moe_route_splits(T: int, D: int, warps: int, ng: int) -> int:
+    """moe_route_mma's K splits per 16-token tile (gridDim.y): as many as keep the grid one wave (one 16-warp block or two
+    8-warp blocks per SM) up to MOE_ROUTE_SPLIT_MAX, each split at least one 32-wide chunk of D per warp; or
+    MOE_ROUTE_SPLITS forced (within the chunk bound). One token never splits (a decode step's fallback routing may be
+    captured in a graph, where the partial logits' allocation has no place)."""
+    if T == 1:
+        return 1
+    tiles, ks = math.ceil(T / 16), warps // ng
+    most = max(1, (D // 32) // ks)
+    if MOE_ROUTE_SPLITS != "auto":
+        return max(1, min(int(MOE_ROUTE_SPLITS), most))
+    per_sm = 1 if warps == 16 else 2
+    return max(1, min(MOE_ROUTE_SPLIT_MAX, most, per_sm * sm_count() // tiles))
 
 
 def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None, maps=None):
@@ -2142,15 +2181,23 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
             and router.flags.c_contiguous):
         name, warps = moe_rmma_form(T, E)
         smem = moe_rmma_smem(warps)
+        tiles = math.ceil(T / 16)
+        splits = moe_route_splits(T, D, warps, 4 if E <= 128 else 8)
+        if splits > 1:  # the split instantiation (its own code and registers: the unsplit form keeps its own)
+            assert tiles <= MOE_ROUTE_MAX_TILES
+            name = moe_rmma_split_name(E, warps)
+            split = (_empty((splits, T, E), cp.float32), moe_route_tile_counters())
+        else:
+            split = ()
         allow_dynamic_smem(_compiled("moe", name), smem)
         fuse = maps is not None and MOE_ROUTE_MAPS and warps == 16
         if fuse:
             assert all(a.dtype == cp.int32 and a.flags.c_contiguous for a in maps[1:])
             assert [a.size for a in maps[1:]] == [E, E + 1, E + 1, T * k, T * k]
-            tail = (moe_route_counter(), _i(maps[0]), *maps[1:])
+            tail = (moe_route_counter(), _i(maps[0]), *maps[1:], *split)
         else:
-            tail = (_NULL, _i(0), _NULL, _NULL, _NULL, _NULL, _NULL)
-        kernel("moe", name)((math.ceil(T / 16),), (32 * warps,), (
+            tail = (_NULL, _i(0), _NULL, _NULL, _NULL, _NULL, _NULL, *split)
+        kernel("moe", name)((tiles, splits), (32 * warps,), (
             x, router, logits, ids, weights, _i(T), _i(D), _i(E), _i(k), _i(int(norm_topk)), *tail), shared_mem=smem)
         if maps is not None and not fuse:
             moe_maps(ids, E, out=maps[1:], tile_m=maps[0])

@@ -330,7 +330,7 @@ def test_moe_topk_picks_as_a_stable_sort_with_many_ties(n_exp, k):
 @pytest.mark.parametrize("n_exp,k,dim", [(E, K_TOP, D), (60, 4, 256), (200, 8, 4096), (8, 2, 128), (256, 8, 2048),
                                          (33, 1, 96)])
 @pytest.mark.parametrize("T", [1, 15, 17, 300, 2048])
-@pytest.mark.parametrize("path", ["mma8", "mma16", "cuda"])
+@pytest.mark.parametrize("path", ["mma8", "mma16", "mma8s", "mma16s", "cuda"])
 def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     """moe_route's two paths, moe_route_mma (the logits on tensor cores, the softmax and top-k in the same
     launch; its 8- and 16-warp forms at every T) and "cuda" (moe_router_logits or the fp32 cuBLAS GEMM, then
@@ -340,7 +340,8 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     places: assert_same_topk), the weights the softmax of the kernel's own logits over its picks. Outputs
     poisoned; 33 experts and D = 96 leave a partial expert group and an odd chunk count."""
     monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if path == "cuda" else "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 1 << 30 if path == "mma16" else 0)
+    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 1 << 30 if path.startswith("mma16") else 0)
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "3" if path.endswith("s") else "1")  # (3: uneven chunk ranges)
     rng = np.random.default_rng()
     x = rng.standard_normal((T, dim)).astype(np.float16)
     router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
@@ -349,7 +350,10 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     bound = 4e-5 * (np.abs(x64) @ np.abs(r64).T)
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     ng = 4 if n_exp <= 128 else 8
-    launches = ([f"moe_route_mma<{ng}>"] if path == "mma8" else [f"moe_route_mma<{ng}, {16 // ng}>"] if path == "mma16" else
+    warps = 16 if path.startswith("mma16") else 8
+    split = "_split" if path.endswith("s") and oc.moe_route_splits(T, dim, warps, ng) > 1 else ""
+    launches = ([f"moe_route_mma{split}<{ng}, {8 // ng}>"] if path.startswith("mma8") else
+                [f"moe_route_mma{split}<{ng}, {16 // ng}>"] if path.startswith("mma16") else
                 ["moe_topk"] if T >= oc.MOE_ROUTER_GEMM_MIN_T else ["moe_router_logits", "moe_topk"])
     for norm_topk in (True, False):
         lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
@@ -377,7 +381,8 @@ def test_moe_route_mma_form_by_token_count(monkeypatch):
     monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
     wide = oc.moe_route_wide_t()
     assert wide == 16 * oc.sm_count()
-    for T, name in ((wide, "moe_route_mma<4, 4>"), (wide + 1, "moe_route_mma<4>")):
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "1")
+    for T, name in ((wide, "moe_route_mma<4, 4>"), (wide + 1, "moe_route_mma<4, 2>")):
         del calls[:]
         oc.moe_route(cp.ones((T, 64), cp.float16), router, 8, True)
         assert calls == [name]
@@ -406,7 +411,7 @@ def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k, wide_t, m
 
 @pytest.mark.parametrize("n_exp,k", [(E, K_TOP), (256, 8), (60, 4), (33, 1), (200, 32)])
 @pytest.mark.parametrize("T", [1, 7, 17, 300, 2048, 4100])
-@pytest.mark.parametrize("form", ["mma8", "mma16", "separate", "cuda"])
+@pytest.mark.parametrize("form", ["mma8", "mma16", "mma16s", "separate", "cuda"])
 def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
     """moe_route's maps: moe_route_mma's last block (its 16-warp form), moe_expert_maps after it (the 8-warp form,
     MOE_ROUTE_MAPS off) or after moe_topk ("cuda") build the expert maps of the picks they made, equal to NumPy's
@@ -417,9 +422,10 @@ def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
     monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if form == "cuda" else "mma")
     monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 0 if form == "mma8" else 1 << 30)
     monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", form != "separate")
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "4" if form == "mma16s" else "1")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     rng = np.random.default_rng()
-    dim = 128
+    dim = 512 if form == "mma16s" else 128  # (split: 16 chunks of D, 4 per split over 4 or 2 K parts)
     router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
     router[::7] = -1 / math.sqrt(dim)  # with x >= 0 these experts lose (unless k is most of E)
     n = T * k
@@ -430,12 +436,14 @@ def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
         del calls[:]
         oc.moe_route(cp.asarray(x), cp.asarray(router), k, True, poisoned((T, n_exp), np.float32), ids,
                      poisoned((T, k), np.float32), maps=(tile_m, *maps))
-        form_name = oc.moe_rmma_form(T, n_exp)[0]
-        if form == "mma16" and form_name.count(","):  # (the 16-warp form where it fits: one launch)
-            assert calls == [form_name]
+        form_name, warps = oc.moe_rmma_form(T, n_exp)
+        if form.startswith("mma16") and warps == 16:  # (the 16-warp form where it fits: one launch)
+            split = oc.moe_route_splits(T, dim, warps, 4 if n_exp <= 128 else 8) > 1
+            assert split == (form == "mma16s" and T > 1)
+            assert calls == [oc.moe_rmma_split_name(n_exp, warps) if split else form_name]
         else:
             assert calls[-1] == "moe_expert_maps"
-        assert int(oc.moe_route_counter()[0]) == 0
+        assert int(oc.moe_route_counter()[0]) == 0 and int(cp.count_nonzero(oc.moe_route_tile_counters())) == 0
         ids = cp.asnumpy(ids)
         assert ((ids >= 0) & (ids < n_exp)).all()
         counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids, n_exp)

@@ -273,12 +273,12 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
     monkeypatch.setattr(oc, "_dev_id", lambda: 0)
     monkeypatch.setattr(oc, "smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(oc, "_compiled", lambda family, name: Fn())
-    wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4>", 8)
+    wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4, 2>", 8)
     for _ in range(3):
         assert oc.moe_rmma_form(128, 128) == wide
-        assert oc.moe_rmma_form(16 * 132 + 1, 128) == ("moe_route_mma<4>", 8)
+        assert oc.moe_rmma_form(16 * 132 + 1, 128) == ("moe_route_mma<4, 2>", 8)
     assert len(asked) == 1
-    assert oc.moe_rmma_form(128, 256) == (("moe_route_mma<8, 2>", 16) if fits else ("moe_route_mma<8>", 8))
+    assert oc.moe_rmma_form(128, 256) == (("moe_route_mma<8, 2>", 16) if fits else ("moe_route_mma<8, 1>", 8))
     assert len(asked) == 2
 
 
@@ -352,22 +352,28 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused, splits):
     """moe_route (the launch mocked, NumPy arrays for CuPy's): with maps and MOE_ROUTE_MAPS, one moe_route_mma launch
     whose arguments end with the arrival counter, the tile rows and the five map arrays in moe_expert_maps' order;
     with MOE_ROUTE_MAPS off, null pointers there and then moe_maps over the same arrays and tile; without maps, null
-    pointers and no moe_maps."""
+    pointers and no moe_maps. With S splits, moe_route_mma_split over a (tiles, S) grid and two more arguments, the
+    partial logits [S, T, E] and the tile counters; with one, moe_route_mma and nothing more. The dynamic shared memory
+    is allowed for the instantiation launched."""
     import numpy as np
-    T, D, E, k, tile = 40, 64, 128, 8, 128
+    T, D, E, k, tile = 40, 512, 128, 8, 128  # (D: 16 chunks, 4 per split over 4 K parts)
     launches, maps_calls = [], []
-    counter = np.zeros(1, np.int32)
+    counter, tile_counters = np.zeros(1, np.int32), np.zeros(oc.MOE_ROUTE_MAX_TILES, np.int32)
     monkeypatch.setattr(oc, "cp", np)
     monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
     monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", fused)
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", str(splits))
     monkeypatch.setattr(oc, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
     monkeypatch.setattr(oc, "_compiled", lambda family, name: name)
-    monkeypatch.setattr(oc, "allow_dynamic_smem", lambda fn, n: None)
+    allowed = []
+    monkeypatch.setattr(oc, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
     monkeypatch.setattr(oc, "moe_route_counter", lambda: counter)
+    monkeypatch.setattr(oc, "moe_route_tile_counters", lambda: tile_counters)
     monkeypatch.setattr(oc, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
         (name, grid, block, args, shared_mem)))
     monkeypatch.setattr(oc, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
@@ -379,18 +385,41 @@ def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused):
         del launches[:], maps_calls[:]
         assert oc.moe_route(x, router, k, True, lg, ids, w, maps=maps) == (ids, w)
         (name, grid, block, args, smem), = launches
-        assert name == "moe_route_mma<4, 4>" and grid == (3,) and block == (512,) and smem == oc.moe_rmma_smem(16)
+        assert name == ("moe_route_mma<4, 4>" if splits == 1 else "moe_route_mma_split<4, 4>")
+        assert grid == (3, splits) and block == (512,) and smem == oc.moe_rmma_smem(16)
+        assert allowed[-1] == (name, smem)  # (the launched instantiation's opt-in: its stages pass 48 KB)
         assert args[:5] == (x, router, lg, ids, w) and [int(a) for a in args[5:10]] == [T, D, E, k, 1]
         tail = args[10:]
-        assert len(tail) == 7
+        assert len(tail) == (7 if splits == 1 else 9)
+        if splits > 1:
+            assert tail[7].shape == (splits, T, E) and tail[7].dtype == np.float32 and tail[8] is tile_counters
         if maps is not None and fused:
-            assert tail[0] is counter and int(tail[1]) == tile and all(a is b for a, b in zip(tail[2:], arrays))
+            assert tail[0] is counter and int(tail[1]) == tile and all(a is b for a, b in zip(tail[2:7], arrays))
             assert maps_calls == []
         else:
-            assert all(int(a) == 0 for a in tail)
+            assert all(int(a) == 0 for a in tail[:7])
             if maps is None:
                 assert maps_calls == []
             else:
                 (got_ids, n_exp, out, tile_m), = maps_calls
                 assert got_ids is ids and n_exp == E and tile_m == tile and all(a is b for a, b in zip(out, arrays))
+
+
+@pytest.mark.parametrize("T,warps,ng,want", [(128, 16, 4, 8), (512, 16, 4, 4), (2048, 16, 4, 1), (16, 16, 8, 8),
+                                           (4096, 8, 4, 1), (300, 16, 4, 6), (96, 8, 4, 8)])
+def test_moe_route_splits_fill_one_wave(sms, monkeypatch, T, warps, ng, want):
+    """moe_route_splits: the 16-token tiles times their K splits stay one wave (one 16-warp block or two 8-warp blocks
+    per SM of 132), at most MOE_ROUTE_SPLIT_MAX (8), every warp of a split at least one 32-wide chunk of D (2048)."""
+    sms(132)
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "auto")
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLIT_MAX", 8)
+    got = oc.moe_route_splits(T, 2048, warps, ng)
+    assert got == want
+    tiles = -(-T // 16)
+    assert got == 1 or tiles * got <= 132 * (1 if warps == 16 else 2)
+    assert (2048 // 32) // (warps // ng) >= got
+    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "3")
+    assert oc.moe_route_splits(T, 2048, warps, ng) == 3
+    assert oc.moe_route_splits(T, 96, warps, ng) == 1  # 3 chunks of D, 4 K parts: no split has a chunk per warp
+    assert oc.moe_route_splits(1, 2048, warps, ng) == 1  # one token never splits
 
