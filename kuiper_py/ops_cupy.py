@@ -281,6 +281,13 @@ MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, na
 MOE_RS_FORMS = {64: (8, 4, 0, 0) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
                 128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
+# Below this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV on
+# tensor cores (gemm_moe_tc.cu, PERFORMANCE.md change 199, exp/moe-tc: not yet measured), in tiles of 16 rows up to
+# MOE_TC_T16_MAX on the mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B)
+MOE_TC = os.environ.get("KUIPER_MOE_TC", "auto")
+MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "48"))
+MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "10"))
+MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
 # ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
@@ -384,6 +391,8 @@ _FILES = {
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
+    # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199, exp/moe-tc)
+    "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
                        "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
@@ -2277,6 +2286,19 @@ MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
 MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "60"))
 
 
+def moe_tc_fits(D: int, inter: int, group: int) -> bool:
+    """gemm_moe_tc's shape table for both expert GEMMs: each N a multiple of 256 (whole column tiles), each K of
+    128 (its x chunks), the group a multiple of 128 (a chunk's scales and zeros are one group's)."""
+    return D % 256 == 0 and inter % 256 == 0 and group % 128 == 0
+
+
+def moe_tc_tile(n: int, E: int) -> int | None:
+    """gemm_moe_tc's rows per tile for n routed rows over E experts, or None where gemm_moe_rs is taken (MOE_TC)."""
+    if MOE_TC == "0" or n > MOE_TC_MAX_MEAN * E:
+        return None
+    return 16 if n <= MOE_TC_T16_MAX * E else 32
+
+
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
     """gemm_moe_rs's shape table for both expert GEMMs: gate|up [D, 2 inter] and down [inter, D], each N a
     multiple of 256 (whole 32-word column tiles), each K of 64, group 64 << n."""
@@ -2315,6 +2337,24 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
         xmap, stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
         _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else xmap),  # (unread)
         smem)
+    return out
+
+
+def gemm_moe_tc(x, stack: AwqStack, offsets, tiles, tm: int, out=None, p2u=None, k: int = 1):
+    """One grouped GEMM over every expert (gemm_moe_tc.cu, few rows per expert): x [n, K] in permuted row order
+    (each expert's rows contiguous, offsets [E+1]; tiles [E+1] moe_maps' tile offsets for tile_m = tm), or with
+    p2u the [T, K] token rows, permuted row r reading token p2u[r] // k; times each expert's [K, N] matrix -> out
+    [n, N] in permuted order."""
+    n = x.shape[0] if p2u is None else p2u.size
+    K = x.shape[1]
+    E, N = stack.E, stack.scales.shape[-1]
+    assert tm in MOE_TC_TILES and K % 128 == 0 and N % 256 == 0 and stack.group_size % 128 == 0
+    assert stack.qweight.shape[1] == K and x.flags.c_contiguous
+    out = _empty((n, N), cp.float16) if out is None else out
+    assert out.strides[1] == 2 and out.strides[0] % 4 == 0
+    kernel("moetc", f"gemm_moe_tc<{tm}, {int(p2u is not None)}>")((N // 256, _moe_grid_rows(n, E, tm)), (128,), (
+        x, _NULL if p2u is None else p2u, _i(k), stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K),
+        _i(stack.group_size), _i(out.strides[0] // 2), offsets, tiles, _i(E)))
     return out
 
 
@@ -2360,11 +2400,15 @@ def moe_rs_path(w13: AwqStack, w2: AwqStack) -> bool:
 
 
 def moe_experts_tile(w13: AwqStack, w2: AwqStack, n: int, rs: bool | None = None) -> tuple[bool, int]:
-    """(rs, tile rows) of moe_experts for n routed rows: whether it takes gemm_moe_rs (rs, default
-    moe_rs_path) and the rows per tile its expert maps are counted in (moe_rs_tile, or GEMM_BM)."""
+    """(rs, tile rows) of moe_experts for n routed rows: whether it takes the Hopper path (rs, default moe_rs_path)
+    and the rows per tile its expert maps are counted in: on that path gemm_moe_tc's (16 or 32, moe_tc_tile) where
+    it serves, else gemm_moe_rs's (moe_rs_tile, 64 or 128); GEMM_BM on the mma.sync path."""
     if rs is None:
         rs = moe_rs_path(w13, w2)
-    return rs, moe_rs_tile(n, w13.E) if rs else GEMM_BM
+    if not rs:
+        return False, GEMM_BM
+    tm = moe_tc_tile(n, w13.E) if moe_tc_fits(w2.scales.shape[-1], w2.qweight.shape[1], w2.group_size) else None
+    return True, tm or moe_rs_tile(n, w13.E)
 
 
 def moe_maps_arrays(n: int, E: int) -> tuple:
@@ -2389,6 +2433,10 @@ def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = 
     _, offsets, tiles, p2u, u2p = maps
     if not rs:
         y = moe_gemm_down(moe_gemm_gate_up(x, w13, offsets, tiles, p2u, k), w2, offsets, tiles)
+    elif bt in MOE_TC_TILES:  # gate|up reads the token rows through p2u itself: no gathered copy
+        gu = gemm_moe_tc(x, w13, offsets, tiles, bt, p2u=p2u, k=k)
+        inter = gu.shape[1] // 2
+        y = gemm_moe_tc(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
     else:
         gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
         inter = gu.shape[1] // 2

@@ -146,6 +146,7 @@ def rs_form_or_skip(monkeypatch, form) -> int:
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
     monkeypatch.setitem(oc.MOE_RS_FORMS, form[0], form[1:])
+    monkeypatch.setattr(oc, "MOE_TC", "0")  # (moe_experts' rs path is gemm_moe_rs at every length)
     return form[0]
 
 
@@ -216,6 +217,72 @@ def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
     assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
     act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
     y = oc.gemm_moe_rs(cp.asarray(act), w2_d, offs, tiles, bt, out=poisoned((n, Db), np.float16))
+    assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
+
+
+@pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
+@pytest.mark.parametrize("T", [1, 7, 300, 2048])
+def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
+    """Prefill's expert half on gemm_moe_tc (the batched GEMV on tensor cores for few rows per expert, PERFORMANCE.md
+    change 199) in tiles of tm rows: gate|up reading the token rows through perm_to_unperm, down on permuted rows,
+    each against moe_ref with poisoned outputs; then moe_experts whole on that path against moe_ref's pipeline.
+    Experts with no tokens are part of every case (DEAD); 300 and 2048 tokens give experts of many tiles, whose
+    last tile ends inside the expert."""
+    rng = np.random.default_rng()
+    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
+    n = T * K_TOP
+    ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, True)
+    counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids_ref, E)
+    assert (counts_ref[DEAD] == 0).all()
+    ids_d = cp.asarray(ids_ref)
+    _, offsets, tiles, p2u, u2p = oc.moe_maps(ids_d, E, tile_m=tm)
+    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((counts_ref + tm - 1) // tm)]))
+
+    xp_ref = moe_ref.gather(x, p2u_ref, K_TOP)
+    gu_ref = moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets_ref, layer["w13"])  # [n, 2I]: gate | up
+    gu = oc.gemm_moe_tc(cp.asarray(x), layer["w13_d"], offsets, tiles, tm, out=poisoned((n, 2 * INTER), np.float16),
+                        p2u=p2u, k=K_TOP)
+    assert row_rel(cp.asnumpy(gu), gu_ref) < 5e-3
+
+    act16 = (silu(gu_ref[:, :INTER]) * gu_ref[:, INTER:]).astype(np.float16)
+    y_ref = moe_ref.grouped_gemm2(act16.astype(np.float32), offsets_ref, layer["w2"])
+    y = oc.gemm_moe_tc(cp.asarray(act16), layer["w2_d"], offsets, tiles, tm, out=poisoned((n, D), np.float16))
+    assert row_rel(cp.asnumpy(y), y_ref) < 5e-3
+
+    out_ref = moe_ref.finalize(moe_ref.grouped_gemm2(
+        moe_ref.grouped_gemm1_swiglu(xp_ref.astype(np.float32), offsets_ref, layer["w13"]), offsets_ref,
+        layer["w2"]), u2p_ref, w_ref)
+    monkeypatch.setattr(oc, "MOE_TC", "auto")
+    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)
+    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 1e9 if tm == 16 else 0)
+    assert oc.moe_experts_tile(layer["w13_d"], layer["w2_d"], n, rs=True) == (True, tm)
+    calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **kw: a[4])
+    got = oc.moe_experts(cp.asarray(x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref), rs=True)
+    assert calls == [tm, tm]
+    assert row_rel(cp.asnumpy(got), out_ref) < 1e-2
+
+
+@pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
+def test_gemm_moe_tc_at_235b_shapes(tm):
+    """gemm_moe_tc at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536: K 4096 and 1536, 12
+    and 16 column tiles) on 16 of its experts, rows routed at random (expert 0 empty, expert 1 in more than two
+    tiles, so a tile ends inside an expert), every row against moe_ref with poisoned outputs."""
+    rng = np.random.default_rng()
+    Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * tm + 5
+    w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
+    w2, w2_d = rand_stack(rng, Eb, Ib, Db)
+    ids = np.stack([np.concatenate([[1], rng.choice(np.arange(2, Eb), kb - 1, replace=False)])
+                    for _ in range(T)]).astype(np.int32)
+    counts, offsets, p2u, _ = moe_ref.expert_maps(ids, Eb)
+    assert counts[0] == 0 and counts[1] > 2 * tm
+    n = T * kb
+    _, offs, tiles, p2u_d, _ = oc.moe_maps(cp.asarray(ids), Eb, tile_m=tm)
+    x = rng.standard_normal((T, Db)).astype(np.float16)
+    xp_ref = moe_ref.gather(x, p2u, kb)
+    gu = oc.gemm_moe_tc(cp.asarray(x), w13_d, offs, tiles, tm, out=poisoned((n, 2 * Ib), np.float16), p2u=p2u_d, k=kb)
+    assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
+    act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
+    y = oc.gemm_moe_tc(cp.asarray(act), w2_d, offs, tiles, tm, out=poisoned((n, Db), np.float16))
     assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
 
 

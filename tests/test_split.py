@@ -423,3 +423,26 @@ def test_moe_route_splits_fill_one_wave(sms, monkeypatch, T, warps, ng, want):
     assert oc.moe_route_splits(T, 96, warps, ng) == 1  # 3 chunks of D, 4 K parts: no split has a chunk per warp
     assert oc.moe_route_splits(1, 2048, warps, ng) == 1  # one token never splits
 
+
+
+@pytest.mark.parametrize("inter,group,fits", [(768, 128, True), (1536, 128, True), (832, 128, False), (768, 64, False)])
+def test_moe_experts_tile_takes_tc_below_the_mean(monkeypatch, inter, group, fits):
+    """moe_experts_tile on the Hopper path: gemm_moe_tc's tiles (16 rows up to MOE_TC_T16_MAX rows per expert on the
+    mean, 32 above) up to MOE_TC_MAX_MEAN, gemm_moe_rs's (64 / 128) past it, with MOE_TC off, or where the shapes
+    do not fit gemm_moe_tc (an intermediate size not of whole 256-column tiles, a group under 128); the mma.sync
+    path's GEMM_BM off the Hopper path. Shapes only: the stacks hold empty arrays."""
+    import numpy as np
+    from kuiper_py.loader import AwqStack
+    E, D = 128, 2048
+    w13 = AwqStack(np.empty((E, 0, 2 * inter // 8), np.int32), None, np.empty((E, 0, 2 * inter), np.float16), group)
+    w2 = AwqStack(np.empty((E, inter, 0), np.int32), None, np.empty((E, 0, D), np.float16), group)
+    monkeypatch.setattr(oc, "MOE_TC", "auto")
+    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 48)
+    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 10)
+    monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 60)
+    for n, tc in ((8, 16), (10 * E, 16), (10 * E + 1, 32), (48 * E, 32), (48 * E + 1, None), (60 * E, None)):
+        want = tc if fits and tc else oc.moe_rs_tile(n, E)
+        assert oc.moe_experts_tile(w13, w2, n, rs=True) == (True, want), n
+        assert oc.moe_experts_tile(w13, w2, n, rs=False) == (False, oc.GEMM_BM)
+    monkeypatch.setattr(oc, "MOE_TC", "0")
+    assert oc.moe_experts_tile(w13, w2, 8, rs=True) == (True, 64)

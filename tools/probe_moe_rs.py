@@ -1,11 +1,16 @@
-"""Probe of Qwen3-MoE prefill's grouped expert GEMMs (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md changes 168-179):
-each compiled form (rows per tile, stages, consumer warpgroups, narrow, swizzled: ops_cupy.MOE_RS_FORMS_ALL) timed alone on the
+"""Probe of Qwen3-MoE prefill's grouped expert GEMMs (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md changes 168-179, and
+gemm_moe_tc.cu gemm_moe_tc, change 199): each compiled form (gemm_moe_rs: rows per tile, stages, consumer warpgroups,
+narrow, swizzled: ops_cupy.MOE_RS_FORMS_ALL; gemm_moe_tc: rows per tile, MOE_TC_TILES, gate|up reading the token rows
+through perm_to_unperm) timed alone on the
 gate|up and down GEMMs of a real MoE layer shape (random weights, random routing), the forms of one tile size in
 alternation over several rounds so a slow spell of the GPU lands on all of them. One launch reads every expert's
 weights (30B-A3B: 201 MB for gate|up, more than the L2 several times over), so the numbers are DRAM numbers.
 Each form's output is checked against gemm_w4a16.cu's mma.sync grouped GEMMs (an independent kernel: gate|up
 through SwiGLU, down as is), outputs poisoned with NaN first. Runs on compute capability 9.0 only. Prints a
-table last (µs per launch, the median of the rounds, and the spread); --json writes the rows."""
+table last (µs per launch, the median of the rounds, and the spread; the weights' bytes over the median as TB/s);
+--json writes the rows. --tc-only times gemm_moe_tc alone (and the rs form its tile size would replace).
+
+    python tools/probe_moe_rs.py [--shape 30b-a3b] [--tokens 128,256,512,1024] [--rounds 3] [--tc-only]"""
 import json
 import sys
 from pathlib import Path
@@ -43,7 +48,8 @@ def rel_err(got, ref) -> float:
 @click.option("--tokens", default="256,512,1024,2048", help="prefill token counts (rows routed = tokens x k)")
 @click.option("--rounds", default=3, help="alternating rounds over the forms")
 @click.option("--json", "json_out", default=None)
-def main(shape, tokens, rounds, json_out):
+@click.option("--tc-only", is_flag=True, help="gemm_moe_tc's forms and gemm_moe_rs's default 64-row form only")
+def main(shape, tokens, rounds, json_out, tc_only):
     if not oc.wgmma_available():
         raise click.ClickException("needs compute capability 9.0 (sm_90a)")
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -60,8 +66,29 @@ def main(shape, tokens, rounds, json_out):
             act_ref_m = oc.moe_gemm_gate_up(x, w13, offs_m, tiles_m, p2u_m, k)  # [n, inter] permuted (mma maps)
             act = cp.random.standard_normal((T * k, inter), dtype=cp.float32).astype(cp.float16)  # down's input
             down_ref = oc.moe_gemm_down(act, w2, offs_m, tiles_m)
+            for tm in oc.MOE_TC_TILES:  # gemm_moe_tc: gate|up straight from the token rows
+                _, offs, tiles, p2u, _ = oc.moe_maps(ids, E, tile_m=tm)
+                assert bool((p2u == p2u_m).all()), "the maps of both tile sizes permute the rows alike"
+                row = {"shape": shape, "tokens": T, "rows_per_tile": tm}
+                gu = cp.full((T * k, 2 * inter), cp.nan, cp.float16)
+                oc.gemm_moe_tc(x, w13, offs, tiles, tm, out=gu, p2u=p2u, k=k)
+                a = oc.silu_mul(gu, gu[:, inter:], inter, 2 * inter)
+                y = cp.full((T * k, D), cp.nan, cp.float16)
+                oc.gemm_moe_tc(act, w2, offs, tiles, tm, out=y)
+                row["tc_err"] = max(rel_err(a, act_ref_m), rel_err(y, down_ref))
+                times = {"tc_gu": [], "tc_down": []}
+                for _ in range(rounds):
+                    times["tc_gu"].append(1e3 * time_ms(
+                        lambda i: oc.gemm_moe_tc(x, w13, offs, tiles, tm, out=gu, p2u=p2u, k=k), iters=10, reps=3))
+                    times["tc_down"].append(1e3 * time_ms(
+                        lambda i: oc.gemm_moe_tc(act, w2, offs, tiles, tm, out=y), iters=10, reps=3))
+                row["us"] = times
+                out.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
             for bt in sorted({f[0] for f in oc.MOE_RS_FORMS_ALL}):
-                forms = [f for f in oc.MOE_RS_FORMS_ALL if f[0] == bt]
+                if tc_only and bt != 64:
+                    continue
+                forms = [f for f in oc.MOE_RS_FORMS_ALL if f[0] == bt and (not tc_only or f[1:] == saved[bt])]
                 _, offs, tiles, p2u, _ = oc.moe_maps(ids, E, tile_m=bt)
                 xp = oc.moe_gather(x, p2u, k)
                 # the same permutation either way (rows of an expert in token order): check it, then the
@@ -96,15 +123,19 @@ def main(shape, tokens, rounds, json_out):
         Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "default_forms": saved}, indent=1))
     print(f"# {gpu}, {shape} expert GEMMs: µs per launch, median of {rounds} alternating rounds (min-max); "
           f"largest error against the mma.sync grouped GEMMs / largest |reference|; default forms {saved}")
-    print("| tokens | rows per tile | form (stages, warpgroups, narrow, swizzled) | gate\\|up µs | down µs | error |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: |")
+    wbytes = {g: E * K * N // 2 + E * (K // 128) * (2 * N + N // 2) for g, K, N in (("gu", D, 2 * inter), ("down", inter, D))}
+    print("| tokens | rows per tile | form (tc, or rs: stages, warpgroups, narrow, swizzled) | gate\\|up µs | down µs | "
+          "gate\\|up / down TB/s | error |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in out:
         for key in sorted({kk.rsplit("_", 1)[0] for kk in r["us"]}):
-            cells = []
+            cells, rates = [], []
             for g in ("gu", "down"):
                 v = sorted(r["us"][f"{key}_{g}"])
                 cells.append(f"{v[len(v) // 2]:.1f} ({v[0]:.1f}-{v[-1]:.1f})")
-            print(f"| {r['tokens']} | {r['rows_per_tile']} | {key} | {cells[0]} | {cells[1]} | {r[key + '_err']:.1e} |")
+                rates.append(f"{wbytes[g] / (v[len(v) // 2] * 1e-6) / 1e12:.2f}")
+            print(f"| {r['tokens']} | {r['rows_per_tile']} | {key} | {cells[0]} | {cells[1]} | {' / '.join(rates)} | "
+                  f"{r[key + '_err']:.1e} |")
 
 
 if __name__ == "__main__":
