@@ -1,8 +1,8 @@
-// MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199, branch exp/moe-tc):
-// a batched GEMV on tensor cores. Why: below ~50 rows per expert (30B-A3B prompts up to ~800 tokens) every expert's
+// MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199): a batched GEMV on
+// tensor cores. Why: with a few dozen rows per expert (30B-A3B prompts up to ~500 tokens) every expert's
 // weights are read once per layer and each weight serves only its expert's few rows, so the GEMM should run at
 // DRAM speed; gemm_moe_rs (register-A wgmma, weights staged through shared memory by bulk copies and mbarriers)
-// reads them at ~1-2 TB/s there (PERFORMANCE.md sessions 61-65: its K-tile pipeline is issue-bound). Here each
+// reads them at ~1.3-1.5 TB/s there (PERFORMANCE.md sessions 61-65: its K-tile pipeline is issue-bound). Here each
 // thread streams its packed words straight into registers, 16 bytes a load and a whole 128-k chunk ahead, as the
 // decode GEMVs do, and only the block's x rows pass through shared memory (cp.async, 3 stages).
 //

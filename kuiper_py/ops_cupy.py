@@ -281,12 +281,14 @@ MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, na
 MOE_RS_FORMS = {64: (8, 4, 0, 0) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
                 128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
-# Below this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV on
-# tensor cores (gemm_moe_tc.cu, PERFORMANCE.md change 199, exp/moe-tc: not yet measured), in tiles of 16 rows up to
-# MOE_TC_T16_MAX on the mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B)
+# Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
+# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md change 199), in tiles of 16 rows up to MOE_TC_T16_MAX on the mean
+# and 32 above; "0" keeps gemm_moe_rs at every length (A/B). H200 30B-A3B, both expert GEMMs, µs per layer: 8 rows
+# (128 tokens) 16-row tiles 109.7, 32-row 143.5, gemm_moe_rs 212.2; 32 rows (512 tokens) 247.7 / 209.6 / 224.8. The
+# bounds are those two points: 32 the last measured win, 16 rows interpolated between them (not yet measured).
 MOE_TC = os.environ.get("KUIPER_MOE_TC", "auto")
-MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "48"))
-MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "10"))
+MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "32"))
+MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "16"))
 MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
@@ -391,7 +393,7 @@ _FILES = {
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
-    # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199, exp/moe-tc)
+    # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199)
     "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
                        "moe_expert_maps", "moe_gather_rows",

@@ -722,9 +722,9 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
 
 
 def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
-    """A whole small-moe prefill (hidden and expert intermediate 256: the grouped expert GEMMs on gemm_moe_rs)
-    against the CPU engine at every position, and against the same prefill on the mma.sync grouped GEMMs
-    (KUIPER_MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
+    """A whole small-moe prefill (hidden and expert intermediate 256: the grouped expert GEMMs on gemm_moe_rs, and
+    on gemm_moe_tc with its bound raised) against the CPU engine at every position, and against the same prefill on
+    the mma.sync grouped GEMMs (KUIPER_MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
     activations may flip) legitimately differs: at least 95% of the 300 must route the same, and those are
     compared (1e-2, as the tiny models' prefill test). Rows are checked one by one in the stage tests above:
     here the largest row's error is set by the draw (0.0085 and 0.056 in two draws on this path, 0.0077 on
@@ -740,22 +740,27 @@ def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     cpu = Qwen3(mf, NumpyOps, 320)
     ref = cpu.prefill(ids, all_logits=True)
     got, both = {}, np.ones(len(ids), bool)
-    calls = record_calls(monkeypatch, "gemm_moe_rs", lambda *a, **k: a[4])
-    for rs in ("auto", "0"):
+    calls = record_calls(monkeypatch, "gemm_moe_rs", lambda *a, **k: ("rs", a[4]))
+    tc_calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **k: ("tc", a[4]))
+    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)  # ("tc": gemm_moe_tc at 75 rows per expert, in 32-row tiles)
+    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 0)
+    for rs, tc in (("auto", "0"), ("auto", "auto"), ("0", "0")):
         monkeypatch.setattr(oc, "MOE_RS", rs)
+        monkeypatch.setattr(oc, "MOE_TC", tc)
         gpu = Qwen3(mf, oc.CupyOps, 320)
         gpu.ops.routing_log = []
-        got[rs] = cp.asnumpy(gpu.prefill(ids, all_logits=True))
-        # both layers' gate|up and down on gemm_moe_rs (75 rows per expert: 128-row tiles), or none
-        assert calls == ([128] * 4 if rs == "auto" else []), (rs, calls)
+        got[rs + tc] = cp.asnumpy(gpu.prefill(ids, all_logits=True))
+        # both layers' gate|up and down on gemm_moe_rs (75 rows per expert: 128-row tiles), on gemm_moe_tc, or none
+        assert calls + tc_calls == {"auto0": [("rs", 128)] * 4, "autoauto": [("tc", 32)] * 4, "00": []}[rs + tc]
         calls.clear()
+        tc_calls.clear()
         same = np.ones(len(ids), bool)
         for g, c in zip(gpu.ops.routing_log, cpu.ops.routing_log, strict=True):
             same &= (np.sort(g, axis=1) == np.sort(c, axis=1)).all(axis=1)
-        assert same.mean() >= 0.95, (rs, same.mean())
-        assert np.isfinite(got[rs]).all() and rel(got[rs][same], ref[same]) < 1e-2, rs
+        assert same.mean() >= 0.95, (rs, tc, same.mean())
+        assert np.isfinite(got[rs + tc]).all() and rel(got[rs + tc][same], ref[same]) < 1e-2, (rs, tc)
         both &= same
-    assert rel(got["auto"][both], got["0"][both]) < 1e-2
+    assert rel(got["auto0"][both], got["00"][both]) < 1e-2 and rel(got["autoauto"][both], got["00"][both]) < 1e-2
 
 
 def test_moe_decode_graph_equals_eager_and_prefill(moe_bin):
