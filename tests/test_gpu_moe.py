@@ -140,6 +140,50 @@ def rs_form_ids(form):
     return f"{form[0]}rows-{form[1]}st-{form[2]}wg" + ("-narrow" if form[3] else "") + ("-swz" if form[4] else "")
 
 
+def expert_half_refs(layer, T: int):
+    """moe_ref's expert half of T random tokens (x >= 0, so the DEAD experts receive none): x, the picks (ids, w),
+    the maps (counts, offsets, p2u, u2p), the gathered rows xp, gate|up gu [n, 2I], the fp16 SwiGLU act16, down y
+    on act16 and the finalized out: what the Hopper grouped GEMMs' stage tests compare each stage with."""
+    rng = np.random.default_rng()
+    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
+    ids, w = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, True)
+    counts, offsets, p2u, u2p = moe_ref.expert_maps(ids, E)
+    assert (counts[DEAD] == 0).all()
+    xp = moe_ref.gather(x, p2u, K_TOP)
+    gu = moe_ref.grouped_gemm2(xp.astype(np.float32), offsets, layer["w13"])  # [n, 2I]: gate | up
+    act16 = (silu(gu[:, :INTER]) * gu[:, INTER:]).astype(np.float16)
+    y = moe_ref.grouped_gemm2(act16.astype(np.float32), offsets, layer["w2"])
+    out = moe_ref.finalize(moe_ref.grouped_gemm2(
+        moe_ref.grouped_gemm1_swiglu(xp.astype(np.float32), offsets, layer["w13"]), offsets, layer["w2"]), u2p, w)
+    return types.SimpleNamespace(x=x, n=T * K_TOP, ids=ids, w=w, counts=counts, offsets=offsets, p2u=p2u, u2p=u2p,
+                                 xp=xp, gu=gu, act16=act16, y=y, out=out)
+
+
+def check_experts_at_235b_shapes(rows: int, T: int, gate_up, down):
+    """A grouped GEMM pair at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536: 12 column tiles
+    of gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, T tokens routed at random (expert 0 empty, expert
+    1 in more than two tiles of `rows`, so a tile ends inside an expert), every row against moe_ref with poisoned
+    outputs. gate_up(x [T, D] on the device, w13, offsets, tiles, p2u, k, out), down(act, w2, offsets, tiles, out)."""
+    rng = np.random.default_rng()
+    Db, Ib, Eb, kb = 4096, 1536, 16, 8
+    w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
+    w2, w2_d = rand_stack(rng, Eb, Ib, Db)
+    # every token picks expert 1 and 7 distinct others of 2..15; expert 0 none
+    ids = np.stack([np.concatenate([[1], rng.choice(np.arange(2, Eb), kb - 1, replace=False)])
+                    for _ in range(T)]).astype(np.int32)
+    counts, offsets, p2u, _ = moe_ref.expert_maps(ids, Eb)
+    assert counts[0] == 0 and counts[1] > 2 * rows
+    n = T * kb
+    _, offs, tiles, p2u_d, _ = oc.moe_maps(cp.asarray(ids), Eb, tile_m=rows)
+    x = rng.standard_normal((T, Db)).astype(np.float16)
+    xp_ref = moe_ref.gather(x, p2u, kb)
+    gu = gate_up(cp.asarray(x), w13_d, offs, tiles, p2u_d, kb, poisoned((n, 2 * Ib), np.float16))
+    assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
+    act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
+    y = down(cp.asarray(act), w2_d, offs, tiles, poisoned((n, Db), np.float16))
+    assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
+
+
 def rs_form_or_skip(monkeypatch, form) -> int:
     """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups, narrow, swizzled) for its row count, which it returns,
     or skips where the kernel does not run."""
@@ -159,65 +203,36 @@ def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
     outputs; then moe_experts whole, on this path and on the mma.sync one, against moe_ref's pipeline. Experts
     with no tokens are part of every case (DEAD)."""
     bt = rs_form_or_skip(monkeypatch, form)
-    rng = np.random.default_rng()
-    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
-    n = T * K_TOP
-    ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, True)
-    counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids_ref, E)
-    assert (counts_ref[DEAD] == 0).all()
-    ids_d = cp.asarray(ids_ref)
+    r = expert_half_refs(layer, T)
+    n, ids_d = r.n, cp.asarray(r.ids)
     maps = tuple(poisoned((m,), np.int32) for m in (E, E + 1, E + 1, n, n))
     counts, offsets, tiles, p2u, u2p = oc.moe_maps(ids_d, E, out=maps, tile_m=bt)
-    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((counts_ref + bt - 1) // bt)]))
-    np.testing.assert_array_equal(cp.asnumpy(p2u), p2u_ref)
+    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((r.counts + bt - 1) // bt)]))
+    np.testing.assert_array_equal(cp.asnumpy(p2u), r.p2u)
 
-    xp_ref = moe_ref.gather(x, p2u_ref, K_TOP)
-    xp = oc.moe_gather(cp.asarray(x), p2u, K_TOP, out=poisoned((n, D), np.float16))
-    np.testing.assert_array_equal(cp.asnumpy(xp), xp_ref)
+    xp = oc.moe_gather(cp.asarray(r.x), p2u, K_TOP, out=poisoned((n, D), np.float16))
+    np.testing.assert_array_equal(cp.asnumpy(xp), r.xp)
 
-    gu_ref = moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets_ref, layer["w13"])  # [n, 2I]: gate | up
     gu = oc.gemm_moe_rs(xp, layer["w13_d"], offsets, tiles, bt, out=poisoned((n, 2 * INTER), np.float16))
-    assert row_rel(cp.asnumpy(gu), gu_ref) < 5e-3
+    assert row_rel(cp.asnumpy(gu), r.gu) < 5e-3
 
-    act16 = (silu(gu_ref[:, :INTER]) * gu_ref[:, INTER:]).astype(np.float16)
-    y_ref = moe_ref.grouped_gemm2(act16.astype(np.float32), offsets_ref, layer["w2"])
-    y = oc.gemm_moe_rs(cp.asarray(act16), layer["w2_d"], offsets, tiles, bt, out=poisoned((n, D), np.float16))
-    assert row_rel(cp.asnumpy(y), y_ref) < 5e-3
+    y = oc.gemm_moe_rs(cp.asarray(r.act16), layer["w2_d"], offsets, tiles, bt, out=poisoned((n, D), np.float16))
+    assert row_rel(cp.asnumpy(y), r.y) < 5e-3
 
-    out_ref = moe_ref.finalize(moe_ref.grouped_gemm2(
-        moe_ref.grouped_gemm1_swiglu(xp_ref.astype(np.float32), offsets_ref, layer["w13"]), offsets_ref,
-        layer["w2"]), u2p_ref, w_ref)
     for rs in (True, False):
-        got = oc.moe_experts(cp.asarray(x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref), rs=rs)
-        assert row_rel(cp.asnumpy(got), out_ref) < 1e-2, rs
+        got = oc.moe_experts(cp.asarray(r.x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(r.w), rs=rs)
+        assert row_rel(cp.asnumpy(got), r.out) < 1e-2, rs
 
 
 @pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
 def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
-    """gemm_moe_rs (each compiled form) at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536:
-    12 column tiles of gate|up, 16 of down, K 4096 and 1536) on 16 of its experts, rows routed at random (one
-    expert left empty, one with more rows than two tiles, so a tile ends inside an expert), every row against
-    moe_ref with poisoned outputs."""
+    """gemm_moe_rs (each compiled form, its gate|up on the gathered rows) at Qwen3-235B-A22B's expert shapes
+    (check_experts_at_235b_shapes)."""
     bt = rs_form_or_skip(monkeypatch, form)
-    rng = np.random.default_rng()
-    Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * bt + 20
-    w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
-    w2, w2_d = rand_stack(rng, Eb, Ib, Db)
-    # every token picks expert 1 (more than two tiles of rows) and 7 distinct others of 2..15; expert 0 none
-    ids = np.stack([np.concatenate([[1], rng.choice(np.arange(2, Eb), kb - 1, replace=False)])
-                    for _ in range(T)]).astype(np.int32)
-    counts, offsets, p2u, _ = moe_ref.expert_maps(ids, Eb)
-    assert counts[0] == 0 and counts[1] > 2 * bt
-    n = T * kb
-    _, offs, tiles, p2u_d, _ = oc.moe_maps(cp.asarray(ids), Eb, tile_m=bt)
-    x = rng.standard_normal((T, Db)).astype(np.float16)
-    xp_ref = moe_ref.gather(x, p2u, kb)
-    gu = oc.gemm_moe_rs(oc.moe_gather(cp.asarray(x), p2u_d, kb), w13_d, offs, tiles, bt,
-                        out=poisoned((n, 2 * Ib), np.float16))
-    assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
-    act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
-    y = oc.gemm_moe_rs(cp.asarray(act), w2_d, offs, tiles, bt, out=poisoned((n, Db), np.float16))
-    assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
+    check_experts_at_235b_shapes(
+        bt, 2 * bt + 20,
+        lambda x, w, offs, tiles, p2u, k, out: oc.gemm_moe_rs(oc.moe_gather(x, p2u, k), w, offs, tiles, bt, out=out),
+        lambda act, w, offs, tiles, out: oc.gemm_moe_rs(act, w, offs, tiles, bt, out=out))
 
 
 @pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
@@ -228,62 +243,36 @@ def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
     each against moe_ref with poisoned outputs; then moe_experts whole on that path against moe_ref's pipeline.
     Experts with no tokens are part of every case (DEAD); 300 and 2048 tokens give experts of many tiles, whose
     last tile ends inside the expert."""
-    rng = np.random.default_rng()
-    x = np.abs(rng.standard_normal((T, D))).astype(np.float16)
-    n = T * K_TOP
-    ids_ref, w_ref = moe_ref.route(x.astype(np.float32), layer["router"], K_TOP, True)
-    counts_ref, offsets_ref, p2u_ref, u2p_ref = moe_ref.expert_maps(ids_ref, E)
-    assert (counts_ref[DEAD] == 0).all()
-    ids_d = cp.asarray(ids_ref)
+    r = expert_half_refs(layer, T)
+    n, ids_d = r.n, cp.asarray(r.ids)
     _, offsets, tiles, p2u, u2p = oc.moe_maps(ids_d, E, tile_m=tm)
-    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((counts_ref + tm - 1) // tm)]))
+    np.testing.assert_array_equal(cp.asnumpy(tiles), np.concatenate([[0], np.cumsum((r.counts + tm - 1) // tm)]))
 
-    xp_ref = moe_ref.gather(x, p2u_ref, K_TOP)
-    gu_ref = moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets_ref, layer["w13"])  # [n, 2I]: gate | up
-    gu = oc.gemm_moe_tc(cp.asarray(x), layer["w13_d"], offsets, tiles, tm, out=poisoned((n, 2 * INTER), np.float16),
+    gu = oc.gemm_moe_tc(cp.asarray(r.x), layer["w13_d"], offsets, tiles, tm, out=poisoned((n, 2 * INTER), np.float16),
                         p2u=p2u, k=K_TOP)
-    assert row_rel(cp.asnumpy(gu), gu_ref) < 5e-3
+    assert row_rel(cp.asnumpy(gu), r.gu) < 5e-3
 
-    act16 = (silu(gu_ref[:, :INTER]) * gu_ref[:, INTER:]).astype(np.float16)
-    y_ref = moe_ref.grouped_gemm2(act16.astype(np.float32), offsets_ref, layer["w2"])
-    y = oc.gemm_moe_tc(cp.asarray(act16), layer["w2_d"], offsets, tiles, tm, out=poisoned((n, D), np.float16))
-    assert row_rel(cp.asnumpy(y), y_ref) < 5e-3
+    y = oc.gemm_moe_tc(cp.asarray(r.act16), layer["w2_d"], offsets, tiles, tm, out=poisoned((n, D), np.float16))
+    assert row_rel(cp.asnumpy(y), r.y) < 5e-3
 
-    out_ref = moe_ref.finalize(moe_ref.grouped_gemm2(
-        moe_ref.grouped_gemm1_swiglu(xp_ref.astype(np.float32), offsets_ref, layer["w13"]), offsets_ref,
-        layer["w2"]), u2p_ref, w_ref)
     monkeypatch.setattr(oc, "MOE_TC", "auto")
     monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)
     monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 1e9 if tm == 16 else 0)
     assert oc.moe_experts_tile(layer["w13_d"], layer["w2_d"], n, rs=True) == (True, tm)
     calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **kw: a[4])
-    got = oc.moe_experts(cp.asarray(x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(w_ref), rs=True)
+    got = oc.moe_experts(cp.asarray(r.x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(r.w), rs=True)
     assert calls == [tm, tm]
-    assert row_rel(cp.asnumpy(got), out_ref) < 1e-2
+    assert row_rel(cp.asnumpy(got), r.out) < 1e-2
 
 
 @pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
 def test_gemm_moe_tc_at_235b_shapes(tm):
-    """gemm_moe_tc at Qwen3-235B-A22B's expert shapes (hidden 4096, expert intermediate 1536: K 4096 and 1536, 12
-    and 16 column tiles) on 16 of its experts, rows routed at random (expert 0 empty, expert 1 in more than two
-    tiles, so a tile ends inside an expert), every row against moe_ref with poisoned outputs."""
-    rng = np.random.default_rng()
-    Db, Ib, Eb, kb, T = 4096, 1536, 16, 8, 2 * tm + 5
-    w13, w13_d = rand_stack(rng, Eb, Db, 2 * Ib, segments=2)
-    w2, w2_d = rand_stack(rng, Eb, Ib, Db)
-    ids = np.stack([np.concatenate([[1], rng.choice(np.arange(2, Eb), kb - 1, replace=False)])
-                    for _ in range(T)]).astype(np.int32)
-    counts, offsets, p2u, _ = moe_ref.expert_maps(ids, Eb)
-    assert counts[0] == 0 and counts[1] > 2 * tm
-    n = T * kb
-    _, offs, tiles, p2u_d, _ = oc.moe_maps(cp.asarray(ids), Eb, tile_m=tm)
-    x = rng.standard_normal((T, Db)).astype(np.float16)
-    xp_ref = moe_ref.gather(x, p2u, kb)
-    gu = oc.gemm_moe_tc(cp.asarray(x), w13_d, offs, tiles, tm, out=poisoned((n, 2 * Ib), np.float16), p2u=p2u_d, k=kb)
-    assert row_rel(cp.asnumpy(gu), moe_ref.grouped_gemm2(xp_ref.astype(np.float32), offsets, w13)) < 5e-3
-    act = (rng.standard_normal((n, Ib)) * 0.5).astype(np.float16)
-    y = oc.gemm_moe_tc(cp.asarray(act), w2_d, offs, tiles, tm, out=poisoned((n, Db), np.float16))
-    assert row_rel(cp.asnumpy(y), moe_ref.grouped_gemm2(act.astype(np.float32), offsets, w2)) < 5e-3
+    """gemm_moe_tc (16- and 32-row tiles, its gate|up reading the token rows through the permutation) at
+    Qwen3-235B-A22B's expert shapes (check_experts_at_235b_shapes)."""
+    check_experts_at_235b_shapes(
+        tm, 2 * tm + 5,
+        lambda x, w, offs, tiles, p2u, k, out: oc.gemm_moe_tc(x, w, offs, tiles, tm, out=out, p2u=p2u, k=k),
+        lambda act, w, offs, tiles, out: oc.gemm_moe_tc(act, w, offs, tiles, tm, out=out))
 
 
 def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
