@@ -361,9 +361,14 @@ _RMMA_FITS: dict[tuple[int, str], bool] = {}
 MOE_RMMA_NAMES = [f"moe_route_mma{sp}<{ng}, {w // ng}>" for ng in (4, 8) for w in (8, 16) for sp in ("", "_split")]
 
 
+def moe_rmma_groups(E: int) -> int:
+    """moe_route_mma's expert groups of 32 (its NG) for E experts: 4 up to 128, else 8."""
+    return 4 if E <= 128 else 8
+
+
 def moe_rmma_split_name(E: int, warps: int) -> str:
     """moe_route_mma's split instantiation of moe_rmma_form's form for E experts and warps per block."""
-    ng = 4 if E <= 128 else 8
+    ng = moe_rmma_groups(E)
     return f"moe_route_mma_split<{ng}, {warps // ng}>"
 
 
@@ -372,7 +377,7 @@ def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
     the block's shared memory (the dynamic stages and the compiled kernel's static partial logits) fits the device.
     The fit is a device constant, asked of the driver once per device and instantiation (every MoE prefill layer
     routes)."""
-    ng = 4 if E <= 128 else 8
+    ng = moe_rmma_groups(E)
     if T <= moe_route_wide_t():
         wide = f"moe_route_mma<{ng}, {16 // ng}>"
         key = (_dev_id(), wide)
@@ -976,12 +981,18 @@ def gemv_blocks_per_sm(K: int, tiles: int) -> float:
     return device_tuning().get("gemv_blocks_per_sm", {}).get((K, tiles * GEMV_COLS), GEMV_BASE_BLOCKS_PER_SM)
 
 
+def _device_zeros(cache: dict, n: int):
+    """cache's int32 [n] for the current device, zeroed when first made: the arrival counters kernels leave at zero."""
+    dev = _dev_id()
+    a = cache.get(dev)
+    if a is None:
+        a = cache[dev] = cp.zeros((n,), cp.int32)
+    return a
+
+
 def gemv_counters():
     """The GEMV's arrival counters (zero between launches; each launch leaves them zero), per device."""
-    dev = _dev_id()
-    if dev not in _COUNTERS:
-        _COUNTERS[dev] = cp.zeros((1 << 16,), cp.int32)
-    return _COUNTERS[dev]
+    return _device_zeros(_COUNTERS, 1 << 16)
 
 
 def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
@@ -2146,19 +2157,13 @@ MOE_ROUTE_MAX_TILES = 4096  # the split form's per-tile counters (65536 tokens)
 def moe_route_counter():
     """moe_route_mma's arrival counter for the maps (one int32, zero between launches; each launch leaves it zero),
     per device."""
-    dev = _dev_id()
-    if dev not in _MOE_COUNTER:
-        _MOE_COUNTER[dev] = cp.zeros((1,), cp.int32)
-    return _MOE_COUNTER[dev]
+    return _device_zeros(_MOE_COUNTER, 1)
 
 
 def moe_route_tile_counters():
     """moe_route_mma's split form's arrival counters, one per 16-token tile (int32 [MOE_ROUTE_MAX_TILES], zero between
     launches; each launch leaves them zero), per device."""
-    dev = _dev_id()
-    if dev not in _MOE_TILE_COUNTERS:
-        _MOE_TILE_COUNTERS[dev] = cp.zeros((MOE_ROUTE_MAX_TILES,), cp.int32)
-    return _MOE_TILE_COUNTERS[dev]
+    return _device_zeros(_MOE_TILE_COUNTERS, MOE_ROUTE_MAX_TILES)
 
 
 def moe_route_splits(T: int, D: int, warps: int, ng: int) -> int:
@@ -2193,7 +2198,7 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
         name, warps = moe_rmma_form(T, E)
         smem = moe_rmma_smem(warps)
         tiles = math.ceil(T / 16)
-        splits = moe_route_splits(T, D, warps, 4 if E <= 128 else 8)
+        splits = moe_route_splits(T, D, warps, moe_rmma_groups(E))
         if splits > 1:  # the split instantiation (its own code and registers: the unsplit form keeps its own)
             assert tiles <= MOE_ROUTE_MAX_TILES
             name = moe_rmma_split_name(E, warps)
@@ -2435,14 +2440,12 @@ def moe_experts(x, w13: AwqStack, w2: AwqStack, ids, weights, rs: bool | None = 
     _, offsets, tiles, p2u, u2p = maps
     if not rs:
         y = moe_gemm_down(moe_gemm_gate_up(x, w13, offsets, tiles, p2u, k), w2, offsets, tiles)
-    elif bt in MOE_TC_TILES:  # gate|up reads the token rows through p2u itself: no gathered copy
-        gu = gemm_moe_tc(x, w13, offsets, tiles, bt, p2u=p2u, k=k)
+    else:  # [n, 2I] permuted: gate | up; gemm_moe_tc reads the token rows through p2u itself (no gathered copy)
+        tc = bt in MOE_TC_TILES
+        gu = (gemm_moe_tc(x, w13, offsets, tiles, bt, p2u=p2u, k=k) if tc
+              else gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt))
         inter = gu.shape[1] // 2
-        y = gemm_moe_tc(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
-    else:
-        gu = gemm_moe_rs(moe_gather(x, p2u, k), w13, offsets, tiles, bt)  # [n, 2I] permuted: gate | up
-        inter = gu.shape[1] // 2
-        y = gemm_moe_rs(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
+        y = (gemm_moe_tc if tc else gemm_moe_rs)(silu_mul(gu, gu[:, inter:], inter, 2 * inter), w2, offsets, tiles, bt)
     return moe_finalize(y, u2p, weights) if finalize else (y, u2p, weights)
 
 

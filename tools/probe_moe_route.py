@@ -55,8 +55,12 @@ def main(shape, tokens, splits, rounds, reps, json_out):
         x = cp.asarray(rng.standard_normal((T, D)).astype(np.float16))
         name, warps = oc.moe_rmma_form(T, E)
         tile = oc.moe_rs_tile(T * k, E)
-        forms = sorted({oc.moe_route_splits(T, D, warps, 4 if E <= 128 else 8)} | {
-            min(int(s), max(1, (D // 32) // (warps // (4 if E <= 128 else 8)))) for s in splits.split(",")})
+
+        def splits_for(setting):  # the splits moe_route takes with MOE_ROUTE_SPLITS = setting (forced ones clamped)
+            oc.MOE_ROUTE_SPLITS = setting
+            return oc.moe_route_splits(T, D, warps, oc.moe_rmma_groups(E))
+        auto = splits_for("auto")
+        forms = sorted({auto} | {splits_for(s) for s in splits.split(",")})
         outs = {}
         for s in forms:  # correctness first: every form against the unsplit launch
             oc.MOE_ROUTE_SPLITS = str(s)
@@ -77,9 +81,9 @@ def main(shape, tokens, splits, rounds, reps, json_out):
                 oc.MOE_ROUTE_SPLITS = str(s)
                 times[s].append(gpu_us(lambda: oc.moe_route(x, router, k, True, maps=maps), reps))
         oc.MOE_ROUTE_SPLITS = "auto"
-        auto = oc.moe_route_splits(T, D, warps, 4 if E <= 128 else 8)
         for s in forms:
-            rows.append({"tokens": T, "form": name if s == 1 else oc.moe_rmma_split_name(E, warps), "splits": s, "auto": s == auto, "us": float(np.median(times[s])),
+            rows.append({"tokens": T, "form": name if s == 1 else oc.moe_rmma_split_name(E, warps), "splits": s,
+                         "auto": s == auto, "us": float(np.median(times[s])),
                          "spread": [float(min(times[s])), float(max(times[s]))]})
     if json_out:
         Path(json_out).write_text(json.dumps({"gpu": oc.gpu_name(), "shape": shape, "rows": rows}, indent=1))
