@@ -282,13 +282,14 @@ MOE_RS_FORMS = {64: (8, 4, 0, 0) if os.environ.get("KUIPER_MOE_RS_WG64", "2") ==
                 128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
-# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md change 199), in tiles of 16 rows up to MOE_TC_T16_MAX on the mean
-# and 32 above; "0" keeps gemm_moe_rs at every length (A/B). H200 30B-A3B, both expert GEMMs, µs per layer: 8 rows
-# (128 tokens) 16-row tiles 109.7, 32-row 143.5, gemm_moe_rs 212.2; 32 rows (512 tokens) 247.7 / 209.6 / 224.8. The
-# bounds are those two points: 32 the last measured win, 16 rows interpolated between them (not yet measured).
+# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md changes 199-200), in tiles of 16 rows up to MOE_TC_T16_MAX on the
+# mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B). The bounds are whole-model crossovers (H200,
+# 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
+# 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
+# 24.16 against 24.73) and lose at 64 (1024 tokens: 26.06 against 25.42). 13 and 60 lie between those points.
 MOE_TC = os.environ.get("KUIPER_MOE_TC", "auto")
-MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "32"))
-MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "16"))
+MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "60"))
+MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "13"))
 MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
