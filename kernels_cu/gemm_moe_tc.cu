@@ -1,4 +1,4 @@
-// MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199): a batched GEMV on
+// MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md changes 199-202): a batched GEMV on
 // tensor cores. Why: with a few dozen rows per expert (30B-A3B prompts up to ~500 tokens) every expert's
 // weights are read once per layer and each weight serves only its expert's few rows, so the GEMM should run at
 // DRAM speed; gemm_moe_rs (register-A wgmma, weights staged through shared memory by bulk copies and mbarriers)
@@ -12,13 +12,13 @@
 // channels are A's rows, tokens B's columns (NT = TM / 8 n8 tiles).
 //   A: thread (g, t) = (lane / 4, lane % 4) of warp wp owns packed word w = 8 wp + g (channels 8w .. 8w + 7).
 //      Its 16-byte load of step s (k 16s .. 16s + 15) is the word's row quad 4s + t: k = 16s + 4t + 0..3 (the tiled
-//      layout's 4 rows of a word are contiguous). awq_dequant8 turns each of the 4 words into 4 half2, the column
-//      pairs (2i, 2i + 1); mma i (i = 0..3) takes rows g <- channel 8w + 2i and g + 8 <- channel 8w + 2i + 1.
+//      layout's 4 rows of a word are contiguous). mma i (i = 0..3) takes rows g <- channel 8w + 2i and
+//      g + 8 <- channel 8w + 2i + 1.
 //   k order: a dot product does not care in which order k runs, so logical k (2t, 2t + 1 | 2t + 8, 2t + 9) of the
 //      mma is physical k (4t, 4t + 1 | 4t + 2, 4t + 3) of the step, for A and B alike: a thread's 4 rows of its
 //      word are its 4 k, and B's pair of registers is one 8-byte load of x[token][16s + 4t .. + 3].
-//   so a0 = (c @ k0, c @ k1) and a1 = (c + 1 @ k0, c + 1 @ k1) are the low and high halves of the k0 and k1
-//      words' pair i (one byte_perm each), a2 / a3 the same from the k2 and k3 words.
+//   so a0 = (c @ k0, c @ k1) and a1 = (c + 1 @ k0, c + 1 @ k1) pair two rows of one channel: tc_a_frags builds
+//      them from the raw k0 and k1 words (a2 / a3 from k2 and k3).
 // Each weight is loaded once, by one thread (gemm_moe_rs: by the 4 threads that share a word), dequantized once
 // with the shared shift and masks of awq_magic, and multiplied into all NT token tiles.
 // Rows past the expert's (tok_end) are zero-filled in the stage and not stored. GATHER 1 (gate|up): x is the
@@ -33,14 +33,36 @@
 #define TC_RS 144     // halves per staged x row: 128 + 16 of padding, so the 8-byte B loads of a half-warp
                       // (rows g .. g + 3, 32 bytes each) fall in 32 different banks (288-byte rows)
 
-// One 8-k chunk step's A fragments of mma i from the dequantized pairs of the step's 4 words (d[r][i]: row k0 + r).
-__device__ __forceinline__ void tc_a_frag(const half2 (&d)[4][4], int i, u32 (&a)[4]) {
-    const u32 p0 = *reinterpret_cast<const u32*>(&d[0][i]), p1 = *reinterpret_cast<const u32*>(&d[1][i]);
-    const u32 p2 = *reinterpret_cast<const u32*>(&d[2][i]), p3 = *reinterpret_cast<const u32*>(&d[3][i]);
-    a[0] = __byte_perm(p0, p1, 0x5410);  // channel c at k0, k1 (the low halves)
-    a[1] = __byte_perm(p0, p1, 0x7632);  // channel c + 1 at k0, k1
-    a[2] = __byte_perm(p2, p3, 0x5410);
-    a[3] = __byte_perm(p2, p3, 0x7632);
+// One weight pair of awq_dequant8: (h - (1024 + z)) * s in the lo form, (h / 16 - (64 + z)) * s in the hi form, each
+// q - z exact before the product's one rounding.
+__device__ __forceinline__ half2 tc_deq(half2 h, half2 zb, half2 s, bool hi) {
+    const half2 sixteenth = __float2half2_rn(0.0625f);
+    return __hmul2(hi ? __hfma2(h, sixteenth, zb) : __hsub2(h, zb), s);
+}
+// One step's A fragments of mma i = 0..3 from the thread's raw words q (rows k0..k3 of one packed word); zc / sc[c]:
+// column c's zero bias and scale in both halves. Why this order: pairing two rows of a channel takes one byte_perm
+// per 8 raw weights (4 per step) where pairing dequantized halves takes one per 2 (16 per step), and the kernel is
+// issue-bound (PERFORMANCE.md change 201). byte_perm 0x5410 of words (k0, k1) keeps bytes 0-1 of each (nibbles 0-3:
+// columns 0, 2, 4, 6; awq_magic's pair p of it is column 2p at (k0, k1)), 0x7632 bytes 2-3 (columns 1, 3, 5, 7:
+// pair p is column 2p + 1); pair p is in the lo form for even p, the hi form for odd p, as in awq_dequant8, so each
+// weight gets the same value as there.
+__device__ __forceinline__ void tc_a_frags(uint4 q, const half2 (&zc)[8], const half2 (&sc)[8], u32 (&a)[4][4]) {
+    half2 e01[4], o01[4], e23[4], o23[4];
+    awq_magic(__byte_perm(q.x, q.y, 0x5410), e01);
+    awq_magic(__byte_perm(q.x, q.y, 0x7632), o01);
+    awq_magic(__byte_perm(q.z, q.w, 0x5410), e23);
+    awq_magic(__byte_perm(q.z, q.w, 0x7632), o23);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const half2 v0 = tc_deq(e01[i], zc[2 * i], sc[2 * i], i & 1);
+        const half2 v1 = tc_deq(o01[i], zc[2 * i + 1], sc[2 * i + 1], i & 1);
+        const half2 v2 = tc_deq(e23[i], zc[2 * i], sc[2 * i], i & 1);
+        const half2 v3 = tc_deq(o23[i], zc[2 * i + 1], sc[2 * i + 1], i & 1);
+        a[i][0] = *reinterpret_cast<const u32*>(&v0);  // channel 2i at k0, k1
+        a[i][1] = *reinterpret_cast<const u32*>(&v1);  // channel 2i + 1 at k0, k1
+        a[i][2] = *reinterpret_cast<const u32*>(&v2);  // channel 2i at k2, k3
+        a[i][3] = *reinterpret_cast<const u32*>(&v3);
+    }
 }
 
 template <int TM, int GATHER>  // rows per tile (16 or 32), x gathered through perm_to_unperm (gate|up) or not (down)
@@ -108,6 +130,14 @@ gemm_moe_tc(const half* __restrict__ x,          // GATHER: [T, K] tokens; else 
         half2 zb[4], s2[4];
         awq_zero_bias(zraw, zb);
         awq_scales8(sraw, s2);
+        half2 zc[8], scb[8];  // column c's zero bias and scale in both halves
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            zc[2 * p] = __low2half2(zb[p]);
+            zc[2 * p + 1] = __high2half2(zb[p]);
+            scb[2 * p] = __low2half2(s2[p]);
+            scb[2 * p + 1] = __high2half2(s2[p]);
+        }
         if (c + 1 < nch) {  // the next chunk's group (a chunk lies in one group: group % 128 == 0)
             const int gi = (c + 1) * TC_CHUNK / group;
             sraw = __ldg(reinterpret_cast<const uint4*>(ssrc + (size_t)gi * N));
@@ -121,11 +151,8 @@ gemm_moe_tc(const half* __restrict__ x,          // GATHER: [T, K] tokens; else 
         for (int s = 0; s < 8; ++s) {
             const uint4 q = ring[s];
             if (c + 1 < nch) ring[s] = ld_stream16(wsrc + (size_t)((c + 1) * 8 + s) * 128);
-            half2 d[4][4];
-            awq_dequant8(q.x, zb, s2, d[0]);
-            awq_dequant8(q.y, zb, s2, d[1]);
-            awq_dequant8(q.z, zb, s2, d[2]);
-            awq_dequant8(q.w, zb, s2, d[3]);
+            u32 af[4][4];
+            tc_a_frags(q, zc, scb, af);
             u32 b[NT][2];
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
@@ -134,12 +161,9 @@ gemm_moe_tc(const half* __restrict__ x,          // GATHER: [T, K] tokens; else 
                 b[j][1] = v.y;
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 a[4];
-                tc_a_frag(d, i, a);
+            for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < NT; ++j) mma_16816(acc[i][j], a, b[j][0], b[j][1]);
-            }
+                for (int j = 0; j < NT; ++j) mma_16816(acc[i][j], af[i], b[j][0], b[j][1]);
         }
     }
     // C fragment of mma (i, j): acc[v] (row g, token 2t + v) and acc[v + 2] (row g + 8, token 2t + v), rows g and
