@@ -77,10 +77,8 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ, h = blockIdx.y, kvh = h / (H / KV);
     const int n_keys = pos0 + T;
     if (tid == 0) {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         // too little shared memory or too few threads would hang on the barriers: fail the launch instead
-        if (dyn < (u32)L::bytes || blockDim.x != FW_THREADS(NC)) __trap();
+        if (dynamic_smem_bytes() < (u32)L::bytes || blockDim.x != FW_THREADS(NC)) __trap();
         mbar_init(qbar, 1);
         for (int s = 0; s < ST; ++s) {
             mbar_init(kfull + 8 * s, 1);

@@ -277,6 +277,14 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// The launch's dynamic shared memory in bytes, as the host gave it: kernels whose layout the host sizes on its own
+// check it (a short allocation must fail the launch, not corrupt memory), or size a staging area by it.
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 d;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(d));
+    return d;
+}
+
 // 16-byte global->shared copy; bytes past src_bytes are zero-filled (ragged tile edges).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),

@@ -374,9 +374,8 @@ decode_layers(const __grid_constant__ DlArgs a, int xbytes) {
     float* scratch = reinterpret_cast<float*>(sm + DL_FIXED);
     unsigned char* ring = sm + DL_FIXED + xbytes;
     if (threadIdx.x == 0) {
-        u32 dyn;  // the host sizes the ring: a short allocation must not corrupt memory
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (a.ring > DL_MAX_RING || dyn < (u32)(DL_FIXED + xbytes + a.ring * DL_STAGE)) __trap();
+        // the host sizes the ring: a short allocation must not corrupt memory
+        if (a.ring > DL_MAX_RING || dynamic_smem_bytes() < (u32)(DL_FIXED + xbytes + a.ring * DL_STAGE)) __trap();
         for (int s = 0; s < a.ring; ++s) {
             mbar_init(full + 8 * s, 1);       // the producer's expect_tx, then the bytes
             mbar_init(empty + 8 * s, DL_CW);  // every consumer warp, after its reads of the stage

@@ -114,9 +114,8 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     const int n0 = c_out - (mi > 0 ? n_0 : 0) - (mi > 1 ? n_1 : 0);
     const int m0 = (tile / ncol) * BM;
     if (tid == 0) {
-        u32 dyn;  // the host computes L::bytes on its own: a short allocation must not corrupt memory
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)L::bytes) __trap();
+        // the host computes L::bytes on its own: a short allocation must not corrupt memory
+        if (dynamic_smem_bytes() < (u32)L::bytes) __trap();
         for (int s = 0; s < SX; ++s) {
             mbar_init(full_x + 8 * s, 1);     // the loader's expect_tx (then the bytes)
             mbar_init(empty_x + 8 * s, 8);    // every consumer warp, after its wgmma read the slot
@@ -420,11 +419,9 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     const u32 sbase = smem_u32(sm), full = sbase + L::bar, empty = full + 8 * ST;
     const int tid = threadIdx.x, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
     if (tid == 0) {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         // too little shared memory, or too few threads for the consumer warpgroups (their empty barriers
         // would never complete: a hang, change 166's first run), fails the launch instead
-        if (dyn < (u32)L::bytes || blockDim.x != NT || (group & (group - 1)) != 0) __trap();
+        if (dynamic_smem_bytes() < (u32)L::bytes || blockDim.x != NT || (group & (group - 1)) != 0) __trap();
         for (int s = 0; s < ST; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 4 * WG);  // every consumer warp

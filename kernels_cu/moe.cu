@@ -381,11 +381,10 @@ __device__ __forceinline__ void route_mma_block(
     if (counter == nullptr || !block_arrives_last(counter, gridDim.x)) return;  // (SPLIT: the tiles' last blocks)
     // the stages' 12 NW KB: cnt and tot ((NW + 1) KB), then perm_to_unperm's staging (the picks of up to ~2.8K tokens
     // at k = 8 in the 8-warp form, ~5.6K in the 16-warp one)
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     int* cnt = reinterpret_cast<int*>(stage);
     expert_maps_block<NW>(ids, T * k, E, tile_m, counts, offsets, tile_offsets, perm_to_unperm, unperm_to_perm, cnt,
-                          cnt + NW * MOE_MAX_E, cnt + (NW + 1) * MOE_MAX_E, (int)(dyn / 4) - (NW + 1) * MOE_MAX_E);
+                          cnt + NW * MOE_MAX_E, cnt + (NW + 1) * MOE_MAX_E,
+                          (int)(dynamic_smem_bytes() / 4) - (NW + 1) * MOE_MAX_E);
 }
 
 // The unsplit form: launch bounds without a block count, so ptxas keeps it at 64-70 registers as before the split
@@ -525,10 +524,8 @@ moe_expert_maps(const int* __restrict__ ids,  // [n] flattened [T, k]
     __shared__ int cnt[MOE_MAP_WARPS * MOE_MAX_E];
     __shared__ int tot[MOE_MAX_E];
     extern __shared__ int p2u_s[];
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     expert_maps_block<MOE_MAP_WARPS>(ids, n, E, tile_m, counts, offsets, tile_offsets, perm_to_unperm, unperm_to_perm,
-                                     cnt, tot, p2u_s, (int)(dyn / 4));
+                                     cnt, tot, p2u_s, (int)(dynamic_smem_bytes() / 4));
 }
 
 // xp[r] = x[perm_to_unperm[r] / k]: the rows of every expert contiguous, for gemm_moe_rs's TMA loads (which
