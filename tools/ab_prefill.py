@@ -19,9 +19,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kuiper_py import ops_cupy as oc  # noqa: E402  (imports without CuPy: the forms parse on any machine)
 
-_SPIN = r'''extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'''
-
-
 def parse_form(text: str):
     """'NAME:A=1,B=x' -> (NAME, {A: ..., B: ...}), each attribute one ops_cupy has that holds a str, int, float or
     bool, each value converted to that attribute's type (MOE_TC is the string "0", MOE_TC_MAX_MEAN a float)."""
@@ -50,11 +47,10 @@ def parse_form(text: str):
 def main(model, prompts, forms, rounds, json_out):
     parsed = dict(parse_form(f) for f in forms)
     import cupy as cp
+    from profile_prefill import queued
 
     from kuiper_py.generate import Engine
     defaults = {a: getattr(oc, a) for sets in parsed.values() for a in sets}
-    spin = cp.RawKernel(_SPIN, "spin")
-    s = cp.cuda.get_current_stream()
     lens = [int(v) for v in prompts.split(",")]
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m = eng.session(max(lens) + 1)
@@ -66,14 +62,8 @@ def main(model, prompts, forms, rounds, json_out):
 
     def gpu_ms(ids):
         m.reset()
-        s.synchronize()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        spin((1,), (1,), (np.int64(2 * 10**8),))
-        a.record(s)
-        m.prefill(ids)
-        b.record(s)
-        b.synchronize()
-        return cp.cuda.get_elapsed_time(a, b)
+        cp.cuda.get_current_stream().synchronize()
+        return queued(lambda: m.prefill(ids), 2 * 10**8)[1] * 1e3
 
     res = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "forms": list(forms), "prompts": []}
     names = list(parsed)

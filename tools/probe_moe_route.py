@@ -19,24 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 from kuiper_py import ops_cupy as oc  # noqa: E402
+from profile_prefill import queued  # noqa: E402
 
 SHAPES = {"30b-a3b": (2048, 128, 8), "235b-a22b": (4096, 128, 8)}  # D, E, k
-_SPIN = r'''extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'''
 
 
 def gpu_us(fn, reps: int) -> float:
-    """GPU µs per call of fn, its reps launches queued behind a ~20 ms spinning kernel."""
-    spin = cp.RawKernel(_SPIN, "spin")
+    """GPU µs per call of fn, its reps launches queued behind a ~20 ms spinning kernel (profile_prefill.queued)."""
     for _ in range(2):
         fn()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    spin((1,), (1,), (np.int64(4 * 10**7),))
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / reps * 1e3
+    return queued(lambda: [fn() for _ in range(reps)], 4 * 10**7)[1] / reps * 1e6
 
 
 @click.command()

@@ -10,6 +10,7 @@ had made repeated lengths faster and new ones slower. Table last, JSON with --js
     python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--json F]
 """
 import collections
+import functools
 import json
 import sys
 import time
@@ -27,10 +28,30 @@ from kuiper_py.ops_cupy import gpu_name  # noqa: E402
 _SPIN = r'''extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'''
 
 
+@functools.cache
+def _spinner():
+    return cp.RawKernel(_SPIN, "spin")
+
+
+def queued(fn, cycles: int) -> tuple[float, float]:
+    """(enqueue, gpu) seconds of fn()'s launches queued behind a kernel spinning `cycles` clocks (8e8: ~0.4 s), so
+    none waits for the GPU: enqueue = the host's time to queue them, gpu = their GPU time from the spinner's end
+    (CUDA events on the current stream). ab_prefill and probe_moe_route time their launches through it too."""
+    s = cp.cuda.get_current_stream()
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    _spinner()((1,), (1,), (np.int64(cycles),))
+    a.record(s)
+    t0 = time.perf_counter()
+    fn()
+    enq = time.perf_counter() - t0
+    b.record(s)
+    b.synchronize()
+    return enq, cp.cuda.get_elapsed_time(a, b) / 1e3
+
+
 def host_and_gpu(m, ids, reps):
-    """(wall, enqueue, gpu) seconds per rep: wall = the prefill synchronised; enqueue = the host's time to queue it
-    behind a ~0.4 s spinning kernel (so no launch waits for the GPU), gpu = its GPU time from the spinner's end."""
-    spin = cp.RawKernel(_SPIN, "spin")
+    """(wall, enqueue, gpu) seconds per rep: wall = the prefill synchronised; enqueue and gpu = queued()'s, behind
+    a ~0.4 s spinning kernel."""
     s = cp.cuda.get_current_stream()
     wall, enq, gpu = [], [], []
     for _ in range(reps):
@@ -41,15 +62,9 @@ def host_and_gpu(m, ids, reps):
         s.synchronize()
         wall.append(time.perf_counter() - t0)
         m.reset()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        spin((1,), (1,), (np.int64(8 * 10**8),))
-        a.record(s)
-        t0 = time.perf_counter()
-        m.prefill(ids)
-        enq.append(time.perf_counter() - t0)
-        b.record(s)
-        b.synchronize()
-        gpu.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        e, g = queued(lambda: m.prefill(ids), 8 * 10**8)
+        enq.append(e)
+        gpu.append(g)
     return wall, enq, gpu
 
 
