@@ -325,16 +325,40 @@ struct RsSmem {  // byte offsets from the 1024-aligned base of dynamic shared me
 // a half2's bits: the pair's two nibbles sit 16 bits apart, so one shift and one LOP3 bias both.
 __device__ __forceinline__ u32 rs_codes(u32 w, int sh) { return lop3_and_or(w >> sh, 0x000f000fu, 0x64006400u); }
 
-// Two A registers from one column pair's codes at k and k + 1 (packed words w0, w1; sh = 4 x the pair's
-// nibble index): (q - z) * s exactly as awq_dequant8 (one rounding), then regrouped by channel:
-// ra = (c at k, c at k+1), rb = (c+1 at k, c+1 at k+1).
-__device__ __forceinline__ void rs_pair(u32 w0, u32 w1, int sh, half2 zb, half2 s2, u32& ra, u32& rb) {
-    u32 e0 = rs_codes(w0, sh), e1 = rs_codes(w1, sh);
-    half2 v0 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e0), zb), s2);
-    half2 v1 = __hmul2(__hsub2(*reinterpret_cast<half2*>(&e1), zb), s2);
-    const u32 a = *reinterpret_cast<u32*>(&v0), b = *reinterpret_cast<u32*>(&v1);
-    ra = __byte_perm(a, b, 0x5410);
-    rb = __byte_perm(a, b, 0x7632);
+// A thread's nibble pair p = sh / 4 (columns c = 2p and c + 1 of each packed word, at nibbles p and p + 4) as
+// per-thread constants for rs_pair: byte_perm selectors that gather column c's byte of the words at k and k + 1
+// into bytes 0 and 2 of one word (sel_c: byte p / 2 of each) and column c + 1's (sel_c1: byte 2 + p / 2), the
+// nibble's mask within those bytes (low for even p, high for odd), and the (mul, zero offset) that turn the masked
+// codes into q exactly: lo form 1024 + q, hi form 1024 + 16 q (awq_dequant8's two forms).
+struct RsNib {
+    u32 sel_c, sel_c1, mask;
+    half2 mul, zoff;  // q - z = h * mul - (zb - zoff), zb = 1024 + z: lo (1, 0), hi (1/16, 960)
+};
+__device__ __forceinline__ RsNib rs_nib(int sh) {
+    const int p = sh >> 2, b = p >> 1;
+    RsNib n;
+    n.sel_c = b | (4 + b) << 8;
+    n.sel_c1 = (2 + b) | (6 + b) << 8;
+    n.mask = p & 1 ? 0x00f000f0u : 0x000f000fu;
+    n.mul = __float2half2_rn(p & 1 ? 0.0625f : 1.f);
+    n.zoff = __float2half2_rn(p & 1 ? 960.f : 0.f);
+    return n;
+}
+
+// Two A registers from the raw words w0, w1 (one packed word at k and k + 1): ra = (c at k, c at k + 1), rb =
+// (c + 1 at k, c + 1 at k + 1). Why pair the raw words: one byte_perm then yields both k of a channel, so the codes
+// need no shift and no regrouping afterwards: 2 byte_perms, 2 LOP3s, 2 HFMA2s and 2 HMUL2s for 4 weights, where
+// dequantizing each word's column pair and regrouping took 2 more (PERFORMANCE.md change 204). nz_c = -(z_c in the
+// form's scale) and s_c in both halves; each weight is (q - z) * s, q - z exact before the one rounding, as in
+// awq_dequant8.
+__device__ __forceinline__ void rs_pair(u32 w0, u32 w1, const RsNib& n, half2 nz_c, half2 nz_c1, half2 s_c,
+                                        half2 s_c1, u32& ra, u32& rb) {
+    u32 e0 = lop3_and_or(__byte_perm(w0, w1, n.sel_c), n.mask, 0x64006400u);
+    u32 e1 = lop3_and_or(__byte_perm(w0, w1, n.sel_c1), n.mask, 0x64006400u);
+    half2 v0 = __hmul2(__hfma2(*reinterpret_cast<half2*>(&e0), n.mul, nz_c), s_c);
+    half2 v1 = __hmul2(__hfma2(*reinterpret_cast<half2*>(&e1), n.mul, nz_c1), s_c1);
+    ra = *reinterpret_cast<u32*>(&v0);
+    rb = *reinterpret_cast<u32*>(&v1);
 }
 
 // shared-memory loads by address (the stage pointers are shared addresses: no generic loads)
@@ -357,9 +381,11 @@ template <int ND, int SWZ = 0, int KKS = 0>
 __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_w, u32 st_s, u32 st_z, u32 xs,
                                           int wi, int wl, int sh, int t0, int first, u32 w_lo = 0, u32 w_hi = 0) {
     u32 zw = rs_codes(lds32(st_z + wl * 4), sh);
-    const half2 zb = *reinterpret_cast<half2*>(&zw);
+    const RsNib nib = rs_nib(sh);
+    const half2 nz = __hsub2(nib.zoff, *reinterpret_cast<half2*>(&zw));  // -(1024 + z) or -(64 + z), both columns
+    const half2 nz_c = __low2half2(nz), nz_c1 = __high2half2(nz);
     u32 sw = lds32(st_s + (wl * 8 + sh / 2) * 2);
-    const half2 s2 = *reinterpret_cast<half2*>(&sw);
+    const half2 s2 = *reinterpret_cast<half2*>(&sw), s_c = __low2half2(s2), s_c1 = __high2half2(s2);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         const int qa = 4 * kk + (t0 >> 1), ra = 2 * (t0 & 1);  // k = 16 kk + 2 t0 (+1) and + 8 (+9)
@@ -374,8 +400,8 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
 #if RS_DIAG_NODEQ  // diagnosis (wrong results): the loaded words as the A registers, no dequantization
         af[4 * kk] = lo.x, af[4 * kk + 1] = lo.y, af[4 * kk + 2] = hi.x, af[4 * kk + 3] = hi.y + zw + sw;
 #else
-        rs_pair(lo.x, lo.y, sh, zb, s2, af[4 * kk], af[4 * kk + 1]);
-        rs_pair(hi.x, hi.y, sh, zb, s2, af[4 * kk + 2], af[4 * kk + 3]);
+        rs_pair(lo.x, lo.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk], af[4 * kk + 1]);
+        rs_pair(hi.x, hi.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk + 2], af[4 * kk + 3]);
 #endif
     }
     wg_pin(d);
