@@ -116,9 +116,17 @@ __device__ __forceinline__ void awq_zero_bias(u32 zword, half2 (&zb)[4]) {
     zb[3] = __hmul2(zb[3], minus_sixteenth);
 }
 
-// w = (q - z) * s for 8 columns, s2[i] the raw scales of pair i. q - z is exact before the one
-// rounding of the product: h - (1024+z) for pairs 0 and 2, h/16 - (64+z) in one fma for pairs 1 and
-// 3. (Pre-dividing those scales by 16 instead would push small scales into fp16's subnormal range.)
+// q - z exactly for one awq_magic pair h and its awq_zero_bias zb: h - (1024+z) in the lo form (pairs 0 and 2),
+// h/16 - (64+z) in one fma in the hi form (pairs 1 and 3).
+__device__ __forceinline__ half2 awq_qz(half2 h, half2 zb, bool hi) {
+    const half2 sixteenth = __float2half2_rn(0.0625f);
+    return hi ? __hfma2(h, sixteenth, zb) : __hsub2(h, zb);
+}
+
+// w = (q - z) * s for 8 columns, s2[i] the raw scales of pair i: q - z exact before the one rounding of the
+// product, awq_qz's two forms written out (through awq_qz, ptxas orders gemm_w4a16.cu's and gemm_wgmma.cu's
+// dequantization differently: same instructions, an unmeasured schedule). (Pre-dividing the hi form's scales by 16
+// instead would push small scales into fp16's subnormal range.)
 __device__ __forceinline__ void awq_dequant8(u32 w, const half2 (&zb)[4], const half2 (&s2)[4],
                                              half2 (&out)[4]) {
     const half2 sixteenth = __float2half2_rn(0.0625f);
@@ -136,7 +144,6 @@ __device__ __forceinline__ void awq_dequant8(u32 w, const half2 (&zb)[4], const 
 // one fma, both q - z exactly, so every pair multiplies x itself (no x/16 per row: one instruction
 // fewer per row of a loop that is partly issue-bound).
 __device__ __forceinline__ void awq_dot4(const u32* w, const half* x, const half2 (&zb)[4], half2 (&hacc)[4]) {
-    const half2 sixteenth = __float2half2_rn(0.0625f);
 #pragma unroll
     for (int p = 0; p < 4; ++p) hacc[p] = __float2half2_rn(0.f);
 #pragma unroll
@@ -146,7 +153,7 @@ __device__ __forceinline__ void awq_dot4(const u32* w, const half* x, const half
         awq_magic(w[r], h);
 #pragma unroll
         for (int p = 0; p < 4; ++p)
-            hacc[p] = __hfma2((p & 1) ? __hfma2(h[p], sixteenth, zb[p]) : __hsub2(h[p], zb[p]), xr, hacc[p]);
+            hacc[p] = __hfma2(awq_qz(h[p], zb[p], p & 1), xr, hacc[p]);
     }
 }
 

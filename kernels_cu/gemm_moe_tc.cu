@@ -33,12 +33,6 @@
 #define TC_RS 144     // halves per staged x row: 128 + 16 of padding, so the 8-byte B loads of a half-warp
                       // (rows g .. g + 3, 32 bytes each) fall in 32 different banks (288-byte rows)
 
-// One weight pair of awq_dequant8: (h - (1024 + z)) * s in the lo form, (h / 16 - (64 + z)) * s in the hi form, each
-// q - z exact before the product's one rounding.
-__device__ __forceinline__ half2 tc_deq(half2 h, half2 zb, half2 s, bool hi) {
-    const half2 sixteenth = __float2half2_rn(0.0625f);
-    return __hmul2(hi ? __hfma2(h, sixteenth, zb) : __hsub2(h, zb), s);
-}
 // One step's A fragments of mma i = 0..3 from the thread's raw words q (rows k0..k3 of one packed word); zc / sc[c]:
 // column c's zero bias and scale in both halves. Why this order: pairing two rows of a channel takes one byte_perm
 // per 8 raw weights (4 per step) where pairing dequantized halves takes one per 2 (16 per step), and the kernel is
@@ -54,10 +48,10 @@ __device__ __forceinline__ void tc_a_frags(uint4 q, const half2 (&zc)[8], const 
     awq_magic(__byte_perm(q.z, q.w, 0x7632), o23);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const half2 v0 = tc_deq(e01[i], zc[2 * i], sc[2 * i], i & 1);
-        const half2 v1 = tc_deq(o01[i], zc[2 * i + 1], sc[2 * i + 1], i & 1);
-        const half2 v2 = tc_deq(e23[i], zc[2 * i], sc[2 * i], i & 1);
-        const half2 v3 = tc_deq(o23[i], zc[2 * i + 1], sc[2 * i + 1], i & 1);
+        const half2 v0 = __hmul2(awq_qz(e01[i], zc[2 * i], i & 1), sc[2 * i]);
+        const half2 v1 = __hmul2(awq_qz(o01[i], zc[2 * i + 1], i & 1), sc[2 * i + 1]);
+        const half2 v2 = __hmul2(awq_qz(e23[i], zc[2 * i], i & 1), sc[2 * i]);
+        const half2 v3 = __hmul2(awq_qz(o23[i], zc[2 * i + 1], i & 1), sc[2 * i + 1]);
         a[i][0] = *reinterpret_cast<const u32*>(&v0);  // channel 2i at k0, k1
         a[i][1] = *reinterpret_cast<const u32*>(&v1);  // channel 2i + 1 at k0, k1
         a[i][2] = *reinterpret_cast<const u32*>(&v2);  // channel 2i at k2, k3
