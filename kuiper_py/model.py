@@ -35,6 +35,10 @@ class Qwen3:
         self.pos = 0
 
     def _body(self, ids: list[int], pos0: int, all_logits: bool = False):
+        return self.ops.logits(self._layers(ids, pos0), all_logits)
+
+    def _layers(self, ids: list[int], pos0: int):
+        """Every layer and the final norm: x [T, D], the lm_head's input."""
         ops, w = self.ops, self.ops.weights
         h = ops.embed(ids)  # [T, D]
         r = None
@@ -51,8 +55,7 @@ class Qwen3:
                 r = ops.moe(x, layer)
             else:
                 r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
-        h, x = ops.add_rmsnorm(h, r, w.final_norm)
-        return ops.logits(x, all_logits)
+        return ops.add_rmsnorm(h, r, w.final_norm)[1]
 
     def _forward(self, ids: list[int], all_logits: bool = False):
         pos0, T = self.pos, len(ids)
@@ -60,7 +63,11 @@ class Qwen3:
             raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
         self.ops.begin_step(pos0, T)
         try:
-            out = self._body(ids, pos0, all_logits)
+            # a backend may replay a short prompt's layers as one captured graph (CUDA: padded to a bucket of
+            # lengths; x's first T rows are the prompt's)
+            x = None if all_logits or T == 1 or not hasattr(self.ops, "prefill_graph") else \
+                self.ops.prefill_graph(ids, pos0, lambda padded: self._layers(padded, pos0))
+            out = self._body(ids, pos0, all_logits) if x is None else self.ops.logits(x[:T])
         finally:
             self.ops.end_step()
         self.pos += T

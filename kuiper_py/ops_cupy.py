@@ -803,6 +803,72 @@ class _Arena:
         self.slots.clear()
 
 
+# Prefill graphs (CupyOps.prefill_graph): a fresh prompt of 2..PREFILL_GRAPH_MAX_T tokens runs, from the second
+# time its length bucket is met, as one CUDA graph captured at the bucket's length (the prompt padded at its end),
+# so the host enqueues one graph launch instead of ~7 kernel launches per layer. 0 turns them off.
+PREFILL_GRAPH_MAX_T = int(os.environ.get("KUIPER_PREFILL_GRAPH_MAX_T", "512"))
+# bumped whenever a module-level device buffer is replaced by a larger one (_dequant_scratch, _gemm_split_buffers):
+# a graph captured before holds the old address, so it is dropped
+_BUF_GEN = [0]
+
+
+def prefill_bucket(T: int) -> int:
+    """The length a T-token prefill graph runs at: T rounded up to a multiple of 16 up to 128 tokens, of 32 up to 256,
+    of 64 beyond (16 graphs up to 512 tokens; at most 16, 32 or 64 rows of padding, 12% at most past 128 tokens)."""
+    step = 16 if T <= 128 else 32 if T <= 256 else 64
+    return -(-T // step) * step
+
+
+class _NotCapturable(Exception):
+    """A prefill met a call that a graph capture cannot hold (cuBLAS through CuPy): its bucket runs eagerly."""
+
+
+_CAPTURING = [False]  # a prefill graph is being captured
+
+
+class _ArenaFull(Exception):
+    """A _BumpArena region is too small for this capture: grow it and capture again."""
+
+
+class _BumpArena:
+    """The activations of every prefill graph: two regions (layer parity, as _Arena's slots alternate), each
+    handed out from its start again at each layer of its parity. Graphs replay one at a time on one stream and
+    no value lives past the next layer (_Arena's rule), so all buckets share the same bytes. A request past a
+    region's end raises _ArenaFull with the bytes that layer needs, so that the capture is retried after grow."""
+    ALIGN = 512  # as CuPy's pool: every TMA and 16-byte access stays aligned
+
+    def __init__(self):
+        self.regions = [None, None]
+        self.off = [0, 0]
+        self.half = 0
+
+    def size(self, h: int) -> int:
+        return 0 if self.regions[h] is None else self.regions[h].nbytes
+
+    def reset(self) -> None:
+        self.off = [0, 0]
+        self.half = 0
+
+    def begin_layer(self) -> None:
+        self.half ^= 1
+        self.off[self.half] = 0
+
+    def take(self, shape: tuple, dtype):
+        h, o = self.half, self.off[self.half]
+        n = -(-math.prod(shape) * np.dtype(dtype).itemsize // self.ALIGN) * self.ALIGN
+        if o + n > self.size(h):
+            raise _ArenaFull(h, o + n)
+        self.off[h] = o + n
+        return cp.ndarray(shape, dtype, memptr=self.regions[h].data + o)
+
+    def grow(self, h: int, nbytes: int) -> None:
+        """Region h a quarter above nbytes (the layer's later requests fit in most cases, so a capture meets few
+        retries), rounded up to 2 MiB; the old region's bytes go back to the pool."""
+        nbytes = -(-nbytes * 5 // 4 // (2 << 20)) * (2 << 20)
+        self.regions[h] = None
+        self.regions[h] = cp.empty((nbytes,), cp.uint8)
+
+
 def _empty(shape: tuple, dtype):
     """cp.empty, or the active forward's arena slot (_ARENA): the prefill path's output arrays."""
     return cp.empty(shape, dtype) if _ARENA is None else _ARENA.take(shape, dtype)
@@ -1170,6 +1236,7 @@ def _dequant_scratch(n: int):
     projection group met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
     dev = _dev_id()
     if dev not in _DEQ or _DEQ[dev].size < n:
+        _BUF_GEN[0] += 1
         _DEQ.pop(dev, None)
         _DEQ[dev] = cp.empty((n,), cp.float16)
     return _DEQ[dev][:n]
@@ -1325,6 +1392,7 @@ def _gemm_split_buffers(n_part: int):
     if dev not in _GEMM_SPLIT:
         _GEMM_SPLIT[dev] = [cp.empty((0,), cp.float32), cp.zeros((4096,), cp.int32)]
     if _GEMM_SPLIT[dev][0].size < n_part:
+        _BUF_GEN[0] += 1
         _GEMM_SPLIT[dev][0] = cp.empty((n_part,), cp.float32)
     return _GEMM_SPLIT[dev]
 
@@ -1488,6 +1556,8 @@ def gemm(x, m, out=None, path: str | None = None):
     if path == "rs":
         return gemm_rs(x, mats, out)
     if path == "dequant":
+        if _CAPTURING[0]:  # (CuPy refuses cuBLAS calls while a stream captures)
+            raise _NotCapturable("cuBLAS")
         W = _dequant_scratch(K * N).reshape(K, N)
         c = 0
         for w in mats:  # side by side: one cuBLAS call for q, k and v (k and v alone are narrow)
@@ -2589,6 +2659,16 @@ class CupyOps:
         self._graph = None
         self._dev_pos = None
         self._arena = _Arena()  # short prefills' activations (_ARENA_MAX_T)
+        # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
+        # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
+        # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; the
+        # prompt's ids the graphs read; prefill_graphs False runs every prefill eagerly (A/B, tests)
+        self._pgraphs: dict[int, tuple] = {}
+        self._pseen: set[int] = set()
+        self._pnever: set[int] = set()
+        self._parena = _BumpArena()
+        self._pids = self._graph_ids = None
+        self.prefill_graphs = self.graphs and PREFILL_GRAPH_MAX_T > 1
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -2666,6 +2746,7 @@ class CupyOps:
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph, self._graphs = None, {}  # they hold the old cache's addresses
+        self._pgraphs, self._pseen = {}, set()
         if self._dl is not None:
             self._dl_setup()
 
@@ -2865,8 +2946,9 @@ class CupyOps:
                 dev_ids = self.d["ids"]
                 dev_ids[0] = ids[0]
             h = self.d["h"]
-        else:
-            dev_ids = cp.asarray(np.asarray(ids, dtype=np.int32))
+        else:  # (a prefill graph's capture reads the ids from the buffer each replay fills)
+            dev_ids = self._graph_ids if self._graph_ids is not None else cp.asarray(np.asarray(ids, dtype=np.int32))
+            assert dev_ids.size == T
             h = cp.empty((T, D), cp.float32)
         table = self.weights.embed
         if isinstance(table, np.ndarray):  # pinned host memory: its address is valid on the device
@@ -3059,6 +3141,86 @@ class CupyOps:
             return min(self.attn_splits, math.ceil(bound / self.attn_min_chunk),
                        ATTN_CM_MAX if self.attn_cm else self.attn_splits)
         return self.attn_splits
+
+    # ------------------------------------------------------------------ short prefills as CUDA graphs
+    def prefill_graph(self, ids: list[int], pos0: int, layers):
+        """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
+        first T rows are the prompt's (the rest the padding's: ids 0 at positions T..B-1, whose cache rows later
+        steps overwrite before any step reads them), or None where the prefill runs eagerly: a prompt that does not
+        start the cache (pos0 > 0: its positions are kernel arguments), longer than PREFILL_GRAPH_MAX_T, whose
+        bucket passes the cache, or whose bucket this process has not met (the first prefill of a bucket runs
+        eagerly: a capture costs as much host time as that prefill, so a one-off prompt does not pay it).
+        layers(ids) runs the model's layers and final norm on a list of B ids."""
+        T = len(ids)
+        if not (self.prefill_graphs and self.graphs and pos0 == 0 and 1 < T <= PREFILL_GRAPH_MAX_T
+                and self.routing_log is None):
+            return None
+        B = prefill_bucket(T)
+        if B > self.max_context or B in self._pnever:
+            return None
+        rec = self._pgraphs.get(B)
+        if rec is not None and rec[3] != _BUF_GEN[0]:  # a module buffer it holds was replaced
+            del self._pgraphs[B]
+            rec = None
+        if rec is None:
+            if B not in self._pseen:
+                self._pseen.add(B)
+                return None
+            rec = self._capture_prefill(B, layers)
+            if rec is None:
+                self._pnever.add(B)
+                return None
+        pad = np.zeros((B,), np.int32)
+        pad[:T] = ids
+        self._pids[:B].set(pad)  # on the null stream: after the last replay's reads, before this one's
+        rec[0].launch(self._stream)
+        return rec[1]
+
+    def _capture_prefill(self, B: int, layers) -> tuple | None:
+        """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
+        while a region is too small; the graphs captured before then hold the old region and are dropped), every
+        other allocation kept with the graph (the residual rows), the ids read from self._pids. None where the
+        prefill calls what a capture cannot hold (_NotCapturable)."""
+        global _ARENA
+        if self._pids is None:
+            self._pids = cp.zeros((PREFILL_GRAPH_MAX_T,), cp.int32)
+        pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
+        for _ in range(64):
+            keep, full, gen, refused = [], None, _BUF_GEN[0], False
+
+            def alloc(n: int, keep=keep):
+                m = pool.malloc(n)
+                keep.append(m)
+                return m
+            arena.reset()
+            prev, _ARENA = _ARENA, arena
+            self._graph_ids = self._pids[:B]
+            _CAPTURING[0] = True
+            try:
+                with stream, cp.cuda.using_allocator(alloc):
+                    stream.begin_capture()
+                    try:
+                        x = layers([0] * B)
+                    except _ArenaFull as e:
+                        full = e.args
+                    except _NotCapturable:
+                        refused = True
+                    finally:
+                        graph = stream.end_capture()
+            finally:
+                _ARENA = prev
+                self._graph_ids = None
+                _CAPTURING[0] = False
+            if refused:
+                return None
+            if full is not None:
+                self._pgraphs.clear()
+                arena.grow(*full)
+            elif gen == _BUF_GEN[0]:  # (else a module buffer grew during the capture: the retry meets the new one)
+                assert x.shape[0] == B
+                self._pgraphs[B] = rec = (graph, x, keep, gen)
+                return rec
+        raise AssertionError("a prefill graph's capture did not settle in 64 tries")
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""

@@ -304,3 +304,46 @@ def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
     for a, b in zip(got[True], got[False]):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
+
+
+def prefill_graph_spy(m):
+    """A list that records, for each prefill of GPU session m, the bucket its graph ran at (None: eager)."""
+    served, orig = [], m.ops.prefill_graph
+
+    def spy(ids, pos0, layers):
+        x = orig(ids, pos0, layers)
+        served.append(None if x is None else x.shape[0])
+        return x
+    m.ops.prefill_graph = spy
+    return served
+
+
+def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12):
+    """Fresh prompts of the given lengths on one GPU session with prefill graphs, d["logits"] poisoned (NaN) before
+    each: the first prompt of a length bucket runs eagerly, the second captures the bucket's graph, later ones
+    replay it (returns the buckets served, prefill_graph_spy). Every prompt's last logits as accurate against the
+    CPU reference as an eager GPU session's (the prompts of one bucket are different draws: each replay reads its
+    own ids); then the last prompt's greedy continuation equals the CPU's up to a tie neither side resolves (the
+    padding's cache rows are overwritten by decode before any step reads them)."""
+    import cupy as cp
+    from kuiper_py import ops_cupy as oc
+    from kuiper_py.model import Qwen3
+    from kuiper_py.ops_numpy import NumpyOps
+    rng = np.random.default_rng()
+    m, eager, cpu = Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, NumpyOps, ctx)
+    eager.ops.prefill_graphs = False
+    served = prefill_graph_spy(m)
+    for n in lengths:
+        ids = rng.integers(0, 151643, n).tolist()
+        for s in (m, eager, cpu):
+            s.reset()
+        m.ops.d["logits"].fill(np.nan)
+        got = cp.asnumpy(m.prefill(ids)).copy()
+        assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(ids)), cpu.prefill(ids))
+    m.reset()
+    cpu.reset()
+    toks, tie = greedy_lockstep(cpu, m, ids, n_greedy)
+    if tie is not None:
+        gap, err, got_tok, runner_up = tie
+        assert got_tok == runner_up and gap < err, (len(toks), tie)
+    return served

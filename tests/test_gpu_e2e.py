@@ -8,8 +8,9 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, cpu_decode, decode_cluster_merge_ab, decode_logits,
-                       decode_step_twice, greedy_tokens, record_calls, rel)
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_prefill_graphs_accurate, cpu_decode,
+                       decode_cluster_merge_ab, decode_logits, decode_step_twice, greedy_tokens, prefill_graph_spy,
+                       record_calls, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -46,6 +47,87 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
     m.reset()
     m.prefill(list(range(1, 9)))
     assert not m.ops._arena.slots and oc._ARENA is None
+
+
+@pytest.fixture(scope="module")
+def small_bin(ckpt_root):
+    """The smallest dense preset whose every prefill projection takes the fused GEMMs on sm_90 (the tiny presets'
+    narrow matrices go through cuBLAS, which a graph capture cannot hold)."""
+    from kuiper_py import synth
+    from kuiper_py.export import export
+    out = ckpt_root / "pg-small.bin"
+    if not out.exists():
+        export(synth.make_checkpoint(ckpt_root / "pg-small", "small", seed=6, n_shards=1), out, progress=False,
+               log=lambda m: None)
+    return out
+
+
+def test_prefill_graphs_match_eager_and_reference(small_bin):
+    """Short fresh prompts through prefill graphs (reference.assert_prefill_graphs_accurate): four prompts of the
+    48-token bucket (eager, capture, two replays), two of the 112-token one, then the greedy continuation."""
+    if not oc.wgmma_available():
+        pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
+    served = assert_prefill_graphs_accurate(load(small_bin), (37, 40, 45, 33, 100, 97))
+    assert served == [None, 48, 48, 48, None, 112, 112]
+
+
+def test_prefill_graph_refused_where_cublas_serves(model_bin):
+    """The tiny presets' prefill calls cuBLAS (matrices narrower than the fused GEMMs take): the bucket's capture
+    is abandoned, the bucket marked, and every prompt runs eagerly, as accurate as before."""
+    served = assert_prefill_graphs_accurate(load(model_bin[0]), (37, 40, 45))
+    assert served == [None] * 4
+
+
+def test_prefill_graph_lifecycle(small_bin):
+    """When a prefill graph serves and when it is dropped: not for a continued prompt, all_logits, a bucket past the
+    cache or after a new cache (which also forgets the buckets met); captured again after a module buffer it
+    holds is replaced, and after the shared activations grow (which drops every graph captured before). A graph
+    captured after a regrowth is as accurate as the eager prefill."""
+    if not oc.wgmma_available():
+        pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
+    mf = load(small_bin)
+    m, eager, cpu = Qwen3(mf, oc.CupyOps, 200), Qwen3(mf, oc.CupyOps, 200), Qwen3(mf, NumpyOps, 200)
+    eager.ops.prefill_graphs = False
+    served = prefill_graph_spy(m)
+    rng = np.random.default_rng()
+
+    def fresh(n, **kw):
+        m.reset()
+        return m.prefill(rng.integers(0, 151643, n).tolist(), **kw)
+    fresh(20)
+    fresh(30)
+    assert served == [None, 32] and set(m.ops._pgraphs) == {32}
+    g32 = m.ops._pgraphs[32][0]
+    m.prefill(rng.integers(0, 151643, 20).tolist())  # continues at position 30
+    fresh(25, all_logits=True)  # (prefill_graph is not asked)
+    assert served == [None, 32, None]
+    oc._BUF_GEN[0] += 1  # as _gemm_split_buffers replacing its partial sums
+    fresh(31)
+    assert served[-1] == 32 and m.ops._pgraphs[32][0] is not g32
+    sizes = (m.ops._parena.size(0), m.ops._parena.size(1))
+    fresh(150)
+    fresh(160)
+    assert served[-2:] == [None, 160]
+    grew = sizes != (m.ops._parena.size(0), m.ops._parena.size(1))
+    assert set(m.ops._pgraphs) == ({160} if grew else {32, 160})
+    ids = rng.integers(0, 151643, 29).tolist()
+    for s in (m, eager, cpu):
+        s.reset()
+    m.ops.d["logits"].fill(np.nan)
+    got = cp.asnumpy(m.prefill(ids)).copy()
+    assert served[-1] == 32
+    assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(ids)), cpu.prefill(ids))
+    fresh(193)  # bucket 224 > 200 positions
+    fresh(193)
+    assert served[-2:] == [None, None] and 224 not in m.ops._pgraphs
+    m.set_context(256)
+    assert not m.ops._pgraphs
+    fresh(30)
+    assert served[-1] is None
+    m.ops.prefill_graphs = False
+    fresh(30)
+    fresh(30)
+    assert served[-2:] == [None, None]
 
 
 def test_prefill_logits_match_reference_and_transformers(model_bin):

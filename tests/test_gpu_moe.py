@@ -16,7 +16,8 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
-from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_prefill_graphs_accurate,
+                       cluster_plan_or_skip, decode_cluster_merge_ab, decode_logits,
                        decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
@@ -708,6 +709,27 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
         gap, err, got_tok, runner_up = tie
         assert got_tok == runner_up and gap < err, (len(toks), tie)
     assert len(set(toks)) > 4
+
+
+def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch):
+    """MoE prompts through prefill graphs (reference.assert_prefill_graphs_accurate) on small-moe's shapes with a
+    head dim of 128 (so that k and v are 256 wide and every dense projection takes the fused GEMMs; narrower ones go
+    through cuBLAS, where a capture is refused): the padding's rows are routed and computed too, and leave the
+    prompt's rows and continuation as accurate as the eager prefill's."""
+    if not oc.wgmma_available():
+        pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
+    monkeypatch.setitem(synth.MOE_PRESETS, "pg-moe", (256, 512, 2, 4, 2, 128, True, 16, 4, 256, ()))
+    d = synth.make_checkpoint(tmp_path / "ck", "pg-moe", seed=7, n_shards=1, tokenizer=False)
+    export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
+    served = assert_prefill_graphs_accurate(load(tmp_path / "m.bin"), (37, 40, 45, 33))
+    assert served == [None, 48, 48, 48, 48]
+
+
+def test_moe_prefill_graph_refused_where_cublas_serves(moe_bin):
+    """The tiny MoE presets' k and v projections (128 wide) go through cuBLAS: the capture is abandoned and every
+    prompt runs eagerly, as accurate as before."""
+    served = assert_prefill_graphs_accurate(load(moe_bin), (37, 40, 45), ctx=len(PROMPT) + 100)
+    assert served == [None] * 4
 
 
 def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):

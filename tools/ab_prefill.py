@@ -8,7 +8,8 @@ several rounds, so every form sees the same machine, clocks and pool (PERFORMANC
 Each form is NAME:ATTR=VALUE[,ATTR=VALUE...]; an attribute not named by a form keeps its default. Only choices the
 ops read at call time can be switched this way (compile-time settings, KUIPER_DIAG_DEFINES, need one process each).
 A prefill is timed by CUDA events around it after a spinning kernel has given the host time to queue it, so the
-figure is GPU time, not the host's. Prints a table last; --json writes every sample."""
+figure is GPU time, not the host's; prefills run eagerly (no prefill graphs: one captured under a form would replay
+under the next). Prints a table last; --json writes every sample."""
 import json
 import sys
 from pathlib import Path
@@ -54,6 +55,7 @@ def main(model, prompts, forms, rounds, json_out):
     lens = [int(v) for v in prompts.split(",")]
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m = eng.session(max(lens) + 1)
+    m.ops.prefill_graphs = False  # a graph captured under one form would replay under the next
     rng = np.random.default_rng(0)
 
     def use(name):

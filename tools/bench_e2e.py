@@ -4,8 +4,9 @@ decode tok/s at several contexts with the effective bandwidth (bytes read per st
 ratio to a same-run device copy (MoE: only the selected experts' bytes count); prefill tok/s, each prompt after a
 fresh KV cache and activations (set_context: the first prompt of a session, and the memory figure) and warm
 (profile_prefill's fresh_walls: after a warm-up prefill, 8 lengths just under the prompt's that the process has not
-run, as a chat's next turn meets them); the same through Hugging Face transformers in FP16 (sdpa, same dequantized
-weights); peak GPU memory of both.
+run, as a chat's next turn meets them), both eager, and graph (a fresh prompt whose length bucket the process has met
+before replays its prefill graph, change 205; up to 512 tokens); the same through Hugging Face transformers in FP16
+(sdpa, same dequantized weights); peak GPU memory of both.
 
     python tools/bench_e2e.py MODEL.bin [--ctx 512,8192,32768] [--prompts 128,512,2048,8192] [--no-hf] [--json F]
 """
@@ -24,6 +25,7 @@ from devcopy import copy_bandwidth  # noqa: E402
 from profile_prefill import fresh_walls  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
+from kuiper_py import ops_cupy as oc  # noqa: E402
 from kuiper_py.ops_cupy import gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
 
@@ -142,6 +144,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
                               "tok_s_serial": 1 / dt_serial})
     for p in pls:
         m = eng.session(p)
+        m.ops.prefill_graphs = False  # tok/s and warm tok/s: eager prefills, as a prompt meets them the first time
         ids = rng.integers(0, 151643, p).tolist()
         ts = []
         for rep in range(4):
@@ -158,8 +161,23 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         # warm: a kept session at 8 lengths just under p that this process has not run, as a chat's next turn meets
         # them (tok/s: each prefill's own tokens over its time)
         warm = [n / s for n, s in zip(range(p - 8, p), fresh_walls(eng, ids, p - 8, p))]
+        # graph: a fresh prompt of a length bucket met before replays its prefill graph (change 205); the first
+        # prefill of the bucket ran eagerly, the second captured it; None where no graph serves p tokens
+        m = eng.session(p)
+        m.ops.prefill_graphs = True
+        gs = []
+        for rep in range(5):
+            m.reset()
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            m.prefill(ids)
+            cp.cuda.Device().synchronize()
+            if rep >= 2:
+                gs.append(time.perf_counter() - t0)
+        served = oc.prefill_bucket(p) in m.ops._pgraphs
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
-                               "gpu_mib": mib})
+                               "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,
+                               "gpu_mib_graph": cp.get_default_memory_pool().total_bytes() / 2**20})
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
     emb = eng.model.ops.weights.embed  # an untied embedding table stays in pinned host memory (ops_cupy)
     res["ours_host_pinned_mib"] = emb.nbytes / 2**20 if isinstance(emb, np.ndarray) else 0.0
@@ -217,10 +235,11 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         print(f"| {r['context']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['eff_GBps']:.0f} | "
               f"{r['ratio_to_copy']:.2f} | {r['tok_s_serial']:.1f} | {r.get('hf_tok_s', float('nan')):.1f} | "
               f"{r.get('ratio_to_hf', float('nan')):.2f} |")
-    print("| prefill tokens | tok/s | warm tok/s | HF fp16 tok/s | x HF | GPU MiB | HF GPU MiB | mem / HF |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| prefill tokens | tok/s | warm tok/s | graph tok/s | HF fp16 tok/s | x HF | GPU MiB | HF GPU MiB | mem / HF |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["prefill"]:
-        print(f"| {r['prompt']} | {r['tok_s']:.0f} | {r['tok_s_warm']:.0f} | {r.get('hf_tok_s', float('nan')):.0f} | "
+        g = "-" if r["tok_s_graph"] is None else f"{r['tok_s_graph']:.0f}"
+        print(f"| {r['prompt']} | {r['tok_s']:.0f} | {r['tok_s_warm']:.0f} | {g} | {r.get('hf_tok_s', float('nan')):.0f} | "
               f"{r.get('ratio_to_hf', float('nan')):.2f} | {r['gpu_mib']:.0f} | {r.get('hf_gpu_mib', float('nan')):.0f} | "
               f"{r.get('mem_ratio_to_hf', float('nan')):.2f} |")
     if json_out:

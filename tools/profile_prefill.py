@@ -5,9 +5,10 @@ host's side: the wall time of the prefill against the time the host takes to enq
 by a spinning kernel, and the GPU time of the queued work. Where the enqueue time comes near the GPU time, the
 prefill is host-bound. With --fresh LO:HI, also the wall time of prefills at lengths LO..HI-1, each run once, none
 seen before in the process: what a chat's turns meet, where a per-length cache of the host side (change 195, not kept)
-had made repeated lengths faster and new ones slower. Table last, JSON with --json.
+had made repeated lengths faster and new ones slower. Prefills run eagerly unless --graphs lets the repeated ones
+replay prefill graphs (change 205). Table last, JSON with --json.
 
-    python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--json F]
+    python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--graphs] [--json F]
 """
 import collections
 import functools
@@ -107,9 +108,11 @@ def kernel_times(m, ids):
 @click.option("--prompts", default="512,2048", show_default=True)
 @click.option("--reps", default=5, show_default=True)
 @click.option("--fresh", default=None, help="LO:HI: one prefill at each length LO..HI-1, none seen before")
+@click.option("--graphs", is_flag=True, help="let repeated prompts replay prefill graphs (default: every prefill eager)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False))
-def main(model, prompts, reps, fresh, json_out):
+def main(model, prompts, reps, fresh, graphs, json_out):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
+    eng.session(max([int(x) for x in prompts.split(",")] + [1])).ops.prefill_graphs = graphs
     rng = np.random.default_rng(0)
     res = {"gpu": gpu_name(), "prefill": []}
     if fresh:  # first, before any other length has been run

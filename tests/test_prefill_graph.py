@@ -1,0 +1,61 @@
+"""Prefill graphs' padding (ops_cupy.prefill_graph) checked on the CPU reference engine: a prompt padded at its end
+to its length bucket gives its own last logits and, once decode overwrites the padding's cache rows, its own
+continuation; and the buckets themselves. The GPU side is in test_gpu_e2e.py and test_gpu_moe.py."""
+import numpy as np
+import pytest
+
+from kuiper_py import ops_cupy as oc
+from kuiper_py.loader import load
+from kuiper_py.model import Qwen3
+from kuiper_py.ops_numpy import NumpyOps
+
+
+def test_prefill_buckets():
+    """Every length 2..512 maps to a bucket at or above it, buckets are monotone and fixed points, 16 of them up to
+    512, and the padding is at most 15 rows up to 128 tokens, 31 up to 256, 63 beyond."""
+    got = {T: oc.prefill_bucket(T) for T in range(2, 513)}
+    assert all(T <= B for T, B in got.items())
+    assert all(got[T] <= got[T + 1] for T in range(2, 512))
+    assert all(oc.prefill_bucket(B) == B for B in got.values())
+    assert len(set(got.values())) == 16 and max(got.values()) == 512
+    assert all(B - T <= (15 if T <= 128 else 31 if T <= 256 else 63) for T, B in got.items())
+
+
+class PaddedNumpyOps(NumpyOps):
+    """The reference ops serving prefill_graph as the CUDA backend does: the layers run on the prompt padded with
+    id 0 to prefill_bucket(T) positions, for a fresh cache only."""
+    served = 0
+
+    def prefill_graph(self, ids, pos0, layers):
+        B = oc.prefill_bucket(len(ids))
+        if pos0 or B > self.k_cache.shape[1]:
+            return None
+        x = layers(list(ids) + [0] * (B - len(ids)))
+        assert x.shape[0] == B
+        PaddedNumpyOps.served += 1
+        return x
+
+
+def greedy(m, ids, n):
+    lg, toks = m.prefill(ids), []
+    for _ in range(n):
+        toks.append(int(np.argmax(lg)))
+        lg = m.decode(toks[-1])
+    return toks, lg
+
+
+@pytest.mark.parametrize("n", [5, 37, 129])
+def test_padded_prefill_gives_the_prompts_own_logits_and_continuation(tiny_bin, n):
+    mf = load(tiny_bin)
+    ids = np.random.default_rng().integers(0, 151643, n).tolist()
+    plain, padded = Qwen3(mf, NumpyOps, 200), Qwen3(mf, PaddedNumpyOps, 200)
+    before = PaddedNumpyOps.served
+    a, b = plain.prefill(ids), padded.prefill(ids)
+    assert PaddedNumpyOps.served == before + 1 and padded.pos == plain.pos == n
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+    plain.reset()
+    padded.reset()
+    ta, la = greedy(plain, ids, 6)
+    tb, lb = greedy(padded, ids, 6)
+    assert ta == tb
+    np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4 * np.abs(la).max())
