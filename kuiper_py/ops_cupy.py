@@ -3184,6 +3184,9 @@ class CupyOps:
         global _ARENA
         if self._pids is None:
             self._pids = cp.zeros((PREFILL_GRAPH_MAX_T,), cp.int32)
+        # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
+        # captured, not run, and a capture that is retried or refused would leave them holding garbage
+        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
         pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
         for _ in range(64):
             keep, full, gen, refused = [], None, _BUF_GEN[0], False

@@ -318,13 +318,28 @@ def prefill_graph_spy(m):
     return served
 
 
-def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12):
+def forget_zeroed_counters(monkeypatch):
+    """Make the kernels' lazily made, zeroed counters (the wgmma GEMM's split tickets, the MoE routing's counters)
+    be made again on their next use, and leave poisoned (-1) blocks of their sizes in CuPy's pool for that use to
+    get: counters made inside a graph capture that is then retried would keep the poison (their memset captured,
+    never run), and the prefills that use them go wrong."""
+    import cupy as cp
+    from kuiper_py import ops_cupy as oc
+    for name in ("_GEMM_SPLIT", "_MOE_COUNTER", "_MOE_TILE_COUNTERS"):
+        monkeypatch.setattr(oc, name, {})
+    blocks = [cp.full((n,), -1, cp.int32) for n in (1, oc.MOE_ROUTE_MAX_TILES, 4096) for _ in range(8)]
+    cp.cuda.Device().synchronize()
+    del blocks
+
+
+def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12, after_first=None):
     """Fresh prompts of the given lengths on one GPU session with prefill graphs, d["logits"] poisoned (NaN) before
     each: the first prompt of a length bucket runs eagerly, the second captures the bucket's graph, later ones
     replay it (returns the buckets served, prefill_graph_spy). Every prompt's last logits as accurate against the
     CPU reference as an eager GPU session's (the prompts of one bucket are different draws: each replay reads its
     own ids); then the last prompt's greedy continuation equals the CPU's up to a tie neither side resolves (the
-    padding's cache rows are overwritten by decode before any step reads them)."""
+    padding's cache rows are overwritten by decode before any step reads them). after_first() runs after the first
+    prompt (before the first capture)."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
     from kuiper_py.model import Qwen3
@@ -340,6 +355,8 @@ def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12):
         m.ops.d["logits"].fill(np.nan)
         got = cp.asnumpy(m.prefill(ids)).copy()
         assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(ids)), cpu.prefill(ids))
+        if after_first is not None and len(served) == 1:
+            after_first()
     m.reset()
     cpu.reset()
     toks, tie = greedy_lockstep(cpu, m, ids, n_greedy)
