@@ -2722,6 +2722,9 @@ class CupyOps:
         L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         self.k_cache = self.v_cache = None
         self._arena.clear()
+        # the prefill graphs hold the old cache's addresses: they, their activations and the buckets met go
+        # before the pool gives its free blocks back
+        self._pgraphs, self._pseen, self._parena = {}, set(), _BumpArena()
         cp.get_default_memory_pool().free_all_blocks()
         try:
             self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
@@ -2746,7 +2749,6 @@ class CupyOps:
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph, self._graphs = None, {}  # they hold the old cache's addresses
-        self._pgraphs, self._pseen = {}, set()
         if self._dl is not None:
             self._dl_setup()
 
