@@ -1053,6 +1053,8 @@ def _device_zeros(cache: dict, n: int):
     dev = _dev_id()
     a = cache.get(dev)
     if a is None:
+        # (inside a prefill graph's capture the memset would be captured, not run: _capture_prefill makes them first)
+        assert not _CAPTURING[0], "a zeroed counter first made inside a graph capture"
         a = cache[dev] = cp.zeros((n,), cp.int32)
     return a
 
@@ -1390,6 +1392,7 @@ def _gemm_split_buffers(n_part: int):
     launches), per device. Every use is ordered on one stream, so reuse is safe."""
     dev = _dev_id()
     if dev not in _GEMM_SPLIT:
+        assert not _CAPTURING[0], "the split tickets first made inside a graph capture (_device_zeros says why)"
         _GEMM_SPLIT[dev] = [cp.empty((0,), cp.float32), cp.zeros((4096,), cp.int32)]
     if _GEMM_SPLIT[dev][0].size < n_part:
         _BUF_GEN[0] += 1

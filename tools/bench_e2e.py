@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 from devcopy import copy_bandwidth  # noqa: E402
-from profile_prefill import fresh_walls  # noqa: E402
+from profile_prefill import fresh_walls, prefill_wall  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py import ops_cupy as oc  # noqa: E402
@@ -165,15 +165,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         # prefill of the bucket ran eagerly, the second captured it; None where no graph serves p tokens
         m = eng.session(p)
         m.ops.prefill_graphs = True
-        gs = []
-        for rep in range(5):
-            m.reset()
-            cp.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            m.prefill(ids)
-            cp.cuda.Device().synchronize()
-            if rep >= 2:
-                gs.append(time.perf_counter() - t0)
+        gs = [prefill_wall(m, ids) for _ in range(5)][2:]
         served = oc.prefill_bucket(p) in m.ops._pgraphs
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
                                "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,

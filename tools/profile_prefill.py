@@ -50,18 +50,22 @@ def queued(fn, cycles: int) -> tuple[float, float]:
     return enq, cp.cuda.get_elapsed_time(a, b) / 1e3
 
 
+def prefill_wall(m, ids) -> float:
+    """Wall seconds of one prefill of ids from position 0, the device synchronised before and after."""
+    m.reset()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    m.prefill(ids)
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0
+
+
 def host_and_gpu(m, ids, reps):
-    """(wall, enqueue, gpu) seconds per rep: wall = the prefill synchronised; enqueue and gpu = queued()'s, behind
-    a ~0.4 s spinning kernel."""
-    s = cp.cuda.get_current_stream()
+    """(wall, enqueue, gpu) seconds per rep: wall = prefill_wall's; enqueue and gpu = queued()'s, behind a ~0.4 s
+    spinning kernel."""
     wall, enq, gpu = [], [], []
     for _ in range(reps):
-        m.reset()
-        s.synchronize()
-        t0 = time.perf_counter()
-        m.prefill(ids)
-        s.synchronize()
-        wall.append(time.perf_counter() - t0)
+        wall.append(prefill_wall(m, ids))
         m.reset()
         e, g = queued(lambda: m.prefill(ids), 8 * 10**8)
         enq.append(e)
@@ -75,14 +79,7 @@ def fresh_walls(eng, ids, lo: int, hi: int):
     m = eng.session(hi + 1)
     m.prefill(ids[:hi])
     cp.cuda.Device().synchronize()
-    walls = []
-    for n in range(lo, hi):
-        m.reset()
-        t0 = time.perf_counter()
-        m.prefill(ids[:n])
-        cp.cuda.Device().synchronize()
-        walls.append(time.perf_counter() - t0)
-    return walls
+    return [prefill_wall(m, ids[:n]) for n in range(lo, hi)]
 
 
 def kernel_times(m, ids):
