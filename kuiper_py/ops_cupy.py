@@ -1323,6 +1323,23 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     return (256 if N >= 4096 else 384), (512 if K * N >= 4096 * 4096 else 768)
 
 
+# gemm()'s "rs" path for 257 to RS_ROWS_SPLIT_MAX rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first
+# 256 rows by 256-token blocks, the rest by a second launch of 64-token blocks (PERFORMANCE.md change 206; 0: one
+# launch whatever the rows)
+RS_ROWS_SPLIT_MAX = int(os.environ.get("KUIPER_GEMM_RS_ROWS_SPLIT_MAX", "320"))
+RS_ROWS_SPLIT_KN = 3 * 4096 * 4096
+
+
+def rs_rows_split(T: int, K: int, N: int) -> int:
+    """The rows of gemm()'s first rs launch where it splits a prompt's rows in two, else 0. Why: gemm_w4a16_rs's
+    blocks pass over their weights at the same pace whatever their tokens (a ragged last tile whose wgmmas cover
+    only its rows was as slow, change 206), so 257-320 rows in 256-token blocks cost the GPU two full passes; one
+    pass of 256 tokens, then 64-token blocks of 256 channels (half the blocks per pass) cost less where the
+    matrix's passes are long (H200, Qwen3-8B gate|up at 288 rows 161 against 209 µs, down 83 against 91; q|k|v
+    and o gain nothing). The whole 8B prefill: -15% at 257 tokens, -10% at 320, +6% at 352 (the bound)."""
+    return 256 if 256 < T <= RS_ROWS_SPLIT_MAX and K * N >= RS_ROWS_SPLIT_KN else 0
+
+
 _MATS: dict[tuple, list] = {}
 
 
@@ -1545,8 +1562,9 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
 def gemm(x, m, out=None, path: str | None = None):
     """Prefill projection: x [T, K] fp16 -> [T, N] fp16; m one AwqLinear or a tuple of them with the
     same K (q, k, v), multiplied as one matrix [K, sum of N]. Paths "wgmma" (sm_90, short prompts of
-    some shapes, see gemm_path) and "rs" (sm_90, mid-size prompts, rs_range): the fused wgmma GEMMs of
-    gemm_wgmma.cu, the weights dequantized in shared memory or registers and never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
+    some shapes, see gemm_path) and "rs" (sm_90, mid-size prompts, rs_range; two launches where rs_rows_split
+    says so): the fused wgmma GEMMs of gemm_wgmma.cu, the weights dequantized in shared memory or registers and
+    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
     into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32 accumulation); below
     it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     mats = m if isinstance(m, tuple) else (m,)
@@ -1557,6 +1575,11 @@ def gemm(x, m, out=None, path: str | None = None):
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
     if path == "rs":
+        h = rs_rows_split(T, K, N)
+        if h:
+            gemm_rs(x[:h], mats, out[:h], 256)
+            gemm_rs(x[h:], mats, out[h:], 64)
+            return out
         return gemm_rs(x, mats, out)
     if path == "dequant":
         if _CAPTURING[0]:  # (CuPy refuses cuBLAS calls while a stream captures)

@@ -499,6 +499,31 @@ def test_gemm_rs_path(M):
     assert not oc._gemm_split_buffers(0)[1].any()
 
 
+@pytest.mark.parametrize("M", [257, 300, 352])
+def test_gemm_rs_rows_split(monkeypatch, M):
+    """gemm()'s "rs" path with its rows split in two launches (rs_rows_split, change 206: the first 256 rows by
+    256-token blocks, the rest by 64-token blocks; the weight bound lowered to 0 so check_wgmma's small matrices
+    take it): q|k|v side by side and the lone matrix against the reference, every row written (outputs poisoned),
+    two runs bitwise equal, and both launches seen with their row counts."""
+    if not oc.wgmma_available():
+        pytest.skip("wgmma needs compute capability 9.0")
+    monkeypatch.setattr(oc, "RS_ROWS_SPLIT_KN", 0)
+    seen = []
+    real = oc.gemm_rs
+
+    def spy(x, mats, out, bt=None, split=None):
+        seen.append((x.shape[0], bt))
+        return real(x, mats, out, bt, split)
+    monkeypatch.setattr(oc, "gemm_rs", spy)
+
+    def run(x, mats, out):
+        return oc.gemm(x, mats, out, path="rs")
+
+    check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
+    assert seen == [(256, 256), (M - 256, 64)] * 3
+    assert not oc._gemm_split_buffers(0)[1].any()
+
+
 def test_gemm_path_routes_rs(monkeypatch):
     """gemm_path's choice at the Qwen3-8B and 30B-A3B shapes on Hopper: the fused wgmma kernel for short
     prompts, rs inside rs_range, dequant + cuBLAS past it; KUIPER_GEMM_RS=0 never rs, =1 always (when the

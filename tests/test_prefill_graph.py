@@ -21,6 +21,15 @@ def test_prefill_buckets():
     assert all(B - T <= (15 if T <= 128 else 31 if T <= 256 else 63) for T, B in got.items())
 
 
+def test_rs_rows_split_rule():
+    """gemm()'s rs rows split (change 206) applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
+    weights only (Qwen3-8B gate|up and down, not q|k|v or o), with 256 rows in its first launch."""
+    gu, down, qkv, o = (4096, 24576), (12288, 4096), (4096, 6144), (4096, 4096)
+    assert [oc.rs_rows_split(T, *gu) for T in (2, 256, 257, 300, 320, 321, 352, 512)] == [0, 0, 256, 256, 256, 0, 0, 0]
+    assert oc.rs_rows_split(300, *down) == 256
+    assert oc.rs_rows_split(300, *qkv) == oc.rs_rows_split(300, *o) == 0
+
+
 class PaddedNumpyOps(NumpyOps):
     """The reference ops serving prefill_graph as the CUDA backend does: the layers run on the prompt padded with
     id 0 to prefill_bucket(T) positions, for a fresh cache only."""

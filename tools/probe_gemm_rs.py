@@ -89,7 +89,14 @@ def main(rows, shapes, power, json_out):
                      for bt in (128, 256) for sp in (1, 2, 4)}
             forms["rs_plan"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 128)
             forms["rs256"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 256)
+            forms["rs64"] = lambda i, c=c: oc.gemm_rs(x, ms[i % nq], c, 64)
             forms["wgmma"] = lambda i, c=c: oc.gemm_wgmma(x, ms[i % nq], c)
+            if M % 256:  # rows split: the first 256 by 256-token blocks, the rest by a second launch
+                h = M // 256 * 256
+                forms["hyb_rs"] = lambda i, c=c, h=h: (oc.gemm_rs(x[:h], ms[i % nq], c[:h], 256),
+                                                       oc.gemm_rs(x[h:], ms[i % nq], c[h:], 64))
+                forms["hyb_wg"] = lambda i, c=c, h=h: (oc.gemm_rs(x[:h], ms[i % nq], c[:h], 256),
+                                                       oc.gemm_wgmma(x[h:], ms[i % nq], c[h:]))
             forms["dequant"] = lambda i, c=c: oc.gemm(x, tuple(ms[i % nq]), c, path="dequant")
             r = {"shape": name, "M": M, "plan": oc.rs_plan(M, N, K), "plan256": oc.rs_plan(M, N, K, 256)}
             for f, run in forms.items():
@@ -111,15 +118,17 @@ def main(rows, shapes, power, json_out):
     if json_out:
         Path(json_out).write_text(json.dumps({"gpu": gpu, "rows": out, "under_load": loads}, indent=1))
     print(f"# {gpu}: TFLOP/s (ratio to cuBLAS fp16), largest error / largest |reference|")
-    names = ["rs128s1", "rs128s2", "rs128s4", "rs_plan", "rs256s1", "rs256s2", "rs256s4", "rs256", "wgmma", "dequant"]
+    names = ["rs128s1", "rs128s2", "rs128s4", "rs_plan", "rs256s1", "rs256s2", "rs256s4", "rs256", "rs64", "wgmma",
+             "dequant", "hyb_rs", "hyb_wg"]
     print("| shape | M | cuBLAS | rs 128 tokens, split 1 | 2 | 4 | as planned (split) | rs 256 tokens, split 1 | 2 | 4 "
-          "| as planned (split) | wgmma (gemm_w4a16_ws) | dequant + cuBLAS | largest error |")
+          "| as planned (split) | rs 64 tokens | wgmma (gemm_w4a16_ws) | dequant + cuBLAS | rows split, rs 64 after 256 "
+          "| rows split, wgmma after 256 | largest error |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |")
     for r in out:
-        cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" for f in names]
+        cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" if f in r else "-" for f in names]
         cells[3] += f" ({r['plan']})"
         cells[7] += f" ({r['plan256']})"
-        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names):.1e} |")
+        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names if f in r):.1e} |")
     if loads:
         print(f"\n# {gpu}, each form back to back for {power:g} s: TFLOP/s, median SM clock, median board power")
         print("| shape | M | form | TFLOP/s | SM clock (MHz) | power (W) | power cap throttled |")
