@@ -49,7 +49,9 @@ flash_attn_prefill(const half* __restrict__ Q,   // [T, H, HD] (rotated)
                    const half* __restrict__ Kc,  // [ctx, KV, HD] this layer
                    const half* __restrict__ Vc,  // [ctx, KV, HD]
                    half* __restrict__ O,         // [T, H, HD]
-                   int T, int pos0, int H, int KV, float scale_log2) {
+                   int T, int pos0, int H, int KV, float scale_log2,
+                   const int* __restrict__ pos_dev) {  // when set, pos0 is read here (a prefill graph's replay)
+    if (pos_dev) pos0 = *pos_dev;
     // sizeof(FaSmem<HD>) of dynamic shared memory (ops_cupy.attention_prefill); no size check here: a trap's
     // registers pushed HD 128 past its 168 (3 blocks per SM) into spills
     extern __shared__ __align__(16) unsigned char fa_smem[];

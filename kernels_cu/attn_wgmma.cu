@@ -64,7 +64,13 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
                  const __grid_constant__ TmaDesc kmap,  // K [L][n_keys][KV*128]: every layer's cache rows
                  const __grid_constant__ TmaDesc vmap,  // V [L][n_keys][KV*128]
                  half* __restrict__ O,                  // [T, H*128]
-                 int T, int pos0, int H, int KV, int layer, float scale_log2) {
+                 int T, int pos0, int H, int KV, int layer, float scale_log2,
+                 const int* __restrict__ pos_dev,       // when set, pos0 is read here (a prefill graph's replay)
+                 const TmaDesc* __restrict__ kvmaps) {  // when set, [2] K and V maps in global memory instead
+    // A prefill graph serves prompts at any position: the host writes the position and maps of its n_keys rows
+    // into device memory before each replay (PERFORMANCE.md change 207). Maps over the cache's whole capacity
+    // would let V rows past n_keys (stale, or never written) into P V, where a masked key's 0 times NaN is NaN.
+    if (pos_dev) pos0 = *pos_dev;
     static_assert(NC == 2 || NC == 3, "2 consumer warpgroups and a load warp, or 3 and a load warpgroup");
     constexpr int BQ = 64 * NC;  // query rows per block
     typedef FwSmem<ST, NC> L;
@@ -92,6 +98,12 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
     if (tid >= 128 * NC) {  // ---- the loads: one thread issues every copy ----
         if constexpr (NC == 3) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (tid == 128 * NC) {
+            const TmaDesc *km = &kmap, *vm = &vmap;
+            if (kvmaps) {  // written by a copy since the last replay: the tensormap proxy must not use a stale one
+                km = kvmaps, vm = kvmaps + 1;
+                asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(km) : "memory");
+                asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(vm) : "memory");
+            }
             const int n_tiles = (min(n_keys, pos0 + q0 + BQ) + FW_BKV - 1) / FW_BKV;  // the block's causal bound
             mbar_arrive_expect_tx(qbar, 2 * NC * FW_BOX);
             for (int i = 0; i < 2 * NC; ++i)  // box i: warpgroup i / 2, column half i % 2
@@ -101,11 +113,11 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
                 if (j >= ST) mbar_wait(empty + 8 * s, (j / ST - 1) & 1);  // tile j - ST's P V is done
                 mbar_arrive_expect_tx(kfull + 8 * s, 2 * FW_BOX);
                 for (int c = 0; c < 2; ++c)
-                    tma_load_3d(sb + L::k + (2 * s + c) * FW_BOX, &kmap, kvh * FW_HD + c * 64, j * FW_BKV, layer,
+                    tma_load_3d(sb + L::k + (2 * s + c) * FW_BOX, km, kvh * FW_HD + c * 64, j * FW_BKV, layer,
                                 kfull + 8 * s);
                 mbar_arrive_expect_tx(vfull + 8 * s, 2 * FW_BOX);
                 for (int c = 0; c < 2; ++c)
-                    tma_load_3d(sb + L::v + (2 * s + c) * FW_BOX, &vmap, kvh * FW_HD + c * 64, j * FW_BKV, layer,
+                    tma_load_3d(sb + L::v + (2 * s + c) * FW_BOX, vm, kvh * FW_HD + c * 64, j * FW_BKV, layer,
                                 vfull + 8 * s);
             }
         }

@@ -803,10 +803,15 @@ class _Arena:
         self.slots.clear()
 
 
-# Prefill graphs (CupyOps.prefill_graph): a fresh prompt of 2..PREFILL_GRAPH_MAX_T tokens runs, from the second
-# time its length bucket is met, as one CUDA graph captured at the bucket's length (the prompt padded at its end),
-# so the host enqueues one graph launch instead of ~7 kernel launches per layer. 0 turns them off.
+# Prefill graphs (CupyOps.prefill_graph): a prompt of 2..PREFILL_GRAPH_MAX_T tokens, at the cache's start or after
+# earlier turns, runs, from the second time its length bucket is met, as one CUDA graph captured at the bucket's
+# length (the prompt padded at its end), so the host enqueues one graph launch instead of ~7 kernel launches per
+# layer. 0 turns them off.
 PREFILL_GRAPH_MAX_T = int(os.environ.get("KUIPER_PREFILL_GRAPH_MAX_T", "512"))
+# what a replay reads, in one device buffer the host fills before each (one copy): K's and V's cache maps of the
+# prompt's keys at bytes 0 and 128 (64-byte aligned, for flash_attn_wgmma), the position at _PBUF_POS, the padded
+# ids from _PBUF_IDS (PERFORMANCE.md change 207)
+_PBUF_POS, _PBUF_IDS = 256, 260
 # bumped whenever a module-level device buffer is replaced by a larger one (_dequant_scratch, _gemm_split_buffers):
 # a graph captured before holds the old address, so it is dropped
 _BUF_GEN = [0]
@@ -1643,18 +1648,25 @@ def fw_smem_bytes(st: int, nc: int) -> int:
     return 2 * nc * 8192 + st * 4 * 8192 + 8 * (1 + 3 * st) + 1024
 
 
-def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None, layer: int = 0):
+def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str | None = None, layer: int = 0,
+                      pos_dev=None, kvmaps=None):
     """Causal flash attention. q [T, H, hd] at positions pos0.., kc/vc one layer's cache [ctx, KV, hd] or every
     layer's [L, ctx, KV, hd] with the layer to read -> [T, H*hd]. path: "wgmma" (attn_wgmma.cu) or "mma"
-    (attention.cu); by default wgmma where attn_wgmma_fits."""
+    (attention.cu); by default wgmma where attn_wgmma_fits. pos_dev (int32 [1]): the kernels read pos0 there
+    instead (a prefill graph), and the wgmma kernel then reads K's and V's maps (tma_map_cache of pos0 + T keys)
+    from kvmaps (uint8 [256], 64-byte aligned), both written before each replay."""
     T, H, hd = q.shape
     out = _empty((T, H * hd), cp.float16) if out is None else out
     if path is None:
         path = "wgmma" if attn_wgmma_fits(hd) else "mma"
     if kc.ndim == 3:  # one layer's cache: layer 0 of a one-layer stack
         kc, vc = kc[None], vc[None]
+    null = np.uint64(0)
     if path == "wgmma":
         KV, n = n_kv_heads, pos0 + T
+        if pos_dev is not None:  # the launch's own maps are not read: any valid ones (the whole capacity)
+            assert kvmaps is not None and kvmaps.nbytes >= 256 and kvmaps.data.ptr % 64 == 0
+            n = kc.shape[1]
         assert hd == 128 and H % KV == 0 and kc.shape[2:] == (KV, hd) and kc.shape[1] >= n and vc.shape == kc.shape
         assert 0 <= layer < kc.shape[0] and q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
         cfg = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
@@ -1669,13 +1681,15 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         threads = 288 if nc == 2 else 128 * (nc + 1)  # attn_wgmma.cu FW_THREADS(nc)
         launch_ex(fn, (math.ceil(T / (64 * nc)), H), (threads,), (
             tma_map_2d(q.reshape(T, H * hd), 64, 64), tma_map_cache(kc, n), tma_map_cache(vc, n), out, _i(T),
-            _i(pos0), _i(H), _i(KV), _i(layer), _f(math.log2(math.e) / math.sqrt(hd))), smem)
+            _i(pos0), _i(H), _i(KV), _i(layer), _f(math.log2(math.e) / math.sqrt(hd)),
+            null if pos_dev is None else pos_dev, null if pos_dev is None else kvmaps), smem)
         return out
     fn = kernel("attn", f"flash_attn_prefill<{hd}>")
     smem = 512 * (hd + 8)  # attention.cu FaSmem<hd>: two stages of 64 K and 64 V rows of hd + 8 halves
     allow_dynamic_smem(fn, smem)
     fn((math.ceil(T / 64), H), (128,), (q, kc[layer], vc[layer], out, _i(T), _i(pos0), _i(H), _i(n_kv_heads),
-                                        _f(math.log2(math.e) / math.sqrt(hd))), shared_mem=smem)
+                                        _f(math.log2(math.e) / math.sqrt(hd)),
+                                        null if pos_dev is None else pos_dev), shared_mem=smem)
     return out
 
 
@@ -2687,13 +2701,14 @@ class CupyOps:
         self._arena = _Arena()  # short prefills' activations (_ARENA_MAX_T)
         # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
         # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
-        # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; the
-        # prompt's ids the graphs read; prefill_graphs False runs every prefill eagerly (A/B, tests)
+        # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
+        # graphs read (_pbuf: K's and V's maps, the position, the ids; _PBUF_*); prefill_graphs False runs every
+        # prefill eagerly (A/B, tests)
         self._pgraphs: dict[int, tuple] = {}
         self._pseen: set[int] = set()
         self._pnever: set[int] = set()
         self._parena = _BumpArena()
-        self._pids = self._graph_ids = None
+        self._pbuf = self._graph_ids = self._graph_pos = None
         self.prefill_graphs = self.graphs and PREFILL_GRAPH_MAX_T > 1
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
@@ -3060,7 +3075,7 @@ class CupyOps:
         one = q.shape[0] == 1
         return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
                                   self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
-                                  self.d["qrot"] if one else None, self.d["pos"] if one else None)
+                                  self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
 
     def attention(self, q, i: int, pos0: int):
         KV = self.args.num_key_value_heads
@@ -3082,6 +3097,9 @@ class CupyOps:
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
+        if self._graph_pos is not None:  # a prefill graph's capture: the position and maps read on the device
+            return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i, pos_dev=self._graph_pos,
+                                     kvmaps=self._pbuf[:_PBUF_POS])
         return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
@@ -3173,18 +3191,19 @@ class CupyOps:
     # ------------------------------------------------------------------ short prefills as CUDA graphs
     def prefill_graph(self, ids: list[int], pos0: int, layers):
         """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
-        first T rows are the prompt's (the rest the padding's: ids 0 at positions T..B-1, whose cache rows later
-        steps overwrite before any step reads them), or None where the prefill runs eagerly: a prompt that does not
-        start the cache (pos0 > 0: its positions are kernel arguments), longer than PREFILL_GRAPH_MAX_T, whose
-        bucket passes the cache, or whose bucket this process has not met (the first prefill of a bucket runs
-        eagerly: a capture costs as much host time as that prefill, so a one-off prompt does not pay it).
-        layers(ids) runs the model's layers and final norm on a list of B ids."""
+        first T rows are the prompt's (the rest the padding's: ids 0 at positions pos0 + T..pos0 + B - 1, whose
+        cache rows later steps overwrite before any step reads them), or None where the prefill runs eagerly: a
+        prompt longer than PREFILL_GRAPH_MAX_T, whose padded end passes the cache, or whose bucket this process has
+        not met (the first prefill of a bucket runs eagerly: a capture costs as much host time as that prefill, so
+        a one-off prompt does not pay it). One graph per bucket serves every position: the rotary embedding, the
+        cache rows written and attention's keys come from the position the host writes before each replay, with
+        the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
+        norm on a list of B ids."""
         T = len(ids)
-        if not (self.prefill_graphs and self.graphs and pos0 == 0 and 1 < T <= PREFILL_GRAPH_MAX_T
-                and self.routing_log is None):
+        if not (self.prefill_graphs and self.graphs and 1 < T <= PREFILL_GRAPH_MAX_T and self.routing_log is None):
             return None
         B = prefill_bucket(T)
-        if B > self.max_context or B in self._pnever:
+        if pos0 + B > self.max_context or B in self._pnever:
             return None
         rec = self._pgraphs.get(B)
         if rec is not None and rec[3] != _BUF_GEN[0]:  # a module buffer it holds was replaced
@@ -3198,20 +3217,23 @@ class CupyOps:
             if rec is None:
                 self._pnever.add(B)
                 return None
-        pad = np.zeros((B,), np.int32)
-        pad[:T] = ids
-        self._pids[:B].set(pad)  # on the null stream: after the last replay's reads, before this one's
+        host = np.zeros((_PBUF_IDS + 4 * B,), np.uint8)
+        host[:_PBUF_POS] = np.frombuffer(bytes(tma_map_cache(self.k_cache, pos0 + B))
+                                         + bytes(tma_map_cache(self.v_cache, pos0 + B)), np.uint8)
+        host[_PBUF_POS:].view(np.int32)[0] = pos0
+        host[_PBUF_IDS:_PBUF_IDS + 4 * T].view(np.int32)[:] = ids
+        self._pbuf[:host.size].set(host)  # on the null stream: after the last replay's reads, before this one's
         rec[0].launch(self._stream)
         return rec[1]
 
     def _capture_prefill(self, B: int, layers) -> tuple | None:
         """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
         while a region is too small; the graphs captured before then hold the old region and are dropped), every
-        other allocation kept with the graph (the residual rows), the ids read from self._pids. None where the
-        prefill calls what a capture cannot hold (_NotCapturable)."""
+        other allocation kept with the graph (the residual rows), the position, ids and the attention's cache maps
+        read from self._pbuf. None where the prefill calls what a capture cannot hold (_NotCapturable)."""
         global _ARENA
-        if self._pids is None:
-            self._pids = cp.zeros((PREFILL_GRAPH_MAX_T,), cp.int32)
+        if self._pbuf is None:
+            self._pbuf = cp.zeros((_PBUF_IDS + 4 * PREFILL_GRAPH_MAX_T,), cp.uint8)  # (the pool's blocks: 512-aligned)
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
         # captured, not run, and a capture that is retried or refused would leave them holding garbage
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
@@ -3225,7 +3247,8 @@ class CupyOps:
                 return m
             arena.reset()
             prev, _ARENA = _ARENA, arena
-            self._graph_ids = self._pids[:B]
+            self._graph_ids = self._pbuf[_PBUF_IDS:_PBUF_IDS + 4 * B].view(cp.int32)
+            self._graph_pos = self._pbuf[_PBUF_POS:_PBUF_IDS].view(cp.int32)
             _CAPTURING[0] = True
             try:
                 with stream, cp.cuda.using_allocator(alloc):
@@ -3240,7 +3263,7 @@ class CupyOps:
                         graph = stream.end_capture()
             finally:
                 _ARENA = prev
-                self._graph_ids = None
+                self._graph_ids = self._graph_pos = None
                 _CAPTURING[0] = False
             if refused:
                 return None

@@ -332,14 +332,16 @@ def forget_zeroed_counters(monkeypatch):
     del blocks
 
 
-def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12, after_first=None):
-    """Fresh prompts of the given lengths on one GPU session with prefill graphs, d["logits"] poisoned (NaN) before
-    each: the first prompt of a length bucket runs eagerly, the second captures the bucket's graph, later ones
-    replay it (returns the buckets served, prefill_graph_spy). Every prompt's last logits as accurate against the
-    CPU reference as an eager GPU session's (the prompts of one bucket are different draws: each replay reads its
-    own ids); then the last prompt's greedy continuation equals the CPU's up to a tie neither side resolves (the
-    padding's cache rows are overwritten by decode before any step reads them). after_first() runs after the first
-    prompt (before the first capture)."""
+def assert_prefill_graphs_accurate(mf, prompts, ctx=160, n_greedy=12, after_first=None):
+    """Prompts on one GPU session with prefill graphs, d["logits"] poisoned (NaN) before each: an int is a fresh
+    prompt of that length, a tuple one chat's turns (the cache reset before its first, each later turn continuing at
+    the position the ones before left: pos0 > 0). The first prompt of a length bucket runs eagerly, the second
+    captures the bucket's graph, later ones replay it at whatever position (returns the buckets served,
+    prefill_graph_spy). Every prompt's last logits as accurate against the CPU reference as an eager GPU session's
+    (the prompts of one bucket are different draws: each replay reads its own ids and position); then, after the
+    last chat's turns but its last again, the greedy continuation of its last turn equals the CPU's up to a tie
+    neither side resolves (the padding's cache rows are overwritten by decode before any step reads them).
+    after_first() runs after the first prompt (before the first capture)."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
     from kuiper_py.model import Qwen3
@@ -348,18 +350,23 @@ def assert_prefill_graphs_accurate(mf, lengths, ctx=160, n_greedy=12, after_firs
     m, eager, cpu = Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, NumpyOps, ctx)
     eager.ops.prefill_graphs = False
     served = prefill_graph_spy(m)
-    for n in lengths:
-        ids = rng.integers(0, 151643, n).tolist()
+    for chat in (p if isinstance(p, tuple) else (p,) for p in prompts):
         for s in (m, eager, cpu):
             s.reset()
-        m.ops.d["logits"].fill(np.nan)
-        got = cp.asnumpy(m.prefill(ids)).copy()
-        assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(ids)), cpu.prefill(ids))
-        if after_first is not None and len(served) == 1:
-            after_first()
+        turns = []
+        for n in chat:
+            turns.append(rng.integers(0, 151643, n).tolist())
+            m.ops.d["logits"].fill(np.nan)
+            got = cp.asnumpy(m.prefill(turns[-1])).copy()
+            assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(turns[-1])), cpu.prefill(turns[-1]))
+            if after_first is not None and len(served) == 1:
+                after_first()
     m.reset()
     cpu.reset()
-    toks, tie = greedy_lockstep(cpu, m, ids, n_greedy)
+    for ids in turns[:-1]:
+        m.prefill(ids)
+        cpu.prefill(ids)
+    toks, tie = greedy_lockstep(cpu, m, turns[-1], n_greedy)
     if tie is not None:
         gap, err, got_tok, runner_up = tie
         assert got_tok == runner_up and gap < err, (len(toks), tie)

@@ -499,7 +499,7 @@ def test_gemm_rs_path(M):
     assert not oc._gemm_split_buffers(0)[1].any()
 
 
-@pytest.mark.parametrize("M", [257, 300, 352])
+@pytest.mark.parametrize("M", [257, 300, 320])
 def test_gemm_rs_rows_split(monkeypatch, M):
     """gemm()'s "rs" path with its rows split in two launches (rs_rows_split, change 206: the first 256 rows by
     256-token blocks, the rest by 64-token blocks; the weight bound lowered to 0 so check_wgmma's small matrices
@@ -716,6 +716,36 @@ def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, pa
 
 
 @pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
+def test_flash_attention_prefill_position_on_device(path, monkeypatch):
+    """A prefill graph's attention (change 207): the position read from device memory and, on the wgmma kernel, K's
+    and V's maps from a device buffer, both rewritten between launches of the same arguments (as between replays):
+    each launch equals, bit for bit, the launch with that position and its own maps as arguments, and float64.
+    Every other layer and the rows past each launch's keys hold NaN (a map over the whole cache would let them into
+    P V); the launch's own argument says position 0."""
+    path = attn_path_or_skip(path, 128, monkeypatch)
+    rng = np.random.default_rng()
+    L, H, KV, hd, T, layer = 2, 16, 4, 128, 48, 1
+    pos_dev, maps = cp.zeros((1,), cp.int32), cp.zeros((256,), cp.uint8)
+    for pos0 in (61, 0, 130):
+        n, ctx = pos0 + T, 250
+        Kc = np.full((L, ctx, KV, hd), np.nan, np.float16)
+        Vc = Kc.copy()
+        Kc[layer, :n] = rng.standard_normal((n, KV, hd)) * 2
+        Vc[layer, :n] = rng.standard_normal((n, KV, hd))
+        Kd, Vd = cp.asarray(Kc), cp.asarray(Vc)
+        q = cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
+        pos_dev.set(np.array([pos0], np.int32))
+        maps.set(np.frombuffer(bytes(oc.tma_map_cache(Kd, n)) + bytes(oc.tma_map_cache(Vd, n)), np.uint8))
+        dev, arg = nan_like((T, H * hd), cp.float16), nan_like((T, H * hd), cp.float16)
+        oc.attention_prefill(q, Kd, Vd, 0, KV, dev, path=path, layer=layer, pos_dev=pos_dev, kvmaps=maps)
+        oc.attention_prefill(q, Kd, Vd, pos0, KV, arg, path=path, layer=layer)
+        got = cp.asnumpy(dev)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, cp.asnumpy(arg))
+        assert rel(got, attention_ref(cp.asnumpy(q), Kc[layer], Vc[layer], pos0)) < 1e-2
+
+
+@pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
 def test_flash_attention_prefill_long(path, monkeypatch):
     path = attn_path_or_skip(path, 128, monkeypatch)
     rng = np.random.default_rng()
@@ -881,7 +911,10 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
 
 @pytest.mark.parametrize("H,KV,hd,T,pos0", [(32, 8, 128, 1, 9), (64, 8, 128, 37, 0), (4, 2, 64, 5, 3),
                                              (32, 4, 128, 300, 17), (16, 8, 64, 2, 40), (1, 1, 64, 3, 0)])
-def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
+@pytest.mark.parametrize("dev_pos", [False, True])
+def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0, dev_pos):
+    """q/k norm, RoPE and the cache write against NumPy; dev_pos: the position read from device memory (the decode
+    step's graph, and a prefill graph's since change 207), the argument a wrong -1."""
     from kuiper_py.config import ModelArgs, rope_tables
     from kuiper_py.ops_numpy import rmsnorm, rope
     rng = np.random.default_rng()
@@ -897,8 +930,8 @@ def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0):
     qd, kvd = H * hd, KV * hd
     kc, vc = nan_like((ctx, KV, hd), cp.float16), nan_like((ctx, KV, hd), cp.float16)
     out = oc.qk_norm_rope_store(buf[:, :qd], buf[:, qd:qd + kvd], buf[:, qd + kvd:], cp.asarray(qn), cp.asarray(kn),
-                                cp.asarray(cos), cp.asarray(sin), kc, vc, pos0, H, 1e-6,
-                                nan_like((T, H, hd), cp.float16))
+                                cp.asarray(cos), cp.asarray(sin), kc, vc, -1 if dev_pos else pos0, H, 1e-6,
+                                nan_like((T, H, hd), cp.float16), cp.full((1,), pos0, cp.int32) if dev_pos else None)
     f = fused.astype(np.float32)
     c, s = cos[pos0:pos0 + T], sin[pos0:pos0 + T]
     q_ref = rope(rmsnorm(f[:, :qd].reshape(T, H, hd), qn, 1e-6), c, s)

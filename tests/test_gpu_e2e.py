@@ -73,6 +73,17 @@ def test_prefill_graphs_match_eager_and_reference(small_bin, monkeypatch):
     assert served == [None, 48, 48, 48, None, 112, 112]
 
 
+def test_prefill_graphs_serve_continued_prompts(small_bin):
+    """A chat's later turns (pos0 > 0) through the same prefill graphs as fresh prompts (change 207: the position and
+    the attention's cache maps are read on the device): three chats whose turns meet the 48-token bucket at
+    positions 0, 9, 20, 33 and 46, each turn's logits as accurate as the eager prefill's, then a greedy continuation
+    after two replayed turns (reference.assert_prefill_graphs_accurate)."""
+    if not oc.wgmma_available():
+        pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
+    served = assert_prefill_graphs_accurate(load(small_bin), ((20, 40), (33, 41), (9, 37, 45)))
+    assert served == [None, None, 48, 48, None, 48, 48, 16, 48, 48]
+
+
 def test_prefill_graph_refused_where_cublas_serves(model_bin):
     """The tiny presets' prefill calls cuBLAS (matrices narrower than the fused GEMMs take): the bucket's capture
     is abandoned, the bucket marked, and every prompt runs eagerly, as accurate as before."""
@@ -81,8 +92,9 @@ def test_prefill_graph_refused_where_cublas_serves(model_bin):
 
 
 def test_prefill_graph_lifecycle(small_bin):
-    """When a prefill graph serves and when it is dropped: not for a continued prompt, all_logits, a bucket past the
-    cache or after a new cache (which also forgets the buckets met); captured again after a module buffer it
+    """When a prefill graph serves and when it is dropped: for a continued prompt too, not for all_logits, a padded end
+    past the cache (at the start or after earlier turns) or after a new cache (which also forgets the buckets met);
+    captured again after a module buffer it
     holds is replaced, and after the shared activations grow (which drops every graph captured before). A graph
     captured after a regrowth is as accurate as the eager prefill."""
     if not oc.wgmma_available():
@@ -100,9 +112,10 @@ def test_prefill_graph_lifecycle(small_bin):
     fresh(30)
     assert served == [None, 32] and set(m.ops._pgraphs) == {32}
     g32 = m.ops._pgraphs[32][0]
-    m.prefill(rng.integers(0, 151643, 20).tolist())  # continues at position 30
+    m.prefill(rng.integers(0, 151643, 20).tolist())  # continues at position 30: the same graph
+    assert served == [None, 32, 32] and m.ops._pgraphs[32][0] is g32
     fresh(25, all_logits=True)  # (prefill_graph is not asked)
-    assert served == [None, 32, None]
+    assert served == [None, 32, 32]
     oc._BUF_GEN[0] += 1  # as _gemm_split_buffers replacing its partial sums
     fresh(31)
     assert served[-1] == 32 and m.ops._pgraphs[32][0] is not g32
@@ -122,6 +135,9 @@ def test_prefill_graph_lifecycle(small_bin):
     fresh(193)  # bucket 224 > 200 positions
     fresh(193)
     assert served[-2:] == [None, None] and 224 not in m.ops._pgraphs
+    fresh(170)
+    m.prefill(rng.integers(0, 151643, 20).tolist())  # 170 + 20 positions fit, 170 + its bucket's 32 do not
+    assert served[-1] is None
     m.set_context(256)
     assert not m.ops._pgraphs
     fresh(30)

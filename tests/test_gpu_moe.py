@@ -711,19 +711,22 @@ def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
     assert len(set(toks)) > 4
 
 
-def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prompts,expect", [((37, 40, 45, 33), [None, 48, 48, 48, 48]),
+                                            (((20, 40), (33, 41)), [None, None, 48, 48, 48, 48])])
+def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch, prompts, expect):
     """MoE prompts through prefill graphs (reference.assert_prefill_graphs_accurate) on small-moe's shapes with a
     head dim of 128 (so that k and v are 256 wide and every dense projection takes the fused GEMMs; narrower ones go
     through cuBLAS, where a capture is refused): the padding's rows are routed and computed too, and leave the
-    prompt's rows and continuation as accurate as the eager prefill's."""
+    prompt's rows and continuation as accurate as the eager prefill's; fresh prompts, and chats whose later turns
+    replay the graph at pos0 > 0 (change 207)."""
     if not oc.wgmma_available():
         pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
     monkeypatch.setitem(synth.MOE_PRESETS, "pg-moe", (256, 512, 2, 4, 2, 128, True, 16, 4, 256, ()))
     d = synth.make_checkpoint(tmp_path / "ck", "pg-moe", seed=7, n_shards=1, tokenizer=False)
     export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
-    served = assert_prefill_graphs_accurate(load(tmp_path / "m.bin"), (37, 40, 45, 33),
+    served = assert_prefill_graphs_accurate(load(tmp_path / "m.bin"), prompts,
                                             after_first=lambda: forget_zeroed_counters(monkeypatch))
-    assert served == [None, 48, 48, 48, 48]
+    assert served == expect
 
 
 def test_moe_prefill_graph_refused_where_cublas_serves(moe_bin):

@@ -32,12 +32,13 @@ def test_rs_rows_split_rule():
 
 class PaddedNumpyOps(NumpyOps):
     """The reference ops serving prefill_graph as the CUDA backend does: the layers run on the prompt padded with
-    id 0 to prefill_bucket(T) positions, for a fresh cache only."""
+    id 0 to prefill_bucket(T) positions, at the cache's start or after earlier turns (change 207), where the padded
+    end fits in the cache."""
     served = 0
 
     def prefill_graph(self, ids, pos0, layers):
         B = oc.prefill_bucket(len(ids))
-        if pos0 or B > self.k_cache.shape[1]:
+        if pos0 + B > self.k_cache.shape[1]:
             return None
         x = layers(list(ids) + [0] * (B - len(ids)))
         assert x.shape[0] == B
@@ -67,4 +68,24 @@ def test_padded_prefill_gives_the_prompts_own_logits_and_continuation(tiny_bin, 
     ta, la = greedy(plain, ids, 6)
     tb, lb = greedy(padded, ids, 6)
     assert ta == tb
+    np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4 * np.abs(la).max())
+
+
+def test_padded_continued_prompts_give_their_own_logits_and_continuation(tiny_bin):
+    """A chat's turns padded as prefill graphs pad them, each after the ones before (pos0 > 0): every turn's last
+    logits and the greedy continuation after the last turn as the unpadded engine's; the padding's cache rows past
+    each turn are overwritten by the next turn or by decode before anything reads them."""
+    mf = load(tiny_bin)
+    rng = np.random.default_rng()
+    plain, padded = Qwen3(mf, NumpyOps, 200), Qwen3(mf, PaddedNumpyOps, 200)
+    before = PaddedNumpyOps.served
+    for n in (7, 20, 33):
+        ids = rng.integers(0, 151643, n).tolist()
+        a, b = plain.prefill(ids), padded.prefill(ids)
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+    assert PaddedNumpyOps.served == before + 3 and padded.pos == plain.pos == 60
+    ids = rng.integers(0, 151643, 9).tolist()
+    ta, la = greedy(plain, ids, 6)
+    tb, lb = greedy(padded, ids, 6)
+    assert ta == tb and PaddedNumpyOps.served == before + 4
     np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4 * np.abs(la).max())
