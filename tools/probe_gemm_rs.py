@@ -1,7 +1,9 @@
 """Probe of the register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-166; prefill's "rs"
 path since change 167), 128 tokens x 256 channels or 256 tokens x 128 channels per block, each tile's K in 1, 2 or 4
 ranges or as rs_plan splits it: TFLOP/s at the Qwen3-8B (and 30B-A3B attention) projection shapes against
-cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma) and the dequant + cuBLAS path in the same run,
+cuBLAS fp16 (cupy.matmul), the fused wgmma GEMM (gemm_wgmma), the dequant + cuBLAS path, 64 tokens per block, and
+(for a row count that is not a multiple of 256) the rows split in two launches, the first whole 256-row tiles then
+the rest by 64-token blocks (gemm()'s form for 257-320 rows, change 206) or by the wgmma GEMM, in the same run,
 weights rotated over > 6x L2 as in bench_kernels, and each form's largest error against the float32 product
 of the dequantized weights (outputs poisoned with NaN first).
 --power S also runs cuBLAS and the kernels back to back for S seconds each at the largest row count while
