@@ -65,8 +65,10 @@ SHAPES = {"qkv 4096->6144": (4096, [4096, 1024, 1024]), "o 4096->4096": (4096, [
 @click.option("--shapes", default="", help="comma-separated prefixes of the shape names (default: all)")
 @click.option("--power", default=0.0, help="also run cuBLAS and each kernel back to back this many seconds at the "
               "largest row count, sampling the SM clock and board power (nvidia-smi)")
+@click.option("--forms", "only", default="", help="comma-separated form names to run (default: all; the table "
+              "shows '-' for the others)")
 @click.option("--json", "json_out", default=None)
-def main(rows, shapes, power, json_out):
+def main(rows, shapes, power, only, json_out):
     if not oc.wgmma_available():
         raise click.ClickException("needs compute capability 9.0 (sm_90a)")
     l2 = cp.cuda.Device().attributes["L2CacheSize"]
@@ -100,6 +102,8 @@ def main(rows, shapes, power, json_out):
                 forms["hyb_wg"] = lambda i, c=c, h=h: (oc.gemm_rs(x[:h], ms[i % nq], c[:h], 256),
                                                        oc.gemm_wgmma(x[h:], ms[i % nq], c[h:]))
             forms["dequant"] = lambda i, c=c: oc.gemm(x, tuple(ms[i % nq]), c, path="dequant")
+            if only:
+                forms = {f: run for f, run in forms.items() if f in only.split(",")}
             r = {"shape": name, "M": M, "plan": oc.rs_plan(M, N, K), "plan256": oc.rs_plan(M, N, K, 256)}
             for f, run in forms.items():
                 c.fill(cp.nan)
@@ -130,7 +134,8 @@ def main(rows, shapes, power, json_out):
         cells = [f"{r[f]:.0f} ({r[f] / r['cublas']:.2f})" if f in r else "-" for f in names]
         cells[3] += f" ({r['plan']})"
         cells[7] += f" ({r['plan256']})"
-        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | {max(r[f + '_err'] for f in names if f in r):.1e} |")
+        print(f"| {r['shape']} | {r['M']} | {r['cublas']:.0f} | {' | '.join(cells)} | "
+              f"{max([r[f + '_err'] for f in names if f in r] or [float('nan')]):.1e} |")
     if loads:
         print(f"\n# {gpu}, each form back to back for {power:g} s: TFLOP/s, median SM clock, median board power")
         print("| shape | M | form | TFLOP/s | SM clock (MHz) | power (W) | power cap throttled |")
