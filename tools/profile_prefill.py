@@ -6,9 +6,12 @@ by a spinning kernel, and the GPU time of the queued work. Where the enqueue tim
 prefill is host-bound. With --fresh LO:HI, also the wall time of prefills at lengths LO..HI-1, each run once, none
 seen before in the process: what a chat's turns meet, where a per-length cache of the host side (change 195, not kept)
 had made repeated lengths faster and new ones slower. Prefills run eagerly unless --graphs lets the repeated ones
-replay prefill graphs (change 205). Table last, JSON with --json.
+replay prefill graphs (change 205). With --turns AFTER, instead: a chat's next turn, each prompt length prefilled
+after AFTER to AFTER + 80 cached positions (a different count each round), through the prefill graphs and eagerly in
+alternating order, wall and GPU time (change 207). Table last, JSON with --json.
 
     python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--graphs] [--json F]
+    python tools/profile_prefill.py MODEL.bin --prompts 20,100,300 --turns 200 [--reps 7]
 """
 import collections
 import functools
@@ -100,15 +103,60 @@ def kernel_times(m, ids):
     return dict(sorted(agg.items(), key=lambda kv: -kv[1][1]))
 
 
+def turn_times(eng, prompts, after: int, reps: int, rng):
+    """{prompt length: {"graph" | "eager": (wall ms, GPU ms) lists}} of a turn that continues a cache of after + 10 r
+    positions in round r (the graph's first two rounds, its bucket's eager first meeting and its capture, left out)."""
+    m = eng.session(after + 10 * (reps + 2) + max(prompts) + 64)
+    prefix = rng.integers(0, 151643, after + 10 * (reps + 2)).tolist()
+    out = {}
+    for n in prompts:
+        ids = rng.integers(0, 151643, n).tolist()
+        t = {"graph": ([], []), "eager": ([], [])}
+        for r in range(reps + 2):
+            for form in (("graph", "eager") if r % 2 else ("eager", "graph")):
+                m.ops.prefill_graphs = form == "graph"
+                m.reset()
+                m.prefill(prefix[:after + 10 * r])
+                t[form][0].append(prefill_wall_after(m, ids) * 1e3)
+                m.reset()
+                m.prefill(prefix[:after + 10 * r])
+                cp.cuda.Device().synchronize()
+                t[form][1].append(queued(lambda: m.prefill(ids), 2 * 10**8)[1] * 1e3)
+        out[n] = {f: (w[2:], g[2:]) for f, (w, g) in t.items()}
+    return out
+
+
+def prefill_wall_after(m, ids) -> float:
+    """Wall seconds of one prefill of ids at the session's current position, the device synchronised around it."""
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    m.prefill(ids)
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0
+
+
 @click.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--prompts", default="512,2048", show_default=True)
 @click.option("--reps", default=5, show_default=True)
 @click.option("--fresh", default=None, help="LO:HI: one prefill at each length LO..HI-1, none seen before")
 @click.option("--graphs", is_flag=True, help="let repeated prompts replay prefill graphs (default: every prefill eager)")
+@click.option("--turns", "after", type=int, default=None,
+              help="AFTER: time each prompt as a chat's next turn after AFTER+ cached positions, graph against eager")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False))
-def main(model, prompts, reps, fresh, graphs, json_out):
+def main(model, prompts, reps, fresh, graphs, after, json_out):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
+    if after is not None:
+        lens = [int(x) for x in prompts.split(",")]
+        tt = turn_times(eng, lens, after, reps, np.random.default_rng(0))
+        if json_out:
+            Path(json_out).write_text(json.dumps({"gpu": gpu_name(), "after": after, "turns": tt}, indent=1))
+        print(f"{gpu_name()}: a turn after {after}-{after + 10 * (reps + 1)} cached positions, medians of {reps}")
+        print("| tokens | graph wall ms (GPU) | eager wall ms (GPU) |\n|---:|---:|---:|")
+        for n, r in tt.items():
+            print(f"| {n} | " + " | ".join(f"{np.median(r[f][0]):.2f} ({np.median(r[f][1]):.2f})"
+                                          for f in ("graph", "eager")) + " |")
+        return
     eng.session(max([int(x) for x in prompts.split(",")] + [1])).ops.prefill_graphs = graphs
     rng = np.random.default_rng(0)
     res = {"gpu": gpu_name(), "prefill": []}
