@@ -53,9 +53,11 @@ def queued(fn, cycles: int) -> tuple[float, float]:
     return enq, cp.cuda.get_elapsed_time(a, b) / 1e3
 
 
-def prefill_wall(m, ids) -> float:
-    """Wall seconds of one prefill of ids from position 0, the device synchronised before and after."""
-    m.reset()
+def prefill_wall(m, ids, reset: bool = True) -> float:
+    """Wall seconds of one prefill of ids from position 0 (reset False: at the session's current position), the
+    device synchronised before and after."""
+    if reset:
+        m.reset()
     cp.cuda.Device().synchronize()
     t0 = time.perf_counter()
     m.prefill(ids)
@@ -117,22 +119,13 @@ def turn_times(eng, prompts, after: int, reps: int, rng):
                 m.ops.prefill_graphs = form == "graph"
                 m.reset()
                 m.prefill(prefix[:after + 10 * r])
-                t[form][0].append(prefill_wall_after(m, ids) * 1e3)
+                t[form][0].append(prefill_wall(m, ids, reset=False) * 1e3)
                 m.reset()
                 m.prefill(prefix[:after + 10 * r])
                 cp.cuda.Device().synchronize()
                 t[form][1].append(queued(lambda: m.prefill(ids), 2 * 10**8)[1] * 1e3)
         out[n] = {f: (w[2:], g[2:]) for f, (w, g) in t.items()}
     return out
-
-
-def prefill_wall_after(m, ids) -> float:
-    """Wall seconds of one prefill of ids at the session's current position, the device synchronised around it."""
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    m.prefill(ids)
-    cp.cuda.Device().synchronize()
-    return time.perf_counter() - t0
 
 
 @click.command()
