@@ -1406,20 +1406,20 @@ def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:
     return best[1]
 
 
-_GEMM_SPLIT: dict[int, list] = {}
+_GEMM_SPLIT: dict[int, object] = {}
+_GEMM_TICKETS: dict[int, object] = {}
 
 
 def _gemm_split_buffers(n_part: int):
-    """gemm_wgmma.cu's split-tile partial sums (fp32, grown as needed) and tickets (zero between
-    launches), per device. Every use is ordered on one stream, so reuse is safe."""
+    """(partial sums, tickets) of gemm_wgmma.cu's split tiles, per device: the fp32 partials grown as needed, the
+    tickets zero between launches. Every use is ordered on one stream, so reuse is safe."""
     dev = _dev_id()
-    if dev not in _GEMM_SPLIT:
-        assert not _CAPTURING[0], "the split tickets first made inside a graph capture (_device_zeros says why)"
-        _GEMM_SPLIT[dev] = [cp.empty((0,), cp.float32), cp.zeros((4096,), cp.int32)]
-    if _GEMM_SPLIT[dev][0].size < n_part:
-        _BUF_GEN[0] += 1
-        _GEMM_SPLIT[dev][0] = cp.empty((n_part,), cp.float32)
-    return _GEMM_SPLIT[dev]
+    part = _GEMM_SPLIT.get(dev)
+    if part is None or part.size < n_part:
+        if part is not None:  # (a graph captured before holds the old partials)
+            _BUF_GEN[0] += 1
+        part = _GEMM_SPLIT[dev] = cp.empty((n_part,), cp.float32)
+    return part, _device_zeros(_GEMM_TICKETS, 4096)
 
 
 def wgmma_smem_bytes(bm: int, bn: int, sx: int, sb: int, ps: int) -> int:

@@ -325,7 +325,7 @@ def forget_zeroed_counters(monkeypatch):
     never run), and the prefills that use them go wrong."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
-    for name in ("_GEMM_SPLIT", "_MOE_COUNTER", "_MOE_TILE_COUNTERS"):
+    for name in ("_GEMM_TICKETS", "_MOE_COUNTER", "_MOE_TILE_COUNTERS"):
         monkeypatch.setattr(oc, name, {})
     blocks = [cp.full((n,), -1, cp.int32) for n in (1, oc.MOE_ROUTE_MAX_TILES, 4096) for _ in range(8)]
     cp.cuda.Device().synchronize()
