@@ -253,6 +253,124 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         sys.exit(130)
 
 
+CHAT_CONTEXT = 4096  # `kuiper chat`'s default KV cache positions (or the model's maximum, if smaller)
+
+
+def _read_turn(tty: bool) -> str | None:
+    """The next user message from stdin: one line, or lines joined while they end in a backslash; None at the end
+    of input. On a terminal a prompt goes to stderr first (stdout carries only replies)."""
+    parts = []
+    while True:
+        if tty:
+            click.echo(">>> " if not parts else "... ", nl=False, err=True)
+        raw = sys.stdin.buffer.readline()
+        if not raw:
+            return "\n".join(parts) if parts else None
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            raise KuiperError(f"input is not valid UTF-8 (byte {e.start} of the line)") from None
+        if line.endswith("\\"):
+            parts.append(line[:-1])
+            continue
+        parts.append(line)
+        return "\n".join(parts)
+
+
+@cli.command("chat")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-n", "--max-tokens", type=int, default=1024, show_default=True, help="Tokens per reply at most.")
+@_sampling_options
+@click.option("--stop", multiple=True, help="End a reply when this text is generated (repeatable).")
+@click.option("--think/--no-think", default=None, help="Qwen3 thinking mode (enable_thinking); default: the template's.")
+@click.option("-s", "--system", default=None, help="System message, kept for the whole chat.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--max-context", type=int, default=None,
+              help=f"KV cache positions for the whole conversation (default {CHAT_CONTEXT}, or the model's maximum).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
+              help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per reply instead of streaming text.")
+@click.option("-v", "--verbose", is_flag=True, help="A line of statistics per reply on stderr.")
+def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop, think, system,
+             device, max_context, tokenizer_dir, as_json, verbose):
+    """Chat on one KV cache: each line of stdin is a user message (a line ending in a backslash continues on
+    the next), and each turn prefills only the tokens the cache does not already hold. /reset starts over;
+    /exit or the end of input quits. Replies go to stdout, everything else to stderr."""
+    from .generate import Chat, Engine, log
+    from .sampling import SamplingParams
+
+    if max_tokens < 1:
+        raise KuiperError(f"--max-tokens {max_tokens} must be >= 1")
+    if max_context is not None and max_context <= 0:
+        raise KuiperError(f"--max-context {max_context} must be positive")
+    eng = Engine.load(model, device, tokenizer_dir)
+    params = SamplingParams.from_generation_config(
+        (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
+        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    ctx = max_context or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
+    chat = Chat(eng, ctx, system, think)
+    chat.render([{"role": "user", "content": ""}])  # a model without a chat template fails here, before any input
+    tty = sys.stdin.isatty()
+    if tty:
+        log(f"kuiper chat: {eng.device}, context {ctx} tokens; /reset starts over, /exit quits, "
+            f"a line ending in \\ continues")
+    while True:
+        text = _read_turn(tty)
+        if text is None or text.strip() in ("/exit", "/quit"):
+            return
+        if text.strip() == "/reset":
+            chat.reset()
+            if verbose or tty:
+                log("(conversation reset)")
+            continue
+        if not text.strip():
+            continue
+        turn, last, pieces, interrupted = chat.turn(text, max_tokens, params, list(stop)), None, [], False
+        try:
+            for r in turn:
+                last = r
+                if r.text:
+                    pieces.append(r.text)
+                    if not as_json:
+                        sys.stdout.write(r.text)
+                        sys.stdout.flush()
+        except KeyboardInterrupt:
+            interrupted = True
+        except KuiperError as e:
+            if not tty:
+                raise
+            _err(str(e))
+            continue
+        finally:
+            turn.close()  # (an interrupted reply joins the conversation as far as it got)
+        if chat.dropped:
+            log(f"notice: dropped the oldest {chat.dropped} exchange{'s' * (chat.dropped > 1)} to fit the context "
+                f"of {ctx} tokens (--max-context)")
+        if as_json and last is not None:
+            click.echo(json.dumps({
+                "text": "".join(pieces), "tokens": last.tokens,
+                "finish_reason": "interrupted" if interrupted else last.finish_reason,
+                "prompt_tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
+                "dropped_exchanges": chat.dropped,
+                "timings": {"prompt_s": round(last.prompt_seconds, 4),
+                            "prompt_tok_s": round(last.prompt_tokens / max(last.prompt_seconds, 1e-9), 2),
+                            "generated_tokens": last.gen_tokens, "gen_s": round(last.gen_seconds, 4),
+                            "gen_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 2)}},
+                ensure_ascii=False))
+        elif not as_json:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if last is not None and last.finish_reason == "context" and not interrupted:
+            log(f"notice: the reply stopped at the end of the context ({ctx} tokens; raise --max-context)")
+        if last is not None and verbose:
+            reason = "interrupted" if interrupted else last.finish_reason
+            log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), "
+                f"{last.prompt_tokens / max(last.prompt_seconds, 1e-9):.1f} tok/s | generated {last.gen_tokens} "
+                f"tokens, {last.decode_steps / max(last.gen_seconds, 1e-9):.1f} tok/s | finish: {reason}")
+        if interrupted and not tty:
+            sys.exit(130)
+
+
 def _int_list(s: str) -> list[int]:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]

@@ -102,6 +102,7 @@ class Record:
     gen_seconds: float = 0.0
     decode_steps: int = 0  # model evaluations after the prompt, the count tg speed is measured over
     tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # the prompt's leading tokens the cache already held (a chat's earlier turns)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -115,9 +116,7 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
-def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-             stop: list[str] | None = None, max_context: int | None = None,
-             eos_ids: list[int] | None = None) -> Iterator[Record]:
+def _check_request(engine: Engine, prompt_ids: list[int], max_tokens: int) -> None:
     args = engine.file.args
     if max_tokens < 0:
         raise KuiperError(f"--max-tokens {max_tokens} must be >= 0")
@@ -125,11 +124,26 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
         raise KuiperError("the prompt is empty")
     if not all(0 <= t < args.vocab_size for t in prompt_ids):
         raise KuiperError(f"prompt token ids must be in 0..{args.vocab_size - 1}")
+
+
+def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+             stop: list[str] | None = None, max_context: int | None = None,
+             eos_ids: list[int] | None = None) -> Iterator[Record]:
+    args = engine.file.args
+    _check_request(engine, prompt_ids, max_tokens)
     ctx = max_context or min(len(prompt_ids) + max_tokens, args.max_position_embeddings)
     if len(prompt_ids) > ctx:
         raise KuiperError(f"prompt of {len(prompt_ids)} tokens does not fit a context of {ctx} "
                           f"(--max-context; the model's maximum is {args.max_position_embeddings})")
-    model = engine.session(ctx)
+    return _stream(engine, engine.session(ctx), prompt_ids, 0, max_tokens, params, stop, eos_ids)
+
+
+def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, max_tokens: int,
+            params: SamplingParams, stop: list[str] | None, eos_ids: list[int] | None) -> Iterator[Record]:
+    """The generation loop over a model whose cache holds prompt_ids[:cached] (model.pos == cached): the rest of
+    the prompt is prefilled, then tokens are drawn until a stop, max_tokens or the cache's end."""
+    args = engine.file.args
+    assert model.pos == cached < len(prompt_ids)
     eos = set(args.eos_token_ids if eos_ids is None else eos_ids)
     stops = [s for s in (stop or []) if s]
     rng = np.random.default_rng(params.seed)
@@ -138,7 +152,7 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     out_ids: list[int] = []
     pending = ""
     t0 = time.perf_counter()
-    logits = model.prefill(prompt_ids)
+    logits = model.prefill(prompt_ids[cached:])
     model.ops.synchronize()  # GPU work is asynchronous: the prompt's time ends when its kernels do
     t_prompt = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -151,8 +165,8 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     ahead = None  # logits of the step queued ahead of the host, not yet taken
 
     def rec(tok, text, reason=None):
-        return Record(tok, text, reason, len(prompt_ids), t_prompt, len(out_ids), time.perf_counter() - t1,
-                      model.pos - len(prompt_ids) - (ahead is not None), out_ids)
+        return Record(tok, text, reason, len(prompt_ids) - cached, t_prompt, len(out_ids), time.perf_counter() - t1,
+                      model.pos - len(prompt_ids) - (ahead is not None), out_ids, cached)
 
     if max_tokens == 0:
         yield rec(None, "", "length")
@@ -201,3 +215,79 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
             model.ops.cancel_draw()  # a draw left queued by an interruption
         if ahead is not None:  # queued ahead of a token that ended the generation (or the consumer left)
             model.discard()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Chat:
+    """A conversation on one KV cache (`kuiper chat`). Each turn renders the whole conversation through the chat
+    template and prefills only the tokens after the longest prefix the cache already holds. Matching tokens, not
+    assuming the rendering only grows, keeps the cache exact where a template renders earlier turns differently
+    (Qwen3's drops the reasoning of answered turns) or a reply's text encodes to other ids than were drawn. When a
+    turn and its reply would not fit, the oldest exchanges are dropped (the system message stays)."""
+
+    def __init__(self, engine: Engine, max_context: int, system: str | None = None,
+                 enable_thinking: bool | None = None):
+        if engine.tokenizer is None:
+            raise KuiperError("a chat needs the model's tokenizer")
+        self.engine, self.system, self.enable_thinking = engine, system, enable_thinking
+        self.model = engine.session(max_context)
+        self.messages: list[dict] = []  # the user and assistant turns, oldest first
+        self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
+        self.dropped = 0  # exchanges dropped to fit the context by the last turn
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.messages, self.cached = [], []
+        self.model.reset()
+
+    def render(self, messages: list[dict]) -> list[int]:
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        tok = self.engine.tokenizer
+        return tok.encode(tok.apply_chat_template(head + messages, enable_thinking=self.enable_thinking))
+
+    def turn(self, text: str, max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
+             eos_ids: list[int] | None = None) -> Iterator[Record]:
+        """The reply to one user message, streamed as generate()'s records. The reply joins the conversation as
+        it was streamed, also when the consumer stops early (an interrupted reply keeps its text so far)."""
+        self.dropped = 0
+        ctx = self.model.max_context
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = self.render(msgs)
+        # drop whole exchanges (user + assistant) from the front until the reply has room for max_tokens (at most
+        # half the context: a longer reply stops at the context's end), or none are left
+        dropped, room = 0, min(max_tokens, ctx // 2)
+        while len(ids) + room > ctx and len(msgs) > 2:
+            msgs, dropped = msgs[2:], dropped + 1
+            ids = self.render(msgs)
+        if len(ids) > ctx:
+            raise KuiperError(f"this message makes a prompt of {len(ids)} tokens, more than the context of {ctx} "
+                              f"(--max-context)")
+        _check_request(self.engine, ids, max_tokens)
+        if len(self.cached) != self.model.pos:  # (the engine's model was used for something else meanwhile)
+            self.cached = []
+            self.model.reset()
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # (at least one token gives the logits)
+        self.model.rewind(keep)
+        self.cached = ids[:keep]
+        pieces, out, finished = [], [], False
+        try:
+            for r in _stream(self.engine, self.model, ids, keep, max_tokens, params, stop, eos_ids):
+                pieces.append(r.text)
+                out = r.tokens
+                yield r
+            finished = True
+        finally:
+            # what the cache holds now: the prompt, then the reply's tokens that were fed back (not its last)
+            self.cached = (ids + out)[:self.model.pos]
+            reply = "".join(pieces)
+            if finished or reply:  # (a turn stopped before any of its reply is forgotten)
+                self.messages = msgs + [{"role": "assistant", "content": reply}]
+                self.dropped = dropped

@@ -84,6 +84,50 @@ def test_prefill_graphs_serve_continued_prompts(small_bin):
     assert served == [None, None, 48, 48, None, 48, 48, 16, 48, 48]
 
 
+def test_chat_on_gpu_continues_the_cache_accurately(small_bin):
+    """A chat (generate.Chat) on the GPU: each turn's prefill continues the cache its earlier turns left (the previous
+    reply's rows written by the decode graphs, queued ahead of the host), at a position > 0, through the prefill
+    graphs once a bucket repeats; each turn's logits (poisoned before it) are as accurate against a fresh CPU prefill
+    of the whole rendered conversation as the e2e bound asks."""
+    from kuiper_py.generate import Chat, Engine
+    from kuiper_py.sampling import SamplingParams
+    rng = np.random.default_rng()
+    words = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour"]
+    chat = Chat(Engine.load(small_bin, "cuda"), 512, system="Answer briefly.", enable_thinking=False)
+    m, seen = chat.model, []
+    served, real = prefill_graph_spy(m), m.prefill
+
+    def prefill(ids, *a, **kw):
+        m.ops.d["logits"].fill(np.nan)
+        lg = real(ids, *a, **kw)
+        seen.append((m.pos - len(ids), cp.asnumpy(lg).copy()))
+        return lg
+    m.prefill = prefill
+    for turn in range(6):
+        recs = list(chat.turn(" ".join(rng.choice(words, 6)), 12, SamplingParams(temperature=0.0)))
+        ids = chat.render(chat.messages[:-1])
+        assert seen[-1][0] == recs[-1].cached_tokens == len(ids) - recs[-1].prompt_tokens
+        assert (recs[-1].cached_tokens > 0) == (turn > 0)
+        ref = Qwen3(chat.engine.file, NumpyOps, len(ids)).prefill(ids)
+        err = rel(seen[-1][1], ref)
+        print(f"turn {turn}: {recs[-1].cached_tokens} cached + {recs[-1].prompt_tokens} new tokens, graph "
+              f"{served[-1]}, rel to the CPU {err:.2e}")
+        assert err < 1e-2
+    if oc.wgmma_available():
+        assert any(b is not None for b in served[1:])  # a later turn (pos0 > 0) replayed its bucket's graph
+
+
+def test_cli_chat_cuda_matches_cpu(tiny_bin):
+    lines = "Tell me a story\nAbout the sea, please\n/reset\nTell me a story\n"
+    args = ["chat", "-m", tiny_bin, "--temp", "0", "-n", 16, "--json"]
+    g = run_cli(*args, "--device", "cuda", input=lines)
+    c = run_cli(*args, "--device", "cpu", input=lines)
+    assert g.returncode == 0 and c.returncode == 0, g.stderr + c.stderr
+    got, want = ([json.loads(x) for x in r.stdout.splitlines()] for r in (g, c))
+    assert [x["tokens"] for x in got] == [x["tokens"] for x in want]
+    assert [x["cached_tokens"] for x in got] == [x["cached_tokens"] for x in want]
+
+
 def test_prefill_graph_refused_where_cublas_serves(model_bin):
     """The tiny presets' prefill calls cuBLAS (matrices narrower than the fused GEMMs take): the bucket's capture
     is abandoned, the bucket marked, and every prompt runs eagerly, as accurate as before."""

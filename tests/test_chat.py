@@ -1,0 +1,141 @@
+"""Chats on one KV cache (generate.Chat, `kuiper chat`): each turn prefills only what the cache lacks, and its reply
+is the one a fresh session gives the whole conversation (the CPU backend; test_gpu_e2e.py checks the GPU's)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from kuiper_py.generate import Chat, Engine, common_prefix, generate
+from kuiper_py.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+WORDS = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour", "maple"]
+
+
+def _message(rng, n=6):
+    return " ".join(rng.choice(WORDS, n))
+
+
+def _spy_prefills(chat):
+    """The lengths of the model's prefills, in order."""
+    seen, real = [], chat.model.prefill
+
+    def prefill(ids, *a, **kw):
+        seen.append(len(ids))
+        return real(ids, *a, **kw)
+    chat.model.prefill = prefill
+    return seen
+
+
+def _fresh_reply(binf, ids, n):
+    """What a new CPU session replies to the whole rendered conversation: (tokens, text)."""
+    eng = Engine.load(binf, "cpu")
+    recs = list(generate(eng, ids, n, GREEDY, max_context=len(ids) + n))
+    return recs[-1].tokens, "".join(r.text for r in recs)
+
+
+def _turn(chat, text, n, binf, prefills):
+    """One turn, checked: it prefilled only the tokens after the cache's common prefix with the rendering, its
+    reply is a fresh session's, and the cache and the conversation hold what they should. Returns the records."""
+    before = list(chat.cached)
+    recs = list(chat.turn(text, n, GREEDY))
+    ids = chat.render(chat.messages[:-1])
+    keep = min(common_prefix(before, ids), len(ids) - 1)
+    assert recs[-1].cached_tokens == keep and prefills[-1] == len(ids) - keep == recs[-1].prompt_tokens
+    reply = "".join(r.text for r in recs)
+    assert (recs[-1].tokens, reply) == _fresh_reply(binf, ids, n)
+    assert chat.cached == (ids + recs[-1].tokens)[:chat.model.pos]
+    assert chat.messages[-2:] == [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+    return recs
+
+
+@pytest.mark.parametrize("think", [None, False])
+def test_chat_turns_prefill_only_what_the_cache_lacks(tiny_bin, think):
+    rng = np.random.default_rng()
+    chat = Chat(Engine.load(tiny_bin, "cpu"), 256, system="Answer briefly.", enable_thinking=think)
+    prefills = _spy_prefills(chat)
+    for turn in range(3):
+        recs = _turn(chat, _message(rng), 10, tiny_bin, prefills)
+        if turn:  # the system message and the earlier turns were not prefilled again
+            assert recs[-1].cached_tokens > 20
+    assert len(chat.messages) == 6 and chat.dropped == 0
+    if think is None:  # (the test template renders a reply after the prompt that drew it: that prompt stays cached)
+        assert recs[-1].cached_tokens >= len(chat.render(chat.messages[:-3]))
+    chat.reset()
+    assert chat.messages == [] and chat.cached == [] and chat.model.pos == 0
+    recs = _turn(chat, _message(rng), 4, tiny_bin, prefills)
+    assert recs[-1].cached_tokens == 0
+
+
+def test_chat_drops_the_oldest_exchanges_to_fit(tiny_bin):
+    rng = np.random.default_rng()
+    chat = Chat(Engine.load(tiny_bin, "cpu"), 80, enable_thinking=False)
+    prefills, dropped = _spy_prefills(chat), []
+    for _ in range(6):
+        _turn(chat, _message(rng), 12, tiny_bin, prefills)
+        dropped.append(chat.dropped)
+        ids = chat.render(chat.messages[:-1])
+        assert len(ids) + 12 <= 80  # the reply had room for its 12 tokens
+    assert sum(dropped) > 0 and len(chat.messages) < 12
+
+
+def test_chat_keeps_an_interrupted_reply(tiny_bin):
+    rng = np.random.default_rng()
+    chat = Chat(Engine.load(tiny_bin, "cpu"), 256)
+    prefills = _spy_prefills(chat)
+    turn = chat.turn(_message(rng), 20, GREEDY)
+    recs = [next(turn) for _ in range(5)]
+    turn.close()  # as the CLI does on Ctrl-C
+    assert chat.messages[-1] == {"role": "assistant", "content": "".join(r.text for r in recs)}
+    assert chat.model.pos == len(chat.cached) and chat.cached[-4:] == recs[-1].tokens[:4]
+    _turn(chat, _message(rng), 8, tiny_bin, prefills)
+
+
+def test_chat_message_past_the_context_is_an_error(tiny_bin):
+    from kuiper_py.errors import KuiperError
+    chat = Chat(Engine.load(tiny_bin, "cpu"), 24)
+    with pytest.raises(KuiperError, match="more than the context"):
+        list(chat.turn(" ".join(WORDS * 3), 4, GREEDY))
+    assert chat.messages == [] and chat.cached == []
+
+
+def test_cli_chat_json_lines_reset_and_plain_text(tiny_bin):
+    rng = np.random.default_rng()
+    a, b = _message(rng), _message(rng)
+    lines = f"{a}\n{b}\n/reset\n{a}\n"
+    r = run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, "--json", "-v", input=lines)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(recs) == 3 and [x["finish_reason"] for x in recs] == ["length"] * 3
+    assert recs[0]["cached_tokens"] == 0 and recs[1]["cached_tokens"] > recs[0]["prompt_tokens"]
+    assert recs[2]["cached_tokens"] == 0 and recs[2]["tokens"] == recs[0]["tokens"]  # /reset: the same first turn
+    assert r.stderr.count("new tokens") == 3 and "conversation reset" in r.stderr
+    # the replies as text: each streamed to stdout, then a newline; nothing else on stdout
+    plain = run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, input=lines)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == "".join(x["text"] + "\n" for x in recs)
+    # a line ending in a backslash continues the message; /exit ends the chat before the rest of the input
+    cont = run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, "--json",
+                   input=f"{a[:5]}\\\n{a[5:]}\n/exit\n{b}\n")
+    one = [json.loads(x) for x in cont.stdout.splitlines()]
+    assert cont.returncode == 0 and len(one) == 1
+    assert one[0]["prompt_tokens"] > recs[0]["prompt_tokens"]  # (the message holds a newline the first did not)
+
+
+def test_cli_chat_errors_are_one_line(tiny_bin):
+    def one_line(r, match):
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        errs = [ln for ln in r.stderr.splitlines() if ln.startswith("kuiper: error")]
+        assert len(errs) == 1 and match in errs[0] and "Traceback" not in r.stderr, r.stderr
+    one_line(run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--max-context", 16, input=" ".join(WORDS * 3)),
+             "more than the context")
+    one_line(run_cli("chat", "-m", tiny_bin, "--device", "cpu", "-n", 0, input="hi"), "--max-tokens")
+    r = subprocess.run([sys.executable, "-m", "kuiper_py", "chat", "-m", str(tiny_bin), "--device", "cpu", "-n", "4",
+                        "--json"], input=b"hi\ncaf\xe9\n", capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
+    one_line(r, "UTF-8")
+    assert len(r.stdout.splitlines()) == 1  # the turn before the bad line was answered
