@@ -54,6 +54,7 @@ class Engine:
     tokenizer: ChatTokenizer | None
     model: Qwen3 | None = None
     load_seconds: float = 0.0
+    sessions: int = 0  # session() calls: a Chat notices that its cache was reset under it
 
     @classmethod
     def load(cls, path: str | Path, device: str | None = "auto", tokenizer_dir=None,
@@ -82,6 +83,7 @@ class Engine:
             self.model = Qwen3(self.file, ops_class(self.device), max_context)
             self.load_seconds += time.perf_counter() - t0
         self.model.set_context(max_context)
+        self.sessions += 1
         return self.model
 
     @property
@@ -237,8 +239,9 @@ class Chat:
                  enable_thinking: bool | None = None):
         if engine.tokenizer is None:
             raise KuiperError("a chat needs the model's tokenizer")
-        self.engine, self.system, self.enable_thinking = engine, system, enable_thinking
+        self.engine, self.system, self.enable_thinking, self.max_context = engine, system, enable_thinking, max_context
         self.model = engine.session(max_context)
+        self._session = engine.sessions
         self.messages: list[dict] = []  # the user and assistant turns, oldest first
         self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
         self.dropped = 0  # exchanges dropped to fit the context by the last turn
@@ -258,7 +261,10 @@ class Chat:
         """The reply to one user message, streamed as generate()'s records. The reply joins the conversation as
         it was streamed, also when the consumer stops early (an interrupted reply keeps its text so far)."""
         self.dropped = 0
-        ctx = self.model.max_context
+        if self.engine.sessions != self._session:  # (the engine's model served something else meanwhile)
+            self.model, self.cached = self.engine.session(self.max_context), []
+            self._session = self.engine.sessions
+        ctx = self.max_context
         msgs = self.messages + [{"role": "user", "content": text}]
         ids = self.render(msgs)
         # drop whole exchanges (user + assistant) from the front until the reply has room for max_tokens (at most
@@ -271,9 +277,6 @@ class Chat:
             raise KuiperError(f"this message makes a prompt of {len(ids)} tokens, more than the context of {ctx} "
                               f"(--max-context)")
         _check_request(self.engine, ids, max_tokens)
-        if len(self.cached) != self.model.pos:  # (the engine's model was used for something else meanwhile)
-            self.cached = []
-            self.model.reset()
         keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # (at least one token gives the logits)
         self.model.rewind(keep)
         self.cached = ids[:keep]

@@ -31,26 +31,36 @@ class ChatTokenizer:
         return self.tok.token_to_id(text)
 
     def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
-        if not self.template:
-            raise KuiperError("model has no chat template: use --raw")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise jinja2.TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        env.filters.setdefault("tojson", lambda x, **kw: __import__("json").dumps(x, ensure_ascii=False, **kw))
         ctx = {"messages": messages, "add_generation_prompt": True, "bos_token": "",
                "eos_token": self.config.get("eos_token") or ""}
         if enable_thinking is not None:
             ctx["enable_thinking"] = enable_thinking
+        import jinja2
         try:
-            return env.from_string(self.template).render(**ctx)
+            return self._compiled_template().render(**ctx)
         except jinja2.TemplateError as e:
             raise KuiperError(f"chat template failed: {e}") from None
+
+    def _compiled_template(self):
+        """The chat template compiled once (a chat renders the whole conversation every turn)."""
+        if getattr(self, "_jinja", None) is None:
+            if not self.template:
+                raise KuiperError("model has no chat template: use --raw")
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise jinja2.TemplateError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = raise_exception
+            env.filters.setdefault("tojson", lambda x, **kw: __import__("json").dumps(x, ensure_ascii=False, **kw))
+            try:
+                self._jinja = env.from_string(self.template)
+            except jinja2.TemplateError as e:
+                raise KuiperError(f"chat template failed: {e}") from None
+        return self._jinja
 
 
 class StreamDecoder:

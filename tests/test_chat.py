@@ -38,10 +38,11 @@ def _fresh_reply(binf, ids, n):
     return recs[-1].tokens, "".join(r.text for r in recs)
 
 
-def _turn(chat, text, n, binf, prefills):
-    """One turn, checked: it prefilled only the tokens after the cache's common prefix with the rendering, its
-    reply is a fresh session's, and the cache and the conversation hold what they should. Returns the records."""
-    before = list(chat.cached)
+def _turn(chat, text, n, binf, prefills, reset=False):
+    """One turn, checked: it prefilled only the tokens after the cache's common prefix with the rendering (reset:
+    after the cache was reset under the chat, all of them), its reply is a fresh session's, and the cache and the
+    conversation hold what they should. Returns the records."""
+    before = [] if reset else list(chat.cached)
     recs = list(chat.turn(text, n, GREEDY))
     ids = chat.render(chat.messages[:-1])
     keep = min(common_prefix(before, ids), len(ids) - 1)
@@ -139,3 +140,18 @@ def test_cli_chat_errors_are_one_line(tiny_bin):
     r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
     one_line(r, "UTF-8")
     assert len(r.stdout.splitlines()) == 1  # the turn before the bad line was answered
+
+
+def test_chat_after_its_engine_served_another_prompt(tiny_bin):
+    """generate() on the chat's engine resets the model's cache under the chat: the chat's next turn prefills its
+    whole conversation again, even where the other prompt left the cache as many positions as the chat had."""
+    rng = np.random.default_rng()
+    eng = Engine.load(tiny_bin, "cpu")
+    chat = Chat(eng, 256)
+    prefills = _spy_prefills(chat)
+    _turn(chat, _message(rng), 6, tiny_bin, prefills)
+    other = rng.integers(0, 151643, len(chat.cached) - 2).tolist()
+    list(generate(eng, other, 3, GREEDY, max_context=128, eos_ids=[]))
+    assert eng.model.pos == len(chat.cached)  # (a position count alone would not tell)
+    recs = _turn(chat, _message(rng), 6, tiny_bin, prefills, reset=True)
+    assert recs[-1].cached_tokens == 0 and chat.model.max_context == 256 and len(chat.messages) == 4
