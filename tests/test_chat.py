@@ -155,3 +155,22 @@ def test_chat_after_its_engine_served_another_prompt(tiny_bin):
     assert eng.model.pos == len(chat.cached)  # (a position count alone would not tell)
     recs = _turn(chat, _message(rng), 6, tiny_bin, prefills, reset=True)
     assert recs[-1].cached_tokens == 0 and chat.model.max_context == 256 and len(chat.messages) == 4
+
+
+def test_cli_chat_ctrl_c_during_a_reply(tiny_bin):
+    """Piped input: Ctrl-C while a reply streams ends the chat with exit 130, the reply so far on stdout and its
+    JSON record marked interrupted, no traceback."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "chat", "-m", str(tiny_bin), "--device", "cpu", "--temp",
+                          "0", "-n", "4000", "--max-context", "4096", "-v"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p.stdin.write(b"Tell me a long story\nand another\n")
+    p.stdin.flush()
+    first = p.stdout.read(8)  # some of the reply has streamed: we are in its decode loop
+    assert first
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    err = err.decode()
+    assert "Traceback" not in err and "finish: interrupted" in err and err.count("new tokens") == 1
+    assert (first + out).endswith(b"\n")  # (the reply ended with its newline)
