@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 import click
@@ -308,7 +309,11 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
         (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
         min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     ctx = max_context or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
+    t0 = time.perf_counter()
     chat = Chat(eng, ctx, system, think)
+    if verbose and chat.warmed:
+        log(f"captured the prefill graphs of {len(chat.warmed)} prompt lengths up to {max(chat.warmed)} tokens in "
+            f"{time.perf_counter() - t0:.2f} s")
     chat.render([{"role": "user", "content": ""}])  # a model without a chat template fails here, before any input
     tty = sys.stdin.isatty()
     if tty:

@@ -236,12 +236,14 @@ class Chat:
     turn and its reply would not fit, the oldest exchanges are dropped (the system message stays)."""
 
     def __init__(self, engine: Engine, max_context: int, system: str | None = None,
-                 enable_thinking: bool | None = None):
+                 enable_thinking: bool | None = None, warm: bool = True):
         if engine.tokenizer is None:
             raise KuiperError("a chat needs the model's tokenizer")
         self.engine, self.system, self.enable_thinking, self.max_context = engine, system, enable_thinking, max_context
         self.model = engine.session(max_context)
         self._session = engine.sessions
+        # (CUDA) every prefill bucket's graph captured now: turns of any length up to 512 tokens replay one
+        self.warmed = self.model.warm_prefill_graphs() if warm else []
         self.messages: list[dict] = []  # the user and assistant turns, oldest first
         self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
         self.dropped = 0  # exchanges dropped to fit the context by the last turn
@@ -264,6 +266,8 @@ class Chat:
         if self.engine.sessions != self._session:  # (the engine's model served something else meanwhile)
             self.model, self.cached = self.engine.session(self.max_context), []
             self._session = self.engine.sessions
+            if self.warmed:  # (a cache of another size dropped the graphs)
+                self.warmed = self.model.warm_prefill_graphs()
         ctx = self.max_context
         msgs = self.messages + [{"role": "user", "content": text}]
         ids = self.render(msgs)

@@ -73,6 +73,12 @@ class Qwen3:
         self.pos += T
         return out
 
+    def warm_prefill_graphs(self) -> list[int]:
+        """Have a backend that replays short prefills as graphs (CUDA) capture every length bucket's now, for a
+        session that will meet many prompt lengths (a chat's turns); the buckets captured, [] where none are."""
+        warm = getattr(self.ops, "warm_prefill_graphs", None)
+        return [] if warm is None else warm(lambda padded: self._layers(padded, 0))
+
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,
         or [T, V] for every position with all_logits (for tests)."""

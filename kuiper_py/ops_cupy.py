@@ -3226,6 +3226,28 @@ class CupyOps:
         rec[0].launch(self._stream)
         return rec[1]
 
+    def warm_prefill_graphs(self, layers) -> list[int]:
+        """Capture now the prefill graph of every bucket that fits the cache and has none, so a prompt of up to
+        PREFILL_GRAPH_MAX_T tokens replays its bucket's graph from its first meeting on (`kuiper chat` at its start:
+        its turns meet most buckets, and otherwise each bucket's first meeting runs eagerly and its second pays the
+        capture). layers(ids) runs the model's layers on a list of B ids. The largest bucket first, so the shared
+        activations grow once; captured again while a module buffer grew under an earlier capture (_BUF_GEN).
+        Returns the buckets that have a graph."""
+        if not (self.prefill_graphs and self.graphs and self.routing_log is None):
+            return []
+        top = min(PREFILL_GRAPH_MAX_T, self.max_context)
+        buckets = sorted({prefill_bucket(t) for t in range(2, top + 1)} - self._pnever, reverse=True)
+        for _ in range(4):
+            todo = [B for B in buckets if B <= self.max_context and B not in self._pnever
+                    and (B not in self._pgraphs or self._pgraphs[B][3] != _BUF_GEN[0])]
+            if not todo:
+                break
+            for B in todo:
+                self._pseen.add(B)
+                if self._capture_prefill(B, layers) is None:
+                    self._pnever.add(B)
+        return sorted(B for B, rec in self._pgraphs.items() if rec[3] == _BUF_GEN[0])
+
     def _capture_prefill(self, B: int, layers) -> tuple | None:
         """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
         while a region is too small; the graphs captured before then hold the old region and are dropped), every

@@ -87,8 +87,9 @@ def test_prefill_graphs_serve_continued_prompts(small_bin):
 def test_chat_on_gpu_continues_the_cache_accurately(small_bin):
     """A chat (generate.Chat) on the GPU: each turn's prefill continues the cache its earlier turns left (the previous
     reply's rows written by the decode graphs, queued ahead of the host), at a position > 0, through the prefill
-    graphs once a bucket repeats; each turn's logits (poisoned before it) are as accurate against a fresh CPU prefill
-    of the whole rendered conversation as the e2e bound asks."""
+    graph of its bucket, every bucket's captured when the chat began (Chat's warm, Qwen3.warm_prefill_graphs); each
+    turn's logits (poisoned before it) are as accurate against a fresh CPU prefill of the whole rendered conversation
+    as the e2e bound asks."""
     from kuiper_py.generate import Chat, Engine
     from kuiper_py.sampling import SamplingParams
     rng = np.random.default_rng()
@@ -113,8 +114,11 @@ def test_chat_on_gpu_continues_the_cache_accurately(small_bin):
         print(f"turn {turn}: {recs[-1].cached_tokens} cached + {recs[-1].prompt_tokens} new tokens, graph "
               f"{served[-1]}, rel to the CPU {err:.2e}")
         assert err < 1e-2
-    if oc.wgmma_available():
-        assert any(b is not None for b in served[1:])  # a later turn (pos0 > 0) replayed its bucket's graph
+    if oc.wgmma_available():  # every turn replayed its bucket's graph, the first meeting of a bucket too
+        assert chat.warmed == sorted({oc.prefill_bucket(t) for t in range(2, 513)})
+        assert None not in served and len(served) == 6
+    else:
+        assert chat.warmed == []
 
 
 def test_cli_chat_cuda_matches_cpu(tiny_bin):

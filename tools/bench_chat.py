@@ -3,8 +3,9 @@
 already held and the ones prefilled, the time to the first reply token, and the reply's decode speed; beside it the
 time to the first token of a stateless engine, which prefills the whole conversation again every turn (from an
 empty cache, timed by the same generate() core with one token, the best of 3: a prompt of up to 512 tokens then
-replays its bucket's prefill graph). A warm-up chat of the same shape runs first, so the figures are a running
-process's, not its first turns'. Replies are greedy, from the synthetic weights, so their
+replays its bucket's prefill graph). A warm-up chat of the same shape runs first (kernels loaded, buffers grown), so
+the figures are a running process's; the measured chat then starts on a new cache and captures every prefill bucket's
+graph at its start (Chat's warm), whose time is printed too. Replies are greedy, from the synthetic weights, so their
 text is noise; their token counts are what the next turn's prompt is made of. Table last, JSON with --json.
 
     python tools/bench_chat.py MODEL.bin [--turns 8] [--reply 64] [--words 40] [--ctx 4096] [--device cuda] [--json F]
@@ -45,9 +46,11 @@ def main(model, turns, reply, words, ctx, device, json_out):
     eng = Engine.load(model, device)
     greedy = SamplingParams(temperature=0.0)
 
-    def run_chat(seed: int) -> list[dict]:
+    def run_chat(seed: int, ctx: int, warm: bool) -> tuple[list[dict], float, list[int]]:
         rng, rows = np.random.default_rng(seed), []
-        chat = Chat(eng, ctx, system="You are a helpful assistant.", enable_thinking=False)
+        t0 = time.perf_counter()
+        chat = Chat(eng, ctx, system="You are a helpful assistant.", enable_thinking=False, warm=warm)
+        warm_s = time.perf_counter() - t0
         for turn in range(turns):
             text = " ".join(rng.choice(WORDS, words))
             t0 = time.perf_counter()
@@ -61,10 +64,12 @@ def main(model, turns, reply, words, ctx, device, json_out):
                          "ids": chat.render(chat.messages[:-1]), "first_token_ms": round(first * 1e3, 2),
                          "prefill_ms": round(last.prompt_seconds * 1e3, 2),
                          "decode_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 1)})
-        return rows
+        return rows, warm_s, chat.warmed
 
-    run_chat(1)  # warm-up: the kernels loaded, the turns' prefill buckets met and captured, buffers grown
-    rows = run_chat(0)
+    # warm-up: the kernels loaded, buffers grown; its cache is one position shorter, so the measured chat's new
+    # cache drops the graphs the warm-up captured and the measured chat captures every bucket's itself at its start
+    run_chat(1, ctx - 1, warm=False)
+    rows, warm_s, warmed = run_chat(0, ctx, warm=True)
     for r in rows:  # after the chat, on the same engine: each turn's whole prompt from an empty cache
         ids = r.pop("ids")
         r["prompt"] = len(ids)
@@ -75,8 +80,10 @@ def main(model, turns, reply, words, ctx, device, json_out):
         from kuiper_py.ops_cupy import gpu_name
         name = gpu_name()
     if json_out:
-        Path(json_out).write_text(json.dumps({"model": str(model), "device": name, "turns": rows}, indent=1))
-    print(f"\n{Path(model).name} on {name}: a chat of {turns} turns, {words}-word messages, {reply}-token replies")
+        Path(json_out).write_text(json.dumps({"model": str(model), "device": name, "turns": rows,
+                                              "warm_s": round(warm_s, 3), "warmed_buckets": warmed}, indent=1))
+    print(f"\n{Path(model).name} on {name}: a chat of {turns} turns, {words}-word messages, {reply}-token replies; "
+          f"the chat's start captured {len(warmed)} prefill graphs in {warm_s:.2f} s")
     print("| turn | cached | new | prompt | first token ms | stateless first token ms | decode tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
