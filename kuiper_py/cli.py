@@ -309,12 +309,12 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
         (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
         min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     ctx = max_context or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
+    eng.tokenizer.apply_chat_template([{"role": "user", "content": ""}])  # (no chat template: the error comes now)
     t0 = time.perf_counter()
     chat = Chat(eng, ctx, system, think)
     if verbose and chat.warmed:
         log(f"captured the prefill graphs of {len(chat.warmed)} prompt lengths up to {max(chat.warmed)} tokens in "
             f"{time.perf_counter() - t0:.2f} s")
-    chat.render([{"role": "user", "content": ""}])  # a model without a chat template fails here, before any input
     tty = sys.stdin.isatty()
     if tty:
         log(f"kuiper chat: {eng.device}, context {ctx} tokens; /reset starts over, /exit quits, "
