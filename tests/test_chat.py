@@ -38,6 +38,12 @@ def _fresh_reply(binf, ids, n):
     return recs[-1].tokens, "".join(r.text for r in recs)
 
 
+def _run_bytes(*args, input: bytes):
+    """run_cli with bytes in and out (no text-mode newline translation)."""
+    return subprocess.run([sys.executable, "-m", "kuiper_py", *map(str, args)], input=input, capture_output=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+
+
 def _turn(chat, text, n, binf, prefills, reset=False):
     """One turn, checked: it prefilled only the tokens after the cache's common prefix with the rendering (reset:
     after the cache was reset under the chat, all of them), its reply is a fresh session's, and the cache and the
@@ -115,10 +121,11 @@ def test_cli_chat_json_lines_reset_and_plain_text(tiny_bin):
     assert recs[0]["cached_tokens"] == 0 and recs[1]["cached_tokens"] > recs[0]["prompt_tokens"]
     assert recs[2]["cached_tokens"] == 0 and recs[2]["tokens"] == recs[0]["tokens"]  # /reset: the same first turn
     assert r.stderr.count("new tokens") == 3 and "conversation reset" in r.stderr
-    # the replies as text: each streamed to stdout, then a newline; nothing else on stdout
-    plain = run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, input=lines)
+    # the replies as text: each streamed to stdout, then a newline; nothing else on stdout (read as bytes: a reply
+    # may hold a carriage return, which text mode's universal newlines would rewrite)
+    plain = _run_bytes("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, input=lines.encode())
     assert plain.returncode == 0, plain.stderr
-    assert plain.stdout == "".join(x["text"] + "\n" for x in recs)
+    assert plain.stdout == "".join(x["text"] + "\n" for x in recs).encode()
     # a line ending in a backslash continues the message; /exit ends the chat before the rest of the input
     cont = run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--temp", "0", "-n", 8, "--json",
                    input=f"{a[:5]}\\\n{a[5:]}\n/exit\n{b}\n")
@@ -135,8 +142,7 @@ def test_cli_chat_errors_are_one_line(tiny_bin):
     one_line(run_cli("chat", "-m", tiny_bin, "--device", "cpu", "--max-context", 16, input=" ".join(WORDS * 3)),
              "more than the context")
     one_line(run_cli("chat", "-m", tiny_bin, "--device", "cpu", "-n", 0, input="hi"), "--max-tokens")
-    r = subprocess.run([sys.executable, "-m", "kuiper_py", "chat", "-m", str(tiny_bin), "--device", "cpu", "-n", "4",
-                        "--json"], input=b"hi\ncaf\xe9\n", capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = _run_bytes("chat", "-m", tiny_bin, "--device", "cpu", "-n", 4, "--json", input=b"hi\ncaf\xe9\n")
     r.stdout, r.stderr = r.stdout.decode(), r.stderr.decode()
     one_line(r, "UTF-8")
     assert len(r.stdout.splitlines()) == 1  # the turn before the bad line was answered

@@ -8,7 +8,8 @@ from conftest import run_cli
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
-from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_prefill_graphs_accurate, cpu_decode,
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
+                       assert_prefill_graphs_accurate, cpu_decode,
                        decode_cluster_merge_ab, decode_logits, decode_step_twice, forget_zeroed_counters, greedy_tokens,
                        prefill_graph_spy, record_calls, rel)
 
@@ -85,40 +86,8 @@ def test_prefill_graphs_serve_continued_prompts(small_bin):
 
 
 def test_chat_on_gpu_continues_the_cache_accurately(small_bin):
-    """A chat (generate.Chat) on the GPU: each turn's prefill continues the cache its earlier turns left (the previous
-    reply's rows written by the decode graphs, queued ahead of the host), at a position > 0, through the prefill
-    graph of its bucket, every bucket's captured when the chat began (Chat's warm, Qwen3.warm_prefill_graphs); each
-    turn's logits (poisoned before it) are as accurate against a fresh CPU prefill of the whole rendered conversation
-    as the e2e bound asks."""
-    from kuiper_py.generate import Chat, Engine
-    from kuiper_py.sampling import SamplingParams
-    rng = np.random.default_rng()
-    words = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour"]
-    chat = Chat(Engine.load(small_bin, "cuda"), 512, system="Answer briefly.", enable_thinking=False)
-    m, seen = chat.model, []
-    served, real = prefill_graph_spy(m), m.prefill
-
-    def prefill(ids, *a, **kw):
-        m.ops.d["logits"].fill(np.nan)
-        lg = real(ids, *a, **kw)
-        seen.append((m.pos - len(ids), cp.asnumpy(lg).copy()))
-        return lg
-    m.prefill = prefill
-    for turn in range(6):
-        recs = list(chat.turn(" ".join(rng.choice(words, 6)), 12, SamplingParams(temperature=0.0)))
-        ids = chat.render(chat.messages[:-1])
-        assert seen[-1][0] == recs[-1].cached_tokens == len(ids) - recs[-1].prompt_tokens
-        assert (recs[-1].cached_tokens > 0) == (turn > 0)
-        ref = Qwen3(chat.engine.file, NumpyOps, len(ids)).prefill(ids)
-        err = rel(seen[-1][1], ref)
-        print(f"turn {turn}: {recs[-1].cached_tokens} cached + {recs[-1].prompt_tokens} new tokens, graph "
-              f"{served[-1]}, rel to the CPU {err:.2e}")
-        assert err < 1e-2
-    if oc.wgmma_available():  # every turn replayed its bucket's graph, the first meeting of a bucket too
-        assert chat.warmed == sorted({oc.prefill_bucket(t) for t in range(2, 513)})
-        assert None not in served and len(served) == 6
-    else:
-        assert chat.warmed == []
+    """reference.assert_chat_accurate on the small dense preset."""
+    assert_chat_accurate(small_bin)
 
 
 def test_cli_chat_cuda_matches_cpu(tiny_bin):

@@ -16,9 +16,10 @@ from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
-from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_prefill_graphs_accurate,
-                       cluster_plan_or_skip, forget_zeroed_counters, decode_cluster_merge_ab, decode_logits,
-                       decode_step_twice, greedy_lockstep, pending_row_inputs, rand_awq_tensors, record_calls, rel)
+from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
+                       assert_prefill_graphs_accurate, cluster_plan_or_skip, forget_zeroed_counters,
+                       decode_cluster_merge_ab, decode_logits, decode_step_twice, greedy_lockstep, pending_row_inputs,
+                       rand_awq_tensors, record_calls, rel)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -727,6 +728,18 @@ def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch, pro
     served = assert_prefill_graphs_accurate(load(tmp_path / "m.bin"), prompts,
                                             after_first=lambda: forget_zeroed_counters(monkeypatch))
     assert served == expect
+
+
+def test_moe_chat_on_gpu_continues_the_cache_accurately(tmp_path):
+    """reference.assert_chat_accurate on small-moe's shapes with a head dim of 128 (every dense projection on the
+    fused GEMMs, so every bucket's graph is captured at the chat's start)."""
+    if not oc.wgmma_available():
+        pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.MOE_PRESETS, "pg-moe", (256, 512, 2, 4, 2, 128, True, 16, 4, 256, ()))
+        d = synth.make_checkpoint(tmp_path / "ck", "pg-moe", seed=8, n_shards=1)
+    export(d, tmp_path / "m.bin", progress=False, log=lambda m: None)
+    assert_chat_accurate(tmp_path / "m.bin")
 
 
 def test_moe_prefill_graph_refused_where_cublas_serves(moe_bin):
