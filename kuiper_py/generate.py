@@ -247,6 +247,7 @@ class Chat:
         self.messages: list[dict] = []  # the user and assistant turns, oldest first
         self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
         self.dropped = 0  # exchanges dropped to fit the context by the last turn
+        self._pieces: dict[str, list[int]] = {}  # render()'s pieces of the last conversation rendered, and their ids
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
@@ -254,9 +255,26 @@ class Chat:
         self.model.reset()
 
     def render(self, messages: list[dict]) -> list[int]:
+        """The ids of the conversation through the chat template. The text is encoded piece by piece, cut before
+        each "<|im_start|>" (a special token, which the tokenizer splits out before anything else, so the pieces'
+        ids joined are the whole text's), and each piece's ids are kept for the next turn: a turn encodes only its
+        new pieces, not the whole conversation again (~100 ms for 27k tokens on a slow host core)."""
         head = [{"role": "system", "content": self.system}] if self.system is not None else []
         tok = self.engine.tokenizer
-        return tok.encode(tok.apply_chat_template(head + messages, enable_thinking=self.enable_thinking))
+        text = tok.apply_chat_template(head + messages, enable_thinking=self.enable_thinking)
+        mark = "<|im_start|>"
+        if tok.token_id(mark) is None:  # (another chat format: no safe place to cut)
+            return tok.encode(text)
+        pieces = [p for p in text.replace(mark, "\0" + mark).split("\0") if p] if "\0" not in text else [text]
+        known, self._pieces = self._pieces, {}
+        ids: list[int] = []
+        for p in pieces:
+            got = known.get(p)
+            if got is None:
+                got = tok.encode(p)
+            self._pieces[p] = got
+            ids += got
+        return ids
 
     def turn(self, text: str, max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
              eos_ids: list[int] | None = None) -> Iterator[Record]:

@@ -180,3 +180,31 @@ def test_cli_chat_ctrl_c_during_a_reply(tiny_bin):
     err = err.decode()
     assert "Traceback" not in err and "finish: interrupted" in err and err.count("new tokens") == 1
     assert (first + out).endswith(b"\n")  # (the reply ended with its newline)
+
+
+def test_chat_render_encodes_only_new_pieces_and_equals_whole_text(tiny_bin):
+    """Chat.render encodes the conversation piece by piece (cut before each <|im_start|>) and keeps the pieces' ids:
+    the ids equal the whole text's encoding, for text with multi-byte characters, spaces at the cuts and a literal
+    special token inside a message (and a NUL, where it encodes the whole text), and a later render encodes only
+    the pieces that are new."""
+    eng = Engine.load(tiny_bin, "cpu")
+    tok = eng.tokenizer
+    texts = ["héllo wörld 你好", " leading space", "tab\tand\nnewline ", "quote <|im_start|>user\nx", "🙂" * 3]
+    for extra in ([], [{"role": "user", "content": "a\0b"}]):
+        chat = Chat(eng, 256, system="Be brief. é")
+        msgs = list(extra)
+        for k, t in enumerate(texts):
+            msgs.append({"role": "user" if k % 2 == 0 else "assistant", "content": t})
+            whole = tok.encode(tok.apply_chat_template([{"role": "system", "content": chat.system}] + msgs))
+            assert chat.render(msgs) == whole
+    seen, real = [], tok.encode
+    tok.encode = lambda text: seen.append(text) or real(text)
+    try:
+        msgs = msgs[1:] + [{"role": "user", "content": "one more"}]  # (the NUL message gone)
+        chat = Chat(eng, 256, system="Be brief. é")
+        chat.render(msgs[:-1])
+        seen.clear()
+        assert chat.render(msgs) == real(tok.apply_chat_template([{"role": "system", "content": chat.system}] + msgs))
+    finally:
+        tok.encode = real
+    assert seen == ["<|im_start|>user\none more<|im_end|>\n"]  # (the generation prompt's piece was known)
