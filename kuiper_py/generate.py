@@ -242,8 +242,9 @@ class Chat:
         self.engine, self.system, self.enable_thinking, self.max_context = engine, system, enable_thinking, max_context
         self.model = engine.session(max_context)
         self._session = engine.sessions
-        # (CUDA) every prefill bucket's graph captured now: turns of any length up to 512 tokens replay one
+        # (CUDA) every prefill bucket's graph and every decode regime's captured now: no turn pays a capture
         self.warmed = self.model.warm_prefill_graphs() if warm else []
+        self.warmed_decode = self.model.warm_decode_graphs(engine.n_valid_tokens) if warm else []
         self.messages: list[dict] = []  # the user and assistant turns, oldest first
         self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
         self.dropped = 0  # exchanges dropped to fit the context by the last turn
@@ -284,8 +285,9 @@ class Chat:
         if self.engine.sessions != self._session:  # (the engine's model served something else meanwhile)
             self.model, self.cached = self.engine.session(self.max_context), []
             self._session = self.engine.sessions
-            if self.warmed:  # (a cache of another size dropped the graphs)
+            if self.warmed or self.warmed_decode:  # (a cache of another size dropped the graphs)
                 self.warmed = self.model.warm_prefill_graphs()
+                self.warmed_decode = self.model.warm_decode_graphs(self.engine.n_valid_tokens)
         ctx = self.max_context
         msgs = self.messages + [{"role": "user", "content": text}]
         ids = self.render(msgs)

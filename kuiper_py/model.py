@@ -79,6 +79,14 @@ class Qwen3:
         warm = getattr(self.ops, "warm_prefill_graphs", None)
         return [] if warm is None else warm(lambda padded: self._layers(padded, 0))
 
+    def warm_decode_graphs(self, n_valid: int) -> list[int]:
+        """Have a backend that replays decode steps as graphs (CUDA) capture every flash-decoding regime's now;
+        n_valid: the ids the session's draws take. The regimes captured, [] where none are."""
+        warm = getattr(self.ops, "warm_decode_graphs", None)
+        if warm is None or not getattr(self.ops, "graphs", False):
+            return []
+        return warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid)
+
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,
         or [T, V] for every position with all_logits (for tests)."""

@@ -3136,7 +3136,18 @@ class CupyOps:
             self.d["token"].fill(token)
             self._sampled = token
         self.begin_step(pos0, 1)
-        regime = self._attn_regime(pos0 + 1)  # a graph per flash-decoding regime (attn_short)
+        self._graph, self._graph_argmax_n = self._decode_graph(self._attn_regime(pos0 + 1), body)
+        self._graph.launch(self._stream)
+        self._dev_pos = pos0 + 1
+        self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
+        self._argmax_slot = 1 + (pos0 + 1) % 2
+        if self._graph_argmax_n:  # the graph wrote its argmax to d["token"]: the host learns it in sample_result
+            self._sampled = None
+        return self.d["logits"]
+
+    def _decode_graph(self, regime: int, body) -> tuple:
+        """(graph, the ids its fused argmax covers) of a flash-decoding regime (attn_short: a graph per regime),
+        captured from body() where the regime has none."""
         if regime not in self._graphs:
             stream = self._stream
             # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
@@ -3156,14 +3167,24 @@ class CupyOps:
                     self._capture_argmax = 0
             assert out.data.ptr == self.d["logits"].data.ptr
             self._graphs[regime] = graph, n
-        self._graph, self._graph_argmax_n = self._graphs[regime]
-        self._graph.launch(self._stream)
-        self._dev_pos = pos0 + 1
-        self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
-        self._argmax_slot = 1 + (pos0 + 1) % 2
-        if self._graph_argmax_n:  # the graph wrote its argmax to d["token"]: the host learns it in sample_result
-            self._sampled = None
-        return self.d["logits"]
+        return self._graphs[regime]
+
+    def warm_decode_graphs(self, body_at, n_valid: int) -> list[int]:
+        """Capture now the decode graph of every flash-decoding regime this cache has (attn_short's bounds within it,
+        then the capacity's), which the steps would otherwise capture on the first one each meets (a chat's first
+        reply, then its keys passing each bound). body_at(pos0) is the model's one-token forward at pos0 on the
+        drawn token (SAMPLED_TOKEN); n_valid the ids the draws take (the graphs' fused greedy argmax covers them).
+        Returns the regimes that have a graph."""
+        if not self.graphs:
+            return []
+        self._last_n_valid = n_valid
+        for regime in sorted({self._attn_regime(n) for n in (*self.attn_short, self.max_context)
+                              if n <= self.max_context}):
+            pos0 = min(regime, self.max_context) - 1  # (a step whose keys reach the regime's bound)
+            self.begin_step(pos0, 1)
+            self._decode_graph(regime, lambda: body_at(pos0))
+        self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
+        return sorted(self._graphs)
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
 

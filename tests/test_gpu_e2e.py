@@ -90,6 +90,28 @@ def test_chat_on_gpu_continues_the_cache_accurately(small_bin):
     assert_chat_accurate(small_bin)
 
 
+def test_chat_decode_graphs_captured_at_start_give_the_same_replies(small_bin, monkeypatch):
+    """A chat captures each flash-decoding regime's decode graph at its start (Qwen3.warm_decode_graphs, at the
+    regime's last position), where otherwise each is captured by the first step that meets it: with two regimes
+    (a short bound at 256 keys, then the 512-position capacity) and turns that pass the bound, the replies are the
+    same tokens as a chat without the start's captures, and no step captures another graph."""
+    from kuiper_py.generate import Chat, Engine
+    from kuiper_py.sampling import SamplingParams
+    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    rng = np.random.default_rng()
+    words = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour"]
+    msgs = [" ".join(rng.choice(words, 8)) for _ in range(5)]
+    replies = {}
+    for warm in (True, False):
+        chat = Chat(Engine.load(small_bin, "cuda"), 512, enable_thinking=False, warm=warm)
+        graphs = chat.model.ops._graphs
+        assert chat.warmed_decode == ([256, 512] if warm else []) and sorted(graphs) == chat.warmed_decode
+        replies[warm] = [list(chat.turn(t, 40, SamplingParams(temperature=0.0), eos_ids=[]))[-1].tokens
+                         for t in msgs]
+        assert chat.model.pos > 256 and sorted(graphs) == [256, 512]
+    assert replies[True] == replies[False]
+
+
 def test_cli_chat_cuda_matches_cpu(tiny_bin):
     lines = "Tell me a story\nAbout the sea, please\n/reset\nTell me a story\n"
     args = ["chat", "-m", tiny_bin, "--temp", "0", "-n", 16, "--json"]

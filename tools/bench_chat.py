@@ -64,7 +64,7 @@ def main(model, turns, reply, words, ctx, device, json_out):
                          "ids": chat.render(chat.messages[:-1]), "first_token_ms": round(first * 1e3, 2),
                          "prefill_ms": round(last.prompt_seconds * 1e3, 2),
                          "decode_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 1)})
-        return rows, warm_s, chat.warmed
+        return rows, warm_s, chat.warmed + [f"decode {r}" for r in chat.warmed_decode]
 
     # warm-up: the kernels loaded, buffers grown; its cache is one position shorter, so the measured chat's new
     # cache drops the graphs the warm-up captured and the measured chat captures every bucket's itself at its start
@@ -81,9 +81,9 @@ def main(model, turns, reply, words, ctx, device, json_out):
         name = gpu_name()
     if json_out:
         Path(json_out).write_text(json.dumps({"model": str(model), "device": name, "turns": rows,
-                                              "warm_s": round(warm_s, 3), "warmed_buckets": warmed}, indent=1))
+                                              "warm_s": round(warm_s, 3), "warmed": warmed}, indent=1))
     print(f"\n{Path(model).name} on {name}: a chat of {turns} turns, {words}-word messages, {reply}-token replies; "
-          f"the chat's start captured {len(warmed)} prefill graphs in {warm_s:.2f} s")
+          f"the chat's start captured {len(warmed)} graphs ({', '.join(map(str, warmed))}) in {warm_s:.2f} s")
     print("| turn | cached | new | prompt | first token ms | stateless first token ms | decode tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
