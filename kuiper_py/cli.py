@@ -165,6 +165,31 @@ def _peak_host_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _echo_records(records, as_json: bool) -> tuple:
+    """Consume generate()'s records, each one's text streamed to stdout unless as_json: (the last record or None,
+    the texts, whether Ctrl-C stopped it)."""
+    last, pieces = None, []
+    try:
+        for r in records:
+            last = r
+            if r.text:
+                pieces.append(r.text)
+                if not as_json:
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        return last, pieces, True
+    return last, pieces, False
+
+
+def _timings(r) -> dict:
+    """A generation's last record's prompt and generation figures, as the --json records give them."""
+    return {"prompt_s": round(r.prompt_seconds, 4),
+            "prompt_tok_s": round(r.prompt_tokens / max(r.prompt_seconds, 1e-9), 2),
+            "generated_tokens": r.gen_tokens, "gen_s": round(r.gen_seconds, 4),
+            "gen_tok_s": round(r.decode_steps / max(r.gen_seconds, 1e-9), 2)}
+
+
 @cli.command("generate")
 @click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
 @click.option("-p", "--prompt", default=None, help="Prompt text, or - to read stdin.")
@@ -209,19 +234,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         log(f"prompt: {len(ids)} tokens")
     if max_context is not None and max_context <= 0:
         raise KuiperError(f"--max-context {max_context} must be positive")
-    last = None
-    pieces = []
-    interrupted = False
-    try:
-        for r in generate(eng, ids, max_tokens, params, list(stop), max_context):
-            last = r
-            if r.text:
-                pieces.append(r.text)
-                if not as_json:
-                    sys.stdout.write(r.text)
-                    sys.stdout.flush()
-    except KeyboardInterrupt:
-        interrupted = True
+    last, pieces, interrupted = _echo_records(generate(eng, ids, max_tokens, params, list(stop), max_context), as_json)
     if not as_json:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -233,14 +246,8 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     reason = "interrupted" if interrupted else last.finish_reason
     if reason == "context":
         log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; raise --max-context)")
-    stats = {
-        "load_s": round(eng.load_seconds, 3),
-        "prompt_tokens": last.prompt_tokens, "prompt_s": round(last.prompt_seconds, 4),
-        "prompt_tok_s": round(last.prompt_tokens / max(last.prompt_seconds, 1e-9), 2),
-        "generated_tokens": last.gen_tokens, "gen_s": round(last.gen_seconds, 4),
-        "gen_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 2),
-        "peak_host_mib": round(_peak_host_mib(), 1),
-    }
+    stats = {"load_s": round(eng.load_seconds, 3), "prompt_tokens": last.prompt_tokens, **_timings(last),
+             "peak_host_mib": round(_peak_host_mib(), 1)}
     if eng.device == "cuda":
         from .ops_cupy import gpu_memory_used_mib
         stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
@@ -330,17 +337,9 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
             continue
         if not text.strip():
             continue
-        turn, last, pieces, interrupted = chat.turn(text, max_tokens, params, list(stop)), None, [], False
+        turn = chat.turn(text, max_tokens, params, list(stop))
         try:
-            for r in turn:
-                last = r
-                if r.text:
-                    pieces.append(r.text)
-                    if not as_json:
-                        sys.stdout.write(r.text)
-                        sys.stdout.flush()
-        except KeyboardInterrupt:
-            interrupted = True
+            last, pieces, interrupted = _echo_records(turn, as_json)
         except KuiperError as e:
             if not tty:
                 raise
@@ -356,22 +355,16 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
                 "text": "".join(pieces), "tokens": last.tokens,
                 "finish_reason": "interrupted" if interrupted else last.finish_reason,
                 "prompt_tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
-                "dropped_exchanges": chat.dropped,
-                "timings": {"prompt_s": round(last.prompt_seconds, 4),
-                            "prompt_tok_s": round(last.prompt_tokens / max(last.prompt_seconds, 1e-9), 2),
-                            "generated_tokens": last.gen_tokens, "gen_s": round(last.gen_seconds, 4),
-                            "gen_tok_s": round(last.decode_steps / max(last.gen_seconds, 1e-9), 2)}},
-                ensure_ascii=False))
+                "dropped_exchanges": chat.dropped, "timings": _timings(last)}, ensure_ascii=False))
         elif not as_json:
             sys.stdout.write("\n")
             sys.stdout.flush()
         if last is not None and last.finish_reason == "context" and not interrupted:
             log(f"notice: the reply stopped at the end of the context ({ctx} tokens; raise --max-context)")
         if last is not None and verbose:
-            reason = "interrupted" if interrupted else last.finish_reason
-            log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), "
-                f"{last.prompt_tokens / max(last.prompt_seconds, 1e-9):.1f} tok/s | generated {last.gen_tokens} "
-                f"tokens, {last.decode_steps / max(last.gen_seconds, 1e-9):.1f} tok/s | finish: {reason}")
+            reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
+            log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
+                f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}")
         if interrupted and not tty:
             sys.exit(130)
 

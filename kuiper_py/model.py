@@ -83,9 +83,7 @@ class Qwen3:
         """Have a backend that replays decode steps as graphs (CUDA) capture every flash-decoding regime's now;
         n_valid: the ids the session's draws take. The regimes captured, [] where none are."""
         warm = getattr(self.ops, "warm_decode_graphs", None)
-        if warm is None or not getattr(self.ops, "graphs", False):
-            return []
-        return warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid)
+        return [] if warm is None else warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid)
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,
