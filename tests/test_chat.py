@@ -118,7 +118,9 @@ def test_cli_chat_json_lines_reset_and_plain_text(tiny_bin):
     assert r.returncode == 0, r.stderr
     recs = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(recs) == 3 and [x["finish_reason"] for x in recs] == ["length"] * 3
-    assert recs[0]["cached_tokens"] == 0 and recs[1]["cached_tokens"] > recs[0]["prompt_tokens"]
+    # the first turn's prompt stays cached; its reply's tokens may not (their text can re-encode to other ids: the
+    # cache keeps only the common token prefix)
+    assert recs[0]["cached_tokens"] == 0 and recs[1]["cached_tokens"] >= recs[0]["prompt_tokens"]
     assert recs[2]["cached_tokens"] == 0 and recs[2]["tokens"] == recs[0]["tokens"]  # /reset: the same first turn
     assert r.stderr.count("new tokens") == 3 and "conversation reset" in r.stderr
     # the replies as text: each streamed to stdout, then a newline; nothing else on stdout (read as bytes: a reply
