@@ -216,6 +216,11 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
             header.checksum = sha.digest()
             f.seek(0)
             f.write(header.pack())
+            # mkstemp makes the file 0600: give it the mode any new file of the user's gets (0644 under umask 022),
+            # so a model directory shared with another user or a service stays readable
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)
             f.flush()
             os.fsync(f.fileno())
         if bar:

@@ -36,6 +36,20 @@ def test_export_is_deterministic(tiny_dir, tiny_bin, tmp_path):
     assert 4.0 < s["bits_per_weight"] < 4.3
 
 
+def test_export_file_mode_follows_the_umask(tiny_dir, tmp_path):
+    """The file gets the mode of any new file under the user's umask, not the temporary file's 0600."""
+    import os
+    import stat
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            out = tmp_path / f"m{umask:o}.bin"
+            _quiet(tiny_dir, out)
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(out.stat().st_mode) == mode, (oct(umask), oct(out.stat().st_mode))
+
+
 def _edit_config(d, fn):
     p = d / "config.json"
     cfg = json.loads(p.read_text())
