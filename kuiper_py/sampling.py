@@ -72,7 +72,10 @@ def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         kth = np.partition(x, -p.top_k)[-p.top_k]
         x = np.where(x < kth, -np.inf, x)
     if p.top_p < 1.0:
-        order = np.argsort(-x, kind="stable")
+        # only the tokens top-k left are sorted (a stable sort of the whole vocabulary puts the masked ones after
+        # them with zero mass, so the cut is the same)
+        cand = np.flatnonzero(x > -np.inf) if p.top_k and p.top_k < x.size else np.arange(x.size)
+        order = cand[np.argsort(-x[cand], kind="stable")]
         probs = np.exp(x[order] - x[order[0]])
         probs /= probs.sum()
         # keep the smallest prefix whose mass reaches top_p (always at least one token)

@@ -77,3 +77,28 @@ def test_defaults_from_generation_config():
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.6, 20, 0.95, 0.0)
     assert SamplingParams.from_generation_config({"do_sample": False}).temperature == 0.0
     assert SamplingParams.from_generation_config({"temperature": 0.6}, temperature=0.0).temperature == 0.0
+
+
+def test_top_p_after_top_k_equals_the_whole_vocabulary_sort():
+    """top-p sorts only the tokens top-k kept: the same mask as a stable sort of the whole vocabulary (ties
+    included), for fresh random logits and parameters."""
+    rng = np.random.default_rng()
+
+    def whole_sort(x, p):
+        x = x / p.temperature
+        if p.top_k and p.top_k < x.size:
+            x = np.where(x < np.partition(x, -p.top_k)[-p.top_k], -np.inf, x)
+        order = np.argsort(-x, kind="stable")
+        probs = np.exp(x[order] - x[order[0]])
+        cut = int(np.searchsorted(np.cumsum(probs / probs.sum()), p.top_p)) + 1
+        x = x.copy()
+        x[order[cut:]] = -np.inf
+        return x
+    for _ in range(500):
+        V = int(rng.integers(2, 400))
+        x = rng.standard_normal(V) * rng.uniform(0.1, 10)
+        if rng.random() < 0.5:
+            x = np.round(x, 1)  # ties
+        p = _p(temperature=float(rng.uniform(0.1, 2)), top_k=int(rng.integers(0, V + 3)),
+               top_p=float(rng.choice([rng.uniform(0.01, 1.0), 0.999999999])))
+        np.testing.assert_array_equal(filter_logits(x, p), whole_sort(x, p))
