@@ -15,7 +15,7 @@ from .sampling import sample
 
 _K_BLOCK = 2048  # rows of W dequantized at a time, a multiple of every supported group size
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
-_LM_KEEP_BYTES = 256 << 20  # an fp32 lm_head up to this size is converted once and kept (NumpyOps._lm_head_f32)
+_LM_KEEP_BYTES = 1 << 30  # an fp32 lm_head up to this size is converted once and kept (NumpyOps._lm_head_f32)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -159,16 +159,17 @@ class NumpyOps:
         return out if all_positions else out[0]
 
     def _lm_head_f32(self):
-        """lm_head [V, D] as float32 blocks of _LM_BLOCK rows: (first row, block). Converted once and kept where the
-        whole fp32 matrix is at most _LM_KEEP_BYTES (the test models': a token of a 2-layer model otherwise spends
-        ~90% of its time converting the head), else converted block by block on every call (Qwen3-8B's would be
-        2.5 GB). The same blocks either way, so the same sums."""
+        """lm_head [V, D] as float32 blocks of _LM_BLOCK rows: (first row, block). Converted once and kept with the
+        loaded file's weights (every NumpyOps on them shares it) where the whole fp32 matrix is at most
+        _LM_KEEP_BYTES: the test presets' and Qwen3-0.6B's, whose decode step otherwise spends most of its time
+        converting the head. Else converted block by block on every call (Qwen3-8B's would be 2.5 GB). The same
+        blocks either way, so the same sums."""
         W = self.weights.lm_head
-        blocks = getattr(self, "_lm_blocks", None)
+        blocks = getattr(self.weights, "_lm_f32_blocks", None)
         if blocks is not None:
             return blocks
         gen = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
         if W.size * 4 <= _LM_KEEP_BYTES:
-            self._lm_blocks = blocks = list(gen)
+            self.weights._lm_f32_blocks = blocks = list(gen)
             return blocks
         return gen

@@ -57,19 +57,21 @@ def test_kv_cache_decode_equals_full_recompute(untied_bin):
 
 
 def test_kept_fp32_lm_head_gives_the_same_logits(untied_bin, monkeypatch):
-    """A small lm_head converted to float32 once and kept gives the logits bit for bit of one converted on every
-    call, and is converted only once."""
+    """A small lm_head converted to float32 once and kept with the file's weights gives the logits bit for bit of one
+    converted on every call; a second model on the same file shares it."""
     from kuiper_py import ops_numpy
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=7).tolist()
     mf = load(untied_bin)
     kept = Qwen3(mf, NumpyOps, 16)
     got = [kept.prefill(ids, all_logits=True), kept.decode(ids[0])]
-    assert isinstance(kept.ops._lm_head_f32(), list) and kept.ops._lm_head_f32() is kept.ops._lm_blocks
+    blocks = mf.weights._lm_f32_blocks
+    assert isinstance(blocks, list) and Qwen3(mf, NumpyOps, 16).ops._lm_head_f32() is blocks
     monkeypatch.setattr(ops_numpy, "_LM_KEEP_BYTES", 0)
-    fresh = Qwen3(mf, NumpyOps, 16)
+    other = load(untied_bin)
+    fresh = Qwen3(other, NumpyOps, 16)
     want = [fresh.prefill(ids, all_logits=True), fresh.decode(ids[0])]
-    assert getattr(fresh.ops, "_lm_blocks", None) is None
+    assert getattr(other.weights, "_lm_f32_blocks", None) is None
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
