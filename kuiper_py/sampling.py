@@ -72,14 +72,14 @@ def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
         kth = np.partition(x, -p.top_k)[-p.top_k]
         x = np.where(x < kth, -np.inf, x)
     if p.top_p < 1.0:
-        # only the tokens top-k left are sorted (a stable sort of the whole vocabulary puts the masked ones after
-        # them with zero mass, so the cut is the same)
+        # only the tokens top-k left are sorted: a stable sort of the whole vocabulary puts the masked ones after
+        # them with zero mass, and a running sum (not np.sum's pairwise one) adds those zeros exactly, so the cut
+        # is the one the whole vocabulary gives
         cand = np.flatnonzero(x > -np.inf) if p.top_k and p.top_k < x.size else np.arange(x.size)
         order = cand[np.argsort(-x[cand], kind="stable")]
-        probs = np.exp(x[order] - x[order[0]])
-        probs /= probs.sum()
+        mass = np.cumsum(np.exp(x[order] - x[order[0]]))
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+        cut = int(np.searchsorted(mass / mass[-1], p.top_p)) + 1
         x = x.copy()
         x[order[cut:]] = -np.inf
     if p.min_p > 0.0:
