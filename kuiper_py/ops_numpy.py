@@ -1,7 +1,9 @@
 """NumPy backend: the plain float32 Qwen3 ops, the oracle the CUDA kernels must match.
 
 Kept obviously right rather than fast: weights stay packed in the mapped file and each
-linear dequantizes group-aligned row blocks on the fly.
+linear dequantizes group-aligned row blocks on the fly. Only a file small enough that its
+float32 forms cost little (the test presets, _DEQ_KEEP_BYTES and _LM_KEEP_BYTES) keeps the
+same blocks after their first use, which gives the same sums.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from .sampling import sample
 _K_BLOCK = 2048  # rows of W dequantized at a time, a multiple of every supported group size
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
 _LM_KEEP_BYTES = 1 << 30  # an fp32 lm_head up to this size is converted once and kept (NumpyOps._lm_head_f32)
+# a file whose dense AWQ linears all dequantize to at most this (the test presets': 50 MB for "small") keeps each
+# one's float32 blocks after its first use; a real model's (Qwen3-0.6B's would be 1.8 GB) never does
+_DEQ_KEEP_BYTES = 256 << 20
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -23,14 +28,18 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(np.float32)
 
 
-def awq_linear(x: np.ndarray, lin: AwqLinear) -> np.ndarray:
-    """x [T, K] float32 @ dequant(W) [K, N] -> [T, N] float32."""
-    out = np.zeros((x.shape[0], lin.N), dtype=np.float32)
+def dequant_blocks(lin: AwqLinear):
+    """W [K, N] as float32 blocks of group-aligned rows: (first row, block [rows, N])."""
     step = max(lin.group_size, _K_BLOCK // lin.group_size * lin.group_size)
     for k0 in range(0, lin.K, step):
-        k1 = min(k0 + step, lin.K)
-        W = awq.dequantize(lin.qweight, lin.qzeros, lin.scales, lin.group_size, rows=slice(k0, k1))
-        out += x[:, k0:k1] @ W
+        yield k0, awq.dequantize(lin.qweight, lin.qzeros, lin.scales, lin.group_size, rows=slice(k0, k0 + step))
+
+
+def awq_linear(x: np.ndarray, lin: AwqLinear, blocks=None) -> np.ndarray:
+    """x [T, K] float32 @ dequant(W) [K, N] -> [T, N] float32; blocks: dequant_blocks(lin) kept from before."""
+    out = np.zeros((x.shape[0], lin.N), dtype=np.float32)
+    for k0, W in dequant_blocks(lin) if blocks is None else blocks:
+        out += x[:, k0:k0 + W.shape[0]] @ W
     return out
 
 
@@ -53,6 +62,8 @@ class NumpyOps:
         self.args = args
         self.weights = weights
         self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
+        dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
+        self._keep_dequant = sum(lin.K * lin.N * 4 for lin in dense) <= _DEQ_KEEP_BYTES
         self.alloc_cache(max_context)
 
     def alloc_cache(self, max_context: int) -> None:
@@ -95,10 +106,15 @@ class NumpyOps:
         return h, rmsnorm(h, w, self.args.rms_norm_eps)
 
     def linear(self, x, lin: AwqLinear):
-        return awq_linear(x, lin)
+        if not self._keep_dequant:
+            return awq_linear(x, lin)
+        blocks = getattr(lin, "_f32_blocks", None)  # (kept with the loaded file's weights, as the lm_head)
+        if blocks is None:
+            lin._f32_blocks = blocks = list(dequant_blocks(lin))
+        return awq_linear(x, lin, blocks)
 
     def qkv(self, x, layer: Layer):
-        return awq_linear(x, layer.wq), awq_linear(x, layer.wk), awq_linear(x, layer.wv)
+        return self.linear(x, layer.wq), self.linear(x, layer.wk), self.linear(x, layer.wv)
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
@@ -128,7 +144,7 @@ class NumpyOps:
         return np.matmul(p, Vh).transpose(1, 0, 2).reshape(T, H * hd)
 
     def gate_up_silu(self, x, layer: Layer):
-        return silu(awq_linear(x, layer.w1)) * awq_linear(x, layer.w3)
+        return silu(self.linear(x, layer.w1)) * self.linear(x, layer.w3)
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block through the staged pipeline of moe_ref (the GPU's stages). Each call's expert

@@ -56,22 +56,27 @@ def test_kv_cache_decode_equals_full_recompute(untied_bin):
     np.testing.assert_allclose(np.stack(step), want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
-def test_kept_fp32_lm_head_gives_the_same_logits(untied_bin, monkeypatch):
-    """A small lm_head converted to float32 once and kept with the file's weights gives the logits bit for bit of one
-    converted on every call; a second model on the same file shares it."""
+def test_kept_fp32_weights_give_the_same_logits(untied_bin, monkeypatch):
+    """A small file's lm_head converted to float32 once and its AWQ linears dequantized once, both kept with the file's
+    weights, give the logits bit for bit of the per-call conversions; a second model on the same file shares them."""
     from kuiper_py import ops_numpy
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=7).tolist()
     mf = load(untied_bin)
     kept = Qwen3(mf, NumpyOps, 16)
     got = [kept.prefill(ids, all_logits=True), kept.decode(ids[0])]
-    blocks = mf.weights._lm_f32_blocks
-    assert isinstance(blocks, list) and Qwen3(mf, NumpyOps, 16).ops._lm_head_f32() is blocks
+    blocks, wq = mf.weights._lm_f32_blocks, mf.weights.layers[-1].wq._f32_blocks
+    assert isinstance(blocks, list) and isinstance(wq, list)
+    again = Qwen3(mf, NumpyOps, 16)
+    again.prefill(ids[:2])
+    assert again.ops._lm_head_f32() is blocks and mf.weights.layers[-1].wq._f32_blocks is wq
     monkeypatch.setattr(ops_numpy, "_LM_KEEP_BYTES", 0)
+    monkeypatch.setattr(ops_numpy, "_DEQ_KEEP_BYTES", 0)
     other = load(untied_bin)
     fresh = Qwen3(other, NumpyOps, 16)
     want = [fresh.prefill(ids, all_logits=True), fresh.decode(ids[0])]
     assert getattr(other.weights, "_lm_f32_blocks", None) is None
+    assert not any(hasattr(lin, "_f32_blocks") for L in other.weights.layers for lin in (L.wq, L.wo, L.w2))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
