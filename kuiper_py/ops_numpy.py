@@ -17,7 +17,9 @@ from .sampling import sample
 
 _K_BLOCK = 2048  # rows of W dequantized at a time, a multiple of every supported group size
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
-_LM_KEEP_BYTES = 1 << 30  # an fp32 lm_head up to this size is converted once and kept (NumpyOps._lm_head_f32)
+# an fp32 lm_head up to this size (the test presets' and Qwen3-0.6B's 622 MB; 8B's would be 2.5 GB) is converted once
+# and kept (kept_blocks): otherwise a small model's decode step spends most of its time converting the head
+_LM_KEEP_BYTES = 1 << 30
 # a file whose dense AWQ linears all dequantize to at most this (the test presets': 50 MB for "small") keeps each
 # one's float32 blocks after its first use; a real model's (Qwen3-0.6B's would be 1.8 GB) never does
 _DEQ_KEEP_BYTES = 256 << 20
@@ -33,6 +35,17 @@ def dequant_blocks(lin: AwqLinear):
     step = max(lin.group_size, _K_BLOCK // lin.group_size * lin.group_size)
     for k0 in range(0, lin.K, step):
         yield k0, awq.dequantize(lin.qweight, lin.qzeros, lin.scales, lin.group_size, rows=slice(k0, k0 + step))
+
+
+def kept_blocks(owner, name: str, blocks, keep: bool):
+    """The float32 blocks of a weight, as iterated from `blocks` (a lazy generator of (first row, block)), kept on
+    `owner` (the loaded file's weights, or one of their linears) as `name` after the first use where `keep` (a small
+    file's), so every NumpyOps on that file iterates the same blocks again; else `blocks` itself."""
+    got = getattr(owner, name, None)
+    if got is None and keep:
+        got = list(blocks)
+        setattr(owner, name, got)
+    return blocks if got is None else got
 
 
 def awq_linear(x: np.ndarray, lin: AwqLinear, blocks=None) -> np.ndarray:
@@ -106,12 +119,7 @@ class NumpyOps:
         return h, rmsnorm(h, w, self.args.rms_norm_eps)
 
     def linear(self, x, lin: AwqLinear):
-        if not self._keep_dequant:
-            return awq_linear(x, lin)
-        blocks = getattr(lin, "_f32_blocks", None)  # (kept with the loaded file's weights, as the lm_head)
-        if blocks is None:
-            lin._f32_blocks = blocks = list(dequant_blocks(lin))
-        return awq_linear(x, lin, blocks)
+        return awq_linear(x, lin, kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant))
 
     def qkv(self, x, layer: Layer):
         return self.linear(x, layer.wq), self.linear(x, layer.wk), self.linear(x, layer.wv)
@@ -168,24 +176,9 @@ class NumpyOps:
 
     def logits(self, x, all_positions: bool = False) -> np.ndarray:
         x = x if all_positions else x[-1:]
-        W = self.weights.lm_head
+        W = self.weights.lm_head  # [V, D] fp16, converted _LM_BLOCK rows at a time
         out = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
-        for r0, Wf in self._lm_head_f32():
+        blocks = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
+        for r0, Wf in kept_blocks(self.weights, "_lm_f32_blocks", blocks, W.size * 4 <= _LM_KEEP_BYTES):
             out[:, r0:r0 + Wf.shape[0]] = x @ Wf.T
         return out if all_positions else out[0]
-
-    def _lm_head_f32(self):
-        """lm_head [V, D] as float32 blocks of _LM_BLOCK rows: (first row, block). Converted once and kept with the
-        loaded file's weights (every NumpyOps on them shares it) where the whole fp32 matrix is at most
-        _LM_KEEP_BYTES: the test presets' and Qwen3-0.6B's, whose decode step otherwise spends most of its time
-        converting the head. Else converted block by block on every call (Qwen3-8B's would be 2.5 GB). The same
-        blocks either way, so the same sums."""
-        W = self.weights.lm_head
-        blocks = getattr(self.weights, "_lm_f32_blocks", None)
-        if blocks is not None:
-            return blocks
-        gen = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
-        if W.size * 4 <= _LM_KEEP_BYTES:
-            self.weights._lm_f32_blocks = blocks = list(gen)
-            return blocks
-        return gen
