@@ -3221,22 +3221,18 @@ class CupyOps:
         the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
         norm on a list of B ids."""
         T = len(ids)
-        if not (self.prefill_graphs and self.graphs and 1 < T <= PREFILL_GRAPH_MAX_T and self.routing_log is None):
+        if not (self._prefill_graphs_on() and 1 < T <= PREFILL_GRAPH_MAX_T):
             return None
         B = prefill_bucket(T)
         if pos0 + B > self.max_context or B in self._pnever:
             return None
-        rec = self._pgraphs.get(B)
-        if rec is not None and rec[3] != _BUF_GEN[0]:  # a module buffer it holds was replaced
-            del self._pgraphs[B]
-            rec = None
+        rec = self._current_prefill_graph(B)
         if rec is None:
             if B not in self._pseen:
                 self._pseen.add(B)
                 return None
             rec = self._capture_prefill(B, layers)
             if rec is None:
-                self._pnever.add(B)
                 return None
         host = np.zeros((_PBUF_IDS + 4 * B,), np.uint8)
         host[:_PBUF_POS] = np.frombuffer(bytes(tma_map_cache(self.k_cache, pos0 + B))
@@ -3254,27 +3250,40 @@ class CupyOps:
         capture). layers(ids) runs the model's layers on a list of B ids. The largest bucket first, so the shared
         activations grow once; captured again while a module buffer grew under an earlier capture (_BUF_GEN).
         Returns the buckets that have a graph."""
-        if not (self.prefill_graphs and self.graphs and self.routing_log is None):
+        if not self._prefill_graphs_on():
             return []
         top = min(PREFILL_GRAPH_MAX_T, self.max_context)
-        buckets = sorted({prefill_bucket(t) for t in range(2, top + 1)} - self._pnever, reverse=True)
+        buckets = sorted({B for B in map(prefill_bucket, range(2, top + 1)) if B <= self.max_context}, reverse=True)
         for _ in range(4):
-            todo = [B for B in buckets if B <= self.max_context and B not in self._pnever
-                    and (B not in self._pgraphs or self._pgraphs[B][3] != _BUF_GEN[0])]
+            todo = [B for B in buckets if B not in self._pnever and self._current_prefill_graph(B) is None]
             if not todo:
                 break
             for B in todo:
-                self._pseen.add(B)
-                if self._capture_prefill(B, layers) is None:
-                    self._pnever.add(B)
-        return sorted(B for B, rec in self._pgraphs.items() if rec[3] == _BUF_GEN[0])
+                self._capture_prefill(B, layers)
+        return [B for B in reversed(buckets) if self._current_prefill_graph(B) is not None]
+
+    def _prefill_graphs_on(self) -> bool:
+        """Whether prefills may replay graphs at all (a routing log records each prefill's routing on the host,
+        which a replay would skip)."""
+        return bool(self.prefill_graphs and self.graphs and self.routing_log is None)
+
+    def _current_prefill_graph(self, B: int) -> tuple | None:
+        """Bucket B's graph where it holds today's module buffers, else None (a stale one is dropped: a module
+        buffer it reads was replaced since its capture, _BUF_GEN)."""
+        rec = self._pgraphs.get(B)
+        if rec is not None and rec[3] != _BUF_GEN[0]:
+            del self._pgraphs[B]
+            rec = None
+        return rec
 
     def _capture_prefill(self, B: int, layers) -> tuple | None:
         """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
         while a region is too small; the graphs captured before then hold the old region and are dropped), every
         other allocation kept with the graph (the residual rows), the position, ids and the attention's cache maps
-        read from self._pbuf. None where the prefill calls what a capture cannot hold (_NotCapturable)."""
+        read from self._pbuf. None where the prefill calls what a capture cannot hold (_NotCapturable); B is then
+        never tried again (_pnever). Either way B counts as met (_pseen)."""
         global _ARENA
+        self._pseen.add(B)
         if self._pbuf is None:
             self._pbuf = cp.zeros((_PBUF_IDS + 4 * PREFILL_GRAPH_MAX_T,), cp.uint8)  # (the pool's blocks: 512-aligned)
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
@@ -3309,6 +3318,7 @@ class CupyOps:
                 self._graph_ids = self._graph_pos = None
                 _CAPTURING[0] = False
             if refused:
+                self._pnever.add(B)
                 return None
             if full is not None:
                 self._pgraphs.clear()
