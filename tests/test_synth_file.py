@@ -56,11 +56,12 @@ def test_direct_file_runs_and_is_deterministic(tmp_path):
 
 
 def test_direct_file_layers_override_and_no_partial_file(tmp_path):
-    s = synth.write_synthetic_file(tmp_path / "two.bin", "30b-a3b", layers=1, log=_quiet)
-    f = load(tmp_path / "two.bin")
-    assert f.args.num_hidden_layers == 1 and f.args.num_experts == 128 and f.args.hidden_size == 2048
-    assert s["bytes"] == (tmp_path / "two.bin").stat().st_size
+    s = synth.write_synthetic_file(tmp_path / "one.bin", "small-moe", layers=1, log=_quiet)
+    f = load(tmp_path / "one.bin")
+    assert f.args.num_hidden_layers == 1 and f.args.num_experts == 16 and f.args.hidden_size == 256
+    assert len(f.weights.layers) == 1 and f.weights.layers[0].experts_w13.E == 16
+    assert s["bytes"] == (tmp_path / "one.bin").stat().st_size
     from kuiper_py.errors import KuiperError
     with pytest.raises(KuiperError, match="does not exist"):
         synth.write_synthetic_file(tmp_path / "nodir" / "x.bin", "tiny", log=_quiet)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.bin"]
