@@ -9,10 +9,10 @@ set -u
 OUT=${OUT:-/tmp/kuiper_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD KUIPER_QWEN_TIKTOKEN=$PWD/.cache/qwen.tiktoken
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-# synthetic checkpoints of the given presets exported to /tmp/PRESET.bin (kept between calls on a warm machine)
+# synthetic files of the given presets in /tmp/PRESET.bin (kept between calls on a warm machine), written directly
+# (make_synthetic.py --ak48: no checkpoint on disk, one write instead of a checkpoint's and the export's)
 make_models() {
-  for p in "$@"; do [ -f /tmp/$p.bin ] || { python3 tools/make_synthetic.py /tmp/$p --preset $p --shards 8 && \
-    python3 -m kuiper_py export /tmp/$p -o /tmp/$p.bin -q && rm -rf /tmp/$p; }; done
+  for p in "$@"; do [ -f /tmp/$p.bin ] || python3 tools/make_synthetic.py /tmp/$p.bin --ak48 --preset $p; done
 }
 make_soak() {  # the small preset for tools/soak.py
   python3 -c "from kuiper_py import synth, export; d=synth.make_checkpoint('/tmp/soak', 'small', seed=3); export.export(d, '/tmp/soak.bin', progress=False)" 2>&1 | tail -1
