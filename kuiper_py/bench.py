@@ -48,7 +48,7 @@ def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, devi
         ts = np.array([t / s for s, t in samples])
         row = {
             "backends": "CUDA" if eng.device == "cuda" else "CPU", "model_filename": str(model),
-            "model_type": f"qwen3 {eng.file.args.num_hidden_layers}L d{eng.file.args.hidden_size} AWQ-4bit",
+            "model_type": model_label(eng.file.args),
             "model_size": eng.file.size, "model_n_params": fmt.n_params(eng.file.header),
             "n_prompt": p if n == 0 else 0, "n_gen": n, "test": name,
             "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -65,6 +65,12 @@ def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, devi
     if eng.device == "cuda" and rows:
         log(f"GPU memory in use: {rows[-1]['gpu_mem_mib']:.0f} MiB (file {eng.file.size / 2**20:.0f} MiB)")
     return rows
+
+
+def model_label(a) -> str:
+    """The table's model column: architecture, layers, width and, for Qwen3-MoE, experts x experts per token."""
+    moe = f" {a.num_experts}x{a.num_experts_per_tok} experts" if a.num_experts else ""
+    return f"qwen3{'moe' if a.num_experts else ''} {a.num_hidden_layers}L d{a.hidden_size}{moe} AWQ-4bit"
 
 
 def render(rows: list[dict], fmt: str) -> str:

@@ -96,8 +96,17 @@ def test_bench_json_fields(tiny_bin):
     for x in rows:
         assert {"avg_ts", "stddev_ts", "avg_ns", "n_prompt", "n_gen", "model_size", "samples_ts"} <= set(x)
         assert x["avg_ts"] > 0 and len(x["samples_ts"]) == 2
+    assert rows[0]["model_type"] == "qwen3 2L d128 AWQ-4bit"
     md = run_cli("bench", "-m", tiny_bin, "-p", "8", "-n", "0", "-r", "1", "--device", "cpu")
     assert "| pp8 |" in md.stdout
+
+
+def test_bench_names_a_moe_model(tmp_path):
+    from kuiper_py import synth
+    synth.write_synthetic_file(tmp_path / "moe.bin", "tiny-moe-mixed", log=lambda m: None)
+    r = run_cli("bench", "-m", tmp_path / "moe.bin", "-p", "8", "-n", "2", "-r", "1", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "| qwen3moe 3L d128 8x3 experts AWQ-4bit |" in r.stdout
 
 
 def test_user_errors_are_one_line(tiny_bin, tiny_dir, tmp_path):
