@@ -229,7 +229,8 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     ids = tok.encode(prompt_text)
     if verbose:
         a = eng.file.args
-        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}), device {eng.device}")
+        moe = f", {a.num_experts} experts, {a.num_experts_per_tok} per token" if a.num_experts else ""
+        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
     if max_context is not None and max_context <= 0:
