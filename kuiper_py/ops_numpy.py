@@ -1,11 +1,13 @@
 """NumPy backend: the plain float32 Qwen3 ops, the oracle the CUDA kernels must match.
 
 Kept obviously right rather than fast: weights stay packed in the mapped file and each
-linear dequantizes group-aligned row blocks on the fly. Only a file small enough that its
-float32 forms cost little (the test presets, _DEQ_KEEP_BYTES and _LM_KEEP_BYTES) keeps the
+linear dequantizes group-aligned row blocks on the fly. A file whose float32 forms fit the host
+(_DEQ_KEEP_BYTES: a quarter of its available memory; _LM_KEEP_BYTES for the lm_head) keeps the
 same blocks after their first use, which gives the same sums.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -20,9 +22,29 @@ _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
 # an fp32 lm_head up to this size (the test presets' and Qwen3-0.6B's 622 MB; 8B's would be 2.5 GB) is converted once
 # and kept (kept_blocks): otherwise a small model's decode step spends most of its time converting the head
 _LM_KEEP_BYTES = 1 << 30
-# a file whose dense AWQ linears all dequantize to at most this (the test presets': 50 MB for "small") keeps each
-# one's float32 blocks after its first use; a real model's (Qwen3-0.6B's would be 1.8 GB) never does
-_DEQ_KEEP_BYTES = 256 << 20
+
+
+def _deq_keep_budget() -> int:
+    """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
+    the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
+    fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
+    each token (5.6 against 0.25 tok/s on the 2-core CI host, PERFORMANCE.md change 220); 1.7B's 6.9 GB rarely do."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), 0)
+    except OSError:
+        pass
+    if not avail and hasattr(os, "sysconf"):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 0
+    return max(256 << 20, min(8 << 30, avail // 4))
+
+
+# a file whose dense AWQ linears all dequantize to at most this keeps each one's float32 blocks after its first use
+_DEQ_KEEP_BYTES = _deq_keep_budget()
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -123,3 +123,19 @@ def test_rope_scaling_yarn_matches_transformers():
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](Qwen3Config(**cfg), "cpu")
     np.testing.assert_allclose(inv, ref_inv.numpy(), rtol=1e-6)
     assert abs(scale - ref_scale) < 1e-6
+
+
+def test_cpu_keep_budget_follows_the_available_memory():
+    """The CPU engine keeps a file's float32 linears when they take at most a quarter of the host memory available
+    (between 256 MiB and 8 GiB), read here independently from /proc/meminfo."""
+    from pathlib import Path
+
+    from kuiper_py import ops_numpy
+    got = ops_numpy._deq_keep_budget()
+    assert 256 << 20 <= got <= 8 << 30
+    info = Path("/proc/meminfo")
+    if info.exists():
+        avail = next(int(line.split()[1]) * 1024 for line in info.read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+        want = max(256 << 20, min(8 << 30, avail // 4))
+        assert abs(got - want) <= max(64 << 20, want // 20)  # (the memory available moves a little between reads)
