@@ -242,13 +242,19 @@ class Chat:
         self.engine, self.system, self.enable_thinking, self.max_context = engine, system, enable_thinking, max_context
         self.model = engine.session(max_context)
         self._session = engine.sessions
-        # (CUDA) every prefill bucket's graph and every decode regime's captured now: no turn pays a capture
-        self.warmed = self.model.warm_prefill_graphs() if warm else []
-        self.warmed_decode = self.model.warm_decode_graphs(engine.n_valid_tokens) if warm else []
+        self.warmed: list[int] = []  # the prefill buckets and decode regimes _warm captured
+        self.warmed_decode: list[int] = []
+        if warm:
+            self._warm()
         self.messages: list[dict] = []  # the user and assistant turns, oldest first
         self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
         self.dropped = 0  # exchanges dropped to fit the context by the last turn
         self._pieces: dict[str, list[int]] = {}  # render()'s pieces of the last conversation rendered, and their ids
+
+    def _warm(self) -> None:
+        """(CUDA) every prefill bucket's graph and every decode regime's captured now: no turn pays a capture."""
+        self.warmed = self.model.warm_prefill_graphs()
+        self.warmed_decode = self.model.warm_decode_graphs(self.engine.n_valid_tokens)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
@@ -286,8 +292,7 @@ class Chat:
             self.model, self.cached = self.engine.session(self.max_context), []
             self._session = self.engine.sessions
             if self.warmed or self.warmed_decode:  # (a cache of another size dropped the graphs)
-                self.warmed = self.model.warm_prefill_graphs()
-                self.warmed_decode = self.model.warm_decode_graphs(self.engine.n_valid_tokens)
+                self._warm()
         ctx = self.max_context
         msgs = self.messages + [{"role": "user", "content": text}]
         ids = self.render(msgs)

@@ -61,8 +61,9 @@ def dequant_blocks(lin: AwqLinear):
 
 def kept_blocks(owner, name: str, blocks, keep: bool):
     """The float32 blocks of a weight, as iterated from `blocks` (a lazy generator of (first row, block)), kept on
-    `owner` (the loaded file's weights, or one of their linears) as `name` after the first use where `keep` (a small
-    file's), so every NumpyOps on that file iterates the same blocks again; else `blocks` itself."""
+    `owner` (the loaded file's weights, or one of their linears) as `name` after the first use where `keep` (a file
+    whose float32 form fits the budget), so every NumpyOps on that file iterates the same blocks again; else
+    `blocks` itself."""
     got = getattr(owner, name, None)
     if got is None and keep:
         got = list(blocks)

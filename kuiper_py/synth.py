@@ -216,8 +216,8 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
     (real AWQ rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes)."""
     from safetensors.numpy import save_file
 
-    D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = preset_dims(preset)
-    L = layers or L
+    dims = preset_dims(preset)
+    D, L, tied = dims[0], layers or dims[2], dims[6]
     mode = mode or ("quantize" if D <= 1024 and L <= 8 else "direct")
     g = 128
     out = Path(out)
@@ -259,23 +259,14 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
         if si == 0:
             t["model.embed_tokens.weight"] = f16(rng.standard_normal((VOCAB, D), dtype=np.float32))
         for i in range(si * L // n_shards, (si + 1) * L // n_shards):
-            p = f"model.layers.{i}."
-            t[p + "input_layernorm.weight"] = norm(D)
-            t[p + "post_attention_layernorm.weight"] = norm(D)
-            t[p + "self_attn.q_norm.weight"] = norm(hd)
-            t[p + "self_attn.k_norm.weight"] = norm(hd)
-            projs = [("self_attn.q_proj", (D, H * hd)), ("self_attn.k_proj", (D, KV * hd)),
-                     ("self_attn.v_proj", (D, KV * hd)), ("self_attn.o_proj", (H * hd, D))]
-            if E and i not in mlp_only:
-                t[p + "mlp.gate.weight"] = f16(rng.standard_normal((E, D), dtype=np.float32) * (3 / np.sqrt(D)))
-                for e in range(E):
-                    projs += [(f"mlp.experts.{e}.gate_proj", (D, moe_I)), (f"mlp.experts.{e}.up_proj", (D, moe_I)),
-                              (f"mlp.experts.{e}.down_proj", (moe_I, D))]
-            else:
-                projs += [("mlp.gate_proj", (D, I)), ("mlp.up_proj", (D, I)), ("mlp.down_proj", (I, D))]
-            for name, (K, N) in projs:
-                for k, v in linear(K, N).items():
-                    t[f"{p}{name}.{k}"] = v
+            for name, shape, _, kind, K in _layer_specs(i, dims):
+                if kind == "norm":
+                    t[name] = norm(shape[0])
+                elif kind == "router":
+                    t[name] = f16(rng.standard_normal(shape, dtype=np.float32) * (3 / np.sqrt(D)))
+                elif kind == "qweight":  # (its qzeros and scales are drawn with it)
+                    for k, v in linear(K, 8 * shape[1]).items():
+                        t[name[:-len("qweight")] + k] = v
         if si == n_shards - 1:
             # a final norm of ~4 spreads the logits, so greedy margins sit well above fp16 rounding
             t["model.norm.weight"] = f16(4.0 * norm(D).astype(np.float32))
@@ -291,34 +282,41 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
     return out
 
 
+def _layer_specs(i: int, dims: tuple) -> list[tuple]:
+    """Layer i's tensors (dims: preset_dims) as (name, shape, safetensors dtype, kind, K), K the input size of a
+    quantized linear (its scales depend on it), else 0; in make_checkpoint's drawing order."""
+    D, I, _, H, KV, hd, _, E, _, moe_I, mlp_only = dims
+    p, g = f"model.layers.{i}.", 128
+    specs = [(f"{p}{n}.weight", (size,), "F16", "norm", 0)
+             for n, size in (("input_layernorm", D), ("post_attention_layernorm", D), ("self_attn.q_norm", hd),
+                             ("self_attn.k_norm", hd))]
+    projs = [("self_attn.q_proj", D, H * hd), ("self_attn.k_proj", D, KV * hd), ("self_attn.v_proj", D, KV * hd),
+             ("self_attn.o_proj", H * hd, D)]
+    if E and i not in mlp_only:
+        specs.append((p + "mlp.gate.weight", (E, D), "F16", "router", 0))
+        for e in range(E):
+            projs += [(f"mlp.experts.{e}.gate_proj", D, moe_I), (f"mlp.experts.{e}.up_proj", D, moe_I),
+                      (f"mlp.experts.{e}.down_proj", moe_I, D)]
+    else:
+        projs += [("mlp.gate_proj", D, I), ("mlp.up_proj", D, I), ("mlp.down_proj", I, D)]
+    for name, K, N in projs:
+        specs += [(f"{p}{name}.qweight", (K, N // 8), "I32", "qweight", K),
+                  (f"{p}{name}.qzeros", (K // g, N // 8), "I32", "qzeros", K),
+                  (f"{p}{name}.scales", (K // g, N), "F16", "scales", K)]
+    return specs
+
+
 def _tensor_specs(preset: str, layers: int | None) -> dict[str, tuple]:
     """Every tensor of the preset's checkpoint as make_checkpoint names them: name -> (shape, safetensors dtype,
-    kind, K), K the input size of a quantized linear (its scales depend on it), else 0."""
-    D, I, L, H, KV, hd, tied, E, _, moe_I, mlp_only = preset_dims(preset)
-    L = layers or L
-    g = 128
+    kind, K), as _layer_specs."""
+    dims = preset_dims(preset)
+    D, tied = dims[0], dims[6]
     specs: dict[str, tuple] = {"model.embed_tokens.weight": ((VOCAB, D), "F16", "embed", 0),
                                "model.norm.weight": ((D,), "F16", "final_norm", 0)}
     if not tied:
         specs["lm_head.weight"] = ((VOCAB, D), "F16", "lm_head", 0)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        for n, size in (("input_layernorm", D), ("post_attention_layernorm", D), ("self_attn.q_norm", hd),
-                        ("self_attn.k_norm", hd)):
-            specs[f"{p}{n}.weight"] = ((size,), "F16", "norm", 0)
-        projs = [("self_attn.q_proj", D, H * hd), ("self_attn.k_proj", D, KV * hd), ("self_attn.v_proj", D, KV * hd),
-                 ("self_attn.o_proj", H * hd, D)]
-        if E and i not in mlp_only:
-            specs[p + "mlp.gate.weight"] = ((E, D), "F16", "router", 0)
-            for e in range(E):
-                projs += [(f"mlp.experts.{e}.gate_proj", D, moe_I), (f"mlp.experts.{e}.up_proj", D, moe_I),
-                          (f"mlp.experts.{e}.down_proj", moe_I, D)]
-        else:
-            projs += [("mlp.gate_proj", D, I), ("mlp.up_proj", D, I), ("mlp.down_proj", I, D)]
-        for name, K, N in projs:
-            specs[f"{p}{name}.qweight"] = ((K, N // 8), "I32", "qweight", K)
-            specs[f"{p}{name}.qzeros"] = ((K // g, N // 8), "I32", "qzeros", K)
-            specs[f"{p}{name}.scales"] = ((K // g, N), "F16", "scales", K)
+    for i in range(layers or dims[2]):
+        specs.update((name, spec) for name, *spec in _layer_specs(i, dims))
     return specs
 
 
