@@ -101,6 +101,28 @@ class ModelFile:
         return sha.digest() == h.checksum
 
 
+def drop_pages(a: np.ndarray) -> None:
+    """Let the kernel drop the resident pages of the model file that array a (a view of load()'s mapping) lies
+    on, once its bytes have been copied elsewhere (the GPU upload): they are the file's own clean pages, so a
+    later read faults them in again, and until then they no longer count as this process's memory (the whole
+    Qwen3-235B-A22B's upload left ~120 GB resident). Pages it shares with a neighbour at either end go too.
+    No-op for an array that is not such a view, or where madvise is missing."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer's base: a memoryview of the mapping
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
+        return
+    start = a.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, count=1).__array_interface__["data"][0]
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(-(-(start + a.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE, len(base))
+    try:
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        pass
+
+
 def _open_regular(path: Path):
     try:
         st = os.stat(path)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .errors import KuiperError, ResourceError
-from .loader import AwqLinear, AwqStack, Layer, Weights
+from .loader import AwqLinear, AwqStack, Layer, Weights, drop_pages
 from .sampling import SamplingParams
 
 try:
@@ -2877,6 +2877,7 @@ class CupyOps:
             for o in range(0, src.size, chunk):
                 n = min(chunk, src.size - o)
                 pinned[:n] = src[o:o + n]
+                drop_pages(src[o:o + n])  # the file's pages, copied: no longer this process's memory
                 dst[o:o + n].set(pinned[:n], stream=stream)
                 stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
             if bar:
@@ -2902,6 +2903,7 @@ class CupyOps:
             try:
                 embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
                 embed[...] = w.embed
+                drop_pages(w.embed)
                 if bar:
                     bar.update(w.embed.nbytes)
             except (cp.cuda.runtime.CUDARuntimeError, MemoryError):  # page-locked memory refused: GPU copy

@@ -160,3 +160,32 @@ def test_trailer_must_be_json(tiny_bin, tmp_path):
     with pytest.raises(KuiperError, match="not valid JSON"):
         load(p)
     assert json.loads(tiny_bin.read_bytes()[h.trailer_offset:])["config"]["hidden_size"] == 128
+
+
+def test_drop_pages_releases_the_mapping_and_keeps_the_bytes(tmp_path):
+    """loader.drop_pages (the GPU upload's release of what it has copied): the view's pages leave this process's
+    resident memory, its bytes read back the same (faulted in from the file again), and an array that is not a
+    view of the mapping is left alone."""
+    import mmap
+
+    from kuiper_py.loader import drop_pages
+
+    def mapped_rss_kib():
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("Rss:"):
+                return int(line.split()[1])
+
+    data = np.random.default_rng().integers(0, 256, size=96 << 20, dtype=np.uint8)
+    f = tmp_path / "blob"
+    data.tofile(f)
+    with open(f, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mm, np.uint8, count=64 << 20, offset=16 << 20).reshape(4096, -1)
+    assert int(view.sum(dtype=np.uint64)) == int(data[16 << 20:80 << 20].sum(dtype=np.uint64))  # resident now
+    before = mapped_rss_kib()
+    drop_pages(view)
+    after = mapped_rss_kib()
+    assert before - after > 60 * 1024  # ~64 MiB of the file's pages no longer resident
+    np.testing.assert_array_equal(view.reshape(-1), data[16 << 20:80 << 20])  # read back from the file
+    drop_pages(np.ones(10))  # not a view of a mapping: nothing happens
+    drop_pages(view[:0])
