@@ -14,7 +14,7 @@ import numpy as np
 
 from . import format as fmt
 from .config import ModelArgs, rope_inv_freq
-from .errors import KuiperError
+from .errors import KuiperError, ResourceError
 
 
 @dataclass
@@ -121,6 +121,16 @@ def drop_pages(a: np.ndarray) -> None:
         base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     except (OSError, ValueError):
         pass
+
+
+def check_weights_fit(need: int, free: int, total: int, device: str) -> None:
+    """Refuse a GPU load whose weights alone (need bytes) exceed what the device has free, before any is
+    uploaded: otherwise the upload fails only once the memory runs out (the whole Qwen3-235B-A22B, ~116 GiB, on
+    an 80 GB GPU: ~20 s of copying first). need counts only arrays that go to the GPU, so a refusal is never
+    wrong (the KV cache and workspace come on top)."""
+    if need > free:
+        raise ResourceError(f"the model's weights need {need / 2**30:.1f} GiB of GPU memory; the {device} has "
+                            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f}")
 
 
 def _open_regular(path: Path):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .errors import KuiperError, ResourceError
-from .loader import AwqLinear, AwqStack, Layer, Weights, drop_pages
+from .loader import AwqLinear, AwqStack, Layer, Weights, check_weights_fit, drop_pages
 from .sampling import SamplingParams
 
 try:
@@ -2858,6 +2858,10 @@ class CupyOps:
             if layer.router is not None:
                 arrays.append(layer.router)
         total = sum(x.nbytes for x in arrays)
+        pinned_embed = w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1"
+        free, dev_total = cp.cuda.runtime.memGetInfo()
+        check_weights_fit(total - (w.embed.nbytes if pinned_embed else 0),
+                          free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())
         chunk = 64 << 20
         pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
         bar = None
@@ -2899,7 +2903,7 @@ class CupyOps:
         # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
         # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
         embed = None
-        if w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1":
+        if pinned_embed:
             try:
                 embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
                 embed[...] = w.embed

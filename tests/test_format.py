@@ -189,3 +189,12 @@ def test_drop_pages_releases_the_mapping_and_keeps_the_bytes(tmp_path):
     np.testing.assert_array_equal(view.reshape(-1), data[16 << 20:80 << 20])  # read back from the file
     drop_pages(np.ones(10))  # not a view of a mapping: nothing happens
     drop_pages(view[:0])
+
+
+def test_weights_that_cannot_fit_are_refused_before_the_upload():
+    from kuiper_py.errors import ResourceError
+    from kuiper_py.loader import check_weights_fit
+
+    check_weights_fit(100 << 30, 100 << 30, 141 << 30, "NVIDIA H200")  # exactly what is free: tried
+    with pytest.raises(ResourceError, match=r"need 116\.0 GiB of GPU memory; the NVIDIA H100 has 78\.5 GiB free of 79\.6"):
+        check_weights_fit(116 << 30, int(78.5 * 2**30), int(79.6 * 2**30), "NVIDIA H100")
