@@ -2906,8 +2906,10 @@ class CupyOps:
         if pinned_embed:
             try:
                 embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
-                embed[...] = w.embed
-                drop_pages(w.embed)
+                rows = max(1, chunk // max(1, w.embed[0].nbytes))
+                for r in range(0, w.embed.shape[0], rows):  # a chunk at a time, so its file pages go as it is copied
+                    embed[r:r + rows] = w.embed[r:r + rows]
+                    drop_pages(w.embed[r:r + rows])
                 if bar:
                     bar.update(w.embed.nbytes)
             except (cp.cuda.runtime.CUDARuntimeError, MemoryError):  # page-locked memory refused: GPU copy
