@@ -123,6 +123,33 @@ def test_cli_chat_cuda_matches_cpu(tiny_bin):
     assert [x["cached_tokens"] for x in got] == [x["cached_tokens"] for x in want]
 
 
+def test_upload_refuses_weights_that_cannot_fit_before_copying_any(untied_bin):
+    """CupyOps refuses a file whose weights exceed the GPU's free memory before it copies any of them
+    (loader.check_weights_fit at the upload): with all but 16 MiB of the free memory held outside CuPy's pool, the
+    untied file (a 39 MB lm_head) raises ResourceError, and the device's free memory afterwards is what it was
+    before. Released, the same file loads."""
+    from kuiper_py.errors import ResourceError
+    mf = load(untied_bin)
+    need = mf.weights.lm_head.nbytes
+    assert need > 32 << 20
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    hold = cp.cuda.runtime.malloc(free - (16 << 20))
+    try:
+        before, _ = cp.cuda.runtime.memGetInfo()
+        used = pool.used_bytes()
+        with pytest.raises(ResourceError, match="GiB free"):
+            oc.CupyOps(mf.args, mf.weights, 64, progress=False)
+        after, _ = cp.cuda.runtime.memGetInfo()
+        assert pool.used_bytes() == used
+        assert abs(after - before) < (4 << 20)
+    finally:
+        cp.cuda.runtime.free(hold)
+    ops = oc.CupyOps(mf.args, mf.weights, 64, progress=False)
+    assert ops.weights.lm_head.nbytes == need
+
+
 def test_prefill_graph_refused_where_cublas_serves(model_bin):
     """The tiny presets' prefill calls cuBLAS (matrices narrower than the fused GEMMs take): the bucket's capture
     is abandoned, the bucket marked, and every prompt runs eagerly, as accurate as before."""
