@@ -95,9 +95,10 @@ def export_cmd(hf_dir: str, output: str, quiet: bool) -> None:
 def info_cmd(model: str, verify: bool, as_json: bool) -> None:
     """Show an ak48 file's header, dimensions, sizes and checksum status."""
     from . import format as fmt
-    from .loader import load
+    from .loader import device_arrays, embed_pinned, kv_bytes_per_position, load
     mf = load(model)
     h, a = mf.header, mf.args
+    pinned = mf.weights.embed.nbytes if embed_pinned(mf.weights) else 0
     regions = fmt.regions(h)
     q_bytes = sum(r.nbytes for r in regions if r.name.split(".")[-1] in ("qweight", "qzeros", "scales"))
     status = "absent (plain v5 file)" if not (h.has_ext and h.flags & fmt.FLAG_CHECKSUM) else "present, not verified"
@@ -113,7 +114,11 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": fmt.n_params(h),
          "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
          "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
-         "checksum": status}
+         "checksum": status,
+         # what --device cuda holds: the file's weights on the GPU, an untied embedding in pinned host memory,
+         # and the fp16 KV cache per position of --max-context (workspace and MoE router rows come on top)
+         "gpu_weight_bytes": sum(x.nbytes for x in device_arrays(mf.weights)) - pinned,
+         "pinned_host_bytes": pinned, "kv_bytes_per_position": kv_bytes_per_position(a)}
     if h.is_moe:
         d.update(num_experts=h.num_experts, experts_per_tok=h.experts_per_tok, moe_intermediate=h.moe_intermediate,
                  norm_topk_prob=h.norm_topk_prob, decoder_sparse_step=h.decoder_sparse_step,
@@ -121,8 +126,9 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(d))
     else:
+        w = max(map(len, d)) + 1
         for k, v in d.items():
-            click.echo(f"{k:18s} {v}")
+            click.echo(f"{k:{w}s} {v}")
     if ok is False:
         raise KuiperError("checksum mismatch: the file is damaged")
 

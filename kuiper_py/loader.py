@@ -101,6 +101,33 @@ class ModelFile:
         return sha.digest() == h.checksum
 
 
+def device_arrays(w: Weights) -> list:
+    """Every array of w that the GPU engine copies to the device, once each (a tied lm_head is the embedding): the
+    embedding (an untied one stays in pinned host memory by default, ops_cupy), the final norm, an untied lm_head,
+    and each layer's norms, AWQ linears or expert stacks and router."""
+    arrays = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
+    for layer in w.layers:
+        arrays += [layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm]
+        for p in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "experts_w13", "experts_w2"):
+            lin = getattr(layer, p)
+            if lin is not None:
+                arrays += [lin.qweight, lin.qzeros, lin.scales]
+        if layer.router is not None:
+            arrays.append(layer.router)
+    return arrays
+
+
+def embed_pinned(w: Weights) -> bool:
+    """Whether the GPU engine keeps w's token embeddings in pinned host memory rather than on the GPU: an untied
+    table, which is read one row per token (a tied one is the lm_head too); KUIPER_EMBED_ON_GPU=1 keeps it on the GPU."""
+    return w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1"
+
+
+def kv_bytes_per_position(a: ModelArgs) -> int:
+    """Bytes of the fp16 KV cache per position: K and V of every layer's KV heads."""
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+
+
 def drop_pages(a: np.ndarray) -> None:
     """Let the kernel drop the resident pages of the model file that array a (a view of load()'s mapping) lies
     on, once its bytes have been copied elsewhere (the GPU upload): they are the file's own clean pages, so a

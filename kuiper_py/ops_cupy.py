@@ -20,7 +20,8 @@ import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .errors import KuiperError, ResourceError
-from .loader import AwqLinear, AwqStack, Layer, Weights, check_weights_fit, drop_pages
+from .loader import (AwqLinear, AwqStack, Layer, Weights, check_weights_fit, device_arrays, drop_pages, embed_pinned,
+                     kv_bytes_per_position)
 from .sampling import SamplingParams
 
 try:
@@ -2772,9 +2773,11 @@ class CupyOps:
             self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
         except cp.cuda.memory.OutOfMemoryError:
             self.k_cache = self.v_cache = None
-            kv = 2 * L * max_context * KV * hd * 2
-            raise ResourceError(f"out of GPU memory: the KV cache needs {kv / 2**20:.0f} MiB for --max-context "
-                                f"{max_context}; try a smaller --max-context") from None
+            per = kv_bytes_per_position(a)
+            free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+            raise ResourceError(f"out of GPU memory: the KV cache needs {per * max_context / 2**20:.0f} MiB for "
+                                f"--max-context {max_context}; {free / 2**20:.0f} MiB are free, at most "
+                                f"{free // per} positions: try a smaller --max-context") from None
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
@@ -2848,17 +2851,8 @@ class CupyOps:
     # ------------------------------------------------------------------ loading
     def _upload(self, w: Weights, progress: bool) -> Weights:
         import cupyx
-        arrays = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
-        for layer in w.layers:
-            arrays += [layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm]
-            for p in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "experts_w13", "experts_w2"):
-                lin = getattr(layer, p)
-                if lin is not None:
-                    arrays += [lin.qweight, lin.qzeros, lin.scales]
-            if layer.router is not None:
-                arrays.append(layer.router)
-        total = sum(x.nbytes for x in arrays)
-        pinned_embed = w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1"
+        total = sum(x.nbytes for x in device_arrays(w))
+        pinned_embed = embed_pinned(w)
         free, dev_total = cp.cuda.runtime.memGetInfo()
         check_weights_fit(total - (w.embed.nbytes if pinned_embed else 0),
                           free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from conftest import run_cli
 from kuiper_py.loader import load
@@ -28,6 +29,26 @@ def test_export_and_info(tiny_dir, tmp_path):
     r = run_cli("info", out, "--verify", "--json")
     d = json.loads(r.stdout)
     assert d["checksum"] == "OK" and d["layers"] == 2 and d["shared_classifier"] is True
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-moe-mixed"])
+def test_info_memory_figures(preset, tmp_path):
+    """info's memory figures against the header alone: the bytes the GPU holds and an untied embedding's pinned
+    host bytes add up to the file's weight regions (everything between the 256-byte header and the weights' end),
+    the pinned part is the V x D fp16 embedding when untied and nothing when tied or with KUIPER_EMBED_ON_GPU=1, and
+    the KV cache takes 2 x layers x KV heads x head_dim fp16 values per position."""
+    from kuiper_py import synth
+    b = tmp_path / "m.bin"
+    synth.write_synthetic_file(b, preset, seed=5)
+    d = json.loads(run_cli("info", b, "--json").stdout)
+    regions = d["weights_end"] - 256
+    assert d["gpu_weight_bytes"] + d["pinned_host_bytes"] == regions
+    assert d["pinned_host_bytes"] == (0 if d["shared_classifier"] else d["vocab"] * d["dim"] * 2)
+    assert d["kv_bytes_per_position"] == 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * 2
+    g = json.loads(run_cli("info", b, "--json", env={"KUIPER_EMBED_ON_GPU": "1"}).stdout)
+    assert g["pinned_host_bytes"] == 0 and g["gpu_weight_bytes"] == regions
+    text = run_cli("info", b).stdout
+    assert f"kv_bytes_per_position  {d['kv_bytes_per_position']}" in text
 
 
 def _greedy_reference(binf, prompt, n):

@@ -150,6 +150,26 @@ def test_upload_refuses_weights_that_cannot_fit_before_copying_any(untied_bin):
     assert ops.weights.lm_head.nbytes == need
 
 
+def test_kv_cache_that_cannot_fit_says_how_many_positions_would(tiny_bin):
+    """A KV cache larger than the GPU's free memory is refused with a ResourceError that says how many positions the
+    free memory holds (fp16 K and V of every layer's KV heads per position, counted independently here), and the
+    ops stay usable: a small cache allocates afterwards."""
+    import re
+    from kuiper_py.errors import ResourceError
+    mf = load(tiny_bin)
+    a = mf.args
+    per = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+    ops = oc.CupyOps(a, mf.weights, 64, progress=False)
+    cp.get_default_memory_pool().free_all_blocks()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    with pytest.raises(ResourceError, match="try a smaller --max-context") as e:
+        ops.alloc_cache(2 * free // per)
+    n = int(re.search(r"at most (\d+) positions", str(e.value)).group(1))
+    assert abs(n - free // per) <= (256 << 20) // per, (n, free // per)
+    ops.alloc_cache(64)
+    assert ops.k_cache.shape[1] == 64 and ops.v_cache.shape[1] == 64
+
+
 def test_prefill_graph_refused_where_cublas_serves(model_bin):
     """The tiny presets' prefill calls cuBLAS (matrices narrower than the fused GEMMs take): the bucket's capture
     is abandoned, the bucket marked, and every prompt runs eagerly, as accurate as before."""
