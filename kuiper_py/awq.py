@@ -18,6 +18,24 @@ def unpack(packed: np.ndarray) -> np.ndarray:
     return ((p[:, :, None] >> _SHIFTS) & 0xF).astype(np.uint8).reshape(p.shape[0], -1)
 
 
+# Column order as packed: a word's 4 bytes hold nibbles (0, 1), (2, 3), (4, 5), (6, 7), so reading every byte's low
+# nibble and then every byte's high nibble gives nibbles 0, 2, 4, 6, 1, 3, 5, 7 of the word, i.e. logical columns
+# STORED_COLUMNS[j] = AWQ_ORDER[nibble] at positions j = 0..7 of each group of eight (unpack_stored).
+STORED_COLUMNS = np.array([AWQ_ORDER[n] for n in (0, 2, 4, 6, 1, 3, 5, 7)])
+LOGICAL_FROM_STORED = np.argsort(STORED_COLUMNS)  # position in a stored group of eight of logical column c
+
+
+def unpack_stored(packed: np.ndarray) -> np.ndarray:
+    """int32 [R, C/8] -> float32 [R, C] of values 0..15 in stored order: position 8w + j holds logical column
+    8w + STORED_COLUMNS[j] (byte masks and shifts on the bytes, no per-nibble shift of the words)."""
+    R, W = packed.shape
+    b = np.ascontiguousarray(packed).view(np.uint8).reshape(R, W, 4)
+    out = np.empty((R, W, 8), dtype=np.float32)
+    out[:, :, :4] = b & 15
+    out[:, :, 4:] = b >> 4
+    return out.reshape(R, W * 8)
+
+
 def pack(values: np.ndarray) -> np.ndarray:
     """uint8 [R, C] of 0..15 -> int32 [R, C/8]; the inverse of unpack."""
     v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)

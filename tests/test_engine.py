@@ -80,6 +80,22 @@ def test_kept_fp32_weights_give_the_same_logits(untied_bin, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_lm_head_kept_in_what_the_linears_leave_of_the_budget(untied_bin, monkeypatch):
+    """The CPU engine keeps its float32 linears when they fit _DEQ_KEEP_BYTES, and the float32 lm_head when it fits
+    what they leave of it, or _LM_KEEP_BYTES by itself: each bound met exactly and missed by one byte."""
+    from kuiper_py import ops_numpy
+    mf = load(untied_bin)
+    w = mf.weights
+    dense = sum(lin.K * lin.N * 4 for L in w.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3))
+    lm = w.lm_head.shape[0] * w.lm_head.shape[1] * 4
+    for lm_floor, budget, want in ((0, dense + lm, (True, True)), (0, dense + lm - 1, (True, False)),
+                                   (0, dense - 1, (False, False)), (lm, 0, (False, True)), (lm - 1, 0, (False, False))):
+        monkeypatch.setattr(ops_numpy, "_LM_KEEP_BYTES", lm_floor)
+        monkeypatch.setattr(ops_numpy, "_DEQ_KEEP_BYTES", budget)
+        ops = NumpyOps(mf.args, w, 8)
+        assert (ops._keep_dequant, ops._keep_lm) == want, (lm_floor, budget)
+
+
 def test_context_overflow_is_an_error(tiny_bin):
     from kuiper_py.errors import KuiperError
     m = Qwen3(load(tiny_bin), NumpyOps, 8)
