@@ -57,7 +57,7 @@ def dequant_blocks(lin: AwqLinear):
     """W [K, N] = (q - z) * s as float32 blocks of group-aligned rows, columns in the packed words' stored order
     (awq.unpack_stored; awq_linear puts its product back in logical order): (first row, block [rows, N]). Each block
     is unpacked by byte masks and scaled in place, group by group, about _BLOCK_BYTES at a time so it stays in cache
-    (3-4x faster than awq.dequantize's per-nibble shifts and per-row copies of z and s on a 2-core host)."""
+    (2.5-3x faster than awq.dequantize's per-nibble shifts and per-row copies of z and s on a 2-core host)."""
     g, N = lin.group_size, lin.N
     z = awq.unpack_stored(lin.qzeros)
     s = lin.scales.reshape(-1, N // 8, 8)[:, :, awq.STORED_COLUMNS].reshape(-1, N).astype(np.float32)
