@@ -95,10 +95,10 @@ def export_cmd(hf_dir: str, output: str, quiet: bool) -> None:
 def info_cmd(model: str, verify: bool, as_json: bool) -> None:
     """Show an ak48 file's header, dimensions, sizes and checksum status."""
     from . import format as fmt
-    from .loader import device_arrays, embed_pinned, kv_bytes_per_position, load
+    from .loader import device_bytes, kv_bytes_per_position, load
     mf = load(model)
     h, a = mf.header, mf.args
-    pinned = mf.weights.embed.nbytes if embed_pinned(mf.weights) else 0
+    gpu, pinned = device_bytes(mf.weights)
     regions = fmt.regions(h)
     q_bytes = sum(r.nbytes for r in regions if r.name.split(".")[-1] in ("qweight", "qzeros", "scales"))
     status = "absent (plain v5 file)" if not (h.has_ext and h.flags & fmt.FLAG_CHECKSUM) else "present, not verified"
@@ -117,7 +117,7 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "checksum": status,
          # what --device cuda holds: the file's weights on the GPU, an untied embedding in pinned host memory,
          # and the fp16 KV cache per position of --max-context (workspace and MoE router rows come on top)
-         "gpu_weight_bytes": sum(x.nbytes for x in device_arrays(mf.weights)) - pinned,
+         "gpu_weight_bytes": gpu,
          "pinned_host_bytes": pinned, "kv_bytes_per_position": kv_bytes_per_position(a)}
     if h.is_moe:
         d.update(num_experts=h.num_experts, experts_per_tok=h.experts_per_tok, moe_intermediate=h.moe_intermediate,

@@ -95,9 +95,7 @@ class ModelFile:
         for off in range(fmt.HEADER_SIZE, self.size, step):
             end = min(off + step, self.size)
             sha.update(memoryview(self._mm)[off:end])
-            if hasattr(mmap, "MADV_DONTNEED"):  # hashed pages need not stay resident
-                lo = off // mmap.PAGESIZE * mmap.PAGESIZE
-                self._mm.madvise(mmap.MADV_DONTNEED, lo, end - lo)
+            _drop_range(self._mm, off, end)  # hashed pages need not stay resident
         return sha.digest() == h.checksum
 
 
@@ -123,6 +121,13 @@ def embed_pinned(w: Weights) -> bool:
     return w.lm_head is not w.embed and os.environ.get("KUIPER_EMBED_ON_GPU", "0") != "1"
 
 
+def device_bytes(w: Weights) -> tuple[int, int]:
+    """(bytes the GPU engine copies to the GPU, bytes it pins in host memory): device_arrays, the embedding on the
+    host side where embed_pinned. What the upload checks against free GPU memory and `kuiper info` reports."""
+    pinned = w.embed.nbytes if embed_pinned(w) else 0
+    return sum(x.nbytes for x in device_arrays(w)) - pinned, pinned
+
+
 def kv_bytes_per_position(a: ModelArgs) -> int:
     """Bytes of the fp16 KV cache per position: K and V of every layer's KV heads."""
     return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
@@ -139,13 +144,21 @@ def drop_pages(a: np.ndarray) -> None:
         base = base.base
     if isinstance(base, memoryview):  # np.frombuffer's base: a memoryview of the mapping
         base = base.obj
-    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
+    if not isinstance(base, mmap.mmap) or a.nbytes == 0:
         return
     start = a.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, count=1).__array_interface__["data"][0]
+    _drop_range(base, start, start + a.nbytes)
+
+
+def _drop_range(mm: mmap.mmap, start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages of mapping mm that bytes [start, end) touch: a hint, so a
+    platform without it or a refusal changes nothing."""
+    if not hasattr(mmap, "MADV_DONTNEED") or end <= start:
+        return
     lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-    hi = min(-(-(start + a.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE, len(base))
+    hi = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mm))
     try:
-        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     except (OSError, ValueError):
         pass
 

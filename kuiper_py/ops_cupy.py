@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .errors import KuiperError, ResourceError
-from .loader import (AwqLinear, AwqStack, Layer, Weights, check_weights_fit, device_arrays, drop_pages, embed_pinned,
+from .loader import (AwqLinear, AwqStack, Layer, Weights, check_weights_fit, device_bytes, drop_pages,
                      kv_bytes_per_position)
 from .sampling import SamplingParams
 
@@ -2851,11 +2851,10 @@ class CupyOps:
     # ------------------------------------------------------------------ loading
     def _upload(self, w: Weights, progress: bool) -> Weights:
         import cupyx
-        total = sum(x.nbytes for x in device_arrays(w))
-        pinned_embed = embed_pinned(w)
+        need, pinned_bytes = device_bytes(w)  # (pinned_bytes: the untied embedding, kept in pinned host memory)
+        total = need + pinned_bytes
         free, dev_total = cp.cuda.runtime.memGetInfo()
-        check_weights_fit(total - (w.embed.nbytes if pinned_embed else 0),
-                          free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())
+        check_weights_fit(need, free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())
         chunk = 64 << 20
         pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
         bar = None
@@ -2897,7 +2896,7 @@ class CupyOps:
         # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
         # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
         embed = None
-        if pinned_embed:
+        if pinned_bytes:
             try:
                 embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
                 rows = max(1, chunk // max(1, w.embed[0].nbytes))
