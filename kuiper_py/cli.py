@@ -253,17 +253,23 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     reason = "interrupted" if interrupted else last.finish_reason
     if reason == "context":
         log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; raise --max-context)")
-    stats = {"load_s": round(eng.load_seconds, 3), "prompt_tokens": last.prompt_tokens, **_timings(last),
-             "peak_host_mib": round(_peak_host_mib(), 1)}
+    stats = {"load_s": round(eng.load_seconds, 3), "warmup_s": round(last.warmup_seconds, 3),
+             "prompt_tokens": last.prompt_tokens, **_timings(last), "peak_host_mib": round(_peak_host_mib(), 1)}
     if eng.device == "cuda":
-        from .ops_cupy import gpu_memory_used_mib
+        from .ops_cupy import gpu_memory_used_mib, kernel_build_seconds
         stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
+        # in the load, the warm-up and the prompt: large on a machine's first run (NVRTC), small once cached on disk
+        stats["kernel_build_s"] = round(kernel_build_seconds(), 3)
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "timings": stats}, ensure_ascii=False))
-    log(f"load {stats['load_s']:.2f} s | prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
+    build = stats.get("kernel_build_s", 0.0)
+    log(f"load {stats['load_s']:.2f} s | " + (f"warm-up {stats['warmup_s']:.2f} s | " if stats["warmup_s"] else "")
+        + f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
         f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
-        f"peak host {stats['peak_host_mib']:.0f} MiB" + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else ""))
+        f"peak host {stats['peak_host_mib']:.0f} MiB" + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
+        + (f" | kernels built in {build:.1f} s (a first run compiles them; later runs load CuPy's disk cache)"
+           if build >= 1.0 else ""))
     if interrupted:
         sys.exit(130)
 

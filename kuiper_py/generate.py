@@ -105,6 +105,7 @@ class Record:
     decode_steps: int = 0  # model evaluations after the prompt, the count tg speed is measured over
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # the prompt's leading tokens the cache already held (a chat's earlier turns)
+    warmup_seconds: float = 0.0  # before the prompt: the decode graphs captured (kernels built on a first run)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -137,11 +138,19 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     if len(prompt_ids) > ctx:
         raise KuiperError(f"prompt of {len(prompt_ids)} tokens does not fit a context of {ctx} "
                           f"(--max-context; the model's maximum is {args.max_position_embeddings})")
-    return _stream(engine, engine.session(ctx), prompt_ids, 0, max_tokens, params, stop, eos_ids)
+    model = engine.session(ctx)
+    # the decode graphs this generation's steps replay are captured before the prompt, so their capture (and on a
+    # machine's first run the compiles it causes) is not counted in the decode speed; a chat does the same at its start
+    t0 = time.perf_counter()
+    if max_tokens > 1:
+        n = len(prompt_ids)
+        model.warm_decode_graphs(engine.n_valid_tokens, keys=(n + 1, n + max_tokens - 1))
+    return _stream(engine, model, prompt_ids, 0, max_tokens, params, stop, eos_ids, time.perf_counter() - t0)
 
 
 def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, max_tokens: int,
-            params: SamplingParams, stop: list[str] | None, eos_ids: list[int] | None) -> Iterator[Record]:
+            params: SamplingParams, stop: list[str] | None, eos_ids: list[int] | None,
+            warmup: float = 0.0) -> Iterator[Record]:
     """The generation loop over a model whose cache holds prompt_ids[:cached] (model.pos == cached): the rest of
     the prompt is prefilled, then tokens are drawn until a stop, max_tokens or the cache's end."""
     args = engine.file.args
@@ -168,7 +177,7 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
 
     def rec(tok, text, reason=None):
         return Record(tok, text, reason, len(prompt_ids) - cached, t_prompt, len(out_ids), time.perf_counter() - t1,
-                      model.pos - len(prompt_ids) - (ahead is not None), out_ids, cached)
+                      model.pos - len(prompt_ids) - (ahead is not None), out_ids, cached, warmup)
 
     if max_tokens == 0:
         yield rec(None, "", "length")

@@ -79,11 +79,12 @@ class Qwen3:
         warm = getattr(self.ops, "warm_prefill_graphs", None)
         return [] if warm is None else warm(lambda padded: self._layers(padded, 0))
 
-    def warm_decode_graphs(self, n_valid: int) -> list[int]:
-        """Have a backend that replays decode steps as graphs (CUDA) capture every flash-decoding regime's now;
-        n_valid: the ids the session's draws take. The regimes captured, [] where none are."""
+    def warm_decode_graphs(self, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
+        """Have a backend that replays decode steps as graphs (CUDA) capture every flash-decoding regime's now (keys
+        (lo, hi): only those of steps with lo..hi keys); n_valid: the ids the session's draws take. The regimes
+        captured, [] where none are."""
         warm = getattr(self.ops, "warm_decode_graphs", None)
-        return [] if warm is None else warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid)
+        return [] if warm is None else warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid, keys)
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,

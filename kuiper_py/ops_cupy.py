@@ -13,6 +13,8 @@ import math
 import os
 import struct
 import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -699,6 +701,23 @@ def headers_tag() -> str:
 
 
 _FNS: dict[tuple[str, str], object] = {}
+_BUILD = [0.0]  # seconds this process spent building kernel modules (kernel_build_seconds)
+_BUILD_NOTICE_S = 2.0  # a module build that takes longer is a compile, not a cache load: say so once
+_BUILD_NOTICED = [False]
+
+
+def _build_notice() -> None:
+    if not _BUILD_NOTICED[0]:
+        _BUILD_NOTICED[0] = True
+        sys.stderr.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a minute "
+                         "or more; CuPy caches them on disk for later runs)\n")
+        sys.stderr.flush()
+
+
+def kernel_build_seconds() -> float:
+    """Seconds this process has spent building kernel modules: NVRTC compiles on a machine's first run, loads
+    from CuPy's disk cache after. `kuiper generate` reports it, since a first run's figures include it."""
+    return _BUILD[0]
 
 
 def _compiled(family: str, name: str):
@@ -728,11 +747,21 @@ def _compiled(family: str, name: str):
                      f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
         # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
         opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
+        t0 = time.perf_counter()
+        # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
+        notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
+        if notice is not None:
+            notice.daemon = True
+            notice.start()
         try:
             mod = cp.RawModule(code=src, options=opts, name_expressions=names)
             mod.compile()
         except cp.cuda.compiler.CompileException as e:
             raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
+        finally:
+            if notice is not None:
+                notice.cancel()
+            _BUILD[0] += time.perf_counter() - t0
         _MODULES[family] = mod
     fn = _FNS[(family, name)] = _MODULES[family].get_function(name)
     return fn
@@ -1044,6 +1073,21 @@ def attn_short(a: ModelArgs) -> tuple[int, ...]:
         bounds = device_tuning().get("attn_short", {}).get(_attn_shape(a), ())
         bounds = (bounds,) if isinstance(bounds, int) else bounds
     return tuple(sorted({int(b) for b in bounds} - {0}))
+
+
+def decode_regime(bounds: tuple[int, ...], capacity: int, n_keys: int) -> int:
+    """The flash-decoding regime (a decode graph of its own) that serves a step with n_keys keys, named by the most
+    keys it serves: the first short-context bound (attn_short, ascending) at or above n_keys, else the capacity."""
+    return next((b for b in bounds if n_keys <= b), capacity)
+
+
+def decode_regimes(bounds: tuple[int, ...], capacity: int, keys: tuple[int, int] | None = None) -> list[int]:
+    """The regimes that steps with keys[0]..keys[1] keys meet (every step of the cache where keys is None), ascending:
+    those of both ends and each bound between them (past a bound, the next regime is the next bound's or hi's)."""
+    lo, hi = (1, capacity) if keys is None else (max(1, keys[0]), min(keys[1], capacity))
+    if lo > hi:
+        return []
+    return sorted({decode_regime(bounds, capacity, n) for n in (lo, hi, *(b for b in bounds if lo <= b < hi))})
 
 
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
@@ -3170,17 +3214,17 @@ class CupyOps:
             self._graphs[regime] = graph, n
         return self._graphs[regime]
 
-    def warm_decode_graphs(self, body_at, n_valid: int) -> list[int]:
+    def warm_decode_graphs(self, body_at, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
         """Capture now the decode graph of every flash-decoding regime this cache has (attn_short's bounds within it,
         then the capacity's), which the steps would otherwise capture on the first one each meets (a chat's first
-        reply, then its keys passing each bound). body_at(pos0) is the model's one-token forward at pos0 on the
-        drawn token (SAMPLED_TOKEN); n_valid the ids the draws take (the graphs' fused greedy argmax covers them).
-        Returns the regimes that have a graph."""
+        reply, then its keys passing each bound); keys (lo, hi): only the regimes of steps with lo..hi keys (a
+        generation of known length). body_at(pos0) is the model's one-token forward at pos0 on the drawn token
+        (SAMPLED_TOKEN); n_valid the ids the draws take (the graphs' fused greedy argmax covers them). Returns the
+        regimes that have a graph."""
         if not self.graphs:
             return []
         self._last_n_valid = n_valid
-        for regime in sorted({self._attn_regime(n) for n in (*self.attn_short, self.max_context)
-                              if n <= self.max_context}):
+        for regime in decode_regimes(self.attn_short, self.max_context, keys):
             pos0 = min(regime, self.max_context) - 1  # (a step whose keys reach the regime's bound)
             self.begin_step(pos0, 1)
             self._decode_graph(regime, lambda: body_at(pos0))
@@ -3197,7 +3241,7 @@ class CupyOps:
     def _attn_regime(self, n_keys: int) -> int:
         """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
         capacity."""
-        return self._attn_short_bound(n_keys) or self.max_context
+        return decode_regime(self.attn_short, self.max_context, n_keys)
 
     def _attn_split_count(self, n_keys: int) -> int:
         """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's

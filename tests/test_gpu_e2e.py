@@ -124,6 +124,34 @@ def test_cli_chat_cuda_matches_cpu(tiny_bin):
     assert [x["cached_tokens"] for x in got] == [x["cached_tokens"] for x in want]
 
 
+def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkeypatch):
+    """generate() captures the decode graphs of the regimes its steps will meet before it runs the prompt (so a
+    generation's decode speed does not count their capture, or a first run's kernel compiles): with a short bound at
+    256 keys and a 512-position cache, a 40-token prompt and 300 tokens pass the bound, and a 40-token generation does
+    not. The graphs are there before the first record, no step captures another, warmup_seconds counts the captures,
+    and the greedy tokens are the ones of a generation that captures them as it goes (the same engine, its graphs
+    dropped). (Not against the CPU engine token for token: a random-weight model's greedy path meets near-ties
+    within 40 tokens, which greedy_lockstep's tests tell apart from errors.)"""
+    from kuiper_py.generate import Engine, generate
+    from kuiper_py.sampling import SamplingParams
+    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    greedy = SamplingParams(temperature=0.0)
+    prompt = np.random.default_rng().integers(0, 1000, size=40).tolist()
+    eng = Engine.load(small_bin, "cuda", need_tokenizer=False)
+    for n, regimes in ((300, [256, 512]), (40, [256])):
+        eng.session(512).ops._graphs.clear()
+        records = generate(eng, prompt, n, greedy, max_context=512, eos_ids=[])
+        assert sorted(eng.model.ops._graphs) == regimes
+        last = list(records)[-1]
+        assert sorted(eng.model.ops._graphs) == regimes and len(last.tokens) == n and last.warmup_seconds > 0
+    ops = eng.model.ops
+    monkeypatch.setattr(ops, "warm_decode_graphs", lambda *a, **k: [])
+    ops._graphs.clear()
+    lazy = list(generate(eng, prompt, 40, greedy, max_context=512, eos_ids=[]))[-1]
+    assert lazy.warmup_seconds < last.warmup_seconds and sorted(ops._graphs) == [256]
+    assert lazy.tokens == last.tokens
+
+
 def test_upload_refuses_weights_that_cannot_fit_before_copying_any(untied_bin):
     """CupyOps refuses a file whose weights exceed the GPU's free memory before it copies any of them
     (loader.check_weights_fit at the upload): with all but 16 MiB of the free memory held outside CuPy's pool, the

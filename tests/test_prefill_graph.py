@@ -21,6 +21,23 @@ def test_prefill_buckets():
     assert all(B - T <= (15 if T <= 128 else 31 if T <= 256 else 63) for T, B in got.items())
 
 
+def test_decode_regimes_are_those_the_steps_meet():
+    """decode_regimes (the decode graphs a generation captures before its prompt) against every step's regime counted
+    one by one, for random bounds, capacities and key ranges, and a whole cache's regimes against the bounds within it
+    plus the capacity's."""
+    rng = np.random.default_rng()
+    for _ in range(300):
+        bounds = tuple(sorted({int(b) for b in rng.integers(1, 300, size=rng.integers(0, 4))}))
+        cap = int(rng.integers(1, 400))
+        lo, hi = sorted(int(x) for x in rng.integers(-5, 450, size=2))
+        want = sorted({oc.decode_regime(bounds, cap, n) for n in range(max(1, lo), min(hi, cap) + 1)})
+        assert oc.decode_regimes(bounds, cap, (lo, hi)) == want, (bounds, cap, lo, hi)
+        whole = sorted({b for b in bounds if b <= cap} | {oc.decode_regime(bounds, cap, cap)})
+        assert oc.decode_regimes(bounds, cap) == whole, (bounds, cap)
+    assert oc.decode_regime((512, 1024), 4096, 512) == 512 and oc.decode_regime((512, 1024), 4096, 513) == 1024
+    assert oc.decode_regime((512, 1024), 4096, 1025) == 4096
+
+
 def test_rs_rows_split_rule():
     """gemm()'s rs rows split (change 206) applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
     weights only (Qwen3-8B gate|up and down, not q|k|v or o), with 256 rows in its first launch."""
@@ -89,3 +106,41 @@ def test_padded_continued_prompts_give_their_own_logits_and_continuation(tiny_bi
     tb, lb = greedy(padded, ids, 6)
     assert ta == tb and PaddedNumpyOps.served == before + 4
     np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4 * np.abs(la).max())
+
+
+def test_a_slow_kernel_build_says_once_that_it_compiles(monkeypatch, capsys):
+    """ops_cupy._compiled with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
+    on stderr saying that kernels are being compiled (a first run's silent minute looks like a hang), a second slow
+    build prints nothing more, a quick one (a disk-cache load) nothing at all; kernel_build_seconds counts every
+    build's time."""
+    import time
+    import types
+    delays = []
+
+    class Module:
+        def __init__(self, **kw):
+            pass
+
+        def compile(self):
+            time.sleep(delays.pop(0))
+
+        def get_function(self, name):
+            return name
+
+    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
+        compiler=types.SimpleNamespace(CompileException=RuntimeError)))
+    monkeypatch.setattr(oc, "cp", fake)
+    monkeypatch.setattr(oc, "_MODULES", {})
+    monkeypatch.setattr(oc, "_FNS", {})
+    monkeypatch.setattr(oc, "_BUILD_NOTICED", [False])
+    monkeypatch.setattr(oc, "_BUILD_NOTICE_S", 0.1)
+    families = [f for f in oc._FILES if f != "gemv"][:3]
+    before = oc.kernel_build_seconds()
+    delays.append(0.0)
+    oc._compiled(families[0], oc._FILES[families[0]][1][0])
+    assert capsys.readouterr().err == ""
+    delays.extend([0.4, 0.4])
+    for f in families[1:]:
+        oc._compiled(f, oc._FILES[f][1][0])
+    assert capsys.readouterr().err.count("compiling CUDA kernels") == 1
+    assert oc.kernel_build_seconds() - before >= 0.8
