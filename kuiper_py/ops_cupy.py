@@ -7,10 +7,12 @@ preallocated buffers and allocates nothing per token.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import hashlib
 import math
 import os
+import queue
 import struct
 import sys
 import threading
@@ -701,69 +703,174 @@ def headers_tag() -> str:
 
 
 _FNS: dict[tuple[str, str], object] = {}
-_BUILD = [0.0]  # seconds this process spent building kernel modules (kernel_build_seconds)
+_BUILD = [0.0]  # seconds the caller waited for kernel modules to be built (kernel_build_seconds)
 _BUILD_NOTICE_S = 2.0  # a module build that takes longer is a compile, not a cache load: say so once
 _BUILD_NOTICED = [False]
+_BUILD_LOCK = threading.Lock()
+_BUILDING: dict[str, concurrent.futures.Future] = {}  # family -> its build started by precompile()
+BUILD_TIMES: dict[str, float] = {}  # family -> seconds its module's build took (diagnosis)
+# KUIPER_PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
+PRECOMPILE = os.environ.get("KUIPER_PRECOMPILE", "1") != "0"
 
 
 def _build_notice() -> None:
-    if not _BUILD_NOTICED[0]:
+    with _BUILD_LOCK:
+        if _BUILD_NOTICED[0]:
+            return
         _BUILD_NOTICED[0] = True
-        sys.stderr.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a minute "
-                         "or more; CuPy caches them on disk for later runs)\n")
-        sys.stderr.flush()
+    sys.stderr.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a while; "
+                     "CuPy caches them on disk for later runs)\n")
+    sys.stderr.flush()
 
 
 def kernel_build_seconds() -> float:
-    """Seconds this process has spent building kernel modules: NVRTC compiles on a machine's first run, loads
-    from CuPy's disk cache after. `kuiper generate` reports it, since a first run's figures include it."""
+    """Seconds this process waited for kernel modules to be built: NVRTC compiles on a machine's first run, loads
+    from CuPy's disk cache after (builds that precompile() ran beside the weights' upload count only where something
+    waited for them). `kuiper generate` reports it, since a first run's figures include it."""
     return _BUILD[0]
+
+
+# families built as several modules (each a share of the instantiations, in the list's order), so that their
+# compiles run side by side: alone, attention.cu's took 31.0 s and ffn_decode.cu's 13.5 of a first run's 83 (H200
+# machine, session 82)
+MODULE_PARTS = {"attn": 4, "ffn": 3}
+
+
+def _family_names(family: str) -> tuple[str, list[str]]:
+    # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
+    # model needs it (each is a large kernel; compiling all sixteen would slow every start)
+    if family.startswith("dl:"):
+        return "decode_layers.cu", [family[3:]]
+    return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
+
+
+def _module_keys(family: str) -> list[str]:
+    """The modules a family is built as: the family itself, or "family#i" for its MODULE_PARTS shares."""
+    n = MODULE_PARTS.get(family, 1)
+    return [family] if n == 1 else [f"{family}#{i}" for i in range(n)]
+
+
+def _module_key(family: str, name: str) -> str:
+    """The module holding kernel `name` of `family`."""
+    n = MODULE_PARTS.get(family, 1)
+    if n == 1:
+        return family
+    names = _family_names(family)[1]
+    return f"{family}#{names.index(name) * n // len(names)}"
+
+
+def family_modules(family: str) -> list:
+    """The built modules of a family (its parts in order; tools/timeline_decode.py reads their stamps)."""
+    return [_MODULES[k] for k in _module_keys(family) if k in _MODULES]
+
+
+def _build(key: str):
+    """Build one kernel module (compile, or load CuPy's cached binary): a family, or one of its MODULE_PARTS. The
+    source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
+    so a second start does not recompile."""
+    family, _, part = key.partition("#")
+    fname, names = _family_names(family)
+    if part:
+        n = MODULE_PARTS[family]
+        names = [x for i, x in enumerate(names) if i * n // len(names) == int(part)]
+    d = kernel_dir()
+    src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
+    opts = ("--std=c++17", f"-I{d}")
+    if family in ("attn", "attncm", "dattn") or family.startswith("dl:"):
+        opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
+    if family.startswith("dl:"):
+        opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
+    if family in ("gemm90", "gemm90rs", "attn90"):  # wgmma exists only in the arch-specific sm_90a target
+        opts += ("-arch=sm_90a",)
+    if family == "gemv":
+        opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
+                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_PIPE={GEMV_PIPE}",
+                 f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
+    # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
+    opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
+    # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
+    notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
+    if notice is not None:
+        notice.daemon = True
+        notice.start()
+    t0 = time.perf_counter()
+    try:
+        mod = cp.RawModule(code=src, options=opts, name_expressions=names)
+        mod.compile()
+    except cp.cuda.compiler.CompileException as e:
+        raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
+    finally:
+        if notice is not None:
+            notice.cancel()
+        BUILD_TIMES[key] = time.perf_counter() - t0
+    return mod
+
+
+def precompile(families, device_id: int) -> None:
+    """Start building the kernel modules of `families` that are not built yet, in worker threads (NVRTC releases
+    the GIL), on device device_id: a first run compiled them one after another as each was first used (87.0 s for
+    Qwen3-8B on the H200 machine), now side by side while the weights upload (20.8 s, change 225). _compiled waits for a family's build;
+    a build that failed there is redone in the caller, so its error is raised where the family is used."""
+    with _BUILD_LOCK:
+        keys = [k for f in families for k in _module_keys(f)]
+        todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
+        if not PRECOMPILE or not todo:
+            return
+        work = queue.SimpleQueue()
+        for f in todo:
+            _BUILDING[f] = fut = concurrent.futures.Future()
+            work.put((f, fut))
+
+    def worker():
+        # daemon threads, not a ThreadPoolExecutor: the interpreter joins those at exit, so an error or Ctrl-C
+        # during a first run's load would wait for every compile (an abandoned one leaves CuPy a temp file at most)
+        with cp.cuda.Device(device_id):
+            while True:
+                try:
+                    f, fut = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    fut.set_result(_build(f))
+                except BaseException as e:  # noqa: BLE001 (given to _compiled, which builds again and raises)
+                    fut.set_exception(e)
+
+    for _ in range(min(len(todo), os.cpu_count() or 1, 8)):
+        threading.Thread(target=worker, name="kuiper-build", daemon=True).start()
+
+
+def model_families(a: ModelArgs, cc: int) -> list[str]:
+    """The kernel families a model's prefill and decode use on compute capability cc (precompile's list: one more
+    or less only moves that family's build to its first use)."""
+    hopper, moe = cc >= 90, bool(a.num_experts)
+    # the longest compiles first, so the last to finish starts early (seconds alone on the H200 machine's host,
+    # session 82: attn 31.0, ffn 13.5, gemv 7.3, gemm90rs 7.0, attncm 6.9, moe 6.2, smp 4.2, attn90 2.5, moetc 1.2,
+    # gemm 1.2, gemm90 0.8, the rest 0.1-0.2)
+    fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs", "attncm"] * hopper + ["moe"] * moe + ["smp"]
+    fams += ["attn90"] * hopper + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * hopper
+    return fams + ["norm", "rope", "lmh"]
 
 
 def _compiled(family: str, name: str):
     """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
-    attention_decode asks on every launch). The source gets a #line so NVRTC errors name the real .cu
-    file; CuPy caches the binary on disk, so a second start does not recompile."""
+    attention_decode asks on every launch); its module built here, or by precompile()'s worker."""
     fn = _FNS.get((family, name))
     if fn is not None:
         return fn
-    if family not in _MODULES:
-        # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
-        # model needs it (each is a large kernel; compiling all sixteen would slow every start)
-        fname, names = ("decode_layers.cu", [family[3:]]) if family.startswith("dl:") else (
-            _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family])
-        d = kernel_dir()
-        src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
-        opts = ("--std=c++17", f"-I{d}")
-        if family in ("attn", "attncm", "dattn") or family.startswith("dl:"):
-            opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
-        if family.startswith("dl:"):
-            opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
-        if family in ("gemm90", "gemm90rs", "attn90"):  # wgmma exists only in the arch-specific sm_90a target
-            opts += ("-arch=sm_90a",)
-        if family == "gemv":
-            opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                     f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_PIPE={GEMV_PIPE}",
-                     f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
-        # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
-        opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
+    key = _module_key(family, name)
+    if key not in _MODULES:
         t0 = time.perf_counter()
-        # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
-        notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
-        if notice is not None:
-            notice.daemon = True
-            notice.start()
         try:
-            mod = cp.RawModule(code=src, options=opts, name_expressions=names)
-            mod.compile()
-        except cp.cuda.compiler.CompileException as e:
-            raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
+            fut, mod = _BUILDING.get(key), None
+            if fut is not None:
+                try:
+                    mod = fut.result()
+                except Exception:  # noqa: BLE001 (built again below, which raises the error here)
+                    mod = None
+            _MODULES[key] = mod if mod is not None else _build(key)
         finally:
-            if notice is not None:
-                notice.cancel()
             _BUILD[0] += time.perf_counter() - t0
-        _MODULES[family] = mod
-    fn = _FNS[(family, name)] = _MODULES[family].get_function(name)
+    fn = _FNS[(family, name)] = _MODULES[key].get_function(name)
     return fn
 
 
@@ -2734,6 +2841,8 @@ class CupyOps:
         if a.hidden_size > 8192:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
+        # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
+        precompile(model_families(a, int(self.dev.compute_capability)), self.dev.id)
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
@@ -2794,8 +2903,12 @@ class CupyOps:
             self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
             self.d["dl_bar"] = cp.zeros((2,), cp.uint32)  # decode_layers.cu leaves it zero after each launch
         self.alloc_cache(max_context)
-        for fam in _FILES:  # compile (or load from CuPy's cache) before anything is timed
-            kernel(fam, _FILES[fam][1][0])
+        # every family this model uses built (or precompile's builds waited for) before anything is timed; only
+        # those of this GPU's architecture (the sm_90a modules cannot load on an earlier GPU)
+        for fam in model_families(a, int(self.dev.compute_capability)):
+            names = _family_names(fam)[1]
+            for i in range(MODULE_PARTS.get(fam, 1)):  # (each part's first kernel)
+                _compiled(fam, names[-(-i * len(names) // MODULE_PARTS.get(fam, 1))])
         if self._dl is not None:  # compiled and given its shared memory once, not per launch
             self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])
             allow_dynamic_smem(self._dl_fn, self._dl["smem"])

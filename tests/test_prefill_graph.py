@@ -108,39 +108,135 @@ def test_padded_continued_prompts_give_their_own_logits_and_continuation(tiny_bi
     np.testing.assert_allclose(lb, la, rtol=1e-4, atol=1e-4 * np.abs(la).max())
 
 
+class _FakeCupy:
+    """A stand-in for the CuPy that ops_cupy's module builds use: RawModule(...).compile() sleeps for the family's
+    delay (its file's name is the key) or raises CompileException for a file in `broken`, counting builds."""
+
+    def __init__(self, delays, broken=()):
+        import contextlib
+        import threading
+        import types
+        fake = self
+        self.builds, self.names, self.lock = {}, [], threading.Lock()
+
+        class CompileException(Exception):
+            pass
+
+        class Module:
+            def __init__(self, code, options, name_expressions):
+                self.file, self.kernels = code.split('"')[1].rsplit("/", 1)[-1], list(name_expressions)
+                with fake.lock:
+                    fake.names.append(list(name_expressions))
+
+            def compile(self):
+                import time
+                with fake.lock:
+                    fake.builds[self.file] = fake.builds.get(self.file, 0) + 1
+                time.sleep(delays.get(self.file, 0.0))
+                if self.file in broken:
+                    raise CompileException("error: deliberately broken")
+
+            def get_function(self, name):
+                assert name in self.kernels, (name, self.kernels)  # (as CuPy: only a module's own instantiations)
+                return (self.file, name)
+
+        self.RawModule = Module
+        self.cuda = types.SimpleNamespace(compiler=types.SimpleNamespace(CompileException=CompileException),
+                                          Device=lambda i: contextlib.nullcontext())
+
+
+def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
+    fake = _FakeCupy(delays, broken)
+    monkeypatch.setattr(oc, "cp", fake)
+    for name, value in (("_MODULES", {}), ("_FNS", {}), ("_BUILDING", {}), ("_BUILD_NOTICED", [False]),
+                        ("_BUILD_NOTICE_S", notice_s), ("PRECOMPILE", True)):
+        monkeypatch.setattr(oc, name, value)
+    return fake
+
+
 def test_a_slow_kernel_build_says_once_that_it_compiles(monkeypatch, capsys):
     """ops_cupy._compiled with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
     on stderr saying that kernels are being compiled (a first run's silent minute looks like a hang), a second slow
-    build prints nothing more, a quick one (a disk-cache load) nothing at all; kernel_build_seconds counts every
-    build's time."""
+    build prints nothing more, a quick one (a disk-cache load) nothing at all; kernel_build_seconds counts the time
+    waited."""
     import time
-    import types
-    delays = []
-
-    class Module:
-        def __init__(self, **kw):
-            pass
-
-        def compile(self):
-            time.sleep(delays.pop(0))
-
-        def get_function(self, name):
-            return name
-
-    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
-        compiler=types.SimpleNamespace(CompileException=RuntimeError)))
-    monkeypatch.setattr(oc, "cp", fake)
-    monkeypatch.setattr(oc, "_MODULES", {})
-    monkeypatch.setattr(oc, "_FNS", {})
-    monkeypatch.setattr(oc, "_BUILD_NOTICED", [False])
-    monkeypatch.setattr(oc, "_BUILD_NOTICE_S", 0.1)
-    families = [f for f in oc._FILES if f != "gemv"][:3]
+    fams = ["norm", "rope", "lmh"]
+    files = [oc._FILES[f][0] for f in fams]
+    _fake_builds(monkeypatch, {files[0]: 0.0, files[1]: 0.4, files[2]: 0.4})
     before = oc.kernel_build_seconds()
-    delays.append(0.0)
-    oc._compiled(families[0], oc._FILES[families[0]][1][0])
+    t0 = time.perf_counter()
+    oc._compiled(fams[0], oc._FILES[fams[0]][1][0])
     assert capsys.readouterr().err == ""
-    delays.extend([0.4, 0.4])
-    for f in families[1:]:
+    for f in fams[1:]:
         oc._compiled(f, oc._FILES[f][1][0])
     assert capsys.readouterr().err.count("compiling CUDA kernels") == 1
-    assert oc.kernel_build_seconds() - before >= 0.8
+    assert 0.8 <= oc.kernel_build_seconds() - before <= time.perf_counter() - t0
+
+
+def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
+    """precompile() starts every family's build at once in worker threads: four 0.5 s builds are all done within
+    well under their 2 s in a row, a family _compiled asks for while its build runs is waited for rather than built
+    again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
+    family's. With KUIPER_PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
+    import time
+    fams = ["norm", "rope", "lmh", "smp"]
+    fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)
+    t0 = time.perf_counter()
+    oc.precompile(fams, 0)
+    oc.precompile(fams, 0)
+    got = [oc._compiled(f, oc._FILES[f][1][0]) for f in fams]
+    assert time.perf_counter() - t0 < 1.5
+    assert got == [(oc._FILES[f][0], oc._FILES[f][1][0]) for f in fams]
+    assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
+    fake = _fake_builds(monkeypatch, {}, notice_s=60)
+    monkeypatch.setattr(oc, "PRECOMPILE", False)
+    oc.precompile(fams, 0)
+    assert oc._BUILDING == {} and fake.builds == {}
+    oc._compiled("norm", "add_rmsnorm")
+    assert fake.builds == {"norm.cu": 1}
+
+
+def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
+    """A family whose build fails in precompile()'s worker raises nothing there or for other families; _compiled
+    builds it again when the family is used and raises that compile error as a one-line KuiperError."""
+    from kuiper_py.errors import KuiperError
+    fake = _fake_builds(monkeypatch, {}, broken=("rope.cu",), notice_s=60)
+    oc.precompile(["norm", "rope"], 0)
+    oc._BUILDING["rope"].exception()  # (its worker has finished, with the error)
+    assert oc._compiled("norm", "add_rmsnorm") == ("norm.cu", "add_rmsnorm")
+    with pytest.raises(KuiperError, match="kernel compilation failed for rope.cu"):
+        oc._compiled("rope", "advance_position")
+    assert fake.builds == {"norm.cu": 1, "rope.cu": 2}
+
+
+def test_model_families_name_real_families():
+    """model_families lists only families ops_cupy can build, the MoE ones for MoE models only, the Hopper ones on
+    compute capability 9.0 only."""
+    from kuiper_py.config import ModelArgs
+    from kuiper_py.synth import hf_config
+    known = set(oc._FILES) | set(oc._FILES_SM90)
+    for preset in ("tiny", "tiny-moe"):
+        a = ModelArgs.from_hf_config(hf_config(preset))
+        for cc in (80, 90):
+            fams = oc.model_families(a, cc)
+            assert set(fams) <= known and len(fams) == len(set(fams))
+            assert ("moe" in fams) == bool(a.num_experts)
+            assert ("gemm90" in fams) == (cc >= 90) and ("ffn" in fams) == (cc >= 90)
+
+
+def test_a_family_in_parts_is_built_as_modules_of_shares_of_its_kernels(monkeypatch):
+    """A MODULE_PARTS family (attention.cu, ffn_decode.cu) is precompiled as that many modules whose kernels are
+    disjoint shares of the family's, together all of them; every kernel is found in the module holding it, each
+    module built once."""
+    fake = _fake_builds(monkeypatch, {}, notice_s=60)
+    fams = list(oc.MODULE_PARTS)
+    oc.precompile(fams, 0)
+    for f in fams:
+        names = oc._family_names(f)[1]
+        for x in names:
+            assert oc._compiled(f, x) == (oc._family_names(f)[0], x)
+        shares = [n for n in fake.names if n[0] in names]
+        assert len(shares) == oc.MODULE_PARTS[f] > 1 and all(shares)
+        assert sorted(x for n in shares for x in n) == sorted(names)
+        assert len(oc.family_modules(f)) == oc.MODULE_PARTS[f]
+    assert fake.builds == {oc._family_names(f)[0]: oc.MODULE_PARTS[f] for f in fams}

@@ -208,9 +208,9 @@ def main(model, ctx, cap, save, load_path, waves, ranks, layers):
     eng = Engine.load(model, "cuda", need_tokenizer=False)
     m, _ = warm_session(eng, ctx, cap or ctx + 64, np.random.default_rng(0))
     ops = m.ops
-    mods = {t: oc._MODULES[t] for t in ("gemv", "attn", "attncm", "ffn") if t in oc._MODULES}
+    mods = [(t, mod) for t in ("gemv", "attn", "attncm", "ffn") for mod in oc.family_modules(t)]
     try:
-        counters = [mod.get_global("g_diag_n") for mod in mods.values()]
+        counters = [mod.get_global("g_diag_n") for _, mod in mods]
     except Exception:  # noqa: BLE001 (CuPy raises a driver error for a missing symbol)
         raise SystemExit("built without the stamps: set KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES") from None
     for _ in range(5):
@@ -222,9 +222,9 @@ def main(model, ctx, cap, save, load_path, waves, ranks, layers):
     ops._graph.launch(ops._stream)
     ops._stream.synchronize()
     wall = (time.perf_counter() - t0) * 1e6
-    parts = {tag: records(mod) for tag, mod in mods.items()}
-    rec = np.concatenate(list(parts.values()))
-    tags = np.concatenate([np.full(len(r), tag) for tag, r in parts.items()])
+    parts = [(tag, records(mod)) for tag, mod in mods]  # (a family built as several modules: each its records)
+    rec = np.concatenate([r for _, r in parts])
+    tags = np.concatenate([np.full(len(r), tag) for tag, r in parts])
     n_layers, n_sm = m.args.num_hidden_layers, oc.sm_count()
     print(f"# {model}, context {ctx}: one step {wall:.0f} µs (host-timed, stamps on), {len(rec)} blocks, "
           f"{len(split_launches(rec, tags))} launches")
