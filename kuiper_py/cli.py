@@ -258,7 +258,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if eng.device == "cuda":
         from .ops_cupy import gpu_memory_used_mib, kernel_build_seconds
         stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
-        # in the load, the warm-up and the prompt: large on a machine's first run (NVRTC), small once cached on disk
+        # waited for in the load, the warm-up and the prompt: large on a machine's first run (NVRTC), ~0.1 s after
         stats["kernel_build_s"] = round(kernel_build_seconds(), 3)
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
@@ -268,7 +268,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         + f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
         f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
         f"peak host {stats['peak_host_mib']:.0f} MiB" + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
-        + (f" | kernels built in {build:.1f} s (a first run compiles them; later runs load CuPy's disk cache)"
+        + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk cache)"
            if build >= 1.0 else ""))
     if interrupted:
         sys.exit(130)

@@ -707,8 +707,8 @@ _BUILD = [0.0]  # seconds the caller waited for kernel modules to be built (kern
 _BUILD_NOTICE_S = 2.0  # a module build that takes longer is a compile, not a cache load: say so once
 _BUILD_NOTICED = [False]
 _BUILD_LOCK = threading.Lock()
-_BUILDING: dict[str, concurrent.futures.Future] = {}  # family -> its build started by precompile()
-BUILD_TIMES: dict[str, float] = {}  # family -> seconds its module's build took (diagnosis)
+_BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build started by precompile()
+BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
 # KUIPER_PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
 PRECOMPILE = os.environ.get("KUIPER_PRECOMPILE", "1") != "0"
 
@@ -809,8 +809,9 @@ def _build(key: str):
 def precompile(families, device_id: int) -> None:
     """Start building the kernel modules of `families` that are not built yet, in worker threads (NVRTC releases
     the GIL), on device device_id: a first run compiled them one after another as each was first used (87.0 s for
-    Qwen3-8B on the H200 machine), now side by side while the weights upload (20.8 s, change 225). _compiled waits for a family's build;
-    a build that failed there is redone in the caller, so its error is raised where the family is used."""
+    Qwen3-8B on the H200 machine), now side by side while the weights upload (20.8 s, change 225). _compiled
+    waits for a module's build; a build that failed there is redone in the caller, so its error is raised where the
+    family is used."""
     with _BUILD_LOCK:
         keys = [k for f in families for k in _module_keys(f)]
         todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
