@@ -718,9 +718,9 @@ def _build_notice() -> None:
         if _BUILD_NOTICED[0]:
             return
         _BUILD_NOTICED[0] = True
-    sys.stderr.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a while; "
-                     "CuPy caches them on disk for later runs)\n")
-    sys.stderr.flush()
+    from tqdm import tqdm  # (its write keeps the line clear of a progress bar being drawn: the upload's)
+    tqdm.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a while; CuPy "
+               "caches them on disk for later runs)", file=sys.stderr)
 
 
 def kernel_build_seconds() -> float:
