@@ -734,6 +734,7 @@ def kernel_build_seconds() -> float:
 # compiles run side by side: alone, attention.cu's took 31.0 s and ffn_decode.cu's 13.5 of a first run's 83 (H200
 # machine, session 82)
 MODULE_PARTS = {"attn": 4, "ffn": 3}
+SM90A_FAMILIES = ("gemm90", "gemm90rs", "attn90")  # built for sm_90a (wgmma): they load on compute capability 9.0 only
 
 
 def _family_names(family: str) -> tuple[str, list[str]]:
@@ -780,7 +781,7 @@ def _build(key: str):
         opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
     if family.startswith("dl:"):
         opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
-    if family in ("gemm90", "gemm90rs", "attn90"):  # wgmma exists only in the arch-specific sm_90a target
+    if family in SM90A_FAMILIES:  # wgmma exists only in the arch-specific sm_90a target
         opts += ("-arch=sm_90a",)
     if family == "gemv":
         opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
@@ -841,14 +842,15 @@ def precompile(families, device_id: int) -> None:
 
 
 def model_families(a: ModelArgs, cc: int) -> list[str]:
-    """The kernel families a model's prefill and decode use on compute capability cc (precompile's list: one more
-    or less only moves that family's build to its first use)."""
-    hopper, moe = cc >= 90, bool(a.num_experts)
+    """The kernel families a model's prefill and decode use on compute capability cc (e.g. 90), which the load builds
+    (precompile's list): one missing is built at its first use."""
+    # cluster launches and bulk copies from 9.0 on; the wgmma modules are built for sm_90a, which loads on 9.0 only
+    hopper, sm90a, moe = cc >= 90, cc == 90, bool(a.num_experts)
     # the longest compiles first, so the last to finish starts early (seconds alone on the H200 machine's host,
     # session 82: attn 31.0, ffn 13.5, gemv 7.3, gemm90rs 7.0, attncm 6.9, moe 6.2, smp 4.2, attn90 2.5, moetc 1.2,
     # gemm 1.2, gemm90 0.8, the rest 0.1-0.2)
-    fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs", "attncm"] * hopper + ["moe"] * moe + ["smp"]
-    fams += ["attn90"] * hopper + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * hopper
+    fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs"] * sm90a + ["attncm"] * hopper + ["moe"] * moe
+    fams += ["smp"] + ["attn90"] * sm90a + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * sm90a
     return fams + ["norm", "rope", "lmh"]
 
 
@@ -2905,7 +2907,7 @@ class CupyOps:
             self.d["dl_bar"] = cp.zeros((2,), cp.uint32)  # decode_layers.cu leaves it zero after each launch
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
-        # those of this GPU's architecture (the sm_90a modules cannot load on an earlier GPU)
+        # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
         for fam in model_families(a, int(self.dev.compute_capability)):
             names = _family_names(fam)[1]
             for i in range(MODULE_PARTS.get(fam, 1)):  # (each part's first kernel)

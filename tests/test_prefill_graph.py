@@ -210,18 +210,19 @@ def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
 
 
 def test_model_families_name_real_families():
-    """model_families lists only families ops_cupy can build, the MoE ones for MoE models only, the Hopper ones on
-    compute capability 9.0 only."""
+    """model_families lists only families ops_cupy can build, the MoE ones for MoE models only, the cluster ones from
+    compute capability 9.0 on, the modules built for sm_90a (wgmma) on 9.0 only (they cannot load elsewhere)."""
     from kuiper_py.config import ModelArgs
     from kuiper_py.synth import hf_config
     known = set(oc._FILES) | set(oc._FILES_SM90)
     for preset in ("tiny", "tiny-moe"):
         a = ModelArgs.from_hf_config(hf_config(preset))
-        for cc in (80, 90):
+        for cc in (80, 86, 90, 100):
             fams = oc.model_families(a, cc)
             assert set(fams) <= known and len(fams) == len(set(fams))
             assert ("moe" in fams) == bool(a.num_experts)
-            assert ("gemm90" in fams) == (cc >= 90) and ("ffn" in fams) == (cc >= 90)
+            assert ("ffn" in fams) == ("attncm" in fams) == (cc >= 90)
+            assert all((f in fams) == (cc == 90) for f in oc.SM90A_FAMILIES) and len(oc.SM90A_FAMILIES) == 3
 
 
 def test_a_family_in_parts_is_built_as_modules_of_shares_of_its_kernels(monkeypatch):
