@@ -98,3 +98,27 @@ def test_consumer_leaving_takes_the_queued_step_back(tiny_bin):
     gen.close()
     assert eng.model.pos == pos - 1 == len(PROMPT) + 3 and eng.model.ops.forgotten == 1
     assert first[-1].decode_steps == 3
+
+
+def test_generation_asks_for_its_decode_graphs_before_the_prompt(tiny_bin, monkeypatch):
+    """generate() has the model capture the decode graphs of its steps' key range (prompt + 1 .. prompt + max tokens -
+    1: the last token needs no step) before the prompt runs, none for a one-token generation, and its records carry
+    the seconds that took (warmup_seconds; on the CPU nothing is captured). The GPU side: test_gpu_e2e.py."""
+    calls = []
+    real = Qwen3.warm_decode_graphs
+
+    def spy(self, n_valid, keys=None):
+        calls.append((self.pos, n_valid, keys))
+        return real(self, n_valid, keys)
+
+    monkeypatch.setattr(Qwen3, "warm_decode_graphs", spy)
+    eng = Engine.load(tiny_bin, "cpu", need_tokenizer=False)
+    prompt = np.random.default_rng().integers(0, 200, size=int(np.random.default_rng().integers(3, 20))).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    last = list(generate(eng, prompt, 7, greedy, eos_ids=[]))[-1]
+    assert calls == [(0, eng.n_valid_tokens, (len(prompt) + 1, len(prompt) + 6))]
+    assert len(last.tokens) == 7 and last.decode_steps == 6 and last.warmup_seconds >= 0
+    assert eng.model.warm_decode_graphs(eng.n_valid_tokens, (1, 5)) == []
+    calls.clear()
+    list(generate(eng, prompt, 1, greedy, eos_ids=[]))
+    assert calls == []
