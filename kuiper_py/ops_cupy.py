@@ -752,12 +752,19 @@ def _module_keys(family: str) -> list[str]:
 
 
 def _module_key(family: str, name: str) -> str:
-    """The module holding kernel `name` of `family`."""
+    """The module holding kernel `name` of `family`: part i holds the i-th of MODULE_PARTS' shares of its list."""
     n = MODULE_PARTS.get(family, 1)
     if n == 1:
         return family
     names = _family_names(family)[1]
     return f"{family}#{names.index(name) * n // len(names)}"
+
+
+def _module_names(key: str) -> tuple[str, list[str]]:
+    """(file, the kernels it instantiates) of a module key: a family's whole list, or a part's share of it."""
+    family = key.partition("#")[0]
+    fname, names = _family_names(family)
+    return fname, (names if key == family else [x for x in names if _module_key(family, x) == key])
 
 
 def family_modules(family: str) -> list:
@@ -769,11 +776,8 @@ def _build(key: str):
     """Build one kernel module (compile, or load CuPy's cached binary): a family, or one of its MODULE_PARTS. The
     source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
     so a second start does not recompile."""
-    family, _, part = key.partition("#")
-    fname, names = _family_names(family)
-    if part:
-        n = MODULE_PARTS[family]
-        names = [x for i, x in enumerate(names) if i * n // len(names) == int(part)]
+    family = key.partition("#")[0]
+    fname, names = _module_names(key)
     d = kernel_dir()
     src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
     opts = ("--std=c++17", f"-I{d}")
@@ -858,9 +862,14 @@ def _compiled(family: str, name: str):
     """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
     attention_decode asks on every launch); its module built here, or by precompile()'s worker."""
     fn = _FNS.get((family, name))
-    if fn is not None:
-        return fn
-    key = _module_key(family, name)
+    if fn is None:
+        fn = _FNS[(family, name)] = _module(_module_key(family, name)).get_function(name)
+    return fn
+
+
+def _module(key: str):
+    """The built module of a module key: built here, or precompile()'s build waited for (one that failed there is
+    built again here, which raises its error)."""
     if key not in _MODULES:
         t0 = time.perf_counter()
         try:
@@ -873,8 +882,7 @@ def _compiled(family: str, name: str):
             _MODULES[key] = mod if mod is not None else _build(key)
         finally:
             _BUILD[0] += time.perf_counter() - t0
-    fn = _FNS[(family, name)] = _MODULES[key].get_function(name)
-    return fn
+    return _MODULES[key]
 
 
 def tile_qweight(q, segments: int = 1):
@@ -2844,8 +2852,9 @@ class CupyOps:
         if a.hidden_size > 8192:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
+        families = model_families(a, int(self.dev.compute_capability))
         # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
-        precompile(model_families(a, int(self.dev.compute_capability)), self.dev.id)
+        precompile(families, self.dev.id)
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
@@ -2908,10 +2917,8 @@ class CupyOps:
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
         # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
-        for fam in model_families(a, int(self.dev.compute_capability)):
-            names = _family_names(fam)[1]
-            for i in range(MODULE_PARTS.get(fam, 1)):  # (each part's first kernel)
-                _compiled(fam, names[-(-i * len(names) // MODULE_PARTS.get(fam, 1))])
+        for key in (k for fam in families for k in _module_keys(fam)):
+            _module(key)
         if self._dl is not None:  # compiled and given its shared memory once, not per launch
             self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])
             allow_dynamic_smem(self._dl_fn, self._dl["smem"])
@@ -3352,7 +3359,7 @@ class CupyOps:
     def _attn_short_bound(self, n_keys: int) -> int:
         """The short-context regime (attn_short) that serves n_keys keys: the first bound at or above n_keys, else
         0 (the capacity's regime). Each regime is a decode graph of its own."""
-        return next((b for b in self.attn_short if n_keys <= b), 0)
+        return decode_regime(self.attn_short, 0, n_keys)
 
     def _attn_regime(self, n_keys: int) -> int:
         """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
