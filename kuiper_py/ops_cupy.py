@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import queue
+import re
 import struct
 import sys
 import threading
@@ -711,6 +712,16 @@ _BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build 
 BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
 # KUIPER_PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
 PRECOMPILE = os.environ.get("KUIPER_PRECOMPILE", "1") != "0"
+# the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
+BUILD_THREADS = max(1, int(os.environ.get("KUIPER_BUILD_THREADS", "16")))
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one: a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every OS)
+        return os.cpu_count() or 1
 
 
 def _build_notice() -> None:
@@ -731,10 +742,28 @@ def kernel_build_seconds() -> float:
 
 
 # families built as several modules (each a share of the instantiations, in the list's order), so that their
-# compiles run side by side: alone, attention.cu's took 31.0 s and ffn_decode.cu's 13.5 of a first run's 83 (H200
-# machine, session 82)
-MODULE_PARTS = {"attn": 4, "ffn": 3}
+# compiles run side by side: alone, attention.cu's took 31.0 s, ffn_decode.cu's 13.5 and gemv_w4a16.cu's 7.3 of a
+# first run's 83 (H200 machine, session 82); gemv was then the last build to finish (13.1 s beside the others)
+MODULE_PARTS = {"attn": 4, "ffn": 3, "gemv": 3}
 SM90A_FAMILIES = ("gemm90", "gemm90rs", "attn90")  # built for sm_90a (wgmma): they load on compute capability 9.0 only
+# the instantiations only some models use, built as modules of their own ("family@group") that a model's load builds
+# only when it needs them: the 64-dim attention forms (only the test presets: every Qwen3 has head_dim 128) and the
+# MoE forms of files that dense models also use (change 226)
+MODULE_GROUPS = ("hd64", "moe")
+
+
+def _kernel_group(family: str, name: str) -> str:
+    """The MODULE_GROUPS group of a family's kernel, or "" for those every model of the family's users needs."""
+    if family in ("attn", "attncm") and re.match(r"\w+<64\b", name):
+        return "hd64"
+    if (family, name.partition("<")[0]) in (("gemm90rs", "gemm_moe_rs"), ("ffn", "moe_ffn_decode")):
+        return "moe"
+    return ""
+
+
+def model_groups(a: ModelArgs) -> set[str]:
+    """The MODULE_GROUPS a model's kernels come from."""
+    return {g for g, used in (("hd64", a.head_dim == 64), ("moe", bool(a.num_experts))) if used}
 
 
 def _family_names(family: str) -> tuple[str, list[str]]:
@@ -745,26 +774,35 @@ def _family_names(family: str) -> tuple[str, list[str]]:
     return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
 
 
-def _module_keys(family: str) -> list[str]:
-    """The modules a family is built as: the family itself, or "family#i" for its MODULE_PARTS shares."""
+def _module_keys(family: str, groups=None) -> list[str]:
+    """The modules a family is built as, those of the kernels every user needs first: per group ("" or "@group" after
+    the family), the group itself or "...#i" for each of its MODULE_PARTS shares; groups (a set of MODULE_GROUPS
+    names) keeps only those groups' modules beside the common ones, None keeps all."""
+    names = _family_names(family)[1]
+    have = dict.fromkeys(_kernel_group(family, x) for x in names)
+    keep = [g for g in sorted(have, key=bool) if groups is None or not g or g in groups]
     n = MODULE_PARTS.get(family, 1)
-    return [family] if n == 1 else [f"{family}#{i}" for i in range(n)]
+    bases = [family + (f"@{g}" if g else "") for g in keep]
+    return bases if n == 1 else [f"{b}#{i}" for b in bases for i in range(n)]
 
 
 def _module_key(family: str, name: str) -> str:
-    """The module holding kernel `name` of `family`: part i holds the i-th of MODULE_PARTS' shares of its list."""
+    """The module holding kernel `name` of `family`: of its group's (_kernel_group) kernels, in the list's order, part
+    i holds the i-th of MODULE_PARTS' shares."""
+    g = _kernel_group(family, name)
+    base = family + (f"@{g}" if g else "")
     n = MODULE_PARTS.get(family, 1)
     if n == 1:
-        return family
-    names = _family_names(family)[1]
-    return f"{family}#{names.index(name) * n // len(names)}"
+        return base
+    group = [x for x in _family_names(family)[1] if _kernel_group(family, x) == g]
+    return f"{base}#{group.index(name) * n // len(group)}"
 
 
 def _module_names(key: str) -> tuple[str, list[str]]:
-    """(file, the kernels it instantiates) of a module key: a family's whole list, or a part's share of it."""
-    family = key.partition("#")[0]
+    """(file, the kernels it instantiates) of a module key."""
+    family = key.partition("#")[0].partition("@")[0]
     fname, names = _family_names(family)
-    return fname, (names if key == family else [x for x in names if _module_key(family, x) == key])
+    return fname, [x for x in names if _module_key(family, x) == key]
 
 
 def family_modules(family: str) -> list:
@@ -776,7 +814,7 @@ def _build(key: str):
     """Build one kernel module (compile, or load CuPy's cached binary): a family, or one of its MODULE_PARTS. The
     source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
     so a second start does not recompile."""
-    family = key.partition("#")[0]
+    family = key.partition("#")[0].partition("@")[0]
     fname, names = _module_names(key)
     d = kernel_dir()
     src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
@@ -811,14 +849,14 @@ def _build(key: str):
     return mod
 
 
-def precompile(families, device_id: int) -> None:
-    """Start building the kernel modules of `families` that are not built yet, in worker threads (NVRTC releases
+def precompile(families, device_id: int, groups=None) -> None:
+    """Start building the kernel modules of `families` (those of `groups` only: _module_keys) that are not built yet, in worker threads (NVRTC releases
     the GIL), on device device_id: a first run compiled them one after another as each was first used (87.0 s for
     Qwen3-8B on the H200 machine), now side by side while the weights upload (20.8 s, change 225). _compiled
     waits for a module's build; a build that failed there is redone in the caller, so its error is raised where the
     family is used."""
     with _BUILD_LOCK:
-        keys = [k for f in families for k in _module_keys(f)]
+        keys = [k for f in families for k in _module_keys(f, groups)]
         todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
         if not PRECOMPILE or not todo:
             return
@@ -841,7 +879,7 @@ def precompile(families, device_id: int) -> None:
                 except BaseException as e:  # noqa: BLE001 (given to _compiled, which builds again and raises)
                     fut.set_exception(e)
 
-    for _ in range(min(len(todo), os.cpu_count() or 1, 8)):
+    for _ in range(min(len(todo), _usable_cpus(), BUILD_THREADS)):
         threading.Thread(target=worker, name="kuiper-build", daemon=True).start()
 
 
@@ -2852,9 +2890,9 @@ class CupyOps:
         if a.hidden_size > 8192:
             raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
         self.dev = cp.cuda.Device()
-        families = model_families(a, int(self.dev.compute_capability))
+        families, groups = model_families(a, int(self.dev.compute_capability)), model_groups(a)
         # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
-        precompile(families, self.dev.id)
+        precompile(families, self.dev.id, groups)
         self.n_sm = sm_count()
         self.attn_min_chunk = attn_min_chunk(a)
         self.attn_short = attn_short(a)
@@ -2917,7 +2955,7 @@ class CupyOps:
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
         # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
-        for key in (k for fam in families for k in _module_keys(fam)):
+        for key in (k for fam in families for k in _module_keys(fam, groups)):
             _module(key)
         if self._dl is not None:  # compiled and given its shared memory once, not per launch
             self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])

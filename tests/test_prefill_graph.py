@@ -179,7 +179,7 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
     family's. With KUIPER_PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
     import time
-    fams = ["norm", "rope", "lmh", "smp"]
+    fams = ["norm", "rope", "lmh", "gemm"]  # (one module each)
     fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)
     t0 = time.perf_counter()
     oc.precompile(fams, 0)
@@ -226,9 +226,9 @@ def test_model_families_name_real_families():
 
 
 def test_a_family_in_parts_is_built_as_modules_of_shares_of_its_kernels(monkeypatch):
-    """A MODULE_PARTS family (attention.cu, ffn_decode.cu) is precompiled as that many modules whose kernels are
-    disjoint shares of the family's, together all of them; every kernel is found in the module holding it, each
-    module built once."""
+    """A MODULE_PARTS family (attention.cu, ffn_decode.cu, gemv_w4a16.cu) is precompiled as that many modules per
+    group of its kernels, whose kernels are disjoint shares of the family's, together all of them; every kernel is
+    found in the module holding it, each module built once."""
     fake = _fake_builds(monkeypatch, {}, notice_s=60)
     fams = list(oc.MODULE_PARTS)
     oc.precompile(fams, 0)
@@ -237,7 +237,33 @@ def test_a_family_in_parts_is_built_as_modules_of_shares_of_its_kernels(monkeypa
         for x in names:
             assert oc._compiled(f, x) == (oc._family_names(f)[0], x)
         shares = [n for n in fake.names if n[0] in names]
-        assert len(shares) == oc.MODULE_PARTS[f] > 1 and all(shares)
+        groups = {oc._kernel_group(f, x) for x in names}
+        assert len(shares) == len(oc._module_keys(f)) == oc.MODULE_PARTS[f] * len(groups) > 1 and all(shares)
         assert sorted(x for n in shares for x in n) == sorted(names)
-        assert len(oc.family_modules(f)) == oc.MODULE_PARTS[f]
-    assert fake.builds == {oc._family_names(f)[0]: oc.MODULE_PARTS[f] for f in fams}
+        assert all(len({oc._kernel_group(f, x) for x in n}) == 1 for n in shares)
+        assert len(oc.family_modules(f)) == len(shares)
+    assert fake.builds == {oc._family_names(f)[0]: len(oc._module_keys(f)) for f in fams}
+
+
+def test_a_model_builds_only_the_kernel_groups_it_uses(monkeypatch):
+    """A model's load builds the modules of its families' common kernels and of the MODULE_GROUPS it uses: a Qwen3
+    (head_dim 128, dense) none of the 64-dim attention forms nor the MoE forms of files it shares with MoE models; a
+    64-dim MoE test preset every kernel of its families. A kernel of a group left out is still built when asked for."""
+    from kuiper_py.config import ModelArgs
+    from kuiper_py.synth import hf_config
+    for preset, want in (("8b", set()), ("tiny", {"hd64"}), ("tiny-moe", {"hd64", "moe"})):
+        fake = _fake_builds(monkeypatch, {}, notice_s=60)
+        a = ModelArgs.from_hf_config(hf_config(preset))
+        fams, groups = oc.model_families(a, 90), oc.model_groups(a)
+        assert groups == want
+        oc.precompile(fams, 0, groups)
+        for key in (k for f in fams for k in oc._module_keys(f, groups)):
+            oc._module(key)
+        built = {x for n in fake.names for x in n}
+        for f in fams:
+            for x in oc._family_names(f)[1]:
+                assert (x in built) == (oc._kernel_group(f, x) in groups | {""}), (preset, f, x)
+        assert not any("<64" in x for x in built if x.startswith("attn_decode_gqa")) or a.head_dim == 64
+        if not a.num_experts:
+            assert not any(x.startswith(("moe_ffn_decode", "gemm_moe_rs")) for x in built)
+            assert oc._compiled("ffn", "moe_ffn_decode<8, 2>") == ("ffn_decode.cu", "moe_ffn_decode<8, 2>")
