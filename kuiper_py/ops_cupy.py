@@ -1525,8 +1525,17 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     rows dequant + cuBLAS wins at 8B o, gate|up and down (503-544 vs 421-480; q|k|v: 338 vs 344 and the
     kernel above's 356), and the kernel above at 128 rows (and for N < 4096, 30B-A3B o, at 256: 211 vs
     177). So: from 256 rows (384 for N < 4096) to 512 for matrices from 4096 x 4096, to 768 for smaller
-    ones. The H100 agrees (change 167) but for 30B-A3B at 384 rows, 3% behind the kernel above."""
-    return (256 if N >= 4096 else 384), (512 if K * N >= 4096 * 4096 else 768)
+    ones. The H100 agrees (change 167) but for 30B-A3B at 384 rows, 3% behind the kernel above.
+    Change 227 (H200, after change 204 made rs's dequantization cheaper): below 256 rows rs is now the faster too, 8B
+    q|k|v / gate|up / down at 80 rows 159 / 263 / 209 against 147 / 227 / 200, at 128 rows 243 / 415 / 327 against
+    227 / 348 / 319, at 176 rows 237 / 304 / 333 against 176 / 250 / 258; at 64 rows it is behind (128 / 168 against
+    141 / 202 for q|k|v / down). 8B o (4096 x 4096) stays on the kernel above up to 128 rows (214 against 177) and
+    changes at 144 (181 against 169); 30B-A3B q|k|v (2048 x 5120) at 144 / 176 / 224 rows 143 / 167 / 219 against
+    147 / 178 / 157. So: from 80 rows for matrices larger than 4096 x 4096, from 144 for the others of 4096 rows
+    and columns or more, from 224 for shorter ones of 4096 columns or more, from 384 below 4096 columns as before
+    (30B-A3B o, 4096 x 2048: the kernel above still leads at 256 rows, 211 against 177)."""
+    lo = 80 if K * N > 4096 * 4096 else (144 if K >= 4096 else 224) if N >= 4096 else 384
+    return lo, (512 if K * N >= 4096 * 4096 else 768)
 
 
 # gemm()'s "rs" path for 257 to RS_ROWS_SPLIT_MAX rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first

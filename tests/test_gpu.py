@@ -484,7 +484,7 @@ def test_rs_choose(T, N, K):
                for b in (128, 256) for t in range(1, max(1, min(8, nk // 8)) + 1))
 
 
-@pytest.mark.parametrize("M", [256, 300, 512, 700])
+@pytest.mark.parametrize("M", [80, 144, 200, 256, 300, 512, 700])  # (80-255: change 227's rows)
 def test_gemm_rs_path(M):
     """gemm()'s "rs" path (gemm_w4a16_rs as rs_choose plans it) on check_wgmma's cases: q|k|v side by side,
     two launches bitwise equal (the repeat through the launch record the first one kept), and the lone matrix
@@ -541,9 +541,13 @@ def test_gemm_path_routes_rs(monkeypatch):
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
     monkeypatch.setattr(oc, "GEMM_RS", "auto")
     monkeypatch.setattr(oc, "GEMM_WGMMA", "auto")
-    for m in (qkv, o, gu, down):
-        assert [oc.gemm_path(T, m) for T in (128, 256, 512, 768, 2048)] == ["wgmma", "rs", "rs", "dequant", "dequant"]
-    assert [oc.gemm_path(T, qkv30) for T in (128, 256, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
+    for m in (qkv, gu, down):  # (change 227: rs from 80 rows for matrices past 4096 x 4096)
+        assert ([oc.gemm_path(T, m) for T in (64, 79, 80, 128, 256, 512, 768, 2048)] ==
+                ["wgmma", "wgmma", "rs", "rs", "rs", "rs", "dequant", "dequant"])
+    assert ([oc.gemm_path(T, o) for T in (128, 143, 144, 256, 512, 768, 2048)] ==
+            ["wgmma", "wgmma", "rs", "rs", "rs", "dequant", "dequant"])
+    assert [oc.gemm_path(T, qkv30) for T in (128, 223, 224, 256, 768, 1024)] == ["wgmma", "wgmma", "rs", "rs", "rs",
+                                                                                 "dequant"]
     assert [oc.gemm_path(T, o30) for T in (256, 384, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
     monkeypatch.setattr(oc, "GEMM_RS", "0")
     assert oc.gemm_path(512, o) == "wgmma" and oc.gemm_path(512, qkv) == "dequant"

@@ -11,7 +11,8 @@ chain (wait for the previous launch, then stream the bytes): what a kernel of th
 
     python tools/bench_kernels.py [--json OUT.json]
 
-KUIPER_BENCH_GEMV_ONLY=1 / KUIPER_BENCH_GEMM_ONLY=1 run one of the two tables.
+KUIPER_BENCH_GEMV_ONLY=1 / KUIPER_BENCH_GEMM_ONLY=1 run one of the two tables; KUIPER_BENCH_M=128,256 times the
+prefill GEMMs at those rows only, KUIPER_BENCH_SHAPES=2048x5120,4096x2048 at those K x N shapes only (A/B runs).
 """
 import json
 import math
@@ -35,7 +36,13 @@ from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, dec
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
 PRE = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate 4096->12288": (4096, 12288),
+       "gate|up 4096->24576": (4096, 24576),
        "down 12288->4096": (12288, 4096)}
+if os.environ.get("KUIPER_BENCH_SHAPES"):  # "KxN,KxN": the prefill table at those shapes instead (A/B runs)
+    PRE = {f"{k}->{n}": (int(k), int(n)) for k, n in (v.split("x") for v in os.environ["KUIPER_BENCH_SHAPES"].split(","))}
+
+
+BENCH_M = tuple(int(v) for v in os.environ.get("KUIPER_BENCH_M", "4,16,128,256,512,2048").split(","))
 
 
 def time_ms(fn, iters=50, reps=5):
@@ -257,7 +264,7 @@ def main():
         ms = [rand_awq(K, N) for _ in range(nq)]
         Wf = [(cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(nf)]
         t_dq = time_ms(lambda i: awq_dequant(ms[i % nq]), iters=20)  # the dequant path's first half alone
-        for M in (4, 16, 128, 256, 512, 2048):
+        for M in BENCH_M:
             a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
             c = cp.empty((M, N), cp.float16)
             t_mma = time_ms(lambda i: gemm(a, ms[i % nq], c, path="mma"), iters=20)
