@@ -39,9 +39,8 @@ PRE = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate 4096-
        "gate|up 4096->24576": (4096, 24576),
        "down 12288->4096": (12288, 4096)}
 if os.environ.get("KUIPER_BENCH_SHAPES"):  # "KxN,KxN": the prefill table at those shapes instead (A/B runs)
-    PRE = {f"{k}->{n}": (int(k), int(n)) for k, n in (v.split("x") for v in os.environ["KUIPER_BENCH_SHAPES"].split(","))}
-
-
+    PRE = {f"{k}->{n}": (int(k), int(n))
+           for k, n in (v.split("x") for v in os.environ["KUIPER_BENCH_SHAPES"].split(","))}
 BENCH_M = tuple(int(v) for v in os.environ.get("KUIPER_BENCH_M", "4,16,128,256,512,2048").split(","))
 
 
