@@ -196,6 +196,27 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     assert fake.builds == {"norm.cu": 1}
 
 
+def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):
+    """KUIPER_BUILD_THREADS (BUILD_THREADS) caps precompile()'s workers: at 1, three 0.3 s builds run one after
+    another (0.9 s at least), at 3 side by side where the process may use 3 CPUs (under 0.8 s); _usable_cpus counts
+    the CPUs the process may run on."""
+    import os
+    import time
+    assert 1 <= oc._usable_cpus() <= (os.cpu_count() or 1)
+    fams = ["norm", "rope", "lmh"]
+    for cap, cpus, fast in ((1, 8, False), (3, 3, True)):
+        fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.3 for f in fams}, notice_s=60)
+        monkeypatch.setattr(oc, "BUILD_THREADS", cap)
+        monkeypatch.setattr(oc, "_usable_cpus", lambda: cpus)
+        t0 = time.perf_counter()
+        oc.precompile(fams, 0)
+        for f in fams:
+            oc._compiled(f, oc._FILES[f][1][0])
+        took = time.perf_counter() - t0
+        assert (took < 0.8) if fast else (took >= 0.9), (cap, took)
+        assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
+
+
 def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
     """A family whose build fails in precompile()'s worker raises nothing there or for other families; _compiled
     builds it again when the family is used and raises that compile error as a one-line KuiperError."""
