@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -774,35 +775,39 @@ def _family_names(family: str) -> tuple[str, list[str]]:
     return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
 
 
-def _module_keys(family: str, groups=None) -> list[str]:
-    """The modules a family is built as, those of the kernels every user needs first: per group ("" or "@group" after
-    the family), the group itself or "...#i" for each of its MODULE_PARTS shares; groups (a set of MODULE_GROUPS
-    names) keeps only those groups' modules beside the common ones, None keeps all."""
+@functools.cache
+def _module_of(family: str) -> dict[str, str]:
+    """Each kernel of `family` -> the module key holding it, the one rule both ways (_module_key, _module_names,
+    _module_keys): per _kernel_group group ("family" or "family@group"), in the list's order, part i of a
+    MODULE_PARTS family ("...#i") holds the i-th of its shares of that group's kernels."""
     names = _family_names(family)[1]
-    have = dict.fromkeys(_kernel_group(family, x) for x in names)
-    keep = [g for g in sorted(have, key=bool) if groups is None or not g or g in groups]
     n = MODULE_PARTS.get(family, 1)
-    bases = [family + (f"@{g}" if g else "") for g in keep]
-    return bases if n == 1 else [f"{b}#{i}" for b in bases for i in range(n)]
+    groups = {x: _kernel_group(family, x) for x in names}
+    out = {}
+    for g in dict.fromkeys(groups.values()):
+        group = [x for x in names if groups[x] == g]
+        base = family + (f"@{g}" if g else "")
+        out.update((x, base if n == 1 else f"{base}#{i * n // len(group)}") for i, x in enumerate(group))
+    return out
+
+
+def _module_keys(family: str, groups=None) -> list[str]:
+    """The modules a family is built as (_module_of), those of the kernels every user needs first, each group's in
+    part order; groups (a set of MODULE_GROUPS names) keeps only those groups' modules beside the common ones, None
+    keeps all."""
+    keys = sorted(dict.fromkeys(_module_of(family).values()), key=lambda k: "@" in k)
+    return [k for k in keys if groups is None or "@" not in k or k.partition("@")[2].partition("#")[0] in groups]
 
 
 def _module_key(family: str, name: str) -> str:
-    """The module holding kernel `name` of `family`: of its group's (_kernel_group) kernels, in the list's order, part
-    i holds the i-th of MODULE_PARTS' shares."""
-    g = _kernel_group(family, name)
-    base = family + (f"@{g}" if g else "")
-    n = MODULE_PARTS.get(family, 1)
-    if n == 1:
-        return base
-    group = [x for x in _family_names(family)[1] if _kernel_group(family, x) == g]
-    return f"{base}#{group.index(name) * n // len(group)}"
+    """The module holding kernel `name` of `family` (_module_of)."""
+    return _module_of(family)[name]
 
 
 def _module_names(key: str) -> tuple[str, list[str]]:
     """(file, the kernels it instantiates) of a module key."""
     family = key.partition("#")[0].partition("@")[0]
-    fname, names = _family_names(family)
-    return fname, [x for x in names if _module_key(family, x) == key]
+    return _family_names(family)[0], [x for x, k in _module_of(family).items() if k == key]
 
 
 def family_modules(family: str) -> list:
