@@ -32,8 +32,9 @@ from .sampling import SamplingParams
 
 try:
     import cupy as cp
+    from cupy_backends.cuda.libs import cublas as _cublas
 except ImportError:  # pragma: no cover - CPU-only installs
-    cp = None
+    cp = _cublas = None
 
 GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
@@ -134,6 +135,9 @@ GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""),
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
+# the dequant path's fp16 GEMM as one cublasGemmEx call (cublas_matmul) instead of cupy.matmul, whose checks and
+# dispatch cost the host ~10 us more per call (PERFORMANCE.md change 228); 0 restores cupy.matmul (A/B)
+CUBLAS_DIRECT = os.environ.get("KUIPER_CUBLAS_DIRECT", "1") != "0"
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
 # runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
 # 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
@@ -1468,6 +1472,29 @@ def awq_dequant(m: AwqLinear, out=None):
     return out
 
 
+_F32_ONE, _F32_ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha and beta of cublas_matmul
+
+
+def cublas_matmul(x, W, out):
+    """out [T, N] = x [T, K] @ W [K, N], fp16 with fp32 accumulation, as cupy.matmul computes it (the same cuBLAS
+    call), on the current stream. One cublasGemmEx on CuPy's handle: row-major out is column-major out^T = W^T x^T,
+    so W goes first. Rows may be strided (a column slice of a wider matrix); elements must be contiguous."""
+    T, K = x.shape
+    N = W.shape[1]
+    assert W.shape[0] == K and out.shape == (T, N)
+    if not (CUBLAS_DIRECT and x.strides[1] == W.strides[1] == out.strides[1] == 2
+            and x.dtype == W.dtype == out.dtype == cp.float16):
+        return cp.matmul(x, W, out=out)
+    h = cp.cuda.device.get_cublas_handle()
+    _cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+    _cublas.setPointerMode(h, _cublas.CUBLAS_POINTER_MODE_HOST)  # alpha and beta are host floats
+    f16 = cp.cuda.runtime.CUDA_R_16F
+    _cublas.gemmEx(h, _cublas.CUBLAS_OP_N, _cublas.CUBLAS_OP_N, N, T, K, _F32_ONE.ctypes.data,
+                   W.data.ptr, f16, W.strides[0] // 2, x.data.ptr, f16, x.strides[0] // 2, _F32_ZERO.ctypes.data,
+                   out.data.ptr, f16, out.strides[0] // 2, _cublas.CUBLAS_COMPUTE_32F, _cublas.CUBLAS_GEMM_DEFAULT)
+    return out
+
+
 _CUBLAS: dict[int, bool] = {}
 
 
@@ -1810,7 +1837,7 @@ def gemm(x, m, out=None, path: str | None = None):
         for w in mats:  # side by side: one cuBLAS call for q, k and v (k and v alone are narrow)
             awq_dequant(w, W[:, c:c + w.N])
             c += w.N
-        return cp.matmul(x, W, out=out)
+        return cublas_matmul(x, W, out)
     if len(mats) > 1:  # the MMA tile writes whole rows: one matrix at a time, then side by side
         c = 0
         for w in mats:

@@ -401,6 +401,27 @@ def test_gemm_group(M, path):
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("T,K,N", [(1, 64, 64), (300, 1024, 3072), (2048, 4096, 1024)])
+def test_cublas_matmul(T, K, N):
+    """The dequant path's direct cublasGemmEx (cublas_matmul) gives cupy.matmul's bits on contiguous operands, and on a
+    stream of its own reads a column slice of a wider x and writes a column slice of a wider poisoned matrix, leaving
+    the columns beside it poisoned."""
+    rng = np.random.default_rng()
+    xw = rng.standard_normal((T, K + 64)).astype(np.float16)
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float16)
+    x, W = cp.asarray(xw[:, 32:32 + K]), cp.asarray(w)
+    out = nan_like((T, N), cp.float16)
+    oc.cublas_matmul(x, W, out)
+    assert np.array_equal(cp.asnumpy(out), cp.asnumpy(cp.matmul(x, W)))
+    wide = nan_like((T, N + 128), cp.float16)
+    with cp.cuda.Stream() as s:
+        oc.cublas_matmul(cp.asarray(xw)[:, 32:32 + K], W, wide[:, 64:64 + N])
+        s.synchronize()
+    got = cp.asnumpy(wide)
+    assert rel(got[:, 64:64 + N], xw[:, 32:32 + K].astype(np.float32) @ w.astype(np.float32)) < 1e-2
+    assert np.isnan(got[:, :64]).all() and np.isnan(got[:, 64 + N:]).all()
+
+
 def check_wgmma(rng, M, run_qkv, run_lone, repeats=1):
     """The fused Hopper GEMM's two cases against the float64 dequantized reference: q, k and v in one
     launch of run_qkv(x, mats, out) (the block picks its matrix by column), rows past M and a ragged
