@@ -273,16 +273,14 @@ gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
 // reads 512 contiguous bytes and writes four 512-byte row spans. The output row stride ldw lets
 // several matrices with the same K (q, k, v) land side by side in one [K, ldw] matrix, so cuBLAS
 // multiplies them in one call.
-__global__ void __launch_bounds__(256)
-awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
-            const u32* __restrict__ qz,   // [K/g, N/8]
-            const half* __restrict__ sc,  // [K/g, N]
-            half* __restrict__ W,         // [K, ldw] row-major, columns [0, N) written
-            int N, int K, int group, int ldw) {
-    // grid: ceil(N/256) tiles x (K/4) quads x 32 words of threads; consecutive threads take
-    // consecutive words of one row quad inside a 32-word tile
+// Thread i of a matrix's grid: tiles of 32 words x (K/4) row quads x 32 words, consecutive threads taking
+// consecutive words of one row quad inside a 32-word tile; threads past the matrix return.
+__device__ __forceinline__ void dequant_quad(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
+                                             const u32* __restrict__ qz,   // [K/g, N/8]
+                                             const half* __restrict__ sc,  // [K/g, N]
+                                             half* __restrict__ W,         // [K, ldw] row-major, columns [0, N)
+                                             int N, int K, int group, int ldw, size_t i) {
     const int Wd = N / 8;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int t = (int)(i / ((size_t)(K / 4) * 32)), r = (int)(i % ((size_t)(K / 4) * 32));
     if (t * 32 >= Wd) return;
     const int tw = min(32, Wd - t * 32);
@@ -299,6 +297,33 @@ awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
         awq_dequant8(rows[j], zb, s2, o);
         *reinterpret_cast<uint4*>(W + (size_t)(k + j) * ldw + w * 8) = *reinterpret_cast<uint4*>(o);
     }
+}
+
+__global__ void __launch_bounds__(256)
+awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
+            const u32* __restrict__ qz,   // [K/g, N/8]
+            const half* __restrict__ sc,  // [K/g, N]
+            half* __restrict__ W,         // [K, ldw] row-major, columns [0, N) written
+            int N, int K, int group, int ldw) {
+    // grid: ceil(N/256) tiles x (K/4) quads x 32 words of threads
+    dequant_quad(qw, qz, sc, W, N, K, group, ldw, (size_t)blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+// Up to three matrices with the same K (q, k and v) side by side in one launch: blockIdx.y picks the matrix and
+// its first column (0, N0, N0 + N1), so the host pays one launch where it paid three (PERFORMANCE.md change 230).
+// A slot with N 0 writes nothing; the columns stay 16-byte aligned (every N % 8 == 0).
+__global__ void __launch_bounds__(256)
+awq_dequant3(const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,
+             const u32* __restrict__ qw1, const u32* __restrict__ qz1, const half* __restrict__ sc1, int N1,
+             const u32* __restrict__ qw2, const u32* __restrict__ qz2, const half* __restrict__ sc2, int N2,
+             half* __restrict__ W,  // [K, ldw] row-major, columns [0, N0 + N1 + N2) written
+             int K, int group, int ldw) {
+    // grid: (the widest matrix's blocks of awq_dequant, 3)
+    const int m = blockIdx.y;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (m == 0) dequant_quad(qw0, qz0, sc0, W, N0, K, group, ldw, i);
+    else if (m == 1) dequant_quad(qw1, qz1, sc1, W + N0, N1, K, group, ldw, i);
+    else dequant_quad(qw2, qz2, sc2, W + N0 + N1, N2, K, group, ldw, i);
 }
 
 // SwiGLU for prefill: out[t, c] = silu(gate[t, c]) * up[t, c] over n = M*I elements (fp16 in, fp32

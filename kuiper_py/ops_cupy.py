@@ -409,7 +409,7 @@ _FILES = {
     # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
-    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "gemm_moe_gate_up", "gemm_moe_down"]),
+    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "awq_dequant3", "gemm_moe_gate_up", "gemm_moe_down"]),
     # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199)
     "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
@@ -1472,6 +1472,23 @@ def awq_dequant(m: AwqLinear, out=None):
     return out
 
 
+def awq_dequant3(mats, out):
+    """One to three device AwqLinears with one K and group size (q, k and v) dequantized side by side into out
+    [K, sum of N] (a row-major matrix or a column slice of a wider one) by one launch of awq_dequant3: what
+    awq_dequant writes for each, in one launch instead of one per matrix (PERFORMANCE.md change 230)."""
+    K, g = mats[0].K, mats[0].group_size
+    assert 1 <= len(mats) <= 3 and all(m.K == K and m.group_size == g for m in mats)
+    assert out.shape == (K, sum(m.N for m in mats)) and out.strides[1] == 2 and out.strides[0] % 16 == 0
+    args = []
+    for j in range(3):
+        m = mats[j] if j < len(mats) else None
+        args += [m.qweight, m.qzeros, m.scales, _i(m.N)] if m is not None else [_NULL, _NULL, _NULL, _i(0)]
+    threads = max(math.ceil(m.N / GEMV_COLS) for m in mats) * (K // 4) * 32
+    kernel("gemm", "awq_dequant3")((math.ceil(threads / 256), len(mats)), (256,),
+                                   (*args, out, _i(K), _i(g), _i(out.strides[0] // 2)))
+    return out
+
+
 _F32_ONE, _F32_ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha and beta of cublas_matmul
 
 
@@ -1833,10 +1850,14 @@ def gemm(x, m, out=None, path: str | None = None):
         if _CAPTURING[0]:  # (CuPy refuses cuBLAS calls while a stream captures)
             raise _NotCapturable("cuBLAS")
         W = _dequant_scratch(K * N).reshape(K, N)
-        c = 0
-        for w in mats:  # side by side: one cuBLAS call for q, k and v (k and v alone are narrow)
-            awq_dequant(w, W[:, c:c + w.N])
-            c += w.N
+        if len(mats) == 1:
+            awq_dequant(mats[0], W)
+        else:  # side by side, up to three per launch: one cuBLAS call for q, k and v (k and v alone are narrow)
+            c = 0
+            for j in range(0, len(mats), 3):
+                n = sum(w.N for w in mats[j:j + 3])
+                awq_dequant3(mats[j:j + 3], W[:, c:c + n])
+                c += n
         return cublas_matmul(x, W, out)
     if len(mats) > 1:  # the MMA tile writes whole rows: one matrix at a time, then side by side
         c = 0

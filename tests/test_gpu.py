@@ -366,6 +366,23 @@ def test_awq_dequant(K, N, g):
     assert np.all(np.abs(got - r) <= 2.0**-11 * np.abs(r) + 2.0**-25)
 
 
+@pytest.mark.parametrize("K,Ns,g", [(4096, (4096, 1024, 1024), 128), (1024, (2048, 1024, 1024), 128),
+                                    (256, (416, 96), 64), (384, (96,), 32)])
+def test_awq_dequant3(K, Ns, g):
+    """q, k and v dequantized side by side by one launch (awq_dequant3) into a column slice of a wider poisoned
+    matrix: each matrix's columns as awq_dequant writes them (the same rounding bound), one or two matrices too
+    (empty slots write nothing), and the columns beside the slice still poisoned."""
+    rng = np.random.default_rng()
+    pairs = [rand_awq(rng, K, n, g) for n in Ns]
+    N = sum(Ns)
+    wide = nan_like((K, N + 64), cp.float16)
+    oc.awq_dequant3(tuple(m for m, _ in pairs), wide[:, 32:32 + N])
+    got = cp.asnumpy(wide).astype(np.float64)
+    r = np.concatenate([r for _, r in pairs], axis=1)
+    assert np.all(np.abs(got[:, 32:32 + N] - r) <= 2.0**-11 * np.abs(r) + 2.0**-25)
+    assert np.isnan(got[:, :32]).all() and np.isnan(got[:, 32 + N:]).all()
+
+
 @pytest.mark.parametrize("M", [2, 17, 300, 1030])
 @pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096), (5120, 25600), (1024, 3072), (384, 96)])
 def test_gemm_dequant_path(M, K, N):
