@@ -273,7 +273,7 @@ gemm_moe_down(const half* __restrict__ act,           // [T*k, K] permuted rows
 // reads 512 contiguous bytes and writes four 512-byte row spans. The output row stride ldw lets
 // several matrices with the same K (q, k, v) land side by side in one [K, ldw] matrix, so cuBLAS
 // multiplies them in one call.
-// Thread i of a matrix's grid: tiles of 32 words x (K/4) row quads x 32 words, consecutive threads taking
+// Thread i of a matrix's grid of ceil(N/256) column tiles x (K/4) row quads x 32 words: consecutive threads take
 // consecutive words of one row quad inside a 32-word tile; threads past the matrix return.
 __device__ __forceinline__ void dequant_quad(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
                                              const u32* __restrict__ qz,   // [K/g, N/8]
@@ -305,7 +305,6 @@ awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
             const half* __restrict__ sc,  // [K/g, N]
             half* __restrict__ W,         // [K, ldw] row-major, columns [0, N) written
             int N, int K, int group, int ldw) {
-    // grid: ceil(N/256) tiles x (K/4) quads x 32 words of threads
     dequant_quad(qw, qz, sc, W, N, K, group, ldw, (size_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
@@ -318,7 +317,7 @@ awq_dequant3(const u32* __restrict__ qw0, const u32* __restrict__ qz0, const hal
              const u32* __restrict__ qw2, const u32* __restrict__ qz2, const half* __restrict__ sc2, int N2,
              half* __restrict__ W,  // [K, ldw] row-major, columns [0, N0 + N1 + N2) written
              int K, int group, int ldw) {
-    // grid: (the widest matrix's blocks of awq_dequant, 3)
+    // grid: (the widest matrix's blocks of awq_dequant, the matrices)
     const int m = blockIdx.y;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (m == 0) dequant_quad(qw0, qz0, sc0, W, N0, K, group, ldw, i);

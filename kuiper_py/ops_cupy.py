@@ -1460,15 +1460,20 @@ def _dequant_scratch(n: int):
     return _DEQ[dev][:n]
 
 
+def _dequant_blocks(N: int, K: int) -> int:
+    """256-thread blocks of gemm_w4a16.cu's dequant_quad grid for one [K, N] matrix: a thread per packed word of
+    a row quad, 32-word column tiles x K/4 quads."""
+    return math.ceil(math.ceil(N / GEMV_COLS) * (K // 4) * 32 / 256)
+
+
 def awq_dequant(m: AwqLinear, out=None):
     """The fp16 matrix [K, N] of a device AwqLinear (qweight tiled), (q - z) * s per element. out may
     be a column slice [K, N] of a wider row-major matrix (its row stride is passed on)."""
     out = _dequant_scratch(m.K * m.N).reshape(m.K, m.N) if out is None else out
     assert out.shape == (m.K, m.N) and out.strides[1] == 2 and out.strides[0] % 16 == 0
-    threads = math.ceil(m.N / GEMV_COLS) * (m.K // 4) * 32
-    kernel("gemm", "awq_dequant")((math.ceil(threads / 256),), (256,), (m.qweight, m.qzeros, m.scales, out,
-                                                                          _i(m.N), _i(m.K), _i(m.group_size),
-                                                                          _i(out.strides[0] // 2)))
+    kernel("gemm", "awq_dequant")((_dequant_blocks(m.N, m.K),), (256,), (m.qweight, m.qzeros, m.scales, out,
+                                                                         _i(m.N), _i(m.K), _i(m.group_size),
+                                                                         _i(out.strides[0] // 2)))
     return out
 
 
@@ -1483,8 +1488,7 @@ def awq_dequant3(mats, out):
     for j in range(3):
         m = mats[j] if j < len(mats) else None
         args += [m.qweight, m.qzeros, m.scales, _i(m.N)] if m is not None else [_NULL, _NULL, _NULL, _i(0)]
-    threads = max(math.ceil(m.N / GEMV_COLS) for m in mats) * (K // 4) * 32
-    kernel("gemm", "awq_dequant3")((math.ceil(threads / 256), len(mats)), (256,),
+    kernel("gemm", "awq_dequant3")((max(_dequant_blocks(m.N, K) for m in mats), len(mats)), (256,),
                                    (*args, out, _i(K), _i(g), _i(out.strides[0] // 2)))
     return out
 
@@ -1852,12 +1856,8 @@ def gemm(x, m, out=None, path: str | None = None):
         W = _dequant_scratch(K * N).reshape(K, N)
         if len(mats) == 1:
             awq_dequant(mats[0], W)
-        else:  # side by side, up to three per launch: one cuBLAS call for q, k and v (k and v alone are narrow)
-            c = 0
-            for j in range(0, len(mats), 3):
-                n = sum(w.N for w in mats[j:j + 3])
-                awq_dequant3(mats[j:j + 3], W[:, c:c + n])
-                c += n
+        else:  # side by side in one launch: one cuBLAS call for q, k and v (k and v alone are narrow)
+            awq_dequant3(mats, W)
         return cublas_matmul(x, W, out)
     if len(mats) > 1:  # the MMA tile writes whole rows: one matrix at a time, then side by side
         c = 0
