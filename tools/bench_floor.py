@@ -27,12 +27,11 @@ import sys
 from pathlib import Path
 
 import click
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
-
-import numpy as np  # noqa: E402
 
 from bench_kernels import READ_CONFIGS, awq_bytes, read_chain_label, read_chain_launcher, read_chain_us, time_ms  # noqa: E402
 from devcopy import copy_bandwidth  # noqa: E402
@@ -90,7 +89,7 @@ def routed_launcher(per_sm: int):
         mod = cp.RawModule(code=_ROUTED + headers_tag(), options=("-std=c++17", f"-I{kernel_dir()}"))
         _ROUTED_FN = mod.get_function("read_routed")
     grid, attr = (sm_count() * per_sm,), _pdl_attr() if pdl_enabled() else None
-    return lambda pool, pe, logits, E, k, sink: launch_ex(
+    return lambda pool, pe, logits, E, k, sink: launch_ex(  # (pe as 8 bytes: the kernel's long long)
         _ROUTED_FN, grid, (256,), (pool, np.uint64(pe), logits, np.int32(E), np.int32(k), sink), 0, attr)
 
 
