@@ -126,31 +126,31 @@ def model_dims(preset: str) -> tuple[int, int, bool]:
     return p[0], p[2], p[6]  # hidden, layers, tied
 
 
-def expert_pools(preset: str) -> tuple[list, list]:
-    """Per layer, all E experts' bytes ([E][pe] uint32 words x 4) and the router's logits [E] (fresh random
-    values, so every layer picks its own k experts: distinct DRAM for every layer)."""
+def expert_pools(preset: str) -> list[tuple]:
+    """Per layer, (all E experts' bytes [E][pe] as uint32 words x 4, the router's logits [E]): fresh random logits,
+    so every layer picks its own k experts (distinct DRAM for every layer)."""
     _, L, _ = model_dims(preset)
     E = MOE_PRESETS[preset][7]
     pe = expert_bytes(preset) // 16
-    pools = [cp.zeros(E * pe * 4, cp.uint32) for _ in range(L)]
-    logits = [cp.random.standard_normal(E, dtype=cp.float32) for _ in range(L)]
-    return pools, logits
+    return [(cp.zeros(E * pe * 4, cp.uint32), cp.random.standard_normal(E, dtype=cp.float32)) for _ in range(L)]
 
 
 def step_floor(preset: str, ctx: int, structure: str, best_cfg: dict, pools=None) -> dict:
     """The skeleton step's µs (best over the per-size configurations and each uniform one) and its bytes.
-    A routed structure's FFN launches read `pools` (expert_pools) at every grid size of ROUTED_PER_SM."""
+    A routed structure's FFN launches read its layer's `pools` entry (expert_pools) at every grid size of
+    ROUTED_PER_SM."""
     D, L, _ = model_dims(preset)
     layer = layer_phases(preset, ctx, structure)
     phases = layer * L + [("lm_head", VOCAB * D * 2 + D * 2)]
     routed = [name == "FFN routed" for name, _ in phases]
-    bufs = [None if r else cp.zeros(-(-n // 16) * 4, cp.uint32) for (_, n), r in zip(phases, routed)]
+    # what each launch reads: its own buffer, or a routed FFN's layer pool and logits
+    bufs = [pools[li] if name == "FFN routed" else cp.zeros(-(-n // 16) * 4, cp.uint32)
+            for li in range(L) for name, n in layer] + [cp.zeros(-(-phases[-1][1] // 16) * 4, cp.uint32)]
     sink = cp.zeros(1, cp.uint32)
     total = sum(n for _, n in phases)
     launchers = {c: read_chain_launcher(*c) for c in READ_CONFIGS}
     if any(routed):
-        E, k = MOE_PRESETS[preset][7], MOE_PRESETS[preset][8]
-        pe, nl = expert_bytes(preset) // 16, len(layer)
+        E, k, pe = MOE_PRESETS[preset][7], MOE_PRESETS[preset][8], expert_bytes(preset) // 16
         rl = {r: routed_launcher(r) for r in ROUTED_PER_SM}
     res = []
     for rps in ROUTED_PER_SM if any(routed) else (None,):
@@ -159,9 +159,9 @@ def step_floor(preset: str, ctx: int, structure: str, best_cfg: dict, pools=None
         arms.update({f"all {read_chain_label(*c)}{suffix}": [c] * len(phases) for c in READ_CONFIGS})
         for name, cfgs in arms.items():
             def step(_i, cfgs=cfgs, rps=rps):
-                for j, ((_, n), b, c) in enumerate(zip(phases, bufs, cfgs)):
-                    if routed[j]:
-                        rl[rps](pools[0][j // nl], pe, pools[1][j // nl], E, k, sink)
+                for (_, n), b, c, r in zip(phases, bufs, cfgs, routed):
+                    if r:
+                        rl[rps](b[0], pe, b[1], E, k, sink)
                     else:
                         launchers[c](b, n, sink)
             res.append((time_ms(step, iters=3, reps=5) * 1e3, name))
