@@ -67,12 +67,18 @@ class ChatTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
-            env.filters.setdefault("tojson", lambda x, **kw: __import__("json").dumps(x, ensure_ascii=False, **kw))
+            env.filters["tojson"] = _tojson  # (Jinja's own sorts keys and escapes HTML; templates expect HF's)
             try:
                 self._jinja = env.from_string(self.template)
             except jinja2.TemplateError as e:
                 raise KuiperError(f"chat template failed: {e}") from None
         return self._jinja
+
+
+def _tojson(x, indent=None, separators=None, sort_keys=False):
+    """Hugging Face's tojson for chat templates: keys in their order, non-ASCII kept."""
+    import json
+    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class StreamDecoder:
