@@ -332,3 +332,18 @@ def test_sigterm_mid_stream_exits_0(model_file):
         rest = [x for x in lines if x]  # the running request finishes (or is cut at the grace period's end)
     assert p.wait(60) == 0
     assert rest[-1] == "data: [DONE]" or not rest
+
+
+def test_bench_serve_reports_latency_percentiles(server):
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--base-url", server, "-n", 4,
+           "--max-concurrency", 2, "--input-len", 16, "--output-len", 6]
+    r = subprocess.run([*map(str, cmd), "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["total_output_tokens"] == 24 and s["total_input_tokens"] == 64  # (ignore_eos: exact lengths)
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert 0 < s[k]["p50"] <= s[k]["p90"] <= s[k]["p99"], k
+    assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"] and s["output_throughput"] > 0
+    r = subprocess.run([*map(str, cmd), "--single", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "tok/s" in r.stdout and "TTFT" in r.stdout, r.stderr

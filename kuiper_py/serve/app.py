@@ -228,7 +228,7 @@ def _job(worker: EngineWorker, req, ids: list[int], max_tokens: int, logprobs: i
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     job = Job(ids, max_tokens, _params(worker, req), lambda item: loop.call_soon_threadsafe(q.put_nowait, item),
-              req.stop_list(), logprobs, queue=q)
+              req.stop_list(), logprobs, [] if req.ignore_eos else None, queue=q)
     try:
         worker.submit(job)
     except QueueFull:

@@ -35,6 +35,7 @@ class Job:
     emit: Callable[[object], None]  # called on the engine thread: a Record, an Exception, then None (the end)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    eos_ids: list[int] | None = None  # None: the model's; [] never stops at an end-of-sequence token
     queue: object = None  # where the HTTP side reads emit's items (an asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
@@ -124,7 +125,7 @@ class EngineWorker:
         m = self.metrics
         m.running.inc()
         last_t, last = None, None
-        it = self.cache.run(job.ids, job.max_tokens, job.params, job.stop, logprobs=job.logprobs)
+        it = self.cache.run(job.ids, job.max_tokens, job.params, job.stop, job.eos_ids, job.logprobs)
         try:
             for r in it:
                 now = time.perf_counter()

@@ -83,6 +83,7 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: StrictBool = False  # (vLLM's: generate max_tokens whatever the model says, for benchmarks)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
