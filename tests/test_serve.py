@@ -193,6 +193,9 @@ def test_tool_round_trip(server, client, model_file):
                                          temperature=0, extra_body=NO_THINK)
     assert got.usage.prompt_tokens == len(tok.encode(prompt))
     assert got.choices[0].finish_reason in ("stop", "length") and got.choices[0].message.role == "assistant"
+    _, content, calls, reasons, _ = _stream_chat(client, model="tiny", messages=msgs, tools=[WEATHER], max_tokens=8,
+                                                 temperature=0, extra_body=NO_THINK)
+    assert content == (got.choices[0].message.content or "") and not calls and not got.choices[0].message.tool_calls
     none = client.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="none",
                                           max_tokens=1, extra_body=NO_THINK)
     assert none.usage.prompt_tokens < got.usage.prompt_tokens  # ("none": the tools are not offered)
@@ -347,3 +350,26 @@ def test_bench_serve_reports_latency_percentiles(server):
     assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"] and s["output_throughput"] > 0
     r = subprocess.run([*map(str, cmd), "--single", "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "tok/s" in r.stdout and "TTFT" in r.stdout, r.stderr
+
+
+def test_loading_answers_503_and_a_bad_model_or_port_is_one_error_line(tmp_path, model_file):
+    from fastapi.testclient import TestClient
+
+    from kuiper_py.serve.app import create_app
+    from kuiper_py.serve.engine_worker import EngineWorker
+    from kuiper_py.serve.metrics import Metrics
+    app = TestClient(create_app(EngineWorker(str(model_file), "cpu", None, 4, Metrics()), "tiny"))  # (not started)
+    assert app.get("/health").status_code == 503
+    r = app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the model is loading"
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"not a model" * 100)
+    r = run_cli("serve", "-m", bad, "--port", 0, "--device", "cpu", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("kuiper: error: ")
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = run_cli("serve", "-m", model_file, "--port", s.getsockname()[1], "--device", "cpu", timeout=60)
+    assert r.returncode == 2 and "kuiper: error: cannot listen on 127.0.0.1:" in r.stderr
