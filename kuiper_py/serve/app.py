@@ -21,6 +21,9 @@ from .reasoning import ReasoningParser, prompt_opens_thinking
 from .tools import ToolCallParser
 
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/health", "/metrics")
+
+
 class ApiError(Exception):
     """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
 
@@ -53,7 +56,8 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
     @app.middleware("http")
     async def count(request: Request, call_next):
         resp = await call_next(request)
-        m.requests.labels(request.url.path, str(resp.status_code)).inc()
+        path = request.url.path if request.url.path in ENDPOINTS else "other"  # (bounded label values)
+        m.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
     @app.exception_handler(ApiError)

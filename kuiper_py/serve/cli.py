@@ -94,6 +94,9 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     # nothing then take it, so a SIGTERM or SIGINT ends the command with exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    # the engine thread hands each token over with the GIL held between GPU waits: a short switch interval lets
+    # the event loop send it without waiting out Python's default 5 ms
+    sys.setswitchinterval(0.001)
     worker.start()
     _announce_ready(worker, host, bound[1])
     try:
