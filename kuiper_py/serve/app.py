@@ -11,6 +11,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KuiperError
@@ -27,16 +28,16 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize
 class ApiError(Exception):
     """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 code: str | int | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.status, self.message, self.param, self.headers, self.code = status, message, param, headers, code
 
     def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(
-            self.status, "server_error")
-        code = {404: "model_not_found"}.get(self.status, self.status)
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": code}},
-                            status_code=self.status, headers=self.headers)
+        kind = "invalid_request_error" if self.status < 500 else \
+            "service_unavailable" if self.status == 503 else "server_error"
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status}
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -119,7 +120,8 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
         out = _Output(ReasoningParser(prompt_opens_thinking(prompt_text)), ToolCallParser() if tools_on else None)
         job = _job(worker, req, ids, max_tokens, k)
         if req.stream:
-            return StreamingResponse(_chat_stream(worker, job, out, served_name, req), media_type="text/event-stream")
+            return StreamingResponse(_chat_stream(worker, job, out, served_name, req), media_type="text/event-stream",
+                                     background=BackgroundTask(job.cancelled.set))
         return await _chat_whole(worker, job, out, served_name, request)
 
     @app.post("/v1/completions")
@@ -134,7 +136,7 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
         job = _job(worker, req, ids, max_tokens, req.logprobs)
         if req.stream:
             return StreamingResponse(_completion_stream(worker, job, served_name, req),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", background=BackgroundTask(job.cancelled.set))
         return await _completion_whole(worker, job, served_name, request)
 
     return app
@@ -154,7 +156,8 @@ def _ready(worker: EngineWorker) -> None:
 def _check_model(name: str | None, served: str) -> None:
     """As vLLM: a request may leave the model out; a name other than the served one is a 404."""
     if name is not None and name != served:
-        raise ApiError(404, f"the model `{name}` does not exist (this server serves `{served}`)", "model")
+        raise ApiError(404, f"the model `{name}` does not exist (this server serves `{served}`)", "model",
+                       code="model_not_found")
 
 
 def _check_common(req) -> None:
