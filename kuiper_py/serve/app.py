@@ -318,6 +318,16 @@ def _chat_logprob(worker: EngineWorker, r) -> dict:
     return {**entry(r.token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
 
 
+def _stream_error(e: Exception) -> dict:
+    if isinstance(e, ShuttingDown):
+        err = ApiError(503, "the server is shutting down")
+    elif isinstance(e, KuiperError):
+        err = ApiError(400, str(e))
+    else:
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+    return json.loads(err.response().body)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -374,9 +384,8 @@ async def _chat_stream(worker: EngineWorker, job: Job, out: _Output, name: str, 
         yield chunk({}, _finish_reason(last, out), lps)
         if usage:
             yield _sse({**head, "choices": [], "usage": _usage(job, last)})
-    except (KuiperError, ShuttingDown) as e:
-        msg = str(e) or "the server is shutting down"
-        yield _sse({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": 400}})
+    except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
+        yield _sse(_stream_error(e))
     yield "data: [DONE]\n\n"
 
 
@@ -437,7 +446,6 @@ async def _completion_stream(worker: EngineWorker, job: Job, name: str, req: Com
                                          "finish_reason": _finish_reason(last)}]})
         if usage:
             yield _sse({**head, "choices": [], "usage": _usage(job, last)})
-    except (KuiperError, ShuttingDown) as e:
-        msg = str(e) or "the server is shutting down"
-        yield _sse({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": 400}})
+    except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
+        yield _sse(_stream_error(e))
     yield "data: [DONE]\n\n"
