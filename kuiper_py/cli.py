@@ -408,5 +408,9 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device):
     click.echo(render(rows, out_fmt))
 
 
+from .serve.cli import serve  # noqa: E402 - (its FastAPI and uvicorn imports wait until the command runs)
+
+cli.add_command(serve)
+
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """The one generation core that `kuiper generate` and `kuiper bench` both consume."""
 from __future__ import annotations
 
+import bisect
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import numpy as np
 from . import loader
 from .errors import KuiperError
 from .model import Qwen3
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sample, token_logprobs
 from .tokenizer import ChatTokenizer, StreamDecoder
 
 
@@ -106,6 +107,8 @@ class Record:
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # the prompt's leading tokens the cache already held (a chat's earlier turns)
     warmup_seconds: float = 0.0  # before the prompt: the decode graphs captured (kernels built on a first run)
+    # (asked for with logprobs=k) this record's token's log-probability under the model and the k likeliest ids'
+    logprob: tuple[float, list[tuple[int, float]]] | None = None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -117,6 +120,11 @@ def _held_back(text: str, stops: list[str]) -> int:
                 best = n
                 break
     return best
+
+
+def _covering(decoded: list[int], n_chars: int) -> int:
+    """How many tokens it takes for the text to reach n_chars characters (decoded[i]: after token i)."""
+    return 0 if n_chars <= 0 else bisect.bisect_left(decoded, n_chars) + 1
 
 
 def _check_request(engine: Engine, prompt_ids: list[int], max_tokens: int) -> None:
@@ -131,7 +139,12 @@ def _check_request(engine: Engine, prompt_ids: list[int], max_tokens: int) -> No
 
 def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
              stop: list[str] | None = None, max_context: int | None = None,
-             eos_ids: list[int] | None = None) -> Iterator[Record]:
+             eos_ids: list[int] | None = None, logprobs: int | None = None) -> Iterator[Record]:
+    """Records of a generation on a fresh cache. With stop strings, the last record's text ends before the stop
+    string and its `tokens` are the fewest drawn tokens whose text covers that text: a token that straddles the
+    boundary (part of its text before the stop string) is kept, the tokens wholly inside or after the stop string
+    are not. logprobs=k (0..20) gives each record the log-probabilities of its token and the k likeliest (host
+    side: the logits are copied back for such a request)."""
     args = engine.file.args
     _check_request(engine, prompt_ids, max_tokens)
     ctx = max_context or min(len(prompt_ids) + max_tokens, args.max_position_embeddings)
@@ -145,14 +158,16 @@ def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
     if max_tokens > 1:
         n = len(prompt_ids)
         model.warm_decode_graphs(engine.n_valid_tokens, keys=(n + 1, n + max_tokens - 1))
-    return _stream(engine, model, prompt_ids, 0, max_tokens, params, stop, eos_ids, time.perf_counter() - t0)
+    return _stream(engine, model, prompt_ids, 0, max_tokens, params, stop, eos_ids, time.perf_counter() - t0,
+                   logprobs)
 
 
 def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, max_tokens: int,
             params: SamplingParams, stop: list[str] | None, eos_ids: list[int] | None,
-            warmup: float = 0.0) -> Iterator[Record]:
+            warmup: float = 0.0, logprobs: int | None = None) -> Iterator[Record]:
     """The generation loop over a model whose cache holds prompt_ids[:cached] (model.pos == cached): the rest of
-    the prompt is prefilled, then tokens are drawn until a stop, max_tokens or the cache's end."""
+    the prompt is prefilled, then tokens are drawn until a stop, max_tokens or the cache's end. A request the
+    device's draw does not serve (presence/frequency penalties, logprobs) draws on the host from copied logits."""
     args = engine.file.args
     assert model.pos == cached < len(prompt_ids)
     eos = set(args.eos_token_ids if eos_ids is None else eos_ids)
@@ -161,6 +176,8 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
     dec = StreamDecoder(engine.tokenizer) if engine.tokenizer else None
     history = list(prompt_ids)
     out_ids: list[int] = []
+    decoded: list[int] = []  # characters of text after each drawn token (held back or not): where stops cut
+    emitted = 0  # characters yielded so far
     pending = ""
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids[cached:])
@@ -172,12 +189,15 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
     # reads that token back (Qwen3.decode_sampled), so the GPU is not idle while the host copies the id,
     # decodes text and launches the next step. A step queued ahead of a token that ends the generation
     # is taken back (discard).
-    ahead_ok = model.can_queue_ahead
+    host = params.needs_host or logprobs is not None
+    ahead_ok = model.can_queue_ahead and not host
     ahead = None  # logits of the step queued ahead of the host, not yet taken
+    lp = None
 
-    def rec(tok, text, reason=None):
+    def rec(tok, text, reason=None, tokens=None):
         return Record(tok, text, reason, len(prompt_ids) - cached, t_prompt, len(out_ids), time.perf_counter() - t1,
-                      model.pos - len(prompt_ids) - (ahead is not None), out_ids, cached, warmup)
+                      model.pos - len(prompt_ids) - (ahead is not None), out_ids if tokens is None else tokens,
+                      cached, warmup, lp)
 
     if max_tokens == 0:
         yield rec(None, "", "length")
@@ -192,6 +212,10 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
                 if len(out_ids) + 1 < max_tokens and pos < model.max_context:
                     ahead = model.decode_sampled()
                 tok = model.ops.sample_result()
+            elif host:
+                x = model.ops.to_host(logits)
+                tok = sample(x, params, rng, history, n_valid, generated=out_ids)
+                lp = None if logprobs is None else token_logprobs(x, tok, logprobs, n_valid)
             else:
                 tok = model.ops.sample(logits, params, rng, history, n_valid)
             if tok in eos:
@@ -201,12 +225,14 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
             history.append(tok)
             pending += dec.push(tok) if dec else ""
             if stops:
+                decoded.append(emitted + len(pending))
                 hit = min((pending.find(s) for s in stops if s in pending), default=-1)
                 if hit >= 0:
-                    yield rec(tok, pending[:hit], "stop")
+                    yield rec(tok, pending[:hit], "stop", out_ids[:_covering(decoded, emitted + hit)])
                     return
                 keep = _held_back(pending, stops)
                 text, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+                emitted += len(text)
             else:
                 text, pending = pending, ""
             if len(out_ids) >= max_tokens:
@@ -332,3 +358,39 @@ class Chat:
             if finished or reply:  # (a turn stopped before any of its reply is forgotten)
                 self.messages = msgs + [{"role": "assistant", "content": reply}]
                 self.dropped = dropped
+
+
+class PrefixCache:
+    """One KV cache serving a stream of unrelated requests (`kuiper serve`): each prefills only the tokens after
+    the longest prefix it shares with what the cache holds (the last request's prompt and the reply tokens fed
+    back), as a Chat does between its turns. A request is one sequence; a batching scheduler would keep one such
+    record per sequence."""
+
+    def __init__(self, engine: Engine, max_context: int, warm: bool = True):
+        self.engine, self.max_context = engine, max_context
+        self.model = engine.session(max_context)
+        self.cached: list[int] = []  # the ids the cache holds at positions 0 .. model.pos - 1
+        if warm:  # (CUDA) every prefill bucket's and decode regime's graph captured now: no request pays one
+            self.model.warm_prefill_graphs()
+            self.model.warm_decode_graphs(engine.n_valid_tokens)
+
+    def run(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
+            eos_ids: list[int] | None = None, logprobs: int | None = None) -> Iterator[Record]:
+        """generate()'s records for prompt ids on the shared cache; closing the iterator early (a cancelled
+        request) leaves the cache consistent. Record.cached_tokens tells how much of the prompt was reused."""
+        _check_request(self.engine, ids, max_tokens)
+        if len(ids) > self.max_context:
+            raise KuiperError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_context}")
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)  # (at least one token gives the logits)
+        self.model.rewind(keep)
+        self.cached = ids[:keep]
+        drawn: list[int] = []
+        try:
+            for r in _stream(self.engine, self.model, ids, keep, max_tokens, params, stop, eos_ids,
+                             logprobs=logprobs):
+                if r.token is not None:
+                    drawn.append(r.token)
+                yield r
+        finally:
+            # the prompt, then the reply's tokens that were fed back (not its last)
+            self.cached = (ids + drawn)[:self.model.pos]

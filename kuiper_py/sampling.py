@@ -20,6 +20,13 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1 = off
     repeat_last_n: int = 64
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each generated id's logit (0 = off)
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated ids (0 = off)
+
+    @property
+    def needs_host(self) -> bool:
+        """Whether drawing needs what only the host sampler does (the device's draw has no OpenAI penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -30,6 +37,8 @@ class SamplingParams:
             (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty),
              f"--repeat-penalty {self.repeat_penalty} must be > 0"),
             (self.repeat_last_n >= 0, f"--repeat-last-n {self.repeat_last_n} must be >= 0"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty {self.presence_penalty} must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty {self.frequency_penalty} must be in [-2, 2]"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -65,6 +74,29 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], penalty: fl
     return out
 
 
+def apply_openai_penalties(logits: np.ndarray, generated: list[int], presence: float,
+                           frequency: float) -> np.ndarray:
+    """OpenAI's presence and frequency penalties over the generated ids (not the prompt): each id seen c times
+    loses frequency * c + presence from its logit."""
+    if not generated or (presence == 0.0 and frequency == 0.0):
+        return logits
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    keep = ids < logits.size
+    out = logits.astype(np.float32, copy=True)
+    out[ids[keep]] -= (frequency * counts[keep] + presence).astype(np.float32)
+    return out
+
+
+def token_logprobs(logits, token: int, k: int, n_valid: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and the k likeliest (id, log-probability) pairs, from the raw
+    logits (before penalties, temperature and truncation, as vLLM reports them)."""
+    x = np.asarray(logits, dtype=np.float64)[:n_valid]
+    lse = x.max() + np.log(np.exp(x - x.max()).sum())
+    top = np.argpartition(-x, k)[:k] if 0 < k < x.size else np.arange(x.size if k else 0)
+    top = top[np.argsort(-x[top], kind="stable")]
+    return float(x[token] - lse), [(int(i), float(x[i] - lse)) for i in top]
+
+
 def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf."""
     x = logits / p.temperature
@@ -89,10 +121,13 @@ def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int],
-           n_valid: int) -> int:
-    """Pick the next token from float32 logits [V]; ids >= n_valid (vocabulary padding) are never chosen."""
+           n_valid: int, generated: list[int] | None = None) -> int:
+    """Pick the next token from float32 logits [V]; ids >= n_valid (vocabulary padding) are never chosen.
+    history: the ids the repetition penalty looks back over (prompt and reply); generated: the reply's ids
+    alone, which the presence and frequency penalties count."""
     x = np.asarray(logits, dtype=np.float32)[:n_valid]
     x = apply_repetition_penalty(x, history[-p.repeat_last_n:] if p.repeat_last_n else [], p.repeat_penalty)
+    x = apply_openai_penalties(x, generated or [], p.presence_penalty, p.frequency_penalty)
     if p.temperature == 0.0:
         return int(np.argmax(x))
     x = filter_logits(x.astype(np.float64), p)

@@ -30,16 +30,28 @@ class ChatTokenizer:
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
-    def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
-        ctx = {"messages": messages, "add_generation_prompt": True, "bos_token": "",
+    def apply_chat_template(self, messages: list[dict], enable_thinking: bool | None = None,
+                            tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """The conversation rendered for generation. tools: OpenAI-style function definitions, which templates
+        that know tools (Qwen3's) list in the system turn; extra: more template variables (an API request's
+        chat_template_kwargs), which do not override the ones set here."""
+        ctx = {**(extra or {}), "messages": messages, "add_generation_prompt": True, "bos_token": "",
                "eos_token": self.config.get("eos_token") or ""}
         if enable_thinking is not None:
             ctx["enable_thinking"] = enable_thinking
+        if tools:
+            ctx["tools"] = tools
         import jinja2
         try:
             return self._compiled_template().render(**ctx)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            # (a message or tool the template cannot take: the caller's input, not a bug)
             raise KuiperError(f"chat template failed: {e}") from None
+
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (else tool definitions would be dropped)."""
+        return bool(self.template) and "tools" in self.template
 
     def _compiled_template(self):
         """The chat template compiled once (a chat renders the whole conversation every turn)."""
@@ -55,12 +67,18 @@ class ChatTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
-            env.filters.setdefault("tojson", lambda x, **kw: __import__("json").dumps(x, ensure_ascii=False, **kw))
+            env.filters["tojson"] = _tojson  # (Jinja's own sorts keys and escapes HTML; templates expect HF's)
             try:
                 self._jinja = env.from_string(self.template)
             except jinja2.TemplateError as e:
                 raise KuiperError(f"chat template failed: {e}") from None
         return self._jinja
+
+
+def _tojson(x, indent=None, separators=None, sort_keys=False):
+    """Hugging Face's tojson for chat templates: keys in their order, non-ASCII kept."""
+    import json
+    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class StreamDecoder:

@@ -210,3 +210,26 @@ def test_chat_render_encodes_only_new_pieces_and_equals_whole_text(tiny_bin):
     finally:
         tok.encode = real
     assert seen == ["<|im_start|>user\none more<|im_end|>\n"]  # (the generation prompt's piece was known)
+
+
+def test_prefix_cache_serves_unrelated_requests_as_fresh_generations(tiny_bin):
+    """generate.PrefixCache (the server's): each request's records equal a fresh generate()'s, prefilling only
+    what follows the prefix shared with the last request (its prompt and the reply tokens fed back)."""
+    from kuiper_py.generate import PrefixCache, generate
+    eng = Engine.load(tiny_bin, "cpu")
+    pc = PrefixCache(eng, 128)
+    p = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=9)
+    a = [785, 6722, 315, 9625, 374]
+    first = list(pc.run(a, 6, p))
+    b = a + first[-1].tokens[:3] + [11, 323]  # continues the first request's prompt and part of its reply
+    c = [40, 1079, 264]  # unrelated
+    for ids, cached in ((b, len(a) + 3), (c, 0), (c + [13], 3), (c[:2], 1)):
+        got = list(pc.run(ids, 5, p))
+        fresh = list(generate(Engine.load(tiny_bin, "cpu"), ids, 5, p))
+        assert [r.token for r in got] == [r.token for r in fresh] and got[-1].text == fresh[-1].text
+        assert got[-1].cached_tokens == cached and got[-1].prompt_tokens == len(ids) - cached
+    it = pc.run(a, 20, p)  # a consumer that leaves early leaves the cache consistent
+    next(it), next(it)
+    it.close()
+    got = list(pc.run(a + [11], 4, p))
+    assert [r.token for r in got] == [r.token for r in generate(Engine.load(tiny_bin, "cpu"), a + [11], 4, p)]

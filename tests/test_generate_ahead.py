@@ -122,3 +122,43 @@ def test_generation_asks_for_its_decode_graphs_before_the_prompt(tiny_bin, monke
     calls.clear()
     list(generate(eng, prompt, 1, greedy, eos_ids=[]))
     assert calls == []
+
+
+def test_host_only_requests_draw_on_the_host_with_the_same_tokens(tiny_bin):
+    """Presence/frequency penalties and logprobs are not the device draw's: such a request takes the serial loop
+    with the logits copied back, and gives what the NumPy backend gives."""
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5, presence_penalty=0.5, frequency_penalty=1.0)
+    refs = list(generate(_engine(tiny_bin, NumpyOps, 64), PROMPT, 12, p, eos_ids=[], max_context=64, logprobs=2))
+    eng = _engine(tiny_bin, QueuedOps, 64)
+    recs = list(generate(eng, PROMPT, 12, p, eos_ids=[], max_context=64, logprobs=2))
+    assert [r.token for r in recs] == [r.token for r in refs] and eng.model.ops.ahead_steps == 0
+    assert all(r.logprob is not None and len(r.logprob[1]) == 2 and r.logprob[0] <= 0 for r in recs)
+    plain = list(generate(_engine(tiny_bin, QueuedOps, 64), PROMPT, 12, SamplingParams(temperature=0.0), eos_ids=[],
+                          max_context=64))
+    assert all(r.logprob is None for r in plain)
+
+
+def test_stop_string_trims_the_tokens_with_the_text(tiny_bin):
+    """With a stop string the record's tokens are the fewest whose text covers the trimmed text: a token that
+    straddles the stop string's start stays, those after it go (also in `kuiper generate --json`)."""
+    from conftest import run_cli
+    eng = Engine.load(tiny_bin, "cpu")
+    tok = eng.tokenizer
+    p = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=3)
+    ref = list(generate(eng, PROMPT, 24, p, eos_ids=[]))[-1].tokens
+    full = tok.decode(ref)
+    # a stop string that starts inside a token: the last character of one token's text and the next one's first
+    ends = [len(tok.decode(ref[:n])) for n in range(1, len(ref) + 1)]
+    i = next(n for n in range(4, len(ref) - 1) if ends[n] - ends[n - 1] >= 2 and "\ufffd" not in full[:ends[n + 1]])
+    stop = full[ends[i] - 1:ends[i] + 1]
+    text = full[:full.index(stop)]
+    last = list(generate(eng, PROMPT, 24, p, stop=[stop], eos_ids=[]))
+    assert "".join(r.text for r in last) == text and last[-1].finish_reason == "stop"
+    want = min(n for n in range(len(ref) + 1) if tok.decode(ref[:n]).startswith(text))
+    assert last[-1].tokens == ref[:want] and last[-1].gen_tokens >= want
+    if text == full[:ends[i] - 1]:  # (the stop string's first occurrence is the chosen one: token i straddles it)
+        assert want == i + 1
+    r = run_cli("generate", "-m", tiny_bin, "--raw", "-p", tok.decode(PROMPT), "--temp", 0.9, "--top-k", 0,
+                "--top-p", 1, "--seed", 3, "-n", 24, "--stop", stop, "--json", "--device", "cpu")
+    rec = __import__("json").loads(r.stdout)
+    assert rec["text"] == text and rec["tokens"] == ref[:want]

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from kuiper_py.errors import KuiperError
-from kuiper_py.sampling import SamplingParams, apply_repetition_penalty, filter_logits, sample
+from kuiper_py.sampling import (SamplingParams, apply_openai_penalties, apply_repetition_penalty, filter_logits, sample,
+                                 token_logprobs)
 
 
 def _p(**kw):
@@ -102,3 +103,44 @@ def test_top_p_after_top_k_equals_the_whole_vocabulary_sort():
         p = _p(temperature=float(rng.uniform(0.1, 2)), top_k=int(rng.integers(0, V + 3)),
                top_p=float(rng.choice([rng.uniform(0.01, 1.0), 0.999999999])))
         np.testing.assert_array_equal(filter_logits(x, p), whole_sort(x, p))
+
+
+def test_openai_penalties_count_generated_ids():
+    rng = np.random.default_rng()
+    x = rng.standard_normal(300).astype(np.float32)
+    gen = rng.integers(0, 300, size=40).tolist()
+    want = x.astype(np.float64).copy()
+    for i in set(gen):
+        want[i] -= 0.7 * gen.count(i) + 0.3
+    got = apply_openai_penalties(x, gen, presence=0.3, frequency=0.7)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert apply_openai_penalties(x, [], 1.0, 1.0) is x
+    # greedy with a frequency penalty on the repeated winner moves to the runner-up
+    order = np.argsort(-x)
+    p = _p(temperature=0.0, frequency_penalty=2.0)
+    margin = float(x[order[0]] - x[order[1]])
+    reps = int(margin / 2.0) + 1
+    assert sample(x, p, rng, [], 300, generated=[int(order[0])] * reps) == int(order[1])
+    assert sample(x, p, rng, [int(order[0])] * reps, 300) == int(order[0])  # (the prompt is not counted)
+    assert p.needs_host and not _p().needs_host
+
+
+def test_token_logprobs_match_torch_log_softmax():
+    import torch
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(1000) * 4).astype(np.float32)
+    x[995] = 50.0  # padding: outside n_valid, not part of the distribution
+    ref = torch.log_softmax(torch.from_numpy(x[:990]).double(), dim=0)
+    tok = int(rng.integers(0, 990))
+    lp, top = token_logprobs(x, tok, 5, n_valid=990)
+    assert abs(lp - float(ref[tok])) < 1e-9
+    vals, ids = torch.topk(ref, 5)
+    assert [i for i, _ in top] == ids.tolist()
+    np.testing.assert_allclose([v for _, v in top], vals.numpy(), atol=1e-9)
+    assert token_logprobs(x, tok, 0, 990)[1] == []
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0)])
+def test_openai_penalty_range(kw):
+    with pytest.raises(KuiperError):
+        _p(**kw)

@@ -1,0 +1,1 @@
+"""`kuiper serve`: an OpenAI-compatible HTTP server over one engine thread."""

@@ -1,0 +1,120 @@
+"""`kuiper serve`: the click command. FastAPI and uvicorn are imported when it runs, not when the CLI starts."""
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import KuiperError
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so a taken port is one clear error (and --port 0 picks a free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise KuiperError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise KuiperError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _log_config(verbose: bool) -> dict:
+    """uvicorn's logs (and, with -v, its access lines) on stderr: stdout stays free."""
+    level = "INFO" if verbose else "WARNING"
+    handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "plain"}
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"plain": {"format": "kuiper serve: %(message)s"}},
+            "handlers": {"stderr": handler},
+            "loggers": {"uvicorn": {"handlers": ["stderr"], "level": level, "propagate": False},
+                        "uvicorn.error": {"level": level},
+                        "uvicorn.access": {"handlers": ["stderr"] if verbose else [], "level": level,
+                                           "propagate": False}}}
+
+
+@click.command("serve")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 picks a free one).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--max-context", type=int, default=None,
+              help="KV cache positions: prompt and completion together (default: the model's maximum).")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests that may wait for the engine; more get 503 with Retry-After.")
+@click.option("--served-model-name", default=None, help="The model name the API shows (default: the file's stem).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
+              help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
+def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, verbose):
+    """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+    Requests run one at a time on one engine thread, queued; SIGINT/SIGTERM stop it cleanly (exit 0)."""
+    if max_context is not None and max_context <= 0:
+        raise KuiperError(f"--max-context {max_context} must be positive")
+    if max_queue < 1:
+        raise KuiperError(f"--max-queue {max_queue} must be >= 1")
+    if not 0 <= port <= 65535:
+        raise KuiperError(f"--port {port} must be in 0..65535")
+    if not Path(model).is_file():
+        raise KuiperError(f"--model {model}: no such file")
+    import uvicorn
+
+    from .app import create_app
+    from .engine_worker import EngineWorker
+    from .metrics import Metrics
+
+    sock = _listen(host, port)
+    name = served_model_name or Path(model).stem
+    worker = EngineWorker(model, device, max_context, max_queue, Metrics(), tokenizer_dir)
+    app = create_app(worker, name)
+    config = uvicorn.Config(app, log_config=_log_config(verbose), timeout_graceful_shutdown=30,
+                            timeout_keep_alive=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.drain()  # (queued requests end now; the running one finishes, within the grace period)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    worker.on_failure = lambda: setattr(server, "should_exit", True)
+    bound = sock.getsockname()
+    click.echo(f"kuiper serve: {name} on http://{host}:{bound[1]} (loading the model; /health answers 200 once "
+               f"it is ready)", err=True)
+    # uvicorn re-raises the signal that stopped it once its own handlers are gone: handlers of ours that do
+    # nothing then take it, so a SIGTERM or SIGINT ends the command with exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    # the engine thread hands each token over with the GIL held between GPU waits: a short switch interval lets
+    # the event loop send it without waiting out Python's default 5 ms
+    sys.setswitchinterval(0.001)
+    worker.start()
+    _announce_ready(worker, host, bound[1])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+    if worker.error:
+        raise KuiperError(worker.error)
+    click.echo("kuiper serve: stopped", err=True)
+
+
+def _announce_ready(worker, host: str, port: int) -> None:
+    """A line on stderr once the model is loaded (from a helper thread: the engine thread only runs the model)."""
+    import threading
+
+    def wait():
+        worker.ready.wait()
+        click.echo(f"kuiper serve: ready on http://{host}:{port} ({worker.engine.device}, context "
+                   f"{worker.max_context} tokens)", err=True)
+    threading.Thread(target=wait, daemon=True).start()

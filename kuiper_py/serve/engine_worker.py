@@ -1,0 +1,166 @@
+"""The one thread that owns the model: it loads it, then takes jobs from a bounded queue one at a time and hands
+each one's records back through the job's emit callback (the HTTP layer turns that into an asyncio queue).
+
+A job is one sequence: a scheduler that batches sequences (continuous batching) would take several jobs from
+the same queue and step them together; the HTTP side stays as it is."""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import KuiperError
+from ..generate import Engine, PrefixCache
+from ..sampling import SamplingParams
+from .metrics import Metrics
+
+
+class QueueFull(Exception):
+    """The bounded request queue has no room (the server answers 503 with Retry-After)."""
+
+
+class ShuttingDown(Exception):
+    """The server stopped accepting requests."""
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    emit: Callable[[object], None]  # called on the engine thread: a Record, an Exception, then None (the end)
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    eos_ids: list[int] | None = None  # None: the model's; [] never stops at an end-of-sequence token
+    queue: object = None  # where the HTTP side reads emit's items (an asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class EngineWorker:
+    def __init__(self, model: str, device: str, max_context: int | None, max_queue: int, metrics: Metrics,
+                 tokenizer_dir: str | None = None, warm: bool = True):
+        self.model_path, self.device, self.want_context = model, device, max_context
+        self.tokenizer_dir, self.warm, self.metrics = tokenizer_dir, warm, metrics
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.engine: Engine | None = None
+        self.cache: PrefixCache | None = None
+        self.max_context = 0
+        self.current: Job | None = None
+        self.ready = threading.Event()
+        self.error: str | None = None  # why loading failed
+        self.accepting = True
+        self.on_failure: Callable[[], None] = lambda: None  # (the server stops when the model cannot load)
+        self._thread = threading.Thread(target=self._main, name="kuiper-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        if not self.accepting:
+            raise ShuttingDown()
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull() from None
+        self.metrics.waiting.set(self.jobs.qsize())
+
+    def drain(self) -> None:
+        """Stop accepting and cancel what waits (signal-safe: only flags); the running job finishes."""
+        self.accepting = False
+        for job in list(self.jobs.queue):
+            job.cancelled.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and end the thread."""
+        self.drain()
+        job = self.current
+        if job is not None:
+            job.cancelled.set()
+        try:
+            self.jobs.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _load(self) -> None:
+        """The engine, its context (the model's maximum or --max-context) and the warmed cache."""
+        eng = Engine.load(self.model_path, self.device, self.tokenizer_dir)
+        ctx = self.want_context or eng.file.args.max_position_embeddings
+        if not 0 < ctx <= eng.file.args.max_position_embeddings:
+            raise KuiperError(f"--max-context {ctx} must be in 1..{eng.file.args.max_position_embeddings}")
+        self.cache = PrefixCache(eng, ctx, warm=self.warm)
+        self.engine, self.max_context = eng, ctx
+
+    def _main(self) -> None:
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001 - reported as one line by the command, which then exits
+            self.error = str(e) if isinstance(e, KuiperError) else f"{type(e).__name__}: {e}"
+            self.on_failure()
+            return
+        self.ready.set()
+        while True:
+            job = self.jobs.get()
+            self.metrics.waiting.set(self.jobs.qsize())
+            if job is None:
+                return
+            self.current = job
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+
+    def _run(self, job: Job) -> None:
+        """One job's records to its emit callback, stopping at the next token once it is cancelled."""
+        if job.cancelled.is_set():
+            if not self.accepting:
+                _safe(job.emit, ShuttingDown())
+            _safe(job.emit, None)
+            return
+        m = self.metrics
+        m.running.inc()
+        last_t, last = None, None
+        it = self.cache.run(job.ids, job.max_tokens, job.params, job.stop, job.eos_ids, job.logprobs)
+        try:
+            for r in it:
+                now = time.perf_counter()
+                if r.token is not None or r.finish_reason:
+                    if last_t is None:
+                        m.ttft.observe(now - job.arrived)
+                    elif r.token is not None:
+                        m.tpot.observe(now - last_t)
+                    last_t = now
+                last = r
+                if job.cancelled.is_set():
+                    m.cancelled.inc()
+                    break
+                if not _safe(job.emit, r):
+                    break
+        except Exception as e:  # noqa: BLE001 - the request fails, the server stays up
+            if not isinstance(e, KuiperError):
+                print(f"kuiper serve: request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                traceback.print_exc(file=sys.stderr)
+            _safe(job.emit, e)
+        finally:
+            it.close()
+            m.running.dec()
+            if last is not None:
+                m.prompt_tokens.inc(len(job.ids))
+                m.cached_tokens.inc(last.cached_tokens)
+                m.generation_tokens.inc(last.gen_tokens)
+                m.e2e.observe(time.perf_counter() - job.arrived)
+            _safe(job.emit, None)
+
+
+def _safe(emit: Callable[[object], None], item) -> bool:
+    """emit(item), False when the receiving event loop is gone (the server is shutting down)."""
+    try:
+        emit(item)
+        return True
+    except RuntimeError:
+        return False

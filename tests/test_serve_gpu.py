@@ -1,0 +1,55 @@
+"""`kuiper serve --device cuda` (device machine only): the server's replies equal `kuiper generate`'s on the GPU,
+across the device draw (queued ahead), the host draw (logprobs, OpenAI penalties) and the prompt cache's reuse."""
+import json
+import signal
+
+import openai
+import pytest
+
+from conftest import run_cli
+from test_serve import NO_THINK, start_server
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tiny_bin):
+    p, url = start_server(tiny_bin, "--max-context", 1024, "--device", "cuda")
+    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 0
+
+
+def _cli(tiny_bin, *args):
+    r = run_cli("generate", "-m", tiny_bin, "--device", "cuda", "--json", *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _chat(client, text, **kw):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                          extra_body=NO_THINK, **kw)
+
+
+def test_gpu_server_equals_generate_across_draw_paths(gpu_server, tiny_bin):
+    want = _cli(tiny_bin, "-p", "Tell me about Mars.", "--no-think", "--temp", "0", "-n", 16)
+    first = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0)
+    assert first.choices[0].message.content == want["text"]
+    # the host draw (logprobs and penalties) between two device draws, the second reusing the whole prompt
+    lp = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    assert lp.choices[0].message.content == want["text"]
+    assert all(e.logprob == max(t.logprob for t in e.top_logprobs) for e in lp.choices[0].logprobs.content)
+    _chat(gpu_server, "Tell me about Mars.", max_tokens=8, temperature=0, frequency_penalty=1.5)
+    again = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0)
+    assert again.choices[0].message.content == want["text"]
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_gpu_server_seeded_sampling_and_stream(gpu_server, tiny_bin):
+    want = _cli(tiny_bin, "-p", "Once upon a time", "--raw", "--temp", "0.8", "--seed", "4", "-n", 20)
+    got = gpu_server.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0.8,
+                                        seed=4)
+    assert got.choices[0].text == want["text"]
+    streamed = "".join(c.choices[0].text for c in gpu_server.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=4, stream=True) if c.choices)
+    assert streamed == want["text"]
