@@ -44,7 +44,7 @@ def snapshot(arg: str, progress: bool = True, log=None) -> Path:
         return Path(snapshot_download(repo, revision=rev, local_files_only=True, allow_patterns=PATTERNS))
     except Exception:  # not cached (LocalEntryNotFoundError and kin): try the network
         pass
-    log(f"downloading {arg} from the Hugging Face hub")
+    log(f"{arg} is not in the Hugging Face cache: downloading it from the hub")
     try:
         if not progress:
             from huggingface_hub.utils import disable_progress_bars
