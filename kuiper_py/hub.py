@@ -71,9 +71,18 @@ def cached_path(arg: str, progress: bool = True, log=None) -> tuple[Path, Path]:
     if d.is_dir():
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", d.resolve().name) or "model"
         return cache_root() / "dirs" / f"{name}-{_dir_key(d)}.bin", d
-    src = snapshot(arg, progress, log)
-    repo, _ = _split(arg)
-    return cache_root() / "hub" / repo.replace("/", "--") / f"{src.name}.bin", src  # src.name: the commit
+    repo, rev = _split(arg)
+    folder = cache_root() / "hub" / repo.replace("/", "--")
+    try:
+        src = snapshot(arg, progress, log)
+    except KuiperError:
+        # neither the Hugging Face cache nor the network has it: a file exported earlier still serves
+        done = sorted((p for p in folder.glob("*.bin") if rev in (None, p.stem)), key=lambda p: p.stat().st_mtime)
+        if not done:
+            raise
+        (log or (lambda m: print(m, file=sys.stderr)))(f"{arg} is unreachable: using {done[-1]}, exported earlier")
+        return done[-1], done[-1]
+    return folder / f"{src.name}.bin", src  # src.name: the snapshot's commit
 
 
 def resolve_model(arg: str, progress: bool = True, log=None) -> Path:

@@ -104,3 +104,13 @@ def test_resolve_model_refuses_junk_and_an_unwritable_cache(hf_cache, tiny_dir, 
     monkeypatch.setenv("KUIPER_CACHE", str(tmp_path / "ro"))
     with pytest.raises(KuiperError, match="cannot create the kuiper cache .*KUIPER_CACHE"):
         hub.resolve_model(str(tiny_dir), progress=False, log=_quiet)
+
+
+def test_exported_hub_model_serves_when_the_hub_cache_is_gone(hf_cache, tmp_path):
+    b = hub.resolve_model("Qwen/Tiny-AWQ", progress=False, log=_quiet)
+    shutil.rmtree(hf_cache / "models--Qwen--Tiny-AWQ")
+    logs = []
+    assert hub.resolve_model("Qwen/Tiny-AWQ", log=logs.append) == b and "exported earlier" in logs[-1]
+    with pytest.raises(KuiperError, match="cannot be downloaded"):
+        hub.resolve_model("Qwen/Tiny-AWQ@ffffffffffffffffffffffffffffffffffffffff", log=_quiet)
+

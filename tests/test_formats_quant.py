@@ -335,3 +335,13 @@ def test_cli_refusal_is_one_line(small, copy_ckpt, tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("kuiper: error:") and "activation order" in lines[0], r.stderr
     assert not (tmp_path / "o.bin").exists()
+
+
+def test_quantized_lm_head_is_refused(tmp_path):
+    d = synth.make_checkpoint(tmp_path / "g", "tiny-untied", seed=3, n_shards=1, layers=1, quant="gptq_v2",
+                              tokenizer=False)
+    t = load_file(str(d / "model.safetensors"))
+    lm = t.pop("lm_head.weight")
+    t["lm_head.qweight"] = torch.zeros((lm.shape[1] // 8, lm.shape[0]), dtype=torch.int32)
+    save_file(t, str(d / "model.safetensors"))
+    _refused(d, tmp_path, "lm_head is quantized in this checkpoint")

@@ -86,6 +86,10 @@ class Converted:
         self.ck, self.cfg, self.g = ck, cfg, group_size
         self.linears = self.find_linears()
         self._dims: dict[str, tuple[int, int]] = {}
+        quantized = sorted(set(kept_fp16(cfg)) & self.linears)
+        if quantized:
+            raise KuiperError(f"{quantized[0]} is quantized in this checkpoint; kuiper needs lm_head and the MoE "
+                              f"routers unquantized")
 
     def _split(self, name: str):
         base, _, suffix = name.rpartition(".")
@@ -102,7 +106,6 @@ class Converted:
     def shape(self, name: str) -> tuple[int, ...]:
         base, suffix = self._split(name)
         if base is None:
-            self._refuse_quantized(name)
             return self.ck.shape(name)
         K, N = self.dims(base)
         return {"qweight": (K, N // 8), "qzeros": (K // self.g, N // 8), "scales": (K // self.g, N)}[suffix]
@@ -123,13 +126,6 @@ class Converted:
     def release(self, name: str, start: int = 0, end: int | None = None) -> None:
         if self._split(name)[0] is None:
             self.ck.release(name, start, end)
-
-    def _refuse_quantized(self, name: str) -> None:
-        """A module kuiper keeps in fp16 (lm_head, a router) that the checkpoint quantized: say so."""
-        base = name[:-len(".weight")] if name.endswith(".weight") else None
-        if base and name not in self.ck and base in self.linears:
-            raise KuiperError(f"{base} is quantized in this checkpoint; kuiper needs lm_head and the MoE "
-                              f"routers unquantized")
 
     def source_name(self, name: str) -> str:
         """The checkpoint tensor behind an AWQ name, for error messages."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import awq
 from ..errors import KuiperError
-from . import Converted, expect_dtype, expect_shape, pack_seq, unpack_seq  # noqa: F401 (pack_seq for writers)
+from . import Converted, expect_dtype, expect_shape, unpack_seq
 
 
 def version(q: dict) -> str:
