@@ -134,7 +134,7 @@ class CompressedReader(Converted):
         if K % g or N % 8:
             raise KuiperError(f"{base} has shape {[N, K]}: {K} inputs are not a multiple of group_size={g} or "
                               f"{N} outputs not of 8")
-        why = f"from {base}.weight_shape {shape} and group_size {g}"
+        why = f"compressed-tensors layout, from {base}.weight_shape {shape} and group_size {g}"
         expect_shape(ck, base + ".weight_scale", (N, K // g), why)
         expect_dtype(ck, base + ".weight_scale", ("F16", "BF16", "F32"))
         if not self.sym:

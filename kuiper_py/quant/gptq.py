@@ -71,7 +71,7 @@ class GptqReader(Converted):
         if K % g or N % 8:
             raise KuiperError(f"tensor {base}.qweight has shape {[k8, N]}: {K} inputs are not a multiple of "
                               f"group_size={g} or {N} outputs not of 8")
-        why = f"from {base}.qweight {[k8, N]} and group_size {g}"
+        why = f"gptq layout, from {base}.qweight {[k8, N]} and group_size {g}"
         expect_shape(ck, base + ".qzeros", (K // g, N // 8), why)
         expect_dtype(ck, base + ".qzeros", ("I32",))
         expect_shape(ck, base + ".scales", (K // g, N), why)
