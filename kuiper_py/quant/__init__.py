@@ -57,12 +57,14 @@ def kept_fp16(cfg: dict) -> list[str]:
 def unpack_seq(words: np.ndarray, axis: int) -> np.ndarray:
     """int32 words with eight 4-bit values each, value i in bits 4i..4i+3 (GPTQ's and compressed-tensors'
     order), unpacked along axis (0 or 1) to uint8 0..15."""
-    w = np.ascontiguousarray(words).view(np.uint32)
-    v = (w[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15  # [R, C, 8]
-    v = v.astype(np.uint8)
+    R, C = words.shape
+    b = np.ascontiguousarray(words).view(np.uint8).reshape(R, C, 4)  # little-endian: value 2i in byte i's low bits
+    v = np.empty((R, C, 8), dtype=np.uint8)
+    v[:, :, 0::2] = b & 15
+    v[:, :, 1::2] = b >> 4
     if axis == 1:
-        return v.reshape(w.shape[0], -1)
-    return v.transpose(0, 2, 1).reshape(-1, w.shape[1])
+        return v.reshape(R, C * 8)
+    return v.transpose(0, 2, 1).reshape(R * 8, C)
 
 
 def pack_seq(values: np.ndarray, axis: int) -> np.ndarray:
