@@ -61,8 +61,8 @@ def _attention_ref(q, K, V):
     return out.reshape(1, H * hd)
 
 
-@pytest.mark.parametrize("preset", ["4b-2507", "30b-a3b-2507", "235b-a22b-2507"])
-@pytest.mark.parametrize("splits,on_device", [(16, False), (70, True)])
+@pytest.mark.parametrize("preset,splits,on_device", [("4b-2507", 16, False), ("30b-a3b-2507", 70, True),
+                                                     ("235b-a22b-2507", 70, True)])
 def test_flash_decoding_at_128k_keys(preset, splits, on_device):
     """Flash decoding over 131,072 cached keys with a 2507 model's heads (4B: 32 q / 8 kv, 30B-A3B: 32 / 4,
     235B-A22B: 64 / 4; head dim 128), the length given or read from device memory, against float64."""
