@@ -37,12 +37,11 @@ def unpack_stored(packed: np.ndarray) -> np.ndarray:
 
 
 def pack(values: np.ndarray) -> np.ndarray:
-    """uint8 [R, C] of 0..15 -> int32 [R, C/8]; the inverse of unpack."""
-    v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)
-    out = np.zeros(v.shape[:2], dtype=np.uint32)
-    for c in range(8):
-        out |= v[:, :, c] << np.uint32(4 * AWQ_REVERSE_ORDER[c])
-    return out.view(np.int32)
+    """uint8 [R, C] of 0..15 -> int32 [R, C/8]; the inverse of unpack. Built a byte at a time (little-endian): byte
+    k of a word holds nibbles 2k and 2k+1, i.e. columns AWQ_ORDER[2k] (low) and AWQ_ORDER[2k+1] (high)."""
+    v = np.asarray(values, dtype=np.uint8).reshape(values.shape[0], -1, 8)
+    out = v[:, :, list(AWQ_ORDER[0::2])] | (v[:, :, list(AWQ_ORDER[1::2])] << 4)
+    return np.ascontiguousarray(out).view(np.int32).reshape(values.shape[0], -1)
 
 
 def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group_size: int,

@@ -1,4 +1,5 @@
-"""`kuiper export`: a Hugging Face Qwen3 AWQ checkpoint -> one ak48 file, streamed tensor by tensor."""
+"""`kuiper export`: a Hugging Face Qwen3 4-bit checkpoint (AWQ, GPTQ, compressed-tensors) -> one ak48 file,
+streamed tensor by tensor."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
+from . import quant
 from .config import ModelArgs
 from .errors import KuiperError, ResourceError
 from .st_reader import Checkpoint, bf16_to_f32
@@ -32,34 +34,16 @@ def _read_json(path: Path, required: bool):
 
 
 def check_config(cfg: dict) -> int:
-    """Refuse anything but a Qwen3 dense AWQ-GEMM 4-bit zero-point checkpoint; return the group size."""
+    """Refuse anything but a Qwen3 (dense or MoE) 4-bit AWQ, GPTQ or compressed-tensors checkpoint whose format
+    kuiper converts (each format's table: kuiper_py/quant); return the group size."""
     arch = cfg.get("architectures") or []
     mtype = cfg.get("model_type")
     if mtype not in ("qwen3", "qwen3_moe") and not {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"} & set(arch):
         raise KuiperError(f"unsupported architecture {arch or mtype!r}: kuiper exports Qwen3ForCausalLM and "
                           f"Qwen3MoeForCausalLM")
-    q = cfg.get("quantization_config")
-    if not isinstance(q, dict):
-        raise KuiperError("config.json has no quantization_config: kuiper needs an AWQ 4-bit checkpoint")
-    method = str(q.get("quant_method", "")).lower()
-    if method != "awq":
-        raise KuiperError(f"quantization method {method!r} is not supported (only awq)")
-    if q.get("bits", q.get("w_bit")) != 4:
-        raise KuiperError(f"AWQ bits={q.get('bits', q.get('w_bit'))} is not supported (only 4-bit)")
-    if q.get("zero_point", True) is not True:
-        raise KuiperError("AWQ without zero point is not supported")
-    if str(q.get("version", "gemm")).lower() != "gemm":
-        raise KuiperError(f"AWQ version {q.get('version')!r} is not supported (only GEMM packing)")
-    g = q.get("group_size", q.get("q_group_size", 128))
-    if not isinstance(g, int) or g <= 0 or g % 8:
-        raise KuiperError(f"AWQ group_size={g} is not supported (a positive multiple of 8)")
+    g = quant.check(cfg)
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias", False):
         raise KuiperError("config has a non-silu activation or attention bias, which Qwen3 does not")
-    skip = q.get("modules_to_not_convert") or []
-    allowed = ("lm_head",) + (("gate", "mlp.gate") if mtype == "qwen3_moe" else ())
-    if any(m for m in skip if m not in allowed):
-        raise KuiperError(f"modules_to_not_convert={skip} is not supported (only {', '.join(allowed)} may stay "
-                          f"unquantized)")
     return g
 
 
@@ -133,17 +117,24 @@ def _region_bytes(ck: Checkpoint, r: fmt.Region):
 
 
 def export(hf_dir: str | Path, out_path: str | Path, progress: bool = True, log=None) -> dict:
+    """Export a Hugging Face directory, or a hub id (resolved through the local Hugging Face cache, then the
+    network), to out_path."""
     log = log or (lambda m: print(m, file=sys.stderr))
     t0 = time.perf_counter()
+    if not Path(hf_dir).is_dir():
+        from .hub import is_hub_id, snapshot
+        if not is_hub_id(str(hf_dir)):
+            raise KuiperError(f"{hf_dir} is not a directory or a Hugging Face hub id (org/name)")
+        hf_dir = snapshot(str(hf_dir), progress=progress, log=log)
     hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise KuiperError(f"{hf_dir} is not a directory")
     cfg = _read_json(hf_dir / "config.json", required=True)
     if not isinstance(cfg, dict):
         raise KuiperError("config.json is not a JSON object")
     args = ModelArgs.from_hf_config(cfg, group_size=check_config(cfg))
-    ck = Checkpoint(hf_dir)
+    ck = quant.open_source(cfg, Checkpoint(hf_dir))
     header, regions = plan_file(ck, args)
+    if hasattr(ck, "check_values"):
+        ck.check_values()
 
     gen = _read_json(hf_dir / "generation_config.json", required=False)
     tok = None
@@ -164,6 +155,7 @@ def plan_file(ck, args: ModelArgs) -> tuple[fmt.Header, list[fmt.Region]]:
     """The header and regions of the file for model args (from a config check_config passed) and tensor
     source ck (a Checkpoint, or anything with its __contains__, shape, dtype, get and release), after checking
     that every tensor a region needs is there with its shape and dtype: nothing is written before this passes."""
+    src = getattr(ck, "source_name", lambda n: n)
     shared = args.tie_word_embeddings or "lm_head.weight" not in ck
     if not args.tie_word_embeddings and "lm_head.weight" not in ck:
         raise KuiperError("checkpoint is missing tensor lm_head.weight and tie_word_embeddings is false")
@@ -178,8 +170,10 @@ def plan_file(ck, args: ModelArgs) -> tuple[fmt.Header, list[fmt.Region]]:
                 shape = tuple(ck.shape(n))
                 exp = want if len(pieces) == 1 else want[:-1] + (want[-1] // len(pieces),)
                 if shape != exp:
-                    raise KuiperError(f"tensor {n} has shape {list(shape)}, expected {list(exp)}")
-                _check_dtype(ck.dtype(n), r.dtype, n)
+                    raise KuiperError(f"tensor {src(n)} gives {n} of shape {list(shape)}, expected {list(exp)} "
+                                      f"from config.json" if src(n) != n else
+                                      f"tensor {n} has shape {list(shape)}, expected {list(exp)}")
+                _check_dtype(ck.dtype(n), r.dtype, src(n))
     return header, regions
 
 

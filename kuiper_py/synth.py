@@ -63,6 +63,20 @@ MOE_PRESETS = {
     "30b-a3b": (2048, 6144, 48, 32, 4, 128, False, 128, 8, 768, ()),
     "235b-a22b": (4096, 12288, 94, 64, 4, 128, False, 128, 8, 1536, ()),
 }
+# Qwen3-2507 (Instruct / Thinking) and Qwen3-Coder: the shapes of a preset with a 262,144-token context and
+# their own rope_theta (from the published config.json files); the tiny-* ones for tests
+VARIANTS = {
+    # name: (shapes preset, max_position_embeddings, rope_theta)
+    "tiny-2507": ("tiny", 262144, 5_000_000),
+    "tiny-moe-2507": ("tiny-moe", 262144, 10_000_000),
+    "tiny-coder-moe": ("tiny-moe", 262144, 10_000_000),
+    "4b-2507": ("4b", 262144, 5_000_000),
+    "30b-a3b-2507": ("30b-a3b", 262144, 10_000_000),
+    "235b-a22b-2507": ("235b-a22b", 262144, 5_000_000),
+    "coder-30b-a3b": ("30b-a3b", 262144, 10_000_000),
+}
+# checkpoint formats make_checkpoint writes: each holds the same codes, scales and zeros
+QUANT_FORMATS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
 VOCAB = 151936
 N_RANKS = 151643
 
@@ -159,16 +173,90 @@ def write_tokenizer_files(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1))
 
 
-def _quantize(w_t: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Group-wise asymmetric 4-bit quantization of W^T [K, N] -> (q, z, s) as integers and fp16 scales."""
+def _quantize(w_t: np.ndarray, g: int, sym: bool = False, bf16: bool = False):
+    """Group-wise 4-bit quantization of W^T [K, N] -> (q, z, s): integer codes and zeros, scales as float32
+    values exactly representable in the file's dtype (fp16, or bf16 with bf16). sym: zero 8, scale max|w| / 7.5."""
     K, N = w_t.shape
     wg = w_t.reshape(K // g, g, N)
     lo, hi = wg.min(axis=1), wg.max(axis=1)
-    s = np.maximum((hi - lo) / 15.0, 1e-6).astype(np.float16)
-    s32 = s.astype(np.float32)
-    z = np.clip(np.round(-lo / s32), 0, 15).astype(np.uint8)
+    s = np.maximum(np.maximum(-lo, hi) / 7.5 if sym else (hi - lo) / 15.0, 1e-6)
+    s32 = _round_bf16(s) if bf16 else s.astype(np.float16).astype(np.float32)
+    z = np.full(s.shape, 8, np.uint8) if sym else np.clip(np.round(-lo / s32), 0, 15).astype(np.uint8)
     q = np.clip(np.round(wg / s32[:, None, :]) + z[:, None, :], 0, 15).astype(np.uint8).reshape(K, N)
-    return q, z, s
+    return q, z, s32
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _round_bf16(a: np.ndarray) -> np.ndarray:
+    return (_bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
+
+
+_ST_DTYPES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32",
+              np.dtype(np.int64): "I64", np.dtype(np.uint16): "BF16"}
+
+
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """Write a safetensors file; uint16 arrays are written as BF16 (their bit patterns), which numpy lacks."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    tensors = dict(sorted(tensors.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0])))  # aligned data
+    for name, a in tensors.items():
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h)
+        for a in tensors.values():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def quant_tensors(quant: str, q: np.ndarray, z: np.ndarray, s: np.ndarray, g: int, sym: bool) -> dict:
+    """One linear's tensors as the checkpoint format stores them (suffix -> array), from codes q [K, N], zeros
+    z [K/g, N] (0..15) and scales s [K/g, N] (fp16, or bf16 bit patterns as uint16)."""
+    from .quant import pack_seq
+    K, N = q.shape
+    if quant == "awq":
+        return {"qweight": awq.pack(q), "qzeros": awq.pack(z), "scales": s}
+    if quant in ("gptq", "gptq_v2"):
+        if quant == "gptq" and (z == 0).any():
+            raise ValueError("GPTQ v1 cannot store a zero point of 0 (it stores zero - 1)")
+        zs = z - 1 if quant == "gptq" else z
+        return {"qweight": pack_seq(q, 0), "qzeros": pack_seq(zs, 1), "scales": s,
+                "g_idx": (np.arange(K) // g).astype(np.int32)}
+    if quant == "compressed-tensors":
+        out = {"weight_packed": pack_seq(np.ascontiguousarray(q.T), 1), "weight_scale": np.ascontiguousarray(s.T),
+               "weight_shape": np.array([N, K], dtype=np.int64)}
+        if not sym:
+            out["weight_zero_point"] = pack_seq(np.ascontiguousarray(z.T), 0)
+        elif (z != 8).any():
+            raise ValueError("a symmetric compressed-tensors scheme needs every zero at 8")
+        return out
+    raise ValueError(f"unknown checkpoint format {quant!r} (one of {', '.join(QUANT_FORMATS)})")
+
+
+def quantization_config(quant: str, g: int = 128, sym: bool = False, moe: bool = False) -> dict:
+    """The quantization_config of a checkpoint format, as its library writes it."""
+    if quant == "awq":
+        return {"bits": 4, "group_size": g, "modules_to_not_convert": ["gate"] if moe else None,
+                "quant_method": "awq", "version": "gemm", "zero_point": True}
+    if quant in ("gptq", "gptq_v2"):
+        return {"bits": 4, "checkpoint_format": quant, "damp_percent": 0.01, "desc_act": False, "group_size": g,
+                "lm_head": False, "quant_method": "gptq", "static_groups": False, "sym": sym, "true_sequential": True}
+    if quant == "compressed-tensors":
+        weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": g, "num_bits": 4,
+                   "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": sym,
+                   "type": "int"}
+        return {"config_groups": {"group_0": {"input_activations": None, "output_activations": None,
+                                              "targets": ["Linear"], "weights": weights}},
+                "format": "pack-quantized", "global_compression_ratio": None,
+                "ignore": ["lm_head"] + (["re:.*mlp.gate$"] if moe else []), "kv_cache_scheme": None,
+                "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+    raise ValueError(f"unknown checkpoint format {quant!r} (one of {', '.join(QUANT_FORMATS)})")
 
 
 GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
@@ -177,6 +265,8 @@ GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": 
 
 def preset_dims(preset: str) -> tuple:
     """(D, I, L, H, KV, hd, tied, E, top-k, expert intermediate, mlp_only_layers) of a preset (E = 0: dense)."""
+    if preset in VARIANTS:
+        return preset_dims(VARIANTS[preset][0])
     if preset in MOE_PRESETS:
         return MOE_PRESETS[preset]
     if preset in PRESETS:
@@ -184,9 +274,13 @@ def preset_dims(preset: str) -> tuple:
     raise ValueError(f"unknown preset {preset!r}")
 
 
-def hf_config(preset: str, layers: int | None = None, max_position_embeddings: int = 40960) -> dict:
-    """config.json of a synthetic checkpoint of the preset's shapes (layers overrides its layer count)."""
+def hf_config(preset: str, layers: int | None = None, max_position_embeddings: int | None = None, *,
+              quant: str = "awq", group_size: int = 128, sym: bool = False, bf16: bool = False) -> dict:
+    """config.json of a synthetic checkpoint of the preset's shapes (layers overrides its layer count;
+    max_position_embeddings, by default 40960 or a 2507/Coder variant's 262144, its context)."""
     D, I, L, H, KV, hd, tied, E, topk, moe_I, mlp_only = preset_dims(preset)
+    _, ctx, theta = VARIANTS.get(preset, (preset, 40960, 1000000))
+    max_position_embeddings = max_position_embeddings or ctx
     L = layers or L
     config = {
         "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -194,10 +288,9 @@ def hf_config(preset: str, layers: int | None = None, max_position_embeddings: i
         "hidden_size": D, "initializer_range": 0.02, "intermediate_size": I,
         "max_position_embeddings": max_position_embeddings, "max_window_layers": L, "model_type": "qwen3",
         "num_attention_heads": H, "num_hidden_layers": L, "num_key_value_heads": KV,
-        "quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
-                                "quant_method": "awq", "version": "gemm", "zero_point": True},
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-        "tie_word_embeddings": tied, "torch_dtype": "float16", "use_cache": True,
+        "quantization_config": quantization_config(quant, group_size, sym, bool(E)),
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": theta, "sliding_window": None,
+        "tie_word_embeddings": tied, "torch_dtype": "bfloat16" if bf16 else "float16", "use_cache": True,
         "use_sliding_window": False, "vocab_size": VOCAB,
     }
     if E:
@@ -205,50 +298,53 @@ def hf_config(preset: str, layers: int | None = None, max_position_embeddings: i
                       num_experts_per_tok=topk, moe_intermediate_size=moe_I, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=list(mlp_only), router_aux_loss_coef=0.001,
                       output_router_logits=False)
-        config["quantization_config"]["modules_to_not_convert"] = ["gate"]
     return config
 
 
 def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_shards: int = 2,
                     mode: str | None = None, layers: int | None = None, tokenizer: bool = True,
-                    max_position_embeddings: int = 40960) -> Path:
-    """Write a synthetic Qwen3 AWQ checkpoint. mode 'quantize' quantizes random float weights
-    (real AWQ rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes)."""
-    from safetensors.numpy import save_file
-
+                    max_position_embeddings: int | None = None, quant: str = "awq", group_size: int = 128,
+                    sym: bool = False, bf16: bool = False) -> Path:
+    """Write a synthetic Qwen3 4-bit checkpoint. mode 'quantize' quantizes random float weights (real
+    rounding); 'direct' draws the 4-bit codes directly (fast at 8B/32B shapes). quant picks the format
+    (QUANT_FORMATS): for one seed every format holds the same codes, zeros and scales (sym: all zeros 8);
+    bf16 stores scales, norms, embeddings and routers as bfloat16."""
     dims = preset_dims(preset)
     D, L, tied = dims[0], layers or dims[2], dims[6]
     mode = mode or ("quantize" if D <= 1024 and L <= 8 else "direct")
-    g = 128
+    g = group_size
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    config = hf_config(preset, layers, max_position_embeddings)
+    config = hf_config(preset, layers, max_position_embeddings, quant=quant, group_size=g, sym=sym, bf16=bf16)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     if tokenizer:
         write_tokenizer_files(out)
 
-    def f16(a):
-        return np.ascontiguousarray(a, dtype=np.float16)
+    def fl(a):  # a float tensor in the checkpoint's dtype
+        return _bf16_bits(a) if bf16 else np.ascontiguousarray(a, dtype=np.float16)
 
     def linear(K, N):
         if mode == "quantize":
             # 4/sqrt(K): layer outputs dominate the residual, so greedy text varies
             w_t = rng.standard_normal((K, N), dtype=np.float32) * (4.0 / np.sqrt(K))
-            q, z, s = _quantize(w_t, g)
-        else:
-            # uniform random words are eight uniform random 4-bit codes in any packing order, so the
-            # codes are drawn packed (8x fewer draws, no pack: 30B-A3B shapes in seconds, not minutes)
-            qw = rng.integers(0, 2**32, size=(K, N // 8), dtype=np.uint32).view(np.int32)
-            z = rng.integers(6, 10, size=(K // g, N), dtype=np.uint8)
-            s = np.full((K // g, N), 1.0 / (6.5 * np.sqrt(K)), dtype=np.float16)
-            s *= (0.75 + 0.5 * rng.random((K // g, N), dtype=np.float32)).astype(np.float16)
-            return {"qweight": qw, "qzeros": awq.pack(z), "scales": f16(s)}
-        return {"qweight": awq.pack(q), "qzeros": awq.pack(z), "scales": f16(s)}
+            q, z, s = _quantize(w_t, g, sym, bf16)
+            return quant_tensors(quant, q, z, fl(s), g, sym)
+        # uniform random words are eight uniform random 4-bit codes in any packing order, so the
+        # codes are drawn packed (8x fewer draws, no pack: 30B-A3B shapes in seconds, not minutes)
+        qw = rng.integers(0, 2**32, size=(K, N // 8), dtype=np.uint32).view(np.int32)
+        z = rng.integers(6, 10, size=(K // g, N), dtype=np.uint8)
+        s = np.full((K // g, N), 1.0 / (6.5 * np.sqrt(K)), dtype=np.float16)
+        s *= (0.75 + 0.5 * rng.random((K // g, N), dtype=np.float32)).astype(np.float16)
+        if sym:
+            z[:] = 8
+        if quant == "awq":
+            return {"qweight": qw, "qzeros": awq.pack(z), "scales": fl(s)}
+        return quant_tensors(quant, awq.unpack(qw), z, fl(s.astype(np.float32)), g, sym)
 
     def norm(n):
-        return f16(1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32))
+        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
 
     # layers in contiguous ranges per shard, embeddings in the first and lm_head in the last;
     # each shard is written and dropped before the next is drawn, so 32B shapes fit in RAM
@@ -257,23 +353,23 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", *, seed: int = 0, n_s
     for si in range(n_shards):
         t: dict[str, np.ndarray] = {}
         if si == 0:
-            t["model.embed_tokens.weight"] = f16(rng.standard_normal((VOCAB, D), dtype=np.float32))
+            t["model.embed_tokens.weight"] = fl(rng.standard_normal((VOCAB, D), dtype=np.float32))
         for i in range(si * L // n_shards, (si + 1) * L // n_shards):
             for name, shape, _, kind, K in _layer_specs(i, dims):
                 if kind == "norm":
-                    t[name] = norm(shape[0])
+                    t[name] = fl(norm(shape[0]))
                 elif kind == "router":
-                    t[name] = f16(rng.standard_normal(shape, dtype=np.float32) * (3 / np.sqrt(D)))
+                    t[name] = fl(rng.standard_normal(shape, dtype=np.float32) * (3 / np.sqrt(D)))
                 elif kind == "qweight":  # (its qzeros and scales are drawn with it)
                     for k, v in linear(K, 8 * shape[1]).items():
                         t[name[:-len("qweight")] + k] = v
         if si == n_shards - 1:
             # a final norm of ~4 spreads the logits, so greedy margins sit well above fp16 rounding
-            t["model.norm.weight"] = f16(4.0 * norm(D).astype(np.float32))
+            t["model.norm.weight"] = fl(4.0 * norm(D))
             if not tied:
-                t["lm_head.weight"] = f16(rng.standard_normal((VOCAB, D), dtype=np.float32) / np.sqrt(D) * 4)
+                t["lm_head.weight"] = fl(rng.standard_normal((VOCAB, D), dtype=np.float32) / np.sqrt(D) * 4)
         fname = "model.safetensors" if n_shards == 1 else f"model-{si + 1:05d}-of-{n_shards:05d}.safetensors"
-        save_file(t, str(out / fname), metadata={"format": "pt"})
+        save_safetensors(t, out / fname)
         weight_map.update({k: fname for k in t})
         del t
     if n_shards > 1:
@@ -396,7 +492,7 @@ class SynthTensors:
 
 
 def write_synthetic_file(out_path: str | Path, preset: str, *, seed: int = 0, layers: int | None = None,
-                         max_position_embeddings: int = 40960, progress: bool = False, log=None) -> dict:
+                         max_position_embeddings: int | None = None, progress: bool = False, log=None) -> dict:
     """An ak48 file of the preset's shapes with random weights (SynthTensors), the real Qwen tokenizer and
     the synthetic checkpoints' chat template, written as `kuiper export` writes one (the same header, regions,
     trailer and checksum, through a temporary file) without the Hugging Face checkpoint in between."""

@@ -58,13 +58,15 @@ def _edit_config(d, fn):
 
 
 @pytest.mark.parametrize("edit, msg", [
-    (lambda c: c["quantization_config"].update(quant_method="gptq"), "gptq"),
+    (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), "'bitsandbytes' is not supported"),
     (lambda c: c["quantization_config"].update(bits=8), "bits=8"),
     (lambda c: c["quantization_config"].update(version="gemv"), "GEMM"),
     (lambda c: c["quantization_config"].update(zero_point=False), "zero point"),
     (lambda c: c.pop("quantization_config"), "no quantization_config"),
     (lambda c: c.update(architectures=["LlamaForCausalLM"], model_type="llama"), "unsupported architecture"),
-    (lambda c: c["quantization_config"].update(group_size=96), "does not divide"),
+    (lambda c: c["quantization_config"].update(group_size=96), r"group_size=96 is not supported \(supported: 32, 64"),
+    (lambda c: c["quantization_config"].update(group_size=256), r"group_size=256 is not supported"),
+    (lambda c: c.update(hidden_size=96, head_dim=24), "does not divide"),
 ])
 def test_bad_configs_are_refused(untied_dir, copy_ckpt, tmp_path, edit, msg):
     d = copy_ckpt(untied_dir)
