@@ -130,7 +130,7 @@ def _check_writable_dir(output: str) -> None:
             pass
     except OSError as e:
         why = "this file system does not take new files" if e.errno == errno.ENOENT else e.strerror
-        raise KuiperError(f"-o {output}: cannot create a file in {d}: {why}") from None
+        raise KuiperError(f"-o {output}: cannot write to {d}: {why}") from None
 
 
 @_command("export")
@@ -374,7 +374,7 @@ def _check_ctx(ctx_size: int | None, header) -> None:
 def _check_max_tokens(n: int) -> None:
     """One rule for generate and chat: at least one token (bench's -n 0 skips a test; a zero-token reply is not one)."""
     if n < 1:
-        raise KuiperError(f"{_typed('-n', '--max-tokens')} {n} must be >= 1")
+        raise KuiperError(f"-n/--max-tokens {n} must be >= 1")
 
 
 def _read_prompt(prompt: str | None, file: str | None) -> str:
@@ -512,7 +512,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     ids = tok.encode(prompt_text)
     limit = ctx_size or eng.file.args.max_position_embeddings
     if len(ids) > limit:
-        raise KuiperError(f"the prompt is {len(ids)} tokens, more than the context of {limit} "
+        raise KuiperError(f"prompt of {len(ids)} tokens does not fit a context of {limit} "
                           + (f"({_typed(*CTX_FLAGS)})" if ctx_size else "(the model's context length)"))
     if verbose:
         a = eng.file.args
@@ -608,7 +608,7 @@ class _ChatTotals:
         self.gen_s += r.gen_seconds
 
     def line(self) -> str:
-        return (f"chat: {self.replies} repl{'y' if self.replies == 1 else 'ies'} | prompt {self.prompt_tokens} new "
+        return (f"chat: {self.replies} repl{'y' if self.replies == 1 else 'ies'} | prefilled {self.prompt_tokens} "
                 f"tokens, {self.prompt_tokens / max(self.prompt_s, 1e-9):.1f} tok/s | generated {self.gen_tokens} "
                 f"tokens, {self.steps / max(self.gen_s, 1e-9):.1f} tok/s | seed {self.seed}")
 
