@@ -183,7 +183,8 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": fmt.n_params(h),
          "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
          "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
-         "checksum": status, "header_checksum": "OK" if h.header_crc else "absent (file written before it)",
+         "checksum": status, "header_checksum": "OK" if h.header_crc else "absent (plain v5 file)" if not h.has_ext
+         else "absent (written before kuiper checked headers at load)",
          # what --device cuda holds: the file's weights on the GPU, an untied embedding in pinned host memory,
          # and the fp16 KV cache per position of -c/--ctx-size (workspace and MoE router rows come on top)
          "gpu_weight_bytes": gpu,
