@@ -86,7 +86,8 @@ def main(argv=None) -> None:
         if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
             _err(f"out of GPU memory: {e} (try a smaller {_typed(*CTX_FLAGS)})")
             sys.exit(3)
-        _err(f"internal error: {type(e).__name__}: {e}" + ("" if DEBUG["on"] else " (rerun with --debug for a traceback)"))
+        hint = "" if DEBUG["on"] else " (rerun with --debug for a traceback)"
+        _err(f"internal error: {type(e).__name__}: {e}{hint}")
         sys.exit(1)
 
 

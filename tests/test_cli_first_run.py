@@ -25,7 +25,8 @@ def _old_style(data: bytes) -> bytearray:
     flags = struct.unpack_from("<I", b, 0x54)[0]
     struct.pack_into("<I", b, 0x54, flags & ~fmt.FLAG_HEADER_CRC)
     b[fmt.HEADER_CRC_OFFSET:fmt.HEADER_SIZE] = bytes(4)
-    b[fmt.CHECKSUM_OFFSET:fmt.CHECKSUM_OFFSET + 32] = hashlib.sha256(fmt.hashed_header(bytes(b[:256])) + b[256:]).digest()
+    sha = hashlib.sha256(fmt.hashed_header(bytes(b[:256])) + b[256:])
+    b[fmt.CHECKSUM_OFFSET:fmt.CHECKSUM_OFFSET + 32] = sha.digest()
     return b
 
 
