@@ -536,21 +536,20 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if reason == "context":
         log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; "
             f"raise {_typed(*CTX_FLAGS)})")
-    stats = _generate_stats(eng, last, params.seed)
+    stats = _generate_stats(eng, last)
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
                               ensure_ascii=False))
     if not quiet:
-        log(_stats_line(stats, reason))
+        log(_stats_line(stats, reason, params.seed))
     if interrupted:
         sys.exit(130)
 
 
-def _generate_stats(eng, last, seed: int) -> dict:
+def _generate_stats(eng, last) -> dict:
     stats = {"load_s": round(eng.load_seconds, 3), "warmup_s": round(last.warmup_seconds, 3),
-             "prompt_tokens": last.prompt_tokens, **_timings(last), "peak_host_mib": round(_peak_host_mib(), 1),
-             "seed": seed}
+             "prompt_tokens": last.prompt_tokens, **_timings(last), "peak_host_mib": round(_peak_host_mib(), 1)}
     if eng.device == "cuda":
         from .ops_cupy import gpu_memory_used_mib, kernel_build_seconds
         stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
@@ -559,12 +558,12 @@ def _generate_stats(eng, last, seed: int) -> dict:
     return stats
 
 
-def _stats_line(stats: dict, reason: str) -> str:
+def _stats_line(stats: dict, reason: str, seed: int) -> str:
     build = stats.get("kernel_build_s", 0.0)
     return (f"load {stats['load_s']:.2f} s | " + (f"warm-up {stats['warmup_s']:.2f} s | " if stats["warmup_s"] else "")
             + f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
             f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
-            f"seed {stats['seed']} | peak host {stats['peak_host_mib']:.0f} MiB"
+            f"seed {seed} | peak host {stats['peak_host_mib']:.0f} MiB"
             + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
             + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk "
                f"cache)" if build >= 1.0 else ""))

@@ -38,7 +38,7 @@ def test_seed_minus_one_is_random_and_reported(tiny_bin):
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     seed = rec["seed"]
-    assert isinstance(seed, int) and seed >= 0 and rec["timings"]["seed"] == seed
+    assert isinstance(seed, int) and seed >= 0
     assert f"seed {seed}" in r.stderr  # the statistics line
     again = json.loads(run_cli(*args, "--seed", str(seed)).stdout)
     assert again["tokens"] == rec["tokens"] and again["seed"] == seed
