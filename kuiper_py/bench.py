@@ -5,6 +5,7 @@ import csv
 import io
 import json
 from datetime import datetime, timezone
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -25,14 +26,21 @@ def _run_once(eng: Engine, prompt: list[int], n_gen: int) -> tuple[float, int]:
     return last.gen_seconds, last.decode_steps
 
 
-def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, device: str) -> list[dict]:
+def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str) -> Engine:
+    """The engine, with a cache sized for the longest test."""
     eng = Engine.load(model, device, need_tokenizer=False)
     eng.session(max([p for p in n_prompt if p > 0] + [n + 1 for n in n_gen if n > 0] + [1]))
     log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device} (map, upload, kernels)")
+    return eng
+
+
+def bench_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], reps: int,
+               progress: Callable[[str, int, int], None] | None = None) -> Iterator[dict]:
+    """One row per test, yielded as soon as it is measured (so an interrupted sweep keeps the finished rows);
+    progress(test, repetition, of) is called before each run, the warm-up ones with repetition 0."""
     rng = np.random.default_rng(0)
     V = eng.file.args.vocab_size
     tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
-    rows = []
     for p, n in tests:
         name = f"pp{p}" if n == 0 else f"tg{n}"
         samples = []
@@ -40,31 +48,35 @@ def run_bench(model: str, n_prompt: list[int], n_gen: list[int], reps: int, devi
         # second prompt of a length bucket captures its prefill graph, which the later ones replay
         warm = 2 if n == 0 and p > 1 and eng.device == "cuda" else 1
         for rep in range(reps + warm):
+            if progress:
+                progress(name, max(rep - warm + 1, 0), reps)
             prompt = rng.integers(0, min(V, 151643), size=p).tolist()
             secs, toks = _run_once(eng, prompt, n + (1 if n else 0))
             if rep >= warm:
                 samples.append((secs, toks))
-        ns = np.array([s * 1e9 for s, _ in samples])
-        ts = np.array([t / s for s, t in samples])
-        row = {
-            "backends": "CUDA" if eng.device == "cuda" else "CPU", "model_filename": str(model),
-            "model_type": model_label(eng.file.args),
-            "model_size": eng.file.size, "model_n_params": fmt.n_params(eng.file.header),
-            "n_prompt": p if n == 0 else 0, "n_gen": n, "test": name,
-            "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "avg_ns": int(ns.mean()), "stddev_ns": int(ns.std(ddof=1)) if len(ns) > 1 else 0,
-            "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0,
-            "samples_ns": [int(x) for x in ns], "samples_ts": [float(x) for x in ts],
-        }
-        if eng.device == "cuda":
-            from .ops_cupy import gpu_memory_used_mib, gpu_name
-            row["gpu_info"] = gpu_name()
-            row["gpu_mem_mib"] = round(gpu_memory_used_mib(), 1)
-        rows.append(row)
+        row = _row(eng, model, p, n, name, samples)
         log(f"{name}: {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} tok/s")
-    if eng.device == "cuda" and rows:
-        log(f"GPU memory in use: {rows[-1]['gpu_mem_mib']:.0f} MiB (file {eng.file.size / 2**20:.0f} MiB)")
-    return rows
+        yield row
+
+
+def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]]) -> dict:
+    ns = np.array([s * 1e9 for s, _ in samples])
+    ts = np.array([t / s for s, t in samples])
+    row = {
+        "backends": "CUDA" if eng.device == "cuda" else "CPU", "model_filename": str(model),
+        "model_type": model_label(eng.file.args),
+        "model_size": eng.file.size, "model_n_params": fmt.n_params(eng.file.header),
+        "n_prompt": p if n == 0 else 0, "n_gen": n, "test": name,
+        "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "avg_ns": int(ns.mean()), "stddev_ns": int(ns.std(ddof=1)) if len(ns) > 1 else 0,
+        "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0,
+        "samples_ns": [int(x) for x in ns], "samples_ts": [float(x) for x in ts],
+    }
+    if eng.device == "cuda":
+        from .ops_cupy import gpu_memory_used_mib, gpu_name
+        row["gpu_info"] = gpu_name()
+        row["gpu_mem_mib"] = round(gpu_memory_used_mib(), 1)
+    return row
 
 
 def model_label(a) -> str:
@@ -73,18 +85,41 @@ def model_label(a) -> str:
     return f"qwen3{'moe' if a.num_experts else ''} {a.num_hidden_layers}L d{a.hidden_size}{moe} AWQ-4bit"
 
 
-def render(rows: list[dict], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
-    if fmt == "csv":
+MD_HEAD = "| model | size | params | backend | test | t/s |\n| --- | ---: | ---: | --- | ---: | ---: |"
+
+
+def render_row(row: dict, out: str, index: int) -> str:
+    """One finished row as the output format prints it (index 0 also carries the table's head), so rows can be
+    printed as they finish; render_end closes what the format needs closed."""
+    if out == "jsonl":
+        return json.dumps(row)
+    if out == "json":  # llama-bench's form: "[" first, the rows comma-separated, "]" at the end
+        body = "\n".join("  " + ln for ln in json.dumps(row, indent=2).splitlines())
+        return ("[\n" if index == 0 else ",\n") + body
+    if out == "csv":
         buf = io.StringIO()
-        keys = [k for k in rows[0] if not k.startswith("samples")] if rows else []
-        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+        w = csv.DictWriter(buf, fieldnames=[k for k in row if not k.startswith("samples")], extrasaction="ignore")
+        if index == 0:
+            w.writeheader()
+        w.writerow(row)
         return buf.getvalue().rstrip("\n")
-    lines = ["| model | size | params | backend | test | t/s |", "| --- | ---: | ---: | --- | ---: | ---: |"]
-    for r in rows:
-        lines.append(f"| {r['model_type']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e9:.2f} B | "
-                     f"{r['backends']} | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
-    return "\n".join(lines)
+    line = (f"| {row['model_type']} | {row['model_size'] / 2**30:.2f} GiB | {row['model_n_params'] / 1e9:.2f} B | "
+            f"{row['backends']} | {row['test']} | {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} |")
+    return (MD_HEAD + "\n" if index == 0 else "") + line
+
+
+def render_end(out: str, rows: int) -> str | None:
+    """What follows the last row (or stands alone when there is none): None when nothing does."""
+    if out == "json":
+        return "\n]" if rows else "[]"
+    if out == "md" and not rows:
+        return MD_HEAD
+    return None
+
+
+def render(rows: list[dict], out: str) -> str:
+    """All rows at once, as the row-by-row printing gives them."""
+    parts = [render_row(r, out, i) for i, r in enumerate(rows)]
+    end = render_end(out, len(rows))
+    text = "\n".join(parts) if out != "json" else "".join(parts)
+    return text + (end or "")

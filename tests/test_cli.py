@@ -48,7 +48,7 @@ def test_info_memory_figures(preset, tmp_path):
     g = json.loads(run_cli("info", b, "--json", env={"KUIPER_EMBED_ON_GPU": "1"}).stdout)
     assert g["pinned_host_bytes"] == 0 and g["gpu_weight_bytes"] == regions
     text = run_cli("info", b).stdout
-    assert f"kv_bytes_per_position  {d['kv_bytes_per_position']}" in text
+    assert f"KV cache {d['kv_bytes_per_position'] / 1024:.1f} KiB per position" in text
 
 
 def _greedy_reference(binf, prompt, n):
@@ -89,14 +89,14 @@ def test_generate_json_and_stdin_and_file(tiny_bin, tmp_path):
 
 
 def test_generate_chat_sampling_and_stop(tiny_bin):
-    r = run_cli("generate", "-m", tiny_bin, "-p", "Hi", "-s", "Be brief", "--no-think", "--seed", "3", "-n", 8,
+    r = run_cli("generate", "-m", tiny_bin, "-p", "Hi", "--system", "Be brief", "--no-think", "--seed", "3", "-n", 8,
                 "--json", "--device", "cpu", "-v")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["prompt_tokens"] == len(ChatTokenizer(load(tiny_bin).trailer).encode(
         "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         "<think>\n\n</think>\n\n"))
-    again = run_cli("generate", "-m", tiny_bin, "-p", "Hi", "-s", "Be brief", "--no-think", "--seed", "3", "-n", 8,
+    again = run_cli("generate", "-m", tiny_bin, "-p", "Hi", "--system", "Be brief", "--no-think", "--seed", "3", "-n", 8,
                     "--json", "--device", "cpu")
     assert json.loads(again.stdout)["tokens"] == rec["tokens"]  # same seed, same text
     tok, ids = _greedy_reference(tiny_bin, "The capital of France is", 12)

@@ -12,8 +12,11 @@ from test_cli import _one_line_error
 
 
 def _patch_header(data: bytes, fmt_str: str, offset: int, *vals) -> bytes:
+    """A crafted header: the fields patched and the header CRC recomputed, so the loader's field checks are what
+    refuses it (a byte damaged without the CRC updated is test_cli_first_run's case)."""
     b = bytearray(data)
     struct.pack_into(fmt_str, b, offset, *vals)
+    struct.pack_into("<I", b, fmt.HEADER_CRC_OFFSET, fmt.header_crc(b))
     return bytes(b)
 
 
@@ -27,7 +30,7 @@ BIN_CASES = {
     "zero dim": (lambda d: _patch_header(d, "<i", 0x08, 0), "dim=0 must be positive"),
     "negative layers": (lambda d: _patch_header(d, "<i", 0x10, -3), "n_layers=-3"),
     "overflowing dims": (lambda d: _patch_header(d, "<ii", 0x08, 2**31 - 1 - 127, 2**31 - 1 - 127), "int32"),
-    "dims exceeding file": (lambda d: _patch_header(d, "<i", 0x10, 1000), "truncated"),
+    "dims exceeding file": (lambda d: _patch_header(d, "<i", 0x10, 1000), "inconsistent header"),
     "group size not dividing K": (lambda d: _patch_header(d, "<i", 0x29, 96), "does not divide"),
     "trailer outside file": (lambda d: _patch_header(d, "<QQ", 0x58, 10**12, 5), "trailer offset"),
     "trailer length past end": (lambda d: _patch_header(d, "<Q", 0x60, 10**9), "truncated"),
