@@ -134,12 +134,20 @@ def _check_writable_dir(output: str) -> None:
         raise KuiperError(f"-o {output}: cannot write to {d}: {why}") from None
 
 
+def _resolve(model: str) -> str:
+    """-m's argument as a file: an ak48 file as is; a Hugging Face directory or hub id exported once into the
+    kuiper cache (kuiper_py.hub)."""
+    from .hub import resolve_model
+    return str(resolve_model(model))
+
+
 @_command("export")
-@click.argument("hf_dir", type=click.Path(file_okay=False, exists=True))
+@click.argument("hf_dir", type=str)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .bin file.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def export_cmd(hf_dir: str, output: str, quiet: bool) -> None:
-    """Convert a Hugging Face Qwen3 AWQ checkpoint directory to an ak48 .bin file."""
+    """Convert a Hugging Face Qwen3 4-bit checkpoint (AWQ, GPTQ or compressed-tensors; a directory or a hub id such
+    as Qwen/Qwen3-8B-AWQ) to an ak48 .bin file."""
     from .export import export
     _check_writable_dir(output)
     export(hf_dir, output, progress=not quiet)
@@ -472,7 +480,7 @@ def _ctx_option(help_text: str):
 
 
 @_command("generate")
-@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file, Hugging Face directory or hub id.")
 @click.option("-p", "--prompt", default=None, help="Prompt text, or - to read stdin.")
 @click.option("-f", "--file", "prompt_file", default=None, type=click.Path(), help="Read the prompt from a file.")
 @click.option("-n", "--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate at most (>= 1).")
@@ -498,6 +506,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         raise KuiperError("--system and --think/--no-think need the chat template; drop --raw")
     overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    model = _resolve(model)
     header = _model_header(model)
     _check_ctx(ctx_size, header)
     text = _read_prompt(prompt, prompt_file)
@@ -615,7 +624,7 @@ class _ChatTotals:
 
 
 @_command("chat")
-@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file, Hugging Face directory or hub id.")
 @click.option("-n", "--max-tokens", type=int, default=1024, show_default=True, help="Tokens per reply at most (>= 1).")
 @_sampling_options
 @click.option("--stop", multiple=True, help="End a reply when this text is generated (repeatable).")
@@ -637,6 +646,7 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     _check_max_tokens(max_tokens)
     overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    model = _resolve(model)
     _check_ctx(ctx_size, _model_header(model))
     from .generate import Chat, Engine, log
 
@@ -737,7 +747,7 @@ def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
 
 
 @_command("bench")
-@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file, Hugging Face directory or hub id.")
 @click.option("-p", "--n-prompt", default="512", show_default=True, callback=_int_list,
               help="Prompt lengths (comma list); 0 skips.")
 @click.option("-n", "--n-gen", default="128", show_default=True, callback=_int_list,
@@ -753,6 +763,7 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads):
     _set_threads(threads)
     if repetitions < 1:
         raise KuiperError(f"{_typed('-r', '--repetitions')} {repetitions} must be >= 1")
+    model = _resolve(model)
     _check_bench_sizes(n_prompt, n_gen, _model_header(model))
     from .bench import bench_rows, load_engine, render_end, render_row
     eng = load_engine(model, n_prompt, n_gen, device)

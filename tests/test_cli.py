@@ -138,7 +138,10 @@ def test_user_errors_are_one_line(tiny_bin, tiny_dir, tmp_path):
     trunc = tmp_path / "trunc.bin"
     trunc.write_bytes(tiny_bin.read_bytes()[:5000])
     _one_line_error(run_cli("generate", "-m", trunc, "-p", "x", "--device", "cpu"), match="truncated")
-    _one_line_error(run_cli("generate", "-m", tiny_dir, "-p", "x"), match="is a directory")
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    _one_line_error(run_cli("generate", "-m", empty, "-p", "x", env={"KUIPER_CACHE": str(tmp_path / "cache")}))
+    assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing half-exported is left in the cache
     _one_line_error(run_cli("export", tmp_path, "-o", tmp_path / "o.bin"), match="config.json")
     _one_line_error(run_cli("generate", "-m", tiny_bin, "-p", "x", "--top-p", "2", "--device", "cpu"),
                     match="--top-p")
@@ -164,3 +167,17 @@ def test_generation_reaching_context_stops_cleanly(tiny_bin):
     rec = json.loads(r.stdout)
     assert rec["finish_reason"] == "context" and "context limit" in r.stderr
     assert rec["prompt_tokens"] + len(rec["tokens"]) == 9  # 8 positions evaluated, the last sampled token not
+
+
+def test_model_option_takes_a_hugging_face_directory(tiny_bin, tiny_dir, tmp_path):
+    """-m DIR exports the checkpoint once into $KUIPER_CACHE and generates from it the tokens the exported file
+    gives; a second run reuses the cached file (no second export)."""
+    env = {"KUIPER_CACHE": str(tmp_path / "cache")}
+    want = run_cli("generate", "-m", tiny_bin, "-p", "hi", "-n", "8", "--temp", "0", "--json")
+    first = run_cli("generate", "-m", tiny_dir, "-p", "hi", "-n", "8", "--temp", "0", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "exporting" in first.stderr
+    assert json.loads(first.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
+    again = run_cli("generate", "-m", tiny_dir, "-p", "hi", "-n", "8", "--temp", "0", "--json", env=env)
+    assert again.returncode == 0 and "exporting" not in again.stderr
+    assert len(list((tmp_path / "cache").rglob("*.bin"))) == 1

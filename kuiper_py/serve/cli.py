@@ -44,7 +44,7 @@ def _log_config(verbose: bool) -> dict:
 
 
 @click.command("serve")
-@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file.")
+@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file, Hugging Face directory or hub id.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 picks a free one).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -65,6 +65,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
         raise KuiperError(f"--port {port} must be in 0..65535")
+    from ..hub import resolve_model
+    model = str(resolve_model(model))
     if not Path(model).is_file():
         raise KuiperError(f"--model {model}: no such file")
     import uvicorn
