@@ -238,18 +238,23 @@ def _info_lines(d: dict, h) -> list[tuple[str, str]]:
 @_command("synth")
 @click.argument("out", type=click.Path())
 @click.option("--preset", default="tiny", show_default=True,
-              help="tiny, tiny-untied, small, 0.6b ... 32b, tiny-moe, tiny-moe-mixed, small-moe, 30b-a3b, 235b-a22b.")
+              help="tiny, tiny-untied, small, 0.6b ... 32b, tiny-moe, tiny-moe-mixed, small-moe, 30b-a3b, 235b-a22b; "
+                   "the 2507 and Coder variants: tiny-2507, 4b-2507, 30b-a3b-2507, coder-30b-a3b, ...")
 @click.option("--ak48", is_flag=True, help="Write OUT as an ak48 file directly, without a checkpoint.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--shards", type=int, default=2, show_default=True, help="safetensors shards of the checkpoint.")
 @click.option("--layers", type=int, default=None, help="Override the preset's layer count.")
 @click.option("--mode", type=click.Choice(["quantize", "direct"]), default=None,
               help="quantize random float weights, or draw 4-bit codes directly (default by size).")
-def synth_cmd(out, preset, ak48, seed, shards, layers, mode):
+@click.option("--quant", type=click.Choice(["awq", "gptq", "gptq_v2", "compressed-tensors"]), default="awq",
+              show_default=True, help="The checkpoint's 4-bit format (the same codes, scales and zeros in each).")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--sym", is_flag=True, help="Symmetric quantization (every zero point 8).")
+def synth_cmd(out, preset, ak48, seed, shards, layers, mode, quant, group_size, sym):
     """Write a synthetic Qwen3 AWQ checkpoint directory (random weights, the real Qwen tokenizer and Hugging Face
     layout) for `kuiper export`, or with --ak48 an ak48 file: the engine runs end to end without downloads."""
     from . import synth
-    presets = list(synth.PRESETS) + list(synth.MOE_PRESETS)
+    presets = list(synth.PRESETS) + list(synth.MOE_PRESETS) + list(synth.VARIANTS)
     if preset not in presets:
         raise KuiperError(f"--preset {preset!r}: choose one of {', '.join(presets)}")
     if (layers is not None and layers < 1) or shards < 1 or seed < 0:
@@ -257,16 +262,17 @@ def synth_cmd(out, preset, ak48, seed, shards, layers, mode):
     if os.path.lexists(out):
         raise KuiperError(f"{out} exists: choose a new path")
     if ak48:
-        if mode == "quantize":
-            raise KuiperError("--ak48 draws the codes directly; --mode quantize needs the checkpoint route")
+        if mode == "quantize" or quant != "awq" or group_size != "128" or sym:
+            raise KuiperError("--ak48 draws AWQ group-128 codes directly; --mode, --quant, --group-size and --sym "
+                              "need the checkpoint route (leave out --ak48)")
         _check_writable_dir(out)
         with _tokenizer_errors():
             synth.write_synthetic_file(out, preset, seed=seed, layers=layers, progress=sys.stderr.isatty())
         return
-    _synth_checkpoint(out, preset, seed, shards, layers, mode)
+    _synth_checkpoint(out, preset, seed, shards, layers, mode, dict(quant=quant, group_size=int(group_size), sym=sym))
 
 
-def _synth_checkpoint(out: str, preset: str, seed: int, shards: int, layers, mode) -> None:
+def _synth_checkpoint(out: str, preset: str, seed: int, shards: int, layers, mode, quant: dict) -> None:
     """The checkpoint is written into a hidden directory beside OUT and renamed at the end: a failure or Ctrl-C
     leaves nothing behind."""
     import shutil
@@ -277,7 +283,7 @@ def _synth_checkpoint(out: str, preset: str, seed: int, shards: int, layers, mod
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.resolve().parent))
     try:
         with _tokenizer_errors():
-            synth.make_checkpoint(tmp, preset, seed=seed, n_shards=shards, layers=layers, mode=mode)
+            synth.make_checkpoint(tmp, preset, seed=seed, n_shards=shards, layers=layers, mode=mode, **quant)
         os.chmod(tmp, 0o777 & ~_umask())
         os.rename(tmp, final)
     except BaseException:
