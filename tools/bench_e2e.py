@@ -21,12 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
-from devcopy import copy_bandwidth  # noqa: E402
 from profile_prefill import fresh_walls, prefill_wall  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py import ops_cupy as oc  # noqa: E402
-from kuiper_py.ops_cupy import gpu_name  # noqa: E402
+from kuiper_py.ops_cupy import copy_bandwidth, gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -40,7 +40,7 @@ def _spinner():
 def queued(fn, cycles: int) -> tuple[float, float]:
     """(enqueue, gpu) seconds of fn()'s launches queued behind a kernel spinning `cycles` clocks (8e8: ~0.4 s), so
     none waits for the GPU: enqueue = the host's time to queue them, gpu = their GPU time from the spinner's end
-    (CUDA events on the current stream). ab_prefill and probe_moe_route time their launches through it too."""
+    (CUDA events on the current stream). """
     s = cp.cuda.get_current_stream()
     a, b = cp.cuda.Event(), cp.cuda.Event()
     _spinner()((1,), (1,), (np.int64(cycles),))

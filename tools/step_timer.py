@@ -48,7 +48,7 @@ def main(model, ctx, cap, rounds, replays, label, save_logits, json_out):
     cap = cap or max(2200, ctx + replays + 100)
     if cap < ctx + replays + 2:  # each replay advances the device position and writes its K/V row
         raise SystemExit(f"--cap {cap} is under the {ctx}-token prompt + {replays} replays + 2 steps the timing writes")
-    m = Engine.load(model, "cuda", need_tokenizer=False).session(cap)  # as bench_e2e and timeline_decode load
+    m = Engine.load(model, "cuda", need_tokenizer=False).session(cap)  # as bench_e2e loads
     if not m.ops.graphs:
         raise SystemExit("the step timer replays the decode graph: unset KUIPER_CUDA_GRAPHS=0")
     rng = np.random.default_rng(0)
