@@ -9,25 +9,17 @@
 #include "common.cuh"
 
 #ifndef ATTN_DECODE_U
-#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
+#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads 
 #endif
 
-#ifndef KUIPER_ATTN_KV_NC
-#define KUIPER_ATTN_KV_NC 1  // A/B: 0 reads every cache row through L2 (__ldcg) as before
-#endif
 // 16 bytes of a cache row. fresh: the row may be the newest, written in this launch, so from L2 only;
 // otherwise a row of an earlier step, unchanged for the whole launch and read once per block, so the
 // non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100, change 95)
 __device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
-#if KUIPER_ATTN_KV_NC
     if (!fresh) return ld_stream16(p);
-#endif
     return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
-#ifndef KUIPER_ATTN_STAGE
-#define KUIPER_ATTN_STAGE 1  // 0: no shared-memory staging of a split's first keys (A/B; PERFORMANCE.md change 115)
-#endif
 #ifndef ATTN_KV_PF_ITERS
 #define ATTN_KV_PF_ITERS 2
 #endif

@@ -9,61 +9,18 @@ typedef unsigned int u32;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// The GPU's nanosecond clock, comparable across SMs: the diagnosis stamps below and the tools' probes
-// (tools/bench_loaded_latency.py, tools/probe_merge_forms.py).
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Diagnosis only (KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES, tools/timeline_decode.py): each block of
-// an instrumented kernel stamps %globaltimer at up to 5 points and appends one record per block to
-// g_diag, so a replayed decode step shows when every block entered, passed its PDL wait and ended.
-#ifdef KUIPER_DIAG_TIMES
-__device__ unsigned long long g_diag[1 << 21];  // [n][8]: id, smid | block << 8, stamps 0-4, grid size
-__device__ unsigned int g_diag_n;
-__shared__ unsigned long long s_diag[5];
-__device__ __forceinline__ void diag_stamp(int i) {
-    if (threadIdx.x == 0) s_diag[i] = globaltimer_ns();
-}
-// After the block's last stamp, past a barrier: id names the launch (a weight or cache pointer).
-__device__ __forceinline__ void diag_record(unsigned long long id) {
-    if (threadIdx.x != 0) return;
-    const unsigned i = atomicAdd(&g_diag_n, 1u);
-    if (i >= (1u << 18)) return;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    unsigned long long* r = g_diag + 8 * (size_t)i;
-    r[0] = id;
-    r[1] = smid | ((unsigned long long)(blockIdx.x + 1024u * (blockIdx.y + 1024u * blockIdx.z)) << 8);
-    for (int j = 0; j < 5; ++j) r[2 + j] = s_diag[j];
-    r[7] = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-}
-#else
-#define diag_stamp(i) ((void)0)
-#define diag_record(id) ((void)0)
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Streamed reads: data a decode step reads exactly once (packed weights, lm_head rows).
 // ---------------------------------------------------------------------------------------------
-#ifndef KUIPER_LD_STREAM
-#define KUIPER_LD_STREAM 1  // 0: plain __ldg, for A/B (PERFORMANCE.md change 94)
-#endif
 
 // A 16-byte read-only load that does not allocate in L1: a streamed line is never read again, and
 // allocating it only evicts lines that are (the zeros and scales a block's warps share, the norm
 // weights). 8B decode steps -0.9% on the H200, -1.5% on the H100 (change 94).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
-#if KUIPER_LD_STREAM == 0
-    return __ldg(reinterpret_cast<const uint4*>(p));
-#else
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -375,12 +332,6 @@ __device__ __forceinline__ void publish_token(int tok, int* dev, int* host) {
 // decoding's first K/V rows and the one-launch FFN's next step, before their PDL waits.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Starts `bytes` (a multiple of 16, 16-byte aligned) of global memory towards L2 and does not wait
-// (sm_90): the MoE FFN half warms the next layer's q|k|v weights while its routing leaves DRAM idle.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {

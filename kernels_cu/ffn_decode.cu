@@ -36,16 +36,6 @@
 #define FFN_SPW 4             // gate/up: warps per matrix (warps 0, 2, .. gate; 1, 3, .. up)
 #define FFN_MIN_BLOCKS 4      // per SM (64 registers): 32 rows per step need 80 registers, 3 blocks per SM,
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
-// Diagnosis only (KUIPER_DIAG_DEFINES, PERFORMANCE.md change 78): FFN_DIAG_NOMATH=1 skips the dot
-// products (wrong results: the loads alone); FFN_DIAG_LOOPEND=1 moves moe_ffn_decode's stamp 3 from
-// after the cluster's sums to the end of the block's gate/up loop; MOE_DIAG_ROUTE moves its stamps 2 and
-// 3 to either side of the top-k (change 145).
-#ifndef FFN_DIAG_NOMATH
-#define FFN_DIAG_NOMATH 0
-#endif
-#ifndef FFN_DIAG_LOOPEND
-#define FFN_DIAG_LOOPEND 0
-#endif
 #ifndef FFN_PF_STEPS
 #define FFN_PF_STEPS 1  // ffn_decode's gate/up steps after the first whose rows go towards L2 before the
                         // PDL wait (0: none, A/B; PERFORMANCE.md change 99; the global form at 3 blocks per
@@ -84,15 +74,6 @@ __device__ __forceinline__ void ffn_dot(const u32 (&w)[FFN_ROWS], u32 zw, uint4 
 #pragma unroll
     for (int i = 0; i < FFN_ROWS / 8; ++i) xv[i] = reinterpret_cast<const uint4*>(x)[i];
     const half* xs = reinterpret_cast<const half*>(xv);
-#if FFN_DIAG_NOMATH  // (diagnosis: the loads without the dot product)
-    {
-        u32 v = zw ^ sv.x ^ sv.w ^ xv[0].x;
-#pragma unroll
-        for (int r = 0; r < FFN_ROWS; ++r) v ^= w[r];
-        acc[0] += (float)(v & 1u);
-        return;
-    }
-#endif
     half2 zb[4], s2[4];
     awq_zero_bias(zw, zb);
     awq_scales8(sv, s2);
@@ -298,7 +279,7 @@ __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long
     return v;
 }
 #ifndef FFN_POLL_FENCE
-#define FFN_POLL_FENCE 0  // 1: relaxed polling, then fence.acq_rel.gpu (before change 132; A/B by KUIPER_DIAG_DEFINES)
+#define FFN_POLL_FENCE 0  // 1: relaxed polling, then fence.acq_rel.gpu (measured slower)
 #endif
 
 // The block's sums (as ffn_push_send) into slot `rank` of its tile, then its arrival on cnt.
@@ -357,9 +338,6 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
 __device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc, bool arrive = true) {
     // relaxed: a release arrive would wait for down's loads in flight
     if (arrive) cl_arrive_relaxed();
-#if !FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
-    diag_stamp(3);
-#endif
     const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
     xd[threadIdx.x] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
     __syncthreads();
@@ -406,7 +384,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
            FfnSlots* xslots, unsigned long long* xcnt) {  // FFN_XCH_GLOBAL: [I/256] slots, arrival counts
     constexpr bool PUSH = XCH == FFN_XCH_PUSH, GLOBAL = XCH == FFN_XCH_GLOBAL;
     static_assert(!GLOBAL || CL <= 8, "FfnSlots holds 8 ranks");
-    diag_stamp(0);  // (KUIPER_DIAG_TIMES, tools/timeline_decode.py: entry, wait, gate/up done, cluster sums, end)
     constexpr int WPT = FFN_WARPS / TB;    // down: warps per column tile
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
@@ -441,7 +418,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
         if ((wr + s * FFN_SPW) * FFN_ROWS < SP) ffn_prefetch_rows(qb - lane * 4, k_lo + (wr + s * FFN_SPW) * FFN_ROWS);
     pdl_wait();  // h, pend and acc belong to the kernels before us
     pdl_trigger();
-    diag_stamp(1);
     // GLOBAL: the count this launch's CL arrivals take the tile's counter to (read early: off the path; the
     // kernels before have finished, so it holds whole launches and at most CL - 1 arrivals of this one)
     const unsigned long long target = GLOBAL ? (ld_relaxed_u64(xcnt + g) / CL + 1) * CL : 0;
@@ -449,7 +425,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
     float a8[8];
     ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-    diag_stamp(2);
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
     } else if constexpr (GLOBAL) {
@@ -480,8 +455,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
     if constexpr (XCH == FFN_XCH_BARRIER) cl_wait();  // no block of the cluster still reads this block's shared memory
-    diag_stamp(4);
-    diag_record((unsigned long long)gq);
 }
 
 // A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, softmax and top-k of the router's logits,
@@ -517,20 +490,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const u32* dq, const u32* dz, const half* ds,  // down stack: [E][mI, D] tiled, [E, mI/128, D/8], [E, mI/128, D]
                int* __restrict__ ids_out, float* __restrict__ w_out,  // [k] the experts picked and their weights
                long long* __restrict__ acc,            // [D] the weighted sum of down's outputs (fixed point), zero on entry
-               int D, int mI, int E, int k, int norm_topk,
-               const unsigned long long* __restrict__ pf,  // [pf_n][2] (address, bytes): the next layer's weights
-               int pf_n, int pf_after) {                   // to start towards L2; after the PDL wait, or before
+               int D, int mI, int E, int k, int norm_topk) {
     static_assert(XCH == FFN_XCH_BARRIER || XCH == FFN_XCH_PUSH, "the MoE kernel runs as a cluster launch only");
     constexpr bool PUSH = XCH == FFN_XCH_PUSH;
-    diag_stamp(0);
-    // Routing leaves DRAM idle for ~2 µs (change 78's timeline); the next layer's q|k|v weights,
-    // which depend on nothing here, can stream into L2 then: the table's chunks spread over the blocks.
-    const int pf_b = blockIdx.y * gridDim.x + blockIdx.x, pf_nb = gridDim.x * gridDim.y;
-    auto prefetch = [&] {
-        for (int i = pf_b + threadIdx.x * pf_nb; i < pf_n; i += pf_nb * blockDim.x)
-            bulk_prefetch_l2(reinterpret_cast<const void*>(pf[2 * i]), (u32)pf[2 * i + 1]);
-    };
-    if (!pf_after) prefetch();
     constexpr int WPT = FFN_WARPS / TB;
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
@@ -552,8 +514,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
     pdl_wait();  // pend, zacc and acc belong to the kernels before us
     pdl_trigger();
-    if (pf_after) prefetch();
-    diag_stamp(1);
     const long long za = tid < E ? __ldcg(zacc + tid) : 0;
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
 
@@ -561,9 +521,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // block: every cluster picks the same experts ----
     lg[tid] = tid < E ? fix_f(za) : -INFINITY;
     __syncthreads();
-#ifdef MOE_DIAG_ROUTE
-    diag_stamp(2);
-#endif
     if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
         float p[MOE_MAX_E / 32];
 #pragma unroll
@@ -571,9 +528,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
         int my_id = 0;
         float my_z = 0.f;
         moe_topk_pick(p, k, -INFINITY, my_id, my_z);
-#ifdef MOE_DIAG_FIXED_IDS
-        my_id = lane;  // (diagnosis: every token takes experts 0..k-1; wrong results)
-#endif
         if (lane < k) {
             sel_id[lane] = my_id;
             sel_z[lane] = my_z;
@@ -581,11 +535,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     }
     __syncthreads();
     const int ex = sel_id[slot];
-#ifdef MOE_DIAG_ROUTE
-    diag_stamp(3);
-#else
-    diag_stamp(2);  // (routed; 3: the cluster's gate/up sums read)
-#endif
 
     // ---- ffn_decode on the expert's 256 channels t*256.. of gate, up and down ----
     const int W2 = mI / 4;  // [gate | up]'s zero row in words (its scale row: 8 W2 halves)
@@ -603,9 +552,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(qz, sc, W2, gword, k_lo + wr * FFN_ROWS, zw, sv);
     float a8[8];
     ffn_span_dot(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-#if FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
-    diag_stamp(3);
-#endif
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
     } else {
@@ -652,6 +598,4 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_span_dot(db, dzz, dss, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, dstep, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, wgt, acc, red);
     if constexpr (!PUSH) cl_wait();
-    diag_stamp(4);
-    diag_record((unsigned long long)wq);
 }

@@ -290,22 +290,7 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // same K side by side in C; split <= K / 64. grid (ceil(T / BT), N / (64 RS_WG), split), block
 // 128 RS_WG(BT), RsSmem::bytes of dynamic shared memory (ops_cupy.gemm_rs launches it).
 #ifndef RS_REFILL_LAG
-#define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2; A/B by KUIPER_DIAG_DEFINES)
-#endif
-// Diagnosis only (KUIPER_DIAG_DEFINES, wrong results): RS_DIAG_NODEQ=1 drops the dequantization,
-// RS_DIAG_NOMMA=1 the wgmmas, RS_DIAG_NOX=1 / RS_DIAG_NOW=1 the x / weight loads after the first ST K
-// tiles (the stages keep what they first held) (change 165).
-#ifndef RS_DIAG_NODEQ
-#define RS_DIAG_NODEQ 0
-#endif
-#ifndef RS_DIAG_NOMMA
-#define RS_DIAG_NOMMA 0
-#endif
-#ifndef RS_DIAG_NOX
-#define RS_DIAG_NOX 0
-#endif
-#ifndef RS_DIAG_NOW
-#define RS_DIAG_NOW 0
+#define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2)
 #endif
 // consumer warpgroups of a block: 4 (256 channels) up to 128 tokens, 2 (128 channels) with 256 tokens,
 // whose 128 accumulators per thread leave no registers for 4
@@ -397,27 +382,15 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
             lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
             hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
         }
-#if RS_DIAG_NODEQ  // diagnosis (wrong results): the loaded words as the A registers, no dequantization
-        af[4 * kk] = lo.x, af[4 * kk + 1] = lo.y, af[4 * kk + 2] = hi.x, af[4 * kk + 3] = hi.y + zw + sw;
-#else
         rs_pair(lo.x, lo.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk], af[4 * kk + 1]);
         rs_pair(hi.x, hi.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk + 2], af[4 * kk + 3]);
-#endif
     }
     wg_pin(d);
     wg_fence();
-#if RS_DIAG_NOMMA  // diagnosis (wrong results): no wgmma, the A registers still built and kept
-    if (first) {
-#pragma unroll
-        for (int i = 0; i < ND; ++i) d[i] = 0.f;
-    }
-    d[0] += __uint_as_float(af[0] & 1u);
-#else
     if constexpr (ND == 16) wgmma_rs32x4(d, af, wg_desc(xs), !first);
     else if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
     else if constexpr (ND == 64) wgmma_rs128x4(d, af, wg_desc(xs), !first);
     else wgmma_rs256x4(d, af, wg_desc(xs), !first);
-#endif
     wg_commit();
     wg_pin(d);
 }
@@ -472,20 +445,19 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     const int wgi = tid >> 7;  // this thread's warpgroup (its first thread issues copies wgi, wgi + WG, ...)
     auto issue = [&](int kt, int s) {  // kt: the part's own K tile count, s = kt % ST its stage
         const int gi = (kt0 + kt) >> gsh;
-        const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
         if (wgi == 0) {
-            mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? (SWZ ? 2048 * WG : 8192) + 160 * WG : 0));
-            if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
+            mbar_arrive_expect_tx(full + 8 * s, BT * 128 + (SWZ ? 2048 * WG : 8192) + 160 * WG);
+            tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
         if constexpr (SWZ) {  // the block's quarters of the tile's 16 row quads (WG x 2 KB)
-            if (lw && wgi == 1 % WG)
+            if (wgi == 1 % WG)
                 tma_load_3d(sbase + L::w + s * 8192, wmap, 0, (n0 >> 6) & 3, wrq0 + (kt0 + kt) * 16, full + 8 * s);
         } else {  // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
                   // 2-warpgroup block reads half
-            if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+            if (wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
         }
-        if (lw && wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
-        if (lw && wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
+        if (wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
+        if (wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
     };
     const bool issuer = (tid & 127) == 0;
     if (issuer)

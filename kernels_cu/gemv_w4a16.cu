@@ -31,14 +31,8 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
-#ifndef GEMV_DIAG_NOMATH
-#define GEMV_DIAG_NOMATH 0    // PERFORMANCE.md change 62: the step's bound with a free dot product
-#endif
 #ifndef GEMV_POS_EARLY
 #define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B; change 109)
-#endif
-#ifndef GEMV_PIPE
-#define GEMV_PIPE 0           // 1: software-pipelined, the next step's loads fly during this step's math
 #endif
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
@@ -269,9 +263,6 @@ __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int 
     if (k_first < k_end) gemv_rt_load(rh, E, E, k_first, 0, k_end, rv);
     pdl_wait();  // h was written by the kernels before us
     pdl_trigger();
-    diag_stamp(1);  // (no prologue: stamps 2 and 3 at once)
-    diag_stamp(2);
-    diag_stamp(3);
     gemv_rt_tile(rh, E, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
 }
 
@@ -321,7 +312,6 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
     }
-    diag_stamp(1);
     // The block's span of x goes to shared memory once (xsm): the loop then reads a step's 16 values
     // with two 16-byte loads instead of each lane recomputing or reloading every row's x (2 loads,
     // 2 multiplies and a conversion per row: a fifth of the loop's issue slots). Its three sources:
@@ -440,24 +430,9 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         }
     }
 
-    diag_stamp(2);
     if (active) {
-#if GEMV_PIPE  // the next step's registers (not named wn: that is the norm weight)
-        u32 w_next[GEMV_ROWS], z_next = 0;
-        uint4 s_next = make_uint4(0, 0, 0, 0);
-#endif
         for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
-#if GEMV_PIPE
-            if (k0 != k_first) {
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = w_next[r];
-                zw = z_next; sv = s_next;
-            }
-            if (k0 + GEMV_WARPS * GEMV_ROWS < k_end)
-                gemv_load_step(m, la, k0 + GEMV_WARPS * GEMV_ROWS, word, group, w_next, z_next, s_next);
-#else
             if (k0 != k_first) gemv_load_step(m, la, k0, word, group, wv, zw, sv);
-#endif
             uint4 xv[GEMV_ROWS / 8];  // the step's x rows, 16-byte loads (k0 % 16 == 0)
             const half* xs = reinterpret_cast<const half*>(xv);
             if (x_in_smem || !hn) {  // (a span longer than xsm: a single split of K > GEMV_ATT_ROWS, unguarded)
@@ -475,27 +450,16 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // raw scales: awq_dot4 sums (q - z) * x in every pair
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};
-#if GEMV_DIAG_NOMATH  // diagnosis only (KUIPER_DIAG_DEFINES, wrong results): the loads without the dot product
-            {
-                u32 v = zw ^ sv.x ^ sv.w ^ *reinterpret_cast<const u32*>(xs);
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) v ^= wv[r];
-                acc[0] += (float)(v & 1u);
-            }
-#else
 #pragma unroll
             for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) awq_dot4_fold(wv + r0, xs + r0, zb, s2, acc);
-#endif
         }
     }
     if constexpr (RT) {
         if (rt) {  // the router rows: fp32 sums, no overflow guard needed beyond undoing xexp
-            diag_stamp(3);
             gemv_rt_tile(rt, rt_ld, rt_E, rt_acc, xsm, nullptr, k_lo, k_first, k_end, xexp, wv, red);
             return;
         }
     }
-    diag_stamp(3);
     // per-warp results to shared memory, then each thread sums one column over the warps
     stash_lane_sums(red[warp], acc, xexp);
     __syncthreads();
@@ -648,7 +612,6 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // (fp32), their sums added into rt_acc [rt_E]
            const half* __restrict__ rt, const half* __restrict__ rt_hw, const float* __restrict__ rt_h, int rt_D,
            int rt_E, long long* __restrict__ rt_acc) {
-    diag_stamp(0);
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -695,11 +658,6 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;
     }
-#ifdef KUIPER_DIAG_TIMES
-    __syncthreads();
-    diag_stamp(4);
-    diag_record((unsigned long long)qw0);
-#endif
     if (ACC || acc_out) return;
 
     if (MOE2) {  // level 1: this slot's tile over its S splits; level 2: the tile over the slots

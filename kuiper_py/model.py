@@ -42,9 +42,7 @@ class Qwen3:
         ops, w = self.ops, self.ops.weights
         h = ops.embed(ids)  # [T, D]
         r = None
-        # a backend may run every layer of a one-token step at once (CUDA: one persistent kernel)
-        layers = () if len(ids) == 1 and ops.decode_layers(h, pos0) else w.layers
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(w.layers):
             ops.begin_layer()
             h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
             q, k, v = ops.qkv(x, layer)

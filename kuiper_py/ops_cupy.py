@@ -124,7 +124,6 @@ GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), pa
 # one block per tile reads slots x splits partials, which aims at 1 block per SM (A/B)
 GEMV_MOE2 = os.environ.get("KUIPER_GEMV_MOE2", "1") != "0"
 GEMV_MOE_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_MOE_BLOCKS_PER_SM", "0")) or None
-GEMV_PIPE = int(os.environ.get("KUIPER_GEMV_PIPE", "0"))  # 1: next step's loads in flight during this step's math
 # the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
 # an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
 GEMV_RT_COLS = int(os.environ.get("KUIPER_GEMV_RT_COLS", "64"))
@@ -252,6 +251,36 @@ def check_device() -> None:
 
 def gpu_name() -> str:
     return cp.cuda.runtime.getDeviceProperties(_dev_id())["name"].decode()
+
+
+_COPY16 = r'''
+extern "C" __global__ void copy16(const float4* __restrict__ a, float4* __restrict__ b, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        b[i] = a[i];
+}'''
+
+
+def copy_bandwidth(reps: int = 10) -> dict:
+    """The device copy bandwidth (GB/s, read + write bytes) every benchmark ratio divides by: cudaMemcpy
+    device-to-device and a 16-byte-per-thread copy kernel over 1 GiB, and the better of the two."""
+    n = 1 << 28  # floats: 1 GiB per buffer
+    a, b = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+    k = cp.RawKernel(_COPY16, "copy16")
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    runs = {"memcpy": lambda: b.data.copy_from_device(a.data, a.nbytes),
+            "kernel": lambda: k((n_sm * 8,), (512,), (a, b, cp.int64(n // 4)))}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out[name] = 2 * a.nbytes * reps / (cp.cuda.get_elapsed_time(e0, e1) / 1e3) / 1e9
+    out["best"] = max(out.values())
+    return out
 
 
 def gpu_memory_used_mib() -> float:
@@ -406,7 +435,7 @@ _FILES = {
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
     # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
-    # and 256 tokens per block; 64 only its test and tools/probe_gemm_rs.py
+    # and 256 tokens per block; 64 only its test
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "awq_dequant3", "gemm_moe_gate_up", "gemm_moe_down"]),
@@ -435,8 +464,7 @@ FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argumen
 FFN_GLOBAL_CAPS = tuple(int(c) for c in os.environ.get("KUIPER_FFN_GLOBAL_CAPS", "3,4").split(","))
 ATTN_CM_HB = (1, 2, 4, 8)  # heads per block of attention.cu's cluster-merge instantiations (attn_decode_gqa CM)
 ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
-_FILES_SM90 = {"dattn": ("decode_attn.cu", ["decode_attn_half<2>", "decode_attn_half<4>"]),
-               "attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
+_FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
                                            for hb in ATTN_CM_HB]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
@@ -772,10 +800,6 @@ def model_groups(a: ModelArgs) -> set[str]:
 
 
 def _family_names(family: str) -> tuple[str, list[str]]:
-    # "dl:<name>": one instantiation of the persistent decode kernel, compiled alone when a
-    # model needs it (each is a large kernel; compiling all sixteen would slow every start)
-    if family.startswith("dl:"):
-        return "decode_layers.cu", [family[3:]]
     return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
 
 
@@ -815,7 +839,7 @@ def _module_names(key: str) -> tuple[str, list[str]]:
 
 
 def family_modules(family: str) -> list:
-    """The built modules of a family (its parts in order; tools/timeline_decode.py reads their stamps)."""
+    """The built modules of a family (its parts in order)."""
     return [_MODULES[k] for k in _module_keys(family) if k in _MODULES]
 
 
@@ -828,18 +852,13 @@ def _build(key: str):
     d = kernel_dir()
     src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
     opts = ("--std=c++17", f"-I{d}")
-    if family in ("attn", "attncm", "dattn") or family.startswith("dl:"):
+    if family in ("attn", "attncm"):
         opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
-    if family.startswith("dl:"):
-        opts += (f"-DDL_CW={DL_CW}",) + tuple(os.environ.get("KUIPER_DL_DEFINES", "").split())
     if family in SM90A_FAMILIES:  # wgmma exists only in the arch-specific sm_90a target
         opts += ("-arch=sm_90a",)
     if family == "gemv":
         opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_PIPE={GEMV_PIPE}",
-                 f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
-    # diagnosis knobs for every family: -DKUIPER_DIAG_TIMES (common.cuh), -DGEMV_DIAG_NOMATH=1 (gemv_w4a16.cu)
-    opts += tuple(os.environ.get("KUIPER_DIAG_DEFINES", "").split())
+                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
     # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
     notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
     if notice is not None:
@@ -2065,13 +2084,6 @@ class _AttnParts:
         self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
 
-# The attention half of a dense decode layer as one launch (decode_attn.cu): q|k|v GEMV, q/k norm,
-# RoPE and cache write, flash decoding, merge and o GEMV by one or two thread-block clusters per KV
-# head, the weights bulk-copied into shared memory before the PDL wait. Opt-in (KUIPER_DECODE_ATTN=1): on H100
-# it measured slower than the three launches it replaces (gemv_w4a16 q|k|v, attn_decode_gqa,
-# gemv_w4a16 o) for Qwen3-8B shapes (PERFORMANCE.md change 74).
-DECODE_ATTN = os.environ.get("KUIPER_DECODE_ATTN", "0") == "1"
-DA_THREADS, DA_FIXED = 512, 12288  # decode_attn.cu's block and small-array bytes
 _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
@@ -2085,27 +2097,9 @@ def _cu_occupancy_clusters():
     return _cu_fn("cuOccupancyMaxActiveClusters")
 
 
-DA_SMEM_MAX = 232448  # shared memory a block may opt into on sm_90
-DA_QH = int(os.environ.get("KUIPER_DA_QH", "0"))  # query heads per cluster: 0 = chosen here, 2 or 4 (tests)
-DA_O_LATE = os.environ.get("KUIPER_DA_O_LATE", "0") == "1"  # only layouts with o's weights after q|k|v's (tests)
-
-
-def decode_attn_layout(D: int, QH: int, RB: int) -> tuple[int, bool] | None:
-    """(shared memory, o_late) of decode_attn_half for blocks of RB q|k|v rows serving QH query heads, or
-    None where they do not fit: q|k|v weights [QH/2 tiles | k | v] x RB rows, then o's weights (RB/256
-    column tiles x QH*128 rows) beside them, or over them from 64 KB on after the q|k|v dot (o_late)."""
-    qkv, wo = QH * RB * 64 + 2 * RB * 64, (RB // 256) * QH * 128 * 128
-    if DA_FIXED + qkv + wo <= DA_SMEM_MAX and not DA_O_LATE:
-        return DA_FIXED + qkv + wo, False
-    if qkv >= 65536 + wo and DA_FIXED + qkv <= DA_SMEM_MAX:
-        return DA_FIXED + qkv, True
-    return None
-
-
 def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
     """How many clusters of CL blocks (threads each, smem bytes of dynamic shared memory) of kernel fn can be
-    resident at once (the GPU's GPCs bound it: an H100 holds 7 clusters of 16 and 15 of 8 of
-    decode_attn_half's ~200 KB blocks, 62 of 8 of ffn_decode's), or 0 where the driver refuses the size.
+    resident at once (the GPU's GPCs bound it: an H100 holds 62 clusters of 8 of ffn_decode's blocks), or 0 where the driver refuses the size.
     n: the clusters of the launch."""
     ptr = getattr(fn, "kernel", fn).ptr
     if smem:
@@ -2150,65 +2144,6 @@ def _cluster_attr(CL: int) -> _LaunchAttr:
     attr.value[0] = CL | (1 << 32)  # {x, y, z} = {CL, 1, 1} as three uint32
     attr.value[1] = 1
     return attr
-
-
-def decode_attn_plan(a: ModelArgs) -> tuple[dict | None, str]:
-    """(plan, why) for decode_attn_half: the plan (QH query heads and CL blocks per cluster, NS clusters
-    per KV head, kernel, shared memory, o_late, launch attributes) or None, and a line saying why not.
-    A block takes RB = D / CL rows of q|k|v (256 or 512) and as many o columns. Every cluster must be
-    resident at once (a second wave would double the step's attention time): of the layouts that fit
-    in shared memory, the one with the most blocks whose clusters all fit. Qwen3-8B on H100: 8 clusters
-    of 8 (16 clusters of 8 or 8 of 16 do not fit)."""
-    if not DECODE_ATTN:
-        return None, "off (KUIPER_DECODE_ATTN=1 turns it on)"
-    if not pdl_enabled() or _cu_occupancy_clusters() is None:
-        return None, "needs compute capability 9.0 (clusters, PDL)"
-    H, KV, hd, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
-    G = H // KV if H % KV == 0 else 0
-    if hd != 128 or G not in (2, 4) or KV % 2 or D % 256:
-        return None, f"shape not served (head_dim {hd}, {H}/{KV} heads, hidden {D})"
-    if a.group_size != 128:
-        return None, f"AWQ group size {a.group_size} (needs 128)"
-    cands = []
-    for QH in (2, 4):
-        for RB in (256, 512):
-            CL, NS = D // RB, G // QH
-            lay = decode_attn_layout(D, QH, RB)
-            if (QH > G or DA_QH and QH != DA_QH or D % RB or not 2 <= CL <= 16 or (QH * 128) % CL
-                    or (QH * 128 // CL) % 8 or lay is None):
-                continue
-            cands.append((-CL * KV * NS, QH, RB, CL, NS, *lay))
-    tried = []
-    for _, QH, RB, CL, NS, smem, late in sorted(cands):
-        fn = _compiled("dattn", f"decode_attn_half<{QH}>")
-        n = resident_clusters(fn, CL, KV * NS, DA_THREADS, smem)
-        tried.append(f"{n} of the {KV * NS} clusters of {CL}")
-        if n >= KV * NS:
-            attrs = _cluster_launch_attrs(CL)
-            return (dict(QH=QH, CL=CL, NS=NS, fn=fn, smem=smem, o_late=late, attrs=attrs, clusters=n),
-                    f"on: {KV * NS} clusters of {CL} blocks, {QH} query heads each ({n} fit)")
-    return None, f"no layout whose clusters all fit at once ({'; '.join(tried) or 'none fits shared memory'})"
-
-
-def decode_attn_half(plan: dict, x, layer, kc, vc, cos, sin, pos_dev, part_o, part_ml, acc_o, zero, eps: float,
-                     n_heads: int, n_kv_heads: int):
-    """One dense decode layer's attention half (decode_attn.cu): x a _Normed (h, norm weight, the pending
-    down sums and the row they make, or neither); q|k|v, the newest key and value into the caches
-    kc/vc [ctx, KV, 128] at position *pos_dev, attention, and the o projection's sums added into acc_o
-    (int64 [D], zero on entry: the down GEMV before clears it); zero (int64) cleared after the wait."""
-    null = np.uint64(0)
-    D, CL = x.h.size, plan["CL"]
-    S = 4 * CL
-    assert part_o.size >= n_heads * S * 128 and part_ml.size >= n_heads * S * 2 and acc_o.size == D
-    mats = []
-    for m in (layer.wq, layer.wk, layer.wv, layer.wo):
-        mats += [m.qweight, m.qzeros, m.scales]
-    launch_ex(plan["fn"], (CL, n_kv_heads * plan["NS"]), (DA_THREADS,), (
-        x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps), *mats,
-        layer.q_norm, layer.k_norm, cos, sin, kc, vc, pos_dev, part_o, part_ml, acc_o, zero, _i(zero.size), _i(D),
-        _i(n_heads), _i(n_kv_heads), _f(math.log2(math.e) / math.sqrt(128)), _i(plan["o_late"])), plan["smem"],
-              plan["attrs"])
-    return acc_o
 
 
 # the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured
@@ -2335,18 +2270,6 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
 # from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
 DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
-# moe_ffn_decode can start the next layer's q|k|v weights towards L2 (cp.async.bulk.prefetch.L2, one chunk of
-# MOE_PREFETCH_KB per block) while its routing leaves DRAM idle: "1" before its PDL wait, "2" after it, "0"
-# off (default since change 120: with changes 115 and 118 the 30B-A3B step is 0.7-1.8% shorter without it on
-# the H100, 0.4% on the H200; change 80 had measured it 0.2-0.5% faster)
-MOE_PREFETCH = os.environ.get("KUIPER_MOE_PREFETCH", "0")
-MOE_PREFETCH_KB = int(os.environ.get("KUIPER_MOE_PREFETCH_KB", "32"))
-# Diagnosis (KUIPER_MOE_DIAG_SHARED=1, wrong results): every MoE decode layer's FFN half reads the first MoE
-# layer's experts, so with -DMOE_DIAG_FIXED_IDS in KUIPER_DIAG_DEFINES (every token takes experts 0..k-1) its
-# 8 experts stay in L2: the FFN half's time with its weights L2-resident (PERFORMANCE.md change 186).
-MOE_DIAG_SHARED = os.environ.get("KUIPER_MOE_DIAG_SHARED", "0") == "1"
-
-
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
@@ -2361,37 +2284,19 @@ def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     return _ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
 
 
-def moe_prefetch_table(arrays, chunk: int):
-    """(table, n) for moe_ffn_decode's prefetch: the device arrays cut into n chunks of at most `chunk`
-    bytes, as uint64 [n, 2] (address, bytes); each chunk's bytes a multiple of 16 (a tail under 16
-    bytes is left out)."""
-    rows = []
-    for a in arrays:
-        ptr, nbytes = a.data.ptr, a.nbytes
-        for o in range(0, nbytes, chunk):
-            n = min(chunk, nbytes - o) & ~15
-            if n:
-                rows.append((ptr + o, n))
-    assert all(p % 16 == 0 for p, _ in rows), "bulk prefetch needs 16-byte aligned chunks"
-    return cp.asarray(np.array(rows, dtype=np.uint64).reshape(-1, 2)), len(rows)
-
-
-def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc,
-                   pf=None):
+def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc):
     """One MoE decode layer's FFN half (moe_ffn_decode): x a _Normed (h, the norm weight, the o
     projection's pending sums and the row they make, or neither); the k experts picked to ids (int32
     [k]) and their weights to weights (fp32 [k]); the weighted sum of their down outputs added into acc
     (int64 [D], zero on entry: the o GEMV before clears it). zacc (int64 [E], fixed point): the router's
-    logits before the 1/rms, router . (w * (h + fp32 o)), as the o GEMV's router rows add them.
-    pf: None, or (table, n, after) of moe_prefetch_table, started towards L2 after (or before) the PDL wait."""
+    logits before the 1/rms, router . (w * (h + fp32 o)), as the o GEMV's router rows add them."""
     null = np.uint64(0)
     w13, w2 = layer.experts_w13, layer.experts_w2
     E, D, mI = w13.E, x.h.size, w2.qweight.shape[1]
     launch_ex(plan["fn"], (plan["CL"], k * mI // FFN_CH), (FFN_THREADS,), (
         x.h, x.pend if x.pend is not None else null, x.hout if x.hout is not None else null, x.w, _f(eps),
         zacc, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
-        _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk)), pf[0] if pf else null, _i(pf[1] if pf else 0),
-        _i(int(pf[2]) if pf else 0)), 0, plan["attrs"])
+        _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk))), 0, plan["attrs"])
     return acc
 
 
@@ -2401,80 +2306,6 @@ class _FfnIn:
 
     def __init__(self, x, layer):
         self.x, self.layer, self.shape = x, layer, (1, layer.w1.N)
-
-
-class _AttnHalf:
-    """A dense decode layer's q|k|v input, not yet launched: the o projection launches the whole
-    attention half (decode_attn_half) in accumulating mode."""
-
-    def __init__(self, x, layer, i):
-        self.x, self.layer, self.i, self.shape = x, layer, i, (1, layer.wq.N)
-
-
-# The persistent decode kernel (decode_layers.cu): every dense layer of a decode step in one launch
-# on compute capability 9.0+. Opt-in (KUIPER_DECODE_LAYERS=1): on H100 it measured slower than the
-# separate kernels, 284 against 369 tok/s for Qwen3-8B shapes (PERFORMANCE.md change 45).
-# KUIPER_DL_BLOCKS sets its block count (default one per SM; tests use odd counts);
-# KUIPER_DL_CW its consumer warps per block (8 or 16); KUIPER_DL_DEFINES more -D options (A/B).
-DECODE_LAYERS = os.environ.get("KUIPER_DECODE_LAYERS", "0") == "1"
-DL_BLOCKS = int(os.environ.get("KUIPER_DL_BLOCKS", "0"))
-DL_CW = int(os.environ.get("KUIPER_DL_CW", "8"))
-DL_COLS, DL_ROWS, DL_MAXT, DL_MAX_RING, DL_FIXED = 256, 128, 4, 32, 2048  # decode_layers.cu's constants
-DL_STAGE = DL_ROWS * DL_COLS // 2 + DL_COLS * 2 + DL_COLS // 2
-
-
-class _DlArgs(ctypes.Structure):  # decode_layers.cu DlArgs, passed by value
-    _fields_ = ([(n, ctypes.c_void_p) for n in ("layers", "h", "q", "part", "att_o", "att_ml", "act", "cosb", "sinb",
-                                               "pos", "bar")]
-                + [(n, ctypes.c_int) for n in ("L", "D", "I", "H", "KV", "hd", "S", "ring")]
-                + [("eps", ctypes.c_float), ("scale_log2", ctypes.c_float)])
-
-
-def dl_phases(a: ModelArgs) -> list[tuple[int, int]]:
-    """(units, units per tile) of the kernel's four projection steps: q|k|v, o, gate|up, down."""
-    D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
-    return [((qd + 2 * kvd) // DL_COLS * (D // DL_ROWS), D // DL_ROWS), (D // DL_COLS * (qd // DL_ROWS), qd // DL_ROWS),
-            (2 * I // DL_COLS * (D // DL_ROWS), D // DL_ROWS), (D // DL_COLS * (I // DL_ROWS), I // DL_ROWS)]
-
-
-def dl_max_tiles(U: int, upt: int, G: int) -> int:
-    """Most tiles one of G blocks touches when block b takes units [b*U/G, (b+1)*U/G)."""
-    most = 0
-    for b in range(G):
-        u0, u1 = b * U // G, (b + 1) * U // G
-        if u1 > u0:
-            most = max(most, (u1 - 1) // upt - u0 // upt + 1)
-    return most
-
-
-def decode_layers_plan(a: ModelArgs, is_moe: bool):
-    """The persistent decode kernel's launch shape for this model and GPU, or (None, why) when it
-    does not apply: (dict(blocks, ring, xbytes, smem, name), "")."""
-    if not DECODE_LAYERS:
-        return None, "off (opt-in: KUIPER_DECODE_LAYERS=1)"
-    if int(cp.cuda.Device().compute_capability) < 90 or _cu_launch_ex() is None:
-        return None, "needs compute capability 9.0+ (bulk async copies) and cuLaunchKernelEx"
-    if is_moe:
-        return None, "dense models only"
-    D, I, qd, kvd, hd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim, a.head_dim
-    if a.group_size != DL_ROWS or any(n % DL_COLS for n in (D, I, qd, kvd)) or hd not in (64, 128):
-        return None, "needs group size 128, widths that are multiples of 256 and head_dim 64 or 128"
-    kmax = max(D, I, qd)
-    if kmax > 32768:
-        return None, "widths above 32768"
-    G = DL_BLOCKS or sm_count()
-    if any(dl_max_tiles(U, upt, G) > DL_MAXT for U, upt in dl_phases(a)):
-        return None, f"a block would touch more than {DL_MAXT} tiles with {G} blocks"
-    hb = decode_heads_per_block(a.num_attention_heads, a.num_key_value_heads)
-    ng = 4 * (32 // (hd // 8))
-    attn = DL_CW * 32 // 128 * ng * hb * (hd + 2) * 4  # decode_layers.cu dl_attention's scratch
-    xbytes = -(-max(kmax * 2 + DL_CW * (DL_COLS + 8) * 4, attn) // 128) * 128
-    optin = smem_optin()
-    ring = min(DL_MAX_RING, (optin - DL_FIXED - xbytes) // DL_STAGE)
-    if ring < 2:
-        return None, "not enough shared memory for its ring"
-    return dict(blocks=G, ring=ring, xbytes=xbytes, smem=DL_FIXED + xbytes + ring * DL_STAGE,
-                name=f"decode_layers<{hd},{hb}>"), ""
 
 
 def qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kc, vc, pos0: int, n_heads: int, eps: float,
@@ -2985,45 +2816,21 @@ class CupyOps:
         except cp.cuda.memory.OutOfMemoryError as e:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
         gemv_counters()  # allocated (zeroed) before any graph capture
-        self._da, self.decode_attn_why = decode_attn_plan(a) if self.acc_mode else (None, "needs accumulating mode")
-        if self._da is not None:  # its flash-decoding partials: 4 splits per block of the cluster
-            S = 4 * self._da["CL"]
-            self.d.update(da_part_o=cp.empty((a.num_attention_heads * S * 128,), cp.float32),
-                          da_part_ml=cp.empty((a.num_attention_heads * S * 2,), cp.float32))
-        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its
-        # accumulator (the fused attention half has no slot for that: one or the other)
+        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its accumulator
         o_clears = FUSE_COMBINE and o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
-        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and self._da is None and o_clears else
-                                          (None, "needs accumulating mode, the o GEMV's merge prologue and no fused "
-                                                 "attention half"))
+        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and o_clears else
+                                          (None, "needs accumulating mode and the o GEMV's merge prologue"))
         # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
         # cleared by the o GEMV before it
         self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
         self._router_o = self._router_o_rows() if self._moe is not None else {}
-        self._moe_pf = {}  # id(layer) -> the next layer's q|k|v weights for moe_ffn_decode's prefetch
-        if self._moe is not None and MOE_PREFETCH in ("1", "2"):
-            Ls = self.weights.layers
-            for L, nxt in ((L, nxt) for L, nxt in zip(Ls, Ls[1:]) if L.router is not None):
-                arrs = [m for lin in (nxt.wq, nxt.wk, nxt.wv) for m in (lin.qweight, lin.qzeros, lin.scales)]
-                self._moe_pf[id(L)] = (*moe_prefetch_table(arrs, MOE_PREFETCH_KB << 10), MOE_PREFETCH == "2")
-        # (MOE_DIAG_SHARED: the layer whose experts every MoE decode layer reads)
-        self._moe_diag = (next(ly for ly in self.weights.layers if ly.router is not None)
-                          if MOE_DIAG_SHARED and self._moe is not None else None)
-        self._dl, self.decode_layers_why = decode_layers_plan(a, bool(a.num_experts))
-        if self._dl is not None:
-            self.d["dl_part"] = cp.empty((self._dl["blocks"] * DL_MAXT * DL_COLS,), cp.float32)
-            self.d["dl_bar"] = cp.zeros((2,), cp.uint32)  # decode_layers.cu leaves it zero after each launch
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
         # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
         for key in (k for fam in families for k in _module_keys(fam, groups)):
             _module(key)
-        if self._dl is not None:  # compiled and given its shared memory once, not per launch
-            self._dl_fn = _compiled("dl:" + self._dl["name"], self._dl["name"])
-            allow_dynamic_smem(self._dl_fn, self._dl["smem"])
-            self._dl_attr = _pdl_attr() if pdl_enabled() else None
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
     def alloc_cache(self, max_context: int) -> None:
@@ -3061,28 +2868,6 @@ class CupyOps:
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
         self._graph, self._graphs = None, {}  # they hold the old cache's addresses
-        if self._dl is not None:
-            self._dl_setup()
-
-    def _dl_setup(self) -> None:
-        """decode_layers.cu's arguments for this cache: the per-layer pointer table (DlLayer [L]) on
-        the device and the DlArgs struct. Made here, not during a graph capture (a host copy)."""
-        a, d = self.args, self.d
-        rows = []
-        for i, L in enumerate(self.weights.layers):
-            r = []
-            for m in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w3, L.w2):  # q, k, v, o, gate, up, down
-                r += [m.qweight.data.ptr, m.qzeros.data.ptr, m.scales.data.ptr]
-            r += [L.attn_norm.data.ptr, L.ffn_norm.data.ptr, L.q_norm.data.ptr, L.k_norm.data.ptr,
-                  self.k_cache[i].data.ptr, self.v_cache[i].data.ptr]
-            rows.append(r)
-        self._dl_table = cp.asarray(np.asarray(rows, dtype=np.uint64))
-        self._dl_args = _DlArgs(self._dl_table.data.ptr, d["h"].data.ptr, d["qrot"].data.ptr, d["dl_part"].data.ptr,
-                                d["part_o"].data.ptr, d["part_ml"].data.ptr, d["act"].data.ptr, self.cos.data.ptr,
-                                self.sin.data.ptr, d["pos"].data.ptr, d["dl_bar"].data.ptr, a.num_hidden_layers,
-                                a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
-                                a.head_dim, self.attn_splits, self._dl["ring"], a.rms_norm_eps,
-                                math.log2(math.e) / math.sqrt(a.head_dim))
 
     def _router_o_rows(self) -> dict:
         """For the one-launch MoE FFN half: per MoE layer i, (R, Rh) = (W_o diag(ffn_norm) router^T
@@ -3100,17 +2885,6 @@ class CupyOps:
             del wo, rt
         cp.get_default_memory_pool().free_all_blocks()
         return out
-
-    def decode_layers(self, h, pos0: int) -> bool:
-        """Every decoder layer of a one-token step in one persistent kernel (decode_layers.cu), h
-        [1, D] fp32 updated in place; False (nothing done) where it does not apply (the plan's why)."""
-        if self._dl is None or h.shape[0] != 1:
-            return False
-        assert h.data.ptr == self.d["h"].data.ptr and self._dev_pos == pos0
-        pl = self._dl
-        launch_ex(self._dl_fn, (pl["blocks"],), (DL_CW * 32 + 32,), (self._dl_args, _i(pl["xbytes"])), pl["smem"],
-                  attr=self._dl_attr)
-        return True
 
     @staticmethod
     def synchronize() -> None:
@@ -3324,8 +3098,6 @@ class CupyOps:
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
         a = self.args
-        if isinstance(q, _QkvInput) and self._da is not None and isinstance(q.x, _Normed):
-            return _AttnHalf(q.x, layer, i)  # launched by the o projection (linear)
         if isinstance(q, _QkvInput) and self.acc_attn:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
             # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
@@ -3348,8 +3120,6 @@ class CupyOps:
 
     def attention(self, q, i: int, pos0: int):
         KV = self.args.num_key_value_heads
-        if isinstance(q, _AttnHalf):
-            return q
         if q.shape[0] == 1:
             fin = None
             if isinstance(q, _QkvAcc):
@@ -3604,18 +3374,6 @@ class CupyOps:
 
     def linear(self, x, lin: AwqLinear):
         d = self.d
-        if isinstance(x, _AttnHalf):  # the whole attention half, its o sums to acc_o (the next norm adds them)
-            assert lin is x.layer.wo
-
-            def attn_half(h):
-                # clears the gate/up accumulator (last read by the down GEMV before, next written by the
-                # gate/up GEMV after); acc_o was cleared by that down GEMV
-                return decode_attn_half(self._da, x.x, x.layer, self.k_cache[x.i], self.v_cache[x.i], self.cos,
-                                        self.sin, d["pos"], d["da_part_o"], d["da_part_ml"], d["acc_o"], d["acc_gu"],
-                                        self.args.rms_norm_eps, self.args.num_attention_heads,
-                                        self.args.num_key_value_heads)
-
-            return _Deferred(_acc_only("the fused attention half"), attn_half)
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits, x.o_merge)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
                 def o_acc(h):
@@ -3637,10 +3395,7 @@ class CupyOps:
             ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
 
             def down_acc(h):
-                # with the fused attention half, also clears acc_o (last read by the gate/up GEMV before,
-                # next written by the next layer's attention half; after the last layer, zero for the next step)
-                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss,
-                     zero=d["acc_o"] if self._da is not None else None)
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss, zero=None)
                 return d["acc_d"]
             return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
                                             ss_in=ss), down_acc)
@@ -3674,8 +3429,8 @@ class CupyOps:
         if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
             # logits from this layer's o GEMV, its router rows)
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
-                decode_moe_ffn(self._moe, x, self._moe_diag or layer, d["moe_ids"], d["moe_w"], d["acc_d"],
-                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"], self._moe_pf.get(id(layer)))
+                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))
                 return d["acc_d"]

@@ -144,11 +144,6 @@ class NumpyOps:
     def end_step(self) -> None:
         pass
 
-    @staticmethod
-    def decode_layers(h, pos0: int) -> bool:
-        """The layers one by one (the model's loop): no fused whole-step path on the CPU."""
-        return False
-
     def embed(self, ids: list[int]) -> np.ndarray:
         return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 

@@ -470,68 +470,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
 
 
 # ---------------------------------------------------------------------------------------------
-# The persistent decode kernel (decode_layers.cu): the tiny presets are narrower than its 256-column
-# tiles and take the separate kernels, so these use shapes it serves: "small" (head_dim 64, two
-# query heads per KV head) and two layers of Qwen3-0.6B's shapes (head_dim 128).
-@pytest.fixture(scope="module", params=["small", "0.6b"])
-def dl_bin(request, ckpt_root):
-    from kuiper_py import synth
-    from kuiper_py.export import export
-    d = synth.make_checkpoint(ckpt_root / f"dl-{request.param}", request.param, seed=5, n_shards=1, layers=2
-                              if request.param == "0.6b" else None)
-    out = ckpt_root / f"dl-{request.param}.bin"
-    if not out.exists():
-        export(d, out, progress=False, log=lambda m: None)
-    return out
-
-
-def _dl_decode(mf, ids, n_prefill, graphs, on, monkeypatch, blocks=0):
-    monkeypatch.setattr(oc, "DECODE_LAYERS", on)
-    monkeypatch.setattr(oc, "DL_BLOCKS", blocks)
-    m = Qwen3(mf, oc.CupyOps, 96)
-    assert (m.ops._dl is not None) == on, m.ops.decode_layers_why
-    m.ops.graphs = graphs
-    m.prefill(ids[:n_prefill])
-    if on:  # poison what the kernel must write before it reads: stale values would pass unnoticed
-        for k in ("dl_part", "act", "qrot", "part_o", "part_ml"):
-            m.ops.d[k].fill(np.nan)
-    return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
-
-
-@pytest.mark.parametrize("blocks,graphs", [(0, True), (0, False), (37, True), (11, True)])
-def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin, blocks, graphs, monkeypatch):
-    """Blocks: one per SM (the default), 37 (ragged unit ranges, more blocks than some steps' units
-    for "small"), 11 (every block over several tiles)."""
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=40).tolist()  # 30 decode steps: flash-decoding from 1 to 3 splits
-    mf = load(dl_bin)
-    fused = _dl_decode(mf, ids, 10, graphs, True, monkeypatch, blocks)
-    separate = _dl_decode(mf, ids, 10, graphs, False, monkeypatch)
-    assert_as_accurate("persistent", fused, separate, cpu_decode(mf, ids, 10))
-
-
-def test_persistent_decode_kernel_greedy_and_deterministic(dl_bin, monkeypatch):
-    mf = load(dl_bin)
-    monkeypatch.setattr(oc, "DECODE_LAYERS", True)
-    runs = [greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24) for _ in range(2)]
-    cpu = greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
-    assert runs[0] == runs[1] == cpu
-    m = Qwen3(mf, oc.CupyOps, 64)
-    m.prefill(PROMPT)
-    a = cp.asnumpy(m.decode(PROMPT[0])).copy()
-    m.pos -= 1  # the same step again: same position, same cache contents
-    b = cp.asnumpy(m.decode(PROMPT[0])).copy()
-    assert np.array_equal(a, b)  # no atomics in its sums: bitwise the same
-    assert int(m.ops.d["dl_bar"].sum()) == 0  # the grid barrier's counters are left at zero
-
-
-# ---------------------------------------------------------------------------------------------
-# The fused attention half (decode_attn.cu: q|k|v, attention and o of a dense decode layer in one
-# cluster launch) at shapes it serves: two layers of Qwen3-0.6B (2 query heads per KV head: one
-# cluster per KV head) and of a 0.6B-wide model with Qwen3-8B's grouping (4 per KV head: two clusters
-# per KV head, each computing its k and v); one layer of Qwen3-8B against the separate kernels at a
-# long context.
-_G4 = (1024, 3072, 2, 32, 8, 128, True)  # hidden, intermediate, layers, heads, kv heads, head_dim, tied
+# Synthetic files of a preset's shapes with `layers` layers (two of Qwen3-0.6B's for the prefill paths below).
 
 
 def _synth_bin(ckpt_root, name, preset, layers):
@@ -539,9 +478,7 @@ def _synth_bin(ckpt_root, name, preset, layers):
     from kuiper_py.export import export
     out = ckpt_root / f"da-{name}.bin"
     if not out.exists():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(synth.PRESETS, "g4", _G4)
-            d = synth.make_checkpoint(ckpt_root / f"da-{name}", preset, seed=7, n_shards=1, layers=layers)
+        d = synth.make_checkpoint(ckpt_root / f"da-{name}", preset, seed=7, n_shards=1, layers=layers)
         export(d, out, progress=False, log=lambda m: None)
     return out
 
@@ -617,73 +554,6 @@ def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
     ref = run(NumpyOps)
     assert np.isfinite(wg).all()
     assert rel(wg, ref) < 1e-2 and rel(wg, mma) < 1e-2
-
-
-# (preset, query heads per cluster (0: the plan's choice), o's weights copied after q|k|v's): g4 runs
-# two clusters of 2 query heads per KV head, one of 4 with o's weights beside q|k|v's, and one of 4
-# with o's weights over them (the layout Qwen3-8B takes on H100)
-@pytest.fixture(scope="module", params=[("0.6b", 0, False), ("g4", 0, False), ("g4", 4, False), ("g4", 4, True)],
-                ids=["0.6b", "g4-qh2", "g4-qh4", "g4-qh4-late"])
-def da_bin(request, ckpt_root):
-    preset, qh, late = request.param
-    return _synth_bin(ckpt_root, preset, preset, 2), qh, late
-
-
-def _da_settings(monkeypatch, on, qh, late):
-    monkeypatch.setattr(oc, "DECODE_ATTN", on)
-    monkeypatch.setattr(oc, "DA_QH", qh)
-    monkeypatch.setattr(oc, "DA_O_LATE", late)
-
-
-def _da_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96, qh=0, late=False):
-    _da_settings(monkeypatch, on, qh, late)
-    m = Qwen3(mf, oc.CupyOps, ctx)
-    assert (m.ops._da is not None) == on, m.ops.decode_attn_why
-    assert not on or not qh or (m.ops._da["QH"] == qh and m.ops._da["o_late"] == late), m.ops.decode_attn_why
-    m.ops.graphs = graphs
-    m.prefill(ids[:n_prefill])
-    if on:  # poison what the kernel writes before it reads: stale values would pass unnoticed
-        for k in ("da_part_o", "da_part_ml", "qrot", "part_o", "part_ml"):
-            m.ops.d[k].fill(np.nan)
-    return m, np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_fused_attention_half_matches_separate_kernels_and_reference(da_bin, graphs, monkeypatch):
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=50).tolist()  # 40 decode steps: flash decoding over 1 or 2 splits
-    path, qh, late = da_bin
-    mf = load(path)
-    m, fused = _da_decode(mf, ids, 10, graphs, True, monkeypatch, qh=qh, late=late)
-    assert int(cp.count_nonzero(m.ops.d["acc_o"])) == 0  # the last down GEMV leaves it zero for the next step
-    _, separate = _da_decode(mf, ids, 10, graphs, False, monkeypatch)
-    assert_as_accurate("fused", fused, separate, cpu_decode(mf, ids, 10))
-
-
-def test_fused_attention_half_greedy_and_deterministic(da_bin, monkeypatch):
-    path, qh, late = da_bin
-    mf = load(path)
-    _da_settings(monkeypatch, True, qh, late)
-    fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
-    assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
-    ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
-    assert ops._da is not None
-    assert np.array_equal(a, b)  # fixed-point o sums, fixed-order merges: bitwise the same
-
-
-def test_fused_attention_half_8b_long_context(ckpt_root, monkeypatch):
-    """Qwen3-8B's cluster size and every split holding keys (2100 cached positions), against the
-    separate kernels (which the tests above hold to the CPU reference)."""
-    mf = load(_synth_bin(ckpt_root, "8b", "8b", 1))
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=2106).tolist()
-    m, fused = _da_decode(mf, ids, 2100, True, True, monkeypatch, ctx=2200)
-    assert 2100 // 32 >= 4 * m.ops._da["CL"]  # every split holds keys
-    print("8B plan:", m.ops.decode_attn_why)
-    _, separate = _da_decode(mf, ids, 2100, True, False, monkeypatch, ctx=2200)
-    assert np.isfinite(fused).all()
-    print(f"8B, one layer, 2100 positions: fused vs separate kernels {rel(fused, separate):.2e}")
-    assert rel(fused, separate) < 1e-2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -950,43 +950,6 @@ def test_one_launch_moe_on_cluster_merged_attention_same_bits(fused_moe_bin, mon
     assert np.isfinite(got["1"]).all()
 
 
-def test_moe_prefetch_next_qkv_same_bits(fused_moe_bin, monkeypatch):
-    """moe_ffn_decode starting the next layer's q|k|v weights towards L2 (KUIPER_MOE_PREFETCH 1: before
-    its PDL wait, 2: after it) changes no bit of the decoded logits (graph replay), and each MoE layer
-    but the last has a table whose chunks (16-byte multiples, at most MOE_PREFETCH_KB each) cover
-    exactly the next layer's q, k and v qweight, qzeros and scales (to a 16-byte multiple)."""
-    mf = load(fused_moe_bin)
-    ids = np.random.default_rng().integers(0, 151643, size=16).tolist()
-    outs = {}
-    for mode in ("0", "1", "2"):
-        monkeypatch.setattr(oc, "MOE_PREFETCH", mode)
-        m, outs[mode], _ = _fused_moe_decode(mf, ids, 8, True, True, monkeypatch)
-        pf, Ls = m.ops._moe_pf, m.ops.weights.layers
-        if mode == "0":
-            assert pf == {}
-            continue
-        assert len(pf) == sum(L.router is not None for L in Ls[:-1]) > 0
-        for L, nxt in zip(Ls, Ls[1:]):
-            if L.router is None:
-                continue
-            tab, n, after = pf[id(L)]
-            t = cp.asnumpy(tab).astype(np.int64)
-            assert t.shape == (n, 2) and after == (mode == "2")
-            assert (t[:, 1] > 0).all() and (t[:, 1] % 16 == 0).all() and (t[:, 1] <= oc.MOE_PREFETCH_KB << 10).all()
-            want = sorted((a.data.ptr, a.data.ptr + a.nbytes // 16 * 16)
-                          for lin in (nxt.wq, nxt.wk, nxt.wv) for a in (lin.qweight, lin.qzeros, lin.scales))
-            got = sorted((int(p), int(p + b)) for p, b in t)
-            merged = []
-            for lo, hi in got:  # chunks of one array are adjacent: merge them back into its range
-                if merged and lo == merged[-1][1] and not any(lo == w[0] for w in want):
-                    merged[-1] = (merged[-1][0], hi)
-                else:
-                    merged.append((lo, hi))
-            assert merged == want
-    np.testing.assert_array_equal(outs["1"], outs["0"])
-    np.testing.assert_array_equal(outs["2"], outs["0"])
-
-
 def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
     """Greedy tokens (eager decode, the GPU fed the CPU engine's tokens) equal to the CPU's up to the first
     decode step whose experts differ from the CPU's in some layer (after a near-tied router both
