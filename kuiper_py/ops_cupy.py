@@ -36,22 +36,22 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = _cublas = None
 
-GEMV_ROWS = int(os.environ.get("KUIPER_GEMV_ROWS", "16"))  # tuning knobs of gemv_w4a16.cu (benchmarks)
-GEMV_MIN_BLOCKS = int(os.environ.get("KUIPER_GEMV_MIN_BLOCKS", "4"))
+GEMV_ROWS = 16  # tuning knobs of gemv_w4a16.cu (benchmarks)
+GEMV_MIN_BLOCKS = 4
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
-# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). KUIPER_GEMV_BLOCKS_PER_SM sets it
+# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). GEMV_BLOCKS_PER_SM sets it
 # on every GPU and shape; unset, a GEMV takes DEVICE_TUNING's target for its shape on this GPU, else
 # GEMV_BASE_BLOCKS_PER_SM (gemv_blocks_per_sm)
 GEMV_BASE_BLOCKS_PER_SM = 4.0
-GEMV_BLOCKS_PER_SM = float(os.environ["KUIPER_GEMV_BLOCKS_PER_SM"]) if os.environ.get("KUIPER_GEMV_BLOCKS_PER_SM") else None
+GEMV_BLOCKS_PER_SM = None
 # a target below the base never takes a projection under min(GEMV_MIN_SPLITS, its splits at the base):
 # 3 per SM would give Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step (change 83; with
-# KUIPER_GEMV_BLOCKS_PER_SM=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
-GEMV_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_MIN_SPLITS", "3"))
+# GEMV_BLOCKS_PER_SM=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
+GEMV_MIN_SPLITS = 3
 # per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
 # its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
 # decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
-# where the one-launch FFN's cluster launch is off under KUIPER_DECODE_FFN=auto (PERFORMANCE.md change 84; its form
+# where the one-launch FFN's cluster launch is off under DECODE_FFN=auto (PERFORMANCE.md change 84; its form
 # without a cluster launch, change 129, is taken first where it applies: H200 8B -3.3% per step at 512 against
 # the separate GEMVs, so the entry no longer decides there). H200: Qwen3-8B
 # with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
@@ -108,47 +108,47 @@ DEVICE_TUNING = {
 # 1.3% shorter at 32k on the H100, so there the bound covers the 80 splits of a 40960-position cache
 # (GEMV_O_MERGE_COARSE_SPLITS, change 121). The other projections stay at 4: 3 for all of them made
 # Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
-GEMV_O_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_O_BLOCKS_PER_SM", "3"))
+GEMV_O_BLOCKS_PER_SM = 3.0
 GEMV_O_COARSE_SPLITS = 48
 GEMV_O_MERGE_COARSE_SPLITS = 80
 # the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
 # instantiations, 80 registers: at most 3 blocks per SM) for the shapes in DEVICE_TUNING's "o_merge", where
 # flash decoding has more than GEMV_O_MERGE_MIN_SPLITS splits and o's grid fits 3 per SM; else decode_merge's
-# running max at 64 registers. KUIPER_GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
-GEMV_O_MERGE = os.environ.get("KUIPER_GEMV_O_MERGE")
-GEMV_O_MERGE_MIN_SPLITS = int(os.environ.get("KUIPER_GEMV_O_MERGE_MIN_SPLITS", "16"))
+# running max at 64 registers. GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
+GEMV_O_MERGE = None
+GEMV_O_MERGE_MIN_SPLITS = 16
 GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
-# the MoE weighted sum (the experts' down projection): KUIPER_GEMV_MOE2=1 (default) reduces in two
+# the MoE weighted sum (the experts' down projection): GEMV_MOE2=1 (default) reduces in two
 # levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
-# (KUIPER_GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
+# (GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
 # one block per tile reads slots x splits partials, which aims at 1 block per SM (A/B)
-GEMV_MOE2 = os.environ.get("KUIPER_GEMV_MOE2", "1") != "0"
-GEMV_MOE_BLOCKS_PER_SM = float(os.environ.get("KUIPER_GEMV_MOE_BLOCKS_PER_SM", "0")) or None
+GEMV_MOE2 = True
+GEMV_MOE_BLOCKS_PER_SM = None
 # the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
 # an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
-GEMV_RT_COLS = int(os.environ.get("KUIPER_GEMV_RT_COLS", "64"))
-GEMV_SUM_BATCH = int(os.environ.get("KUIPER_GEMV_SUM_BATCH", "16"))  # partials the fused reduction loads at once (A/B)
-# KUIPER_GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
-GEMM_FORCE_BM = {"64": 64, "128": 128}.get(os.environ.get("KUIPER_GEMM_BM", ""), 0)
+GEMV_RT_COLS = 64
+GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once (A/B)
+# GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
+GEMM_FORCE_BM = 0
 # prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
-GEMM_DEQUANT_MIN_M = int(os.environ.get("KUIPER_GEMM_DEQUANT_MIN_M", "2"))
+GEMM_DEQUANT_MIN_M = 2
 # the dequant path's fp16 GEMM as one cublasGemmEx call (cublas_matmul) instead of cupy.matmul, whose checks and
 # dispatch cost the host ~10 us more per call (PERFORMANCE.md change 228); 0 restores cupy.matmul (A/B)
-CUBLAS_DIRECT = os.environ.get("KUIPER_CUBLAS_DIRECT", "1") != "0"
+CUBLAS_DIRECT = True
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
 # runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
 # 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
-# (KUIPER_GEMM_WGMMA unset or "auto") it takes short prompts of the shapes where it measured faster,
-# wgmma_max_m() below; KUIPER_GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it,
+# (GEMM_WGMMA unset or "auto") it takes short prompts of the shapes where it measured faster,
+# wgmma_max_m() below; GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it,
 # =0 never (A/B)
-GEMM_WGMMA_MIN_M = int(os.environ.get("KUIPER_GEMM_WGMMA_MIN_M", "1"))
-GEMM_WGMMA = os.environ.get("KUIPER_GEMM_WGMMA", "auto")
+GEMM_WGMMA_MIN_M = 1
+GEMM_WGMMA = "auto"
 # the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
 # ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
 # above and dequant + cuBLAS (H200, PERFORMANCE.md change 167); "1": every prefill that fits it, "0": never
-GEMM_RS = os.environ.get("KUIPER_GEMM_RS", "auto")
+GEMM_RS = "auto"
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
@@ -157,52 +157,49 @@ WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
 WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
 # producer warpgroups of gemm_wgmma.cu (1 or 2; the kernel's NP): they take alternate K tiles, so the
 # dequantization, which bounded the kernel alone (change 44: 420 TFLOP/s), has twice the warps
-WGMMA_PRODUCERS = tuple(int(v) for v in os.environ.get("KUIPER_WGMMA_PRODUCERS", "2").split(","))
+WGMMA_PRODUCERS = (2,)
 # split-K on the wave tail (gemm_wgmma.cu): the tiles of a partial last wave each split into up to
 # this many K ranges, so that wave takes 1/split of the time (q|k|v at 512 rows: 192 tiles on 132
 # SMs, 1.45 waves run as 2); 1 turns it off (A/B)
-WGMMA_SPLIT_MAX = int(os.environ.get("KUIPER_WGMMA_SPLIT", "4"))
-if os.environ.get("KUIPER_WGMMA_RINGS"):  # "SX,SB,PS" for every tile (A/B)
-    WGMMA_TILES = {t: tuple(int(v) for v in os.environ["KUIPER_WGMMA_RINGS"].split(",")) for t in WGMMA_TILES}
-_t = os.environ.get("KUIPER_GEMM_WGMMA_TILE", "")  # e.g. "128x128": one tile for every shape (A/B)
-GEMM_WGMMA_FORCE_TILE = tuple(int(v) for v in _t.split("x")) if _t else None
+WGMMA_SPLIT_MAX = 4
+GEMM_WGMMA_FORCE_TILE = None  # a (BM, BN) of WGMMA_TILES for every shape (tests)
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
 GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe_maps' tile_m); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
-ATTN_DECODE_U = int(os.environ.get("KUIPER_ATTN_U", "4"))  # attention.cu ATTN_DECODE_U (A/B)
-ATTN_MAX_HEADS_PER_BLOCK = int(os.environ.get("KUIPER_ATTN_MAX_HB", "4"))  # query heads per decode block (A/B; 8 measured slower)
-ATTN_PER_SM = float(os.environ.get("KUIPER_ATTN_PER_SM", "2"))  # flash-decoding blocks per SM at least (A/B)
+ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U (A/B)
+ATTN_MAX_HEADS_PER_BLOCK = 4  # query heads per decode block (A/B; 8 measured slower)
+ATTN_PER_SM = 2.0  # flash-decoding blocks per SM at least (A/B)
 # flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): DEVICE_TUNING's
-# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; KUIPER_ATTN_MIN_CHUNK sets it (A/B)
+# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; ATTN_MIN_CHUNK sets it (A/B)
 DECODE_MIN_CHUNK = 32
-ATTN_MIN_CHUNK = int(os.environ.get("KUIPER_ATTN_MIN_CHUNK", "0"))
-# the short-context regimes of flash decoding (attn_short; changes 116, 158): KUIPER_ATTN_SHORT key counts ("512,1024"),
+ATTN_MIN_CHUNK = 0
+# the short-context regimes of flash decoding (attn_short; changes 116, 158): ATTN_SHORT key counts ("512,1024"),
 # "0" none, unset: DEVICE_TUNING's "attn_short" for the model's shape
-ATTN_SHORT = os.environ.get("KUIPER_ATTN_SHORT")
+ATTN_SHORT = None
 # flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
 # prologue: "1" / "0" for every shape (A/B), unset: DEVICE_TUNING's "attn_cm"
-ATTN_CM = os.environ.get("KUIPER_ATTN_CM")
+ATTN_CM = None
 # flash decoding's splits past ATTN_MMA_KEYS keys on tensor cores (attn_decode.cuh attn_split_mma_long), which
-# needs a second 64-key tile buffer of dynamic shared memory; KUIPER_ATTN_MMA_LONG=0: the scalar loop (A/B)
-ATTN_MMA_LONG = os.environ.get("KUIPER_ATTN_MMA_LONG", "1") != "0"
+# needs a second 64-key tile buffer of dynamic shared memory; ATTN_MMA_LONG=0: the scalar loop (A/B)
+ATTN_MMA_LONG = True
 # flash-decoding split size at capacity, and the most blocks per SM the splits may take: the long path's
 # blocks hold ~70 KB of shared memory (3 per SM), and its splits cost little arithmetic per key
-ATTN_KEYS_PER_SPLIT = int(os.environ.get("KUIPER_ATTN_KEYS_PER_SPLIT", "1024" if ATTN_MMA_LONG else "512"))
+ATTN_KEYS_PER_SPLIT = 1024
 ATTN_MAX_PER_SM = 3 if ATTN_MMA_LONG else 8
 ATTN_MMA_KEYS, ATTN_LONG_TILE = 64, 64  # attn_decode.cuh
 
 # the one-token id that means "the id the last sample_launch drew", read by the step from device memory
 SAMPLED_TOKEN = -1
 # sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
-# sample_token_mb scans. KUIPER_SAMPLE_MB=0 draws in one block (sample_token) always (A/B)
+# sample_token_mb scans. SAMPLE_MB=0 draws in one block (sample_token) always (A/B)
 SMP_THREADS, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS = 1024, 4096, 16384, 256
-SAMPLE_MB = os.environ.get("KUIPER_SAMPLE_MB", "1") != "0"
+SAMPLE_MB = True
 # greedy decode's argmax inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
-# greedy step; KUIPER_FUSED_ARGMAX=0 draws with the sampling kernel (A/B)
-FUSED_ARGMAX = os.environ.get("KUIPER_FUSED_ARGMAX", "1") != "0"
+# greedy step; FUSED_ARGMAX=0 draws with the sampling kernel (A/B)
+FUSED_ARGMAX = True
 
 
 def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
@@ -307,18 +304,18 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# KUIPER_MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B; plain, without the two flags below).
+# MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B; plain, without the two flags below).
 # On by default (PERFORMANCE.md change 177), each can be turned off with =0 for A/B: the narrow flag
-# (KUIPER_MOE_RS_NARROW: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (KUIPER_MOE_RS_SWZ: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only).
+# (MOE_RS_NARROW: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
+# swizzled flag (MOE_RS_SWZ: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only).
 # H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8 / -7
 # / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
-MOE_RS_NARROW = int(os.environ.get("KUIPER_MOE_RS_NARROW", "1") != "0")
-MOE_RS_SWZ = int(os.environ.get("KUIPER_MOE_RS_SWZ", "1") != "0")
+MOE_RS_NARROW = 1
+MOE_RS_SWZ = 1
 MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
                     *((64, 4, 2, nw, sw) for nw in (0, 1) for sw in (0, 1)),
                     *((128, 8, 4, nw, sw) for nw in (0, 1) for sw in (0, 1)))
-MOE_RS_FORMS = {64: (8, 4, 0, 0) if os.environ.get("KUIPER_MOE_RS_WG64", "2") == "4" else (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
+MOE_RS_FORMS = {64: (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
                 128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
@@ -327,17 +324,17 @@ MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
 # 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
 # 24.16 against 24.73) and lose at 64 (1024 tokens: 26.06 against 25.42). 13 and 60 lie between those points.
-MOE_TC = os.environ.get("KUIPER_MOE_TC", "auto")
-MOE_TC_MAX_MEAN = float(os.environ.get("KUIPER_MOE_TC_MAX_MEAN", "60"))
-MOE_TC_T16_MAX = float(os.environ.get("KUIPER_MOE_TC_T16_MAX", "13"))
+MOE_TC = "auto"
+MOE_TC_MAX_MEAN = 60.0
+MOE_TC_T16_MAX = 13.0
 MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
-# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or KUIPER_FW_CONFIG
+# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or FW_CONFIG
 # ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
 # then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
 # / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
 FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
-FW_CONFIG = tuple(int(v) for v in os.environ["KUIPER_FW_CONFIG"].split(",")) if os.environ.get("KUIPER_FW_CONFIG") else None
+FW_CONFIG = None
 FW_NC3_FROM = 2048
 
 
@@ -356,23 +353,23 @@ MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
 # against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
 # went 1.5x slower, so below 1024 tokens the kernel stays)
-MOE_ROUTER_GEMM_MIN_T = int(os.environ.get("KUIPER_MOE_ROUTER_GEMM_MIN_T", "1024"))
+MOE_ROUTER_GEMM_MIN_T = 1024
 # "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
 # D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from MOE_ROUTER_GEMM_MIN_T tokens)
 # and moe_topk, as before PERFORMANCE.md change 181
-MOE_ROUTER = os.environ.get("KUIPER_MOE_ROUTER", "mma")
+MOE_ROUTER = "mma"
 # up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
 # Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
 # one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
 # 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35 (PERFORMANCE.md changes 188-189)
-MOE_ROUTE_WIDE_T = int(os.environ["KUIPER_MOE_ROUTE_WIDE_T"]) if "KUIPER_MOE_ROUTE_WIDE_T" in os.environ else None
+MOE_ROUTE_WIDE_T = None
 # "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
 # 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
-MOE_ROUTE_MAPS = os.environ.get("KUIPER_MOE_ROUTE_MAPS", "1") != "0"
+MOE_ROUTE_MAPS = True
 # moe_route_mma's split form (PERFORMANCE.md change 198): "auto" splits D over up to MOE_ROUTE_SPLIT_MAX blocks per
 # 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
-MOE_ROUTE_SPLITS = os.environ.get("KUIPER_MOE_ROUTE_SPLITS", "auto")
-MOE_ROUTE_SPLIT_MAX = int(os.environ.get("KUIPER_MOE_ROUTE_SPLIT_MAX", "8"))
+MOE_ROUTE_SPLITS = "auto"
+MOE_ROUTE_SPLIT_MAX = 8
 
 
 _OPTIN: dict[int, int] = {}
@@ -454,14 +451,14 @@ _FILES = {
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
-# KUIPER_GEMV_ACC_FORM=0: accumulating launches run the general instantiations instead (A/B of change 146)
-GEMV_ACC_FORM = os.environ.get("KUIPER_GEMV_ACC_FORM", "1") != "0"
+# GEMV_ACC_FORM=0: accumulating launches run the general instantiations instead (A/B of change 146)
+GEMV_ACC_FORM = True
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
 # blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
 # and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
-FFN_GLOBAL_CAPS = tuple(int(c) for c in os.environ.get("KUIPER_FFN_GLOBAL_CAPS", "3,4").split(","))
+FFN_GLOBAL_CAPS = (3, 4)
 ATTN_CM_HB = (1, 2, 4, 8)  # heads per block of attention.cu's cluster-merge instantiations (attn_decode_gqa CM)
 ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
 _FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
@@ -743,8 +740,8 @@ _BUILD_NOTICED = [False]
 _BUILD_LOCK = threading.Lock()
 _BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build started by precompile()
 BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
-# KUIPER_PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
-PRECOMPILE = os.environ.get("KUIPER_PRECOMPILE", "1") != "0"
+# PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
+PRECOMPILE = True
 # the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
 BUILD_THREADS = max(1, int(os.environ.get("KUIPER_BUILD_THREADS", "16")))
 
@@ -982,7 +979,7 @@ def device_linear(lin, segments: int = 1):
 # cupy.empty (PERFORMANCE.md change 194): short prefills are host-bound, and the ~18 allocations of a MoE layer were
 # ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off (A/B). Longer
 # prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
-_ARENA_MAX_T = int(os.environ.get("KUIPER_ARENA_MAX_T", "512"))
+_ARENA_MAX_T = 512
 _ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
 
 
@@ -1022,7 +1019,7 @@ class _Arena:
 # earlier turns, runs, from the second time its length bucket is met, as one CUDA graph captured at the bucket's
 # length (the prompt padded at its end), so the host enqueues one graph launch instead of ~7 kernel launches per
 # layer. 0 turns them off.
-PREFILL_GRAPH_MAX_T = int(os.environ.get("KUIPER_PREFILL_GRAPH_MAX_T", "512"))
+PREFILL_GRAPH_MAX_T = 512
 # what a replay reads, in one device buffer the host fills before each (one copy): K's and V's cache maps of the
 # prompt's keys at bytes 0 and 128 (64-byte aligned, for flash_attn_wgmma), the position at _PBUF_POS, the padded
 # ids from _PBUF_IDS (PERFORMANCE.md change 207)
@@ -1124,10 +1121,10 @@ _DEV_NAMES: dict[int, str] = {}
 
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
-# (the decode GEMVs); KUIPER_SPREAD=none turns it off (A/B). Not the one-launch FFN: its clusters need
+# (the decode GEMVs); SPREAD=none turns it off (A/B). Not the one-launch FFN: its clusters need
 # a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step); its
 # form without clusters caps itself by registers (ffn_global_plan)
-SPREAD = set(os.environ.get("KUIPER_SPREAD", "attn,gemv").split(","))
+SPREAD = {"attn", "gemv"}
 _SPREAD: dict[tuple, int] = {}
 
 
@@ -1240,7 +1237,7 @@ def o_merge(a: ModelArgs) -> bool:
 
 def attn_cm(a: ModelArgs) -> bool:
     """Whether decode's flash decoding merges its splits in its clusters where it can (attn_cluster_merge; the
-    short-context regime's graph, its splits capped at ATTN_CM_MAX): KUIPER_ATTN_CM ("1" / "0"), else
+    short-context regime's graph, its splits capped at ATTN_CM_MAX): ATTN_CM ("1" / "0"), else
     DEVICE_TUNING's "attn_cm" for this model on this GPU."""
     return _shape_switch(ATTN_CM, "attn_cm", a)
 
@@ -1248,12 +1245,12 @@ def attn_cm(a: ModelArgs) -> bool:
 def attn_short(a: ModelArgs) -> tuple[int, ...]:
     """The key counts up to which flash decoding runs in a short-context regime (each a decode graph of its own
     whose grid holds only the splits its keys can use; PERFORMANCE.md changes 116, 158), ascending, () for
-    none: KUIPER_ATTN_SHORT ("512,1024"; "0" none), else DEVICE_TUNING's "attn_short" for this model on this
+    none: ATTN_SHORT ("512,1024"; "0" none), else DEVICE_TUNING's "attn_short" for this model on this
     GPU (an int or a tuple of ints)."""
     if ATTN_SHORT:
         bounds = ATTN_SHORT.split(",")
         if not all(b.strip().isdigit() for b in bounds):
-            raise KuiperError(f"KUIPER_ATTN_SHORT={ATTN_SHORT!r}: expected key counts such as 512,1024")
+            raise KuiperError(f"ATTN_SHORT={ATTN_SHORT!r}: expected key counts such as 512,1024")
     else:
         bounds = device_tuning().get("attn_short", {}).get(_attn_shape(a), ())
         bounds = (bounds,) if isinstance(bounds, int) else bounds
@@ -1276,7 +1273,7 @@ def decode_regimes(bounds: tuple[int, ...], capacity: int, keys: tuple[int, int]
 
 
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
-    """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: KUIPER_GEMV_BLOCKS_PER_SM,
+    """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: GEMV_BLOCKS_PER_SM,
     else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
     if GEMV_BLOCKS_PER_SM:
         return GEMV_BLOCKS_PER_SM
@@ -1614,7 +1611,7 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
 # gemm()'s "rs" path for 257 to RS_ROWS_SPLIT_MAX rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first
 # 256 rows by 256-token blocks, the rest by a second launch of 64-token blocks (PERFORMANCE.md change 206; 0: one
 # launch whatever the rows)
-RS_ROWS_SPLIT_MAX = int(os.environ.get("KUIPER_GEMM_RS_ROWS_SPLIT_MAX", "320"))
+RS_ROWS_SPLIT_MAX = 320
 RS_ROWS_SPLIT_KN = 3 * 4096 * 4096
 
 
@@ -1918,7 +1915,7 @@ def silu_mul(g, u, I: int, ld: int, out=None):
 
 
 # prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
-ATTN_WGMMA = os.environ.get("KUIPER_ATTN_WGMMA", "auto")
+ATTN_WGMMA = "auto"
 
 
 def attn_wgmma_fits(hd: int) -> bool:
@@ -1955,7 +1952,7 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
         cfg = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
         if cfg not in FW_CONFIGS:
             forms = " ".join(",".join(map(str, c)) for c in FW_CONFIGS)
-            raise KuiperError(f"KUIPER_FW_CONFIG={','.join(map(str, cfg))} is not a compiled form of flash_attn_wgmma "
+            raise KuiperError(f"FW_CONFIG={','.join(map(str, cfg))} is not a compiled form of flash_attn_wgmma "
                               f"(stages,pipe,warpgroups: {forms})")
         st, pipe, nc = cfg
         fn = kernel("attn90", fw_name(st, pipe, nc))
@@ -2089,7 +2086,7 @@ _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
 # cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
 # as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k, change 75)
-CLUSTER_POLICY = int(os.environ.get("KUIPER_CLUSTER_POLICY", "1"))
+CLUSTER_POLICY = 1
 
 
 def _cu_occupancy_clusters():
@@ -2148,15 +2145,15 @@ def _cluster_attr(CL: int) -> _LaunchAttr:
 
 # the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured
 # faster at Qwen3-8B's 384 blocks on H100, PERFORMANCE.md change 75), "1" wherever it is served (tests), "0" off
-DECODE_FFN = os.environ.get("KUIPER_DECODE_FFN", "auto")
+DECODE_FFN = "auto"
 FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
 # the one-launch FFN kernels' cluster exchange by pushes into receive slots (st.async on mbarriers) instead of
 # the cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush, PERFORMANCE.md
-# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000): KUIPER_FFN_PUSH=0 the barrier (A/B)
-FFN_PUSH = os.environ.get("KUIPER_FFN_PUSH", "1") != "0"
+# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000): FFN_PUSH=0 the barrier (A/B)
+FFN_PUSH = True
 
 
 def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push: bool | None = None) -> dict:
@@ -2191,7 +2188,7 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
     line saying why not. A cluster owns 256 intermediate channels (_ffn_first_fit picks the pair)."""
     if DECODE_FFN not in ("auto", "1"):
-        return None, "off (KUIPER_DECODE_FFN=0)"
+        return None, "off (DECODE_FFN=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, I = a.hidden_size, a.intermediate_size
@@ -2203,14 +2200,14 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in _ffn_pairs(D)), None)
     if pair is not None and DECODE_FFN == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {pair['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
-                      f"weights slower than the separate GEMVs; KUIPER_DECODE_FFN=1 forces it)")
+                      f"weights slower than the separate GEMVs; DECODE_FFN=1 forces it)")
     if pair is not None and FFN_GLOBAL in ("auto", "1"):
         g, how = ffn_global_plan(pair, n, at_cap_only=FFN_GLOBAL == "auto")
         if g is not None:
             return g, how
     if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
         return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
-                      f"there than the cluster launch, DEVICE_TUNING; KUIPER_DECODE_FFN=1 forces it)")
+                      f"there than the cluster launch, DEVICE_TUNING; DECODE_FFN=1 forces it)")
     return plan, why
 
 
@@ -2238,8 +2235,8 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 # 100 clusters of 5 at 4 (so 32B ran the separate GEMVs). H100 step timer at 512 keys: 8B -2.5%, 14B -2.7% against
 # the cluster launch, 32B -9.7% against the separate GEMVs; H200: 8B -3.3%, 14B -6.6%. "auto" (default) where the
 # grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never (A/B).
-FFN_GLOBAL = os.environ.get("KUIPER_FFN_GLOBAL", "auto")
-FFN_GLOBAL_PER_SM = 3  # the count KUIPER_FFN_GLOBAL=1 takes
+FFN_GLOBAL = "auto"
+FFN_GLOBAL_PER_SM = 3  # the count FFN_GLOBAL=1 takes
 FFN_SLOT_BYTES = 8 * FFN_CH * 8 + 8 * 4  # ffn_decode.cu sizeof(FfnSlots)
 
 
@@ -2269,13 +2266,13 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
 # shorter on H100 with the router in the cluster, PERFORMANCE.md change 76, and 6.3% more with the logits
 # from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
-DECODE_MOE = os.environ.get("KUIPER_DECODE_MOE", "auto")
+DECODE_MOE = "auto"
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
     k * moe_intermediate / 256 clusters in all (_ffn_first_fit picks the pair)."""
     if DECODE_MOE not in ("auto", "1"):
-        return None, "off (KUIPER_DECODE_MOE=0)"
+        return None, "off (DECODE_MOE=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
@@ -2489,14 +2486,14 @@ def _moe_grid_rows(n: int, E: int, tile_m: int = GEMM_BM) -> int:
 # Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
 # PERFORMANCE.md change 168) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
 # "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
-MOE_RS = os.environ.get("KUIPER_MOE_RS", "auto")
+MOE_RS = "auto"
 # gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
 # both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
 # against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168). With change 177's narrow forms
 # (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
 # against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
 # 352.8 against 319.2: the two cost the same at 60 (change 179)
-MOE_RS_BT128_FROM = int(os.environ.get("KUIPER_MOE_RS_BT128_FROM", "60"))
+MOE_RS_BT128_FROM = 60
 
 
 def moe_tc_fits(D: int, inter: int, group: int) -> bool:
@@ -2687,21 +2684,21 @@ def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, 
 
 # Decode without add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32
 # residual stream in its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue.
-# KUIPER_FUSE_NORM=0 runs the separate add_rmsnorm kernel instead (A/B).
-FUSE_NORM = os.environ.get("KUIPER_FUSE_NORM", "1") != "0"
-# Decode's q/k RMSNorm, RoPE and KV-cache write in the QKV GEMV's epilogue; KUIPER_FUSE_ROPE=0: the
+# FUSE_NORM=0 runs the separate add_rmsnorm kernel instead (A/B).
+FUSE_NORM = True
+# Decode's q/k RMSNorm, RoPE and KV-cache write in the QKV GEMV's epilogue; FUSE_ROPE=0: the
 # separate qk_norm_rope_store kernel (A/B).
-FUSE_ROPE = os.environ.get("KUIPER_FUSE_ROPE", "1") != "0"
-# Decode's flash-decoding merge in the o GEMV's prologue; KUIPER_FUSE_COMBINE=0: the combine kernel (A/B).
-FUSE_COMBINE = os.environ.get("KUIPER_FUSE_COMBINE", "1") != "0"
+FUSE_ROPE = True
+# Decode's flash-decoding merge in the o GEMV's prologue; FUSE_COMBINE=0: the combine kernel (A/B).
+FUSE_COMBINE = True
 # MoE prefill's finalize (the routing-weighted sum of each token's expert rows) in the next add_rmsnorm, so the
-# [T, D] sum is neither written nor read back and one launch per layer goes; KUIPER_MOE_FUSE_FINALIZE=0: the
+# [T, D] sum is neither written nor read back and one launch per layer goes; MOE_FUSE_FINALIZE=0: the
 # moe_finalize kernel, then add_rmsnorm (A/B; the same bits either way)
-MOE_FUSE_FINALIZE = os.environ.get("KUIPER_MOE_FUSE_FINALIZE", "1") != "0"
+MOE_FUSE_FINALIZE = True
 # Decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
 # 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, docs/PERFORMANCE.md
-# changes 49-50 and, for MoE layers, 52-53); KUIPER_GEMV_ACC=0: the last-block reductions (A/B).
-GEMV_ACC = os.environ.get("KUIPER_GEMV_ACC", "1") != "0"
+# changes 49-50 and, for MoE layers, 52-53); GEMV_ACC=0: the last-block reductions (A/B).
+GEMV_ACC = True
 
 
 class _QkvInput:

@@ -168,7 +168,7 @@ def decode_logits(mf, ids, n_prefill, max_context, graphs):
 
 def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
     """{"0": logits, "1": logits} of decoding ids[n_prefill:] after a prefill with flash decoding's clusters'
-    merge off and on (KUIPER_ATTN_CM), the o GEMV's own merge forced to gemv_merge_span at every split count and
+    merge off and on (ATTN_CM), the o GEMV's own merge forced to gemv_merge_span at every split count and
     a short-context regime of 16 splits (4 keys per split at least, up to 64 keys); skips where the GPU cannot
     merge in clusters."""
     import cupy as cp

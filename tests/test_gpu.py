@@ -564,7 +564,7 @@ def test_gemm_rs_rows_split(monkeypatch, M):
 
 def test_gemm_path_routes_rs(monkeypatch):
     """gemm_path's choice at the Qwen3-8B and 30B-A3B shapes on Hopper: the fused wgmma kernel for short
-    prompts, rs inside rs_range, dequant + cuBLAS past it; KUIPER_GEMM_RS=0 never rs, =1 always (when the
+    prompts, rs inside rs_range, dequant + cuBLAS past it; GEMM_RS=0 never rs, =1 always (when the
     shapes fit)."""
     if not oc.wgmma_available() or not oc.cublas_ready():
         pytest.skip("needs compute capability 9.0 and cuBLAS")

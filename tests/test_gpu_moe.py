@@ -278,7 +278,7 @@ def test_gemm_moe_tc_at_235b_shapes(tm):
 
 
 def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
-    """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless KUIPER_MOE_RS=0;
+    """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless MOE_RS=0;
     tiny-moe's hidden size of 128 (no whole 256-column tile) never does; moe_rs_tile by the mean rows."""
     assert oc.moe_rs_path(layer["w13_d"], layer["w2_d"]) == oc.wgmma_available()
     monkeypatch.setattr(oc, "MOE_RS", "0")
@@ -752,7 +752,7 @@ def test_moe_prefill_graph_refused_where_cublas_serves(moe_bin):
 def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     """A whole small-moe prefill (hidden and expert intermediate 256: the grouped expert GEMMs on gemm_moe_rs, and
     on gemm_moe_tc with its bound raised) against the CPU engine at every position, and against the same prefill on
-    the mma.sync grouped GEMMs (KUIPER_MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
+    the mma.sync grouped GEMMs (MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
     activations may flip) legitimately differs: at least 95% of the 300 must route the same, and those are
     compared (1e-2, as the tiny models' prefill test). Rows are checked one by one in the stage tests above:
     here the largest row's error is set by the draw (0.0085 and 0.056 in two draws on this path, 0.0077 on
@@ -846,7 +846,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
     """MoE models decode in accumulating mode (q|k|v finished by flash decoding, o's sums added to the
     residual by the router kernel, the experts' [gate | up] sums finished by the expert down GEMV, its
     weighted sum added by the next layer's q|k|v GEMV): against the last-block reductions
-    (KUIPER_GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
+    (GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
     differ from the CPU's in some layer (a near-tied router; three draws at most); graph replay equal to
     eager; one step repeated from the same cache bitwise equal, the accumulators left zero."""
     mf = load(moe_bin)
@@ -886,7 +886,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
 # The one-launch MoE FFN half end to end, at shapes it serves: a 1024-wide model (clusters of 4, 32
 # experts, 4 per token) and a 2048-wide one (clusters of 8, as Qwen3-30B-A3B) whose middle layer is a
 # dense MLP (mlp_only_layers), against the separate routing kernel and expert GEMVs
-# (KUIPER_DECODE_MOE=0) and the CPU engine. Layout: hidden, dense intermediate, layers, heads, kv heads,
+# (DECODE_MOE=0) and the CPU engine. Layout: hidden, dense intermediate, layers, heads, kv heads,
 # head_dim, tied, experts, top-k, expert intermediate, mlp_only_layers.
 _FUSED_MOE = {"m1k": (1024, 1024, 2, 8, 2, 128, True, 32, 4, 256, ()),
               "m2k-mixed": (2048, 2048, 3, 16, 4, 128, True, 16, 4, 512, (1,))}

@@ -177,7 +177,7 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     """precompile() starts every family's build at once in worker threads: four 0.5 s builds are all done within
     well under their 2 s in a row, a family _compiled asks for while its build runs is waited for rather than built
     again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
-    family's. With KUIPER_PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
+    family's. With PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
     import time
     fams = ["norm", "rope", "lmh", "gemm"]  # (one module each)
     fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)

@@ -70,7 +70,7 @@ def test_lower_target_keeps_the_split_floor(sms, monkeypatch, D, I):
                                         ("NVIDIA A100-SXM4-80GB", False)])
 def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name, tuned):
     sms(132, name)
-    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", None)  # no KUIPER_GEMV_BLOCKS_PER_SM
+    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", None)  # no GEMV_BLOCKS_PER_SM
     monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}, "gemv_blocks_per_sm": {
         (4096, 24576): 3.0, (12288, 4096): 3.0}}})
     # Qwen3-8B's gate|up (K 4096, 2 x 48 tiles) and down (K 12288, 16 tiles) take the GPU's entry ...
@@ -117,7 +117,7 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     assert oc.attn_short(a8b) == ()
     monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"attn_short": {(4096, 32, 8, 128): (512, 1024)}}})
     assert oc.attn_short(a8b) == (512, 1024)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "300")  # KUIPER_ATTN_SHORT wins everywhere
+    monkeypatch.setattr(oc, "ATTN_SHORT", "300")  # ATTN_SHORT wins everywhere
     assert oc.attn_short(a8b) == (300,)
     monkeypatch.setattr(oc, "ATTN_SHORT", "1024, 300,300")  # any order, repeats once
     assert oc.attn_short(a8b) == (300, 1024)
@@ -125,7 +125,7 @@ def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_short(a8b) == ()
     monkeypatch.setattr(oc, "ATTN_SHORT", "512;1024")
-    with pytest.raises(oc.KuiperError, match="KUIPER_ATTN_SHORT"):
+    with pytest.raises(oc.KuiperError, match="ATTN_SHORT"):
         oc.attn_short(a8b)
 
 
@@ -157,14 +157,14 @@ def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
     assert oc.attn_min_chunk(a8b) == 64 and oc.attn_min_chunk(a30) == oc.DECODE_MIN_CHUNK == 32
     sms(132, "NVIDIA H200")
     assert oc.attn_min_chunk(a8b) == 32
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 48)  # KUIPER_ATTN_MIN_CHUNK wins everywhere
+    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 48)  # ATTN_MIN_CHUNK wins everywhere
     assert oc.attn_min_chunk(a8b) == oc.attn_min_chunk(a30) == 48
 
 
 def test_ffn_off_entry_turns_off_only_the_cluster_launch(sms, monkeypatch):
-    """DEVICE_TUNING's ffn_off drops the one-launch FFN's cluster launch under KUIPER_DECODE_FFN=auto (the
+    """DEVICE_TUNING's ffn_off drops the one-launch FFN's cluster launch under DECODE_FFN=auto (the
     separate GEMVs instead), but the form without a cluster launch (ffn_global_plan) is taken first where it
-    applies; KUIPER_DECODE_FFN=1 keeps the cluster launch."""
+    applies; DECODE_FFN=1 keeps the cluster launch."""
     from types import SimpleNamespace
     sms(132, "NVIDIA H200")
     monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}}})
@@ -247,7 +247,7 @@ def test_shape_choice_follows_the_table_and_the_override(sms, monkeypatch, choic
     monkeypatch.setattr(oc, override, "0")
     sms(132, listed)
     assert not on(a8b)
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")  # KUIPER_GEMV_O_MERGE wins everywhere
+    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")  # GEMV_O_MERGE wins everywhere
     assert oc.o_merge(a8b) and oc.o_merge(a14b)
     monkeypatch.setattr(oc, "GEMV_O_MERGE", "0")
     sms(132, "NVIDIA H100 80GB HBM3")
