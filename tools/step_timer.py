@@ -12,8 +12,7 @@ short-context graph serves up to 1024 keys on the GPUs in DEVICE_TUNING). No hos
 replays (no sampling, no token read back), so the figure is the GPU's step alone; `tools/bench_e2e.py`
 times the loop kuiper generate runs.
 
-A/B comparisons run one process per arm (compile-time settings such as KUIPER_DIAG_DEFINES take effect
-per process), alternating, on the same machine: the spread between a process's rounds is the noise floor.
+A/B comparisons (two trees) run one process per arm, alternating, on the same machine: the spread between a process's rounds is the noise floor.
 --cap sets the KV cache's positions (default max(2200, ctx + replays + 100)): the cache's capacity sets flash
 decoding's split count and with it which o merge the graph takes (gemv_merge_span past 16 splits), so
 figures compare only at the same --cap.
