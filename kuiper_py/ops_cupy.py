@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelArgs, rope_tables
+from .cuda.settings import Settings
 from .errors import KuiperError, ResourceError
 from .loader import (AwqLinear, AwqStack, Layer, Weights, check_weights_fit, device_bytes, drop_pages,
                      kv_bytes_per_position)
@@ -36,69 +37,26 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = _cublas = None
 
+# The active tuning (cuda/settings.py): the defaults, or what the CupyOps being built was given (one backend per
+# process); the functions below read it at each call.
+SETTINGS = Settings()
+
+
+def use_settings(settings: Settings) -> None:
+    """Make `settings` the active tuning (CupyOps does at construction)."""
+    global SETTINGS
+    SETTINGS = settings
+
 GEMV_ROWS = 16  # tuning knobs of gemv_w4a16.cu (benchmarks)
 GEMV_MIN_BLOCKS = 4
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
-# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). GEMV_BLOCKS_PER_SM sets it
-# on every GPU and shape; unset, a GEMV takes DEVICE_TUNING's target for its shape on this GPU, else
+# the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). gemv_blocks_per_sm sets it
+# on every GPU and shape; unset, a GEMV takes device_tables's target for its shape on this GPU, else
 # GEMV_BASE_BLOCKS_PER_SM (gemv_blocks_per_sm)
 GEMV_BASE_BLOCKS_PER_SM = 4.0
-GEMV_BLOCKS_PER_SM = None
-# a target below the base never takes a projection under min(GEMV_MIN_SPLITS, its splits at the base):
+# a target below the base never takes a projection under min(gemv_min_splits, its splits at the base):
 # 3 per SM would give Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step (change 83; with
-# GEMV_BLOCKS_PER_SM=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
-GEMV_MIN_SPLITS = 3
-# per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
-# its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
-# decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
-# where the one-launch FFN's cluster launch is off under DECODE_FFN=auto (PERFORMANCE.md change 84; its form
-# without a cluster launch, change 129, is taken first where it applies: H200 8B -3.3% per step at 512 against
-# the separate GEMVs, so the entry no longer decides there). H200: Qwen3-8B
-# with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
-# q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
-# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
-# "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
-# (change 105). H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
-# 16), 14B -0.7%; 30B-A3B at 64 since its short splits' keys are staged before the wait (change 115): -1.2% at
-# 512, -3.4% at 1100 (change 118; +0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
-# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100 (change 119), so it keeps 32; 8B at 64 (after
-# change 132) -0.7% at 512 and at 2000, neutral at 8000 (change 135: o merges 8 splits instead of 16)
-# "attn_short": {(hidden, heads, kv heads, head dim): keys or (keys, ...)} flash decoding's short-context regimes
-# (change 116): up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
-# 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4%
-# (change 137; +0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (change 158: 8 splits, clusters of 8 with
-# attn_cm) -1.5% on the H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B
-# (H200, no attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm, change 161: the same as one bound at
-# 412 keys)
-# "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
-# change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
-# 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
-# H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512, and +0.8 to +2.0% at 64
-# registers too (change 122, not explained), so the H200 kept decode_merge; after changes 132-135 (8 splits at 512
-# keys, out of the merge's reach by the 16-split bound) 8B gains there too: -1.7% at 2000 keys, -1.5% at 8k, -1.2% at
-# 32k with a 33000-position cache, neutral at 512 (change 136); 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
-# 14B and 4B measured mixed (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge
-# "attn_cm": {(hidden, heads, kv heads, head dim)} flash decoding's short-context graph merges its splits in its
-# own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue (change 157).
-# Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
-# -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32; change 161): H200 -1.0% at 412 keys, +0.15%
-# at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
-_QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
-DEVICE_TUNING = {
-    "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
-             "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
-             "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
-             # Qwen3-8B (change 158: a graph of 8 splits up to 512 keys, with attn_cm), 30B-A3B (change 137)
-             "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},
-             "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B (change 136)
-             "attn_cm": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B (change 157), 30B-A3B (change 161)
-    "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
-             "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
-                                (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
-             "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
-             "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)},  # Qwen3-8B, 30B-A3B
-             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
-}
+# gemv_blocks_per_sm=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
 # GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
 # fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
@@ -108,47 +66,30 @@ DEVICE_TUNING = {
 # 1.3% shorter at 32k on the H100, so there the bound covers the 80 splits of a 40960-position cache
 # (GEMV_O_MERGE_COARSE_SPLITS, change 121). The other projections stay at 4: 3 for all of them made
 # Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
-GEMV_O_BLOCKS_PER_SM = 3.0
 GEMV_O_COARSE_SPLITS = 48
 GEMV_O_MERGE_COARSE_SPLITS = 80
 # the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
-# instantiations, 80 registers: at most 3 blocks per SM) for the shapes in DEVICE_TUNING's "o_merge", where
-# flash decoding has more than GEMV_O_MERGE_MIN_SPLITS splits and o's grid fits 3 per SM; else decode_merge's
-# running max at 64 registers. GEMV_O_MERGE=1 / 0: on / off for every shape (A/B)
-GEMV_O_MERGE = None
-GEMV_O_MERGE_MIN_SPLITS = 16
+# instantiations, 80 registers: at most 3 blocks per SM) for the shapes in device_tables's "o_merge", where
+# flash decoding has more than gemv_o_merge_min_splits splits and o's grid fits 3 per SM; else decode_merge's
+# running max at 64 registers. gemv_o_merge=1 / 0: on / off for every shape (A/B)
 GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
-# the MoE weighted sum (the experts' down projection): GEMV_MOE2=1 (default) reduces in two
-# levels (gemv_w4a16<true>: slot by slot, then over the slots), so it splits like the dense GEMVs
-# (GEMV_MOE_BLOCKS_PER_SM, default GEMV_BLOCKS_PER_SM); =0 keeps the one-level reduction, where
-# one block per tile reads slots x splits partials, which aims at 1 block per SM (A/B)
-GEMV_MOE2 = True
-GEMV_MOE_BLOCKS_PER_SM = None
+# the MoE weighted sum (the experts' down projection) reduces in two levels (gemv_w4a16<true>: slot by slot,
+# then over the slots), so it splits like the dense GEMVs (gemv_moe_blocks_per_sm, default the GEMVs' target)
 # the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
 # an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
-GEMV_RT_COLS = 64
 GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once (A/B)
-# GEMM_BM=64 or 128: one dense GEMM tile for every M (A/B); anything else: the size rule in gemm()
-GEMM_FORCE_BM = 0
 # prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
-GEMM_DEQUANT_MIN_M = 2
-# the dequant path's fp16 GEMM as one cublasGemmEx call (cublas_matmul) instead of cupy.matmul, whose checks and
-# dispatch cost the host ~10 us more per call (PERFORMANCE.md change 228); 0 restores cupy.matmul (A/B)
-CUBLAS_DIRECT = True
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
 # runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
 # 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
-# (GEMM_WGMMA unset or "auto") it takes short prompts of the shapes where it measured faster,
-# wgmma_max_m() below; GEMM_WGMMA=1 sends every prefill from GEMM_WGMMA_MIN_M rows to it,
+# (gemm_wgmma unset or "auto") it takes short prompts of the shapes where it measured faster,
+# wgmma_max_m() below; gemm_wgmma=1 sends every prefill from gemm_wgmma_min_m rows to it,
 # =0 never (A/B)
-GEMM_WGMMA_MIN_M = 1
-GEMM_WGMMA = "auto"
 # the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
 # ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
 # above and dequant + cuBLAS (H200, PERFORMANCE.md change 167); "1": every prefill that fits it, "0": never
-GEMM_RS = "auto"
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
@@ -161,8 +102,6 @@ WGMMA_PRODUCERS = (2,)
 # split-K on the wave tail (gemm_wgmma.cu): the tiles of a partial last wave each split into up to
 # this many K ranges, so that wave takes 1/split of the time (q|k|v at 512 rows: 192 tiles on 132
 # SMs, 1.45 waves run as 2); 1 turns it off (A/B)
-WGMMA_SPLIT_MAX = 4
-GEMM_WGMMA_FORCE_TILE = None  # a (BM, BN) of WGMMA_TILES for every shape (tests)
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 GEMV_COLS = 256
 GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
@@ -170,36 +109,26 @@ GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe_maps' tile_m); de
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
 ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U (A/B)
-ATTN_MAX_HEADS_PER_BLOCK = 4  # query heads per decode block (A/B; 8 measured slower)
-ATTN_PER_SM = 2.0  # flash-decoding blocks per SM at least (A/B)
-# flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): DEVICE_TUNING's
-# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; ATTN_MIN_CHUNK sets it (A/B)
+# flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): device_tables's
+# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; attn_min_chunk sets it (A/B)
 DECODE_MIN_CHUNK = 32
-ATTN_MIN_CHUNK = 0
-# the short-context regimes of flash decoding (attn_short; changes 116, 158): ATTN_SHORT key counts ("512,1024"),
-# "0" none, unset: DEVICE_TUNING's "attn_short" for the model's shape
-ATTN_SHORT = None
+# the short-context regimes of flash decoding (attn_short; changes 116, 158): attn_short key counts ("512,1024"),
+# "0" none, unset: device_tables's "attn_short" for the model's shape
 # flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
-# prologue: "1" / "0" for every shape (A/B), unset: DEVICE_TUNING's "attn_cm"
-ATTN_CM = None
+# prologue: "1" / "0" for every shape (A/B), unset: device_tables's "attn_cm"
 # flash decoding's splits past ATTN_MMA_KEYS keys on tensor cores (attn_decode.cuh attn_split_mma_long), which
-# needs a second 64-key tile buffer of dynamic shared memory; ATTN_MMA_LONG=0: the scalar loop (A/B)
-ATTN_MMA_LONG = True
+# needs a second 64-key tile buffer of dynamic shared memory; attn_mma_long=0: the scalar loop (A/B)
 # flash-decoding split size at capacity, and the most blocks per SM the splits may take: the long path's
 # blocks hold ~70 KB of shared memory (3 per SM), and its splits cost little arithmetic per key
-ATTN_KEYS_PER_SPLIT = 1024
-ATTN_MAX_PER_SM = 3 if ATTN_MMA_LONG else 8
 ATTN_MMA_KEYS, ATTN_LONG_TILE = 64, 64  # attn_decode.cuh
 
 # the one-token id that means "the id the last sample_launch drew", read by the step from device memory
 SAMPLED_TOKEN = -1
 # sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
-# sample_token_mb scans. SAMPLE_MB=0 draws in one block (sample_token) always (A/B)
+# sample_token_mb scans. sample_mb=0 draws in one block (sample_token) always (A/B)
 SMP_THREADS, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS = 1024, 4096, 16384, 256
-SAMPLE_MB = True
-# greedy decode's argmax inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
-# greedy step; FUSED_ARGMAX=0 draws with the sampling kernel (A/B)
-FUSED_ARGMAX = True
+# greedy decode's argmax rides inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
+# greedy step
 
 
 def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
@@ -207,7 +136,7 @@ def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
     one-block sample_token: top-k off or past the union's room (blocks x candidates <= SMP_CAND), or a
     vocabulary one block covers."""
     G = -(-n_valid // SMP_CHUNK)
-    if not SAMPLE_MB or G < 2:
+    if not SETTINGS.sample_mb or G < 2:
         return None
     assert G <= SMP_MAX_BLOCKS, f"{n_valid} logits: more than {SMP_MAX_BLOCKS} sampling blocks"
     cap = min(SMP_CAND // G, SMP_THREADS)
@@ -304,37 +233,26 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# MOE_RS_WG64=4 keeps the 4-warpgroup form for 64 rows (A/B; plain, without the two flags below).
-# On by default (PERFORMANCE.md change 177), each can be turned off with =0 for A/B: the narrow flag
-# (MOE_RS_NARROW: a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (MOE_RS_SWZ: the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only).
-# H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8 / -7
-# / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
-MOE_RS_NARROW = 1
-MOE_RS_SWZ = 1
-MOE_RS_FORMS_ALL = ((64, 8, 4, 0, 0),  # compiled: (rows, stages, warpgroups, narrow, swizzled)
-                    *((64, 4, 2, nw, sw) for nw in (0, 1) for sw in (0, 1)),
-                    *((128, 8, 4, nw, sw) for nw in (0, 1) for sw in (0, 1)))
-MOE_RS_FORMS = {64: (4, 2, MOE_RS_NARROW, MOE_RS_SWZ),
-                128: (8, 4, MOE_RS_NARROW, MOE_RS_SWZ)}
+# Both with the narrow flag (a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
+# swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only; PERFORMANCE.md change
+# 177). H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
+# / -7 / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
+MOE_RS_FORMS = {64: (4, 2, 1, 1), 128: (8, 4, 1, 1)}  # rows per tile -> (stages, warpgroups, narrow, swizzled)
+MOE_RS_FORMS_ALL = tuple((bt, *f) for bt, f in MOE_RS_FORMS.items())  # compiled: (rows, stages, warpgroups, ...)
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 # Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
-# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md changes 199-200), in tiles of 16 rows up to MOE_TC_T16_MAX on the
+# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md changes 199-200), in tiles of 16 rows up to moe_tc_t16_max on the
 # mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B). The bounds are whole-model crossovers (H200,
 # 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
 # 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
 # 24.16 against 24.73) and lose at 64 (1024 tokens: 26.06 against 25.42). 13 and 60 lie between those points.
-MOE_TC = "auto"
-MOE_TC_MAX_MEAN = 60.0
-MOE_TC_T16_MAX = 13.0
 MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
-# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or FW_CONFIG
+# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or fw_config
 # ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
 # then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
 # / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
 FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
-FW_CONFIG = None
 FW_NC3_FROM = 2048
 
 
@@ -353,23 +271,17 @@ MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
 # against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
 # went 1.5x slower, so below 1024 tokens the kernel stays)
-MOE_ROUTER_GEMM_MIN_T = 1024
 # "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
-# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from MOE_ROUTER_GEMM_MIN_T tokens)
+# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from moe_router_gemm_min_t tokens)
 # and moe_topk, as before PERFORMANCE.md change 181
-MOE_ROUTER = "mma"
 # up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
 # Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
 # one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
 # 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35 (PERFORMANCE.md changes 188-189)
-MOE_ROUTE_WIDE_T = None
 # "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
 # 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
-MOE_ROUTE_MAPS = True
-# moe_route_mma's split form (PERFORMANCE.md change 198): "auto" splits D over up to MOE_ROUTE_SPLIT_MAX blocks per
+# moe_route_mma's split form (PERFORMANCE.md change 198): "auto" splits D over up to moe_route_split_max blocks per
 # 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
-MOE_ROUTE_SPLITS = "auto"
-MOE_ROUTE_SPLIT_MAX = 8
 
 
 _OPTIN: dict[int, int] = {}
@@ -389,8 +301,8 @@ def moe_rmma_smem(warps: int) -> int:
 
 
 def moe_route_wide_t() -> int:
-    """The most prompt tokens moe_route_mma runs its 16-warp form for (MOE_ROUTE_WIDE_T)."""
-    return MOE_ROUTE_WIDE_T if MOE_ROUTE_WIDE_T is not None else 16 * sm_count()
+    """The most prompt tokens moe_route_mma runs its 16-warp form for (moe_route_wide_t)."""
+    return SETTINGS.moe_route_wide_t if SETTINGS.moe_route_wide_t is not None else 16 * sm_count()
 
 
 _RMMA_FITS: dict[tuple[int, str], bool] = {}
@@ -451,8 +363,6 @@ _FILES = {
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
-# GEMV_ACC_FORM=0: accumulating launches run the general instantiations instead (A/B of change 146)
-GEMV_ACC_FORM = True
 # compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
@@ -740,8 +650,6 @@ _BUILD_NOTICED = [False]
 _BUILD_LOCK = threading.Lock()
 _BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build started by precompile()
 BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
-# PRECOMPILE=0: every kernel module is built when first used, one after another (before change 225)
-PRECOMPILE = True
 # the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
 BUILD_THREADS = max(1, int(os.environ.get("KUIPER_BUILD_THREADS", "16")))
 
@@ -884,7 +792,7 @@ def precompile(families, device_id: int, groups=None) -> None:
     with _BUILD_LOCK:
         keys = [k for f in families for k in _module_keys(f, groups)]
         todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
-        if not PRECOMPILE or not todo:
+        if not todo:
             return
         work = queue.SimpleQueue()
         for f in todo:
@@ -979,7 +887,6 @@ def device_linear(lin, segments: int = 1):
 # cupy.empty (PERFORMANCE.md change 194): short prefills are host-bound, and the ~18 allocations of a MoE layer were
 # ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off (A/B). Longer
 # prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
-_ARENA_MAX_T = 512
 _ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
 
 
@@ -1015,11 +922,10 @@ class _Arena:
         self.slots.clear()
 
 
-# Prefill graphs (CupyOps.prefill_graph): a prompt of 2..PREFILL_GRAPH_MAX_T tokens, at the cache's start or after
+# Prefill graphs (CupyOps.prefill_graph): a prompt of 2..prefill_graph_max_t tokens, at the cache's start or after
 # earlier turns, runs, from the second time its length bucket is met, as one CUDA graph captured at the bucket's
 # length (the prompt padded at its end), so the host enqueues one graph launch instead of ~7 kernel launches per
 # layer. 0 turns them off.
-PREFILL_GRAPH_MAX_T = 512
 # what a replay reads, in one device buffer the host fills before each (one copy): K's and V's cache maps of the
 # prompt's keys at bytes 0 and 128 (64-byte aligned, for flash_attn_wgmma), the position at _PBUF_POS, the padded
 # ids from _PBUF_IDS (PERFORMANCE.md change 207)
@@ -1121,10 +1027,9 @@ _DEV_NAMES: dict[int, str] = {}
 
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
-# (the decode GEMVs); SPREAD=none turns it off (A/B). Not the one-launch FFN: its clusters need
+# (the decode GEMVs). Not the one-launch FFN: its clusters need
 # a free slot on 8 SMs of a GPC, and capping the slots left 8B's 48 clusters no room (+15% per step); its
 # form without clusters caps itself by registers (ffn_global_plan)
-SPREAD = {"attn", "gemv"}
 _SPREAD: dict[tuple, int] = {}
 
 
@@ -1206,51 +1111,49 @@ def device_name() -> str:
 
 
 def device_tuning() -> dict:
-    """DEVICE_TUNING's entry for the current device ({} where none matches its name)."""
+    """The per-GPU table's entry for the current device ({} where none matches its name)."""
     name = device_name()
-    return next((t for key, t in DEVICE_TUNING.items() if key in name), {})
+    return next((t for key, t in SETTINGS.device_tables.items() if key in name), {})
 
 
 def _attn_shape(a: ModelArgs) -> tuple[int, int, int, int]:
-    """DEVICE_TUNING's key for a model's attention settings: (hidden, heads, kv heads, head dim)."""
+    """device_tables's key for a model's attention settings: (hidden, heads, kv heads, head dim)."""
     return (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
 
 
 def attn_min_chunk(a: ModelArgs) -> int:
-    """Flash decoding's fewest keys per split for this model on this GPU (ATTN_MIN_CHUNK)."""
-    return ATTN_MIN_CHUNK or device_tuning().get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
+    """Flash decoding's fewest keys per split for this model on this GPU (attn_min_chunk)."""
+    return SETTINGS.attn_min_chunk or device_tuning().get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
 
 
-def _shape_switch(override: str | None, key: str, a: ModelArgs) -> bool:
-    """An on/off choice per attention shape: the environment's override ("0" off, anything else on) where
-    set, else whether DEVICE_TUNING[key] lists this model's shape on this GPU."""
+def _shape_switch(override: bool | None, key: str, a: ModelArgs) -> bool:
+    """An on/off choice per attention shape: the setting where it is not None, else whether the per-GPU table's
+    key lists this model's shape on this GPU."""
     if override is not None:
-        return override != "0"
+        return override
     return _attn_shape(a) in device_tuning().get(key, ())
 
 
 def o_merge(a: ModelArgs) -> bool:
-    """Whether the o GEMV may merge flash decoding's partials with gemv_merge_span (GEMV_O_MERGE, else
-    DEVICE_TUNING's "o_merge" for this model on this GPU)."""
-    return _shape_switch(GEMV_O_MERGE, "o_merge", a)
+    """Whether the o GEMV may merge flash decoding's partials with gemv_merge_span (gemv_o_merge, else
+    device_tables's "o_merge" for this model on this GPU)."""
+    return _shape_switch(SETTINGS.gemv_o_merge, "o_merge", a)
 
 
 def attn_cm(a: ModelArgs) -> bool:
     """Whether decode's flash decoding merges its splits in its clusters where it can (attn_cluster_merge; the
-    short-context regime's graph, its splits capped at ATTN_CM_MAX): ATTN_CM ("1" / "0"), else
-    DEVICE_TUNING's "attn_cm" for this model on this GPU."""
-    return _shape_switch(ATTN_CM, "attn_cm", a)
+    short-context regime's graph, its splits capped at ATTN_CM_MAX): the attn_cm setting, else the per-GPU
+    table's "attn_cm" for this model on this GPU."""
+    return _shape_switch(SETTINGS.attn_cm, "attn_cm", a)
 
 
 def attn_short(a: ModelArgs) -> tuple[int, ...]:
     """The key counts up to which flash decoding runs in a short-context regime (each a decode graph of its own
     whose grid holds only the splits its keys can use; PERFORMANCE.md changes 116, 158), ascending, () for
-    none: ATTN_SHORT ("512,1024"; "0" none), else DEVICE_TUNING's "attn_short" for this model on this
-    GPU (an int or a tuple of ints)."""
-    if ATTN_SHORT:
-        bounds = ATTN_SHORT.split(",")
-        if not all(b.strip().isdigit() for b in bounds):
-            raise KuiperError(f"ATTN_SHORT={ATTN_SHORT!r}: expected key counts such as 512,1024")
+    none: the attn_short setting ((512, 1024); () none), else the per-GPU table's "attn_short" for this model on
+    this GPU (an int or a tuple of ints)."""
+    if SETTINGS.attn_short is not None:
+        bounds = SETTINGS.attn_short
     else:
         bounds = device_tuning().get("attn_short", {}).get(_attn_shape(a), ())
         bounds = (bounds,) if isinstance(bounds, int) else bounds
@@ -1273,10 +1176,10 @@ def decode_regimes(bounds: tuple[int, ...], capacity: int, keys: tuple[int, int]
 
 
 def gemv_blocks_per_sm(K: int, tiles: int) -> float:
-    """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: GEMV_BLOCKS_PER_SM,
-    else DEVICE_TUNING's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
-    if GEMV_BLOCKS_PER_SM:
-        return GEMV_BLOCKS_PER_SM
+    """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: gemv_blocks_per_sm,
+    else device_tables's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
+    if SETTINGS.gemv_blocks_per_sm:
+        return SETTINGS.gemv_blocks_per_sm
     return device_tuning().get("gemv_blocks_per_sm", {}).get((K, tiles * GEMV_COLS), GEMV_BASE_BLOCKS_PER_SM)
 
 
@@ -1298,22 +1201,22 @@ def gemv_counters():
 
 def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
     """(splits S, rows per split): about per_sm blocks per SM in one wave (default gemv_blocks_per_sm(K, tiles)),
-    rows a multiple of GEMV_STEP; below GEMV_BASE_BLOCKS_PER_SM, never fewer than min(GEMV_MIN_SPLITS, the
+    rows a multiple of GEMV_STEP; below GEMV_BASE_BLOCKS_PER_SM, never fewer than min(gemv_min_splits, the
     splits at the base). A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
     per_sm = per_sm or gemv_blocks_per_sm(K, tiles)
     want = max(1, round(per_sm * sm_count() / tiles))
     if per_sm < GEMV_BASE_BLOCKS_PER_SM:
-        want = max(want, min(GEMV_MIN_SPLITS, round(GEMV_BASE_BLOCKS_PER_SM * sm_count() / tiles)))
+        want = max(want, min(SETTINGS.gemv_min_splits, round(GEMV_BASE_BLOCKS_PER_SM * sm_count() / tiles)))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
 
 def o_split(K: int, tiles: int, attn_splits: int = 0, merge: bool = False) -> tuple[int, int]:
-    """gemv_split for the o GEMV over flash decoding's attn_splits partials (GEMV_O_BLOCKS_PER_SM up to
+    """gemv_split for the o GEMV over flash decoding's attn_splits partials (gemv_o_blocks_per_sm up to
     GEMV_O_COARSE_SPLITS of them, GEMV_O_MERGE_COARSE_SPLITS with gemv_merge_span's merge); attn_splits 0:
     the coarsest split it may take (for checks that it fits)."""
     coarse = attn_splits <= (GEMV_O_MERGE_COARSE_SPLITS if merge else GEMV_O_COARSE_SPLITS)
-    return gemv_split(K, tiles, min(GEMV_O_BLOCKS_PER_SM, gemv_blocks_per_sm(K, tiles)) if coarse else None)
+    return gemv_split(K, tiles, min(SETTINGS.gemv_o_blocks_per_sm, gemv_blocks_per_sm(K, tiles)) if coarse else None)
 
 
 def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:
@@ -1371,7 +1274,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     x = h * w with 1/rms left to the consumer, the splits' sums of squares stored there (returns S);
     ss_in=(ss, n, D, eps): pend came from such a GEMV, its sums are multiplied by that 1/rms first.
     router=(R, Rh, h, acc_z) (the MoE o projection: att, acc_out): more column tiles (R's columns over
-    ceil(E / GEMV_RT_COLS) of them, then Rh's), x @ R + h @ Rh
+    ceil(E / gemv_rt_cols) of them, then Rh's), x @ R + h @ Rh
     added into acc_z (int64 [E], fixed point) for fp16 R [K, E] and Rh [D, E] and the fp32 residual row h
     [1, D] (E <= 256, E % 8 == 0)."""
     K, g = mats[0].K, mats[0].group_size
@@ -1387,10 +1290,10 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
         assert Rh.shape == (h_row.size, E) and h_row.dtype == cp.float32 and R.flags.c_contiguous
         assert acc_z.dtype == cp.int64 and acc_z.size == E and Rh.flags.c_contiguous
         rt_args = (R, Rh, h_row, _i(h_row.size), _i(E), acc_z)
-        # R's columns over ceil(E / GEMV_RT_COLS) tiles (gemv_rt_tile), then Rh's tile (gemv_rt_h_tile)
-        tiles += (math.ceil(E / max(8, GEMV_RT_COLS)) if GEMV_RT_COLS > 0 else 1) + 1
-    moe2 = out_kind == "moe_sum" and GEMV_MOE2
-    S, rps = (gemv_split(K, slots * tiles, (GEMV_MOE_BLOCKS_PER_SM if moe2 else 1.0)) if out_kind == "moe_sum" else
+        # R's columns over ceil(E / gemv_rt_cols) tiles (gemv_rt_tile), then Rh's tile (gemv_rt_h_tile)
+        tiles += (math.ceil(E / max(8, SETTINGS.gemv_rt_cols)) if SETTINGS.gemv_rt_cols > 0 else 1) + 1
+    moe2 = out_kind == "moe_sum"
+    S, rps = (gemv_split(K, slots * tiles, SETTINGS.gemv_moe_blocks_per_sm) if moe2 else
               o_split(K, tiles, att.splits, att.o_merge) if att is not None else gemv_split(K, slots * tiles))
     n_total = sum(m.N for m in mats)
     assert slots * S * n_total <= partial.size and all(m.K == K for m in mats)
@@ -1446,11 +1349,11 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     else:
         rope_args = (null,) * 7 + (_i(0), _i(0), _i(0), null)
     flat = _mat_slots(mats)
-    om = (att is not None and att.merged is None and att.o_merge and att.splits > GEMV_O_MERGE_MIN_SPLITS
+    om = (att is not None and att.merged is None and att.o_merge and att.splits > SETTINGS.gemv_o_merge_min_splits
           and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS)
     # accumulating launches take the ACC instantiations, which hold no split-K tail code (PERFORMANCE.md change 146)
-    name = gemv_name(moe2, router is not None, om, acc_out is not None and not moe2 and GEMV_ACC_FORM)
-    pad = spread_smem("gemv", name, tiles * S * slots, 256) if "gemv" in SPREAD else 0
+    name = gemv_name(moe2, router is not None, om, acc_out is not None and not moe2)
+    pad = spread_smem("gemv", name, tiles * S * slots, 256)
     kernel("gemv", name)((tiles, S, slots), (256,), (
         x, _i(x_slot_stride), hn, wn, _f(eps), *flat, _i(len(mats)), _i(ld), ids if ids is not None else np.uint64(0),
         partial, gemv_counters(), out if out is not None else np.uint64(0), slot_w if slot_w is not None else np.uint64(0),
@@ -1519,7 +1422,7 @@ def cublas_matmul(x, W, out):
     T, K = x.shape
     N = W.shape[1]
     assert W.shape[0] == K and out.shape == (T, N)
-    if not (CUBLAS_DIRECT and x.strides[1] == W.strides[1] == out.strides[1] == 2
+    if not (x.strides[1] == W.strides[1] == out.strides[1] == 2
             and x.dtype == W.dtype == out.dtype == cp.float16):
         return cp.matmul(x, W, out=out)
     h = cp.cuda.device.get_cublas_handle()
@@ -1608,10 +1511,9 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     return lo, (512 if K * N >= 4096 * 4096 else 768)
 
 
-# gemm()'s "rs" path for 257 to RS_ROWS_SPLIT_MAX rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first
+# gemm()'s "rs" path for 257 to rs_rows_split_max rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first
 # 256 rows by 256-token blocks, the rest by a second launch of 64-token blocks (PERFORMANCE.md change 206; 0: one
 # launch whatever the rows)
-RS_ROWS_SPLIT_MAX = 320
 RS_ROWS_SPLIT_KN = 3 * 4096 * 4096
 
 
@@ -1622,7 +1524,7 @@ def rs_rows_split(T: int, K: int, N: int) -> int:
     pass of 256 tokens, then 64-token blocks of 256 channels (half the blocks per pass) cost less where the
     matrix's passes are long (H200, Qwen3-8B gate|up at 288 rows 161 against 209 µs, down 83 against 91; q|k|v
     and o gain nothing). The whole 8B prefill: -15% at 257 tokens, -10% at 320, +6% at 352 (the bound)."""
-    return 256 if 256 < T <= RS_ROWS_SPLIT_MAX and K * N >= RS_ROWS_SPLIT_KN else 0
+    return 256 if 256 < T <= SETTINGS.rs_rows_split_max and K * N >= RS_ROWS_SPLIT_KN else 0
 
 
 _MATS: dict[tuple, list] = {}
@@ -1653,16 +1555,16 @@ def gemm_path(T: int, mats) -> str:
     Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
     sig = _mats_rec(mats)[0]
-    key = (T, sig, GEMM_RS, GEMM_WGMMA, GEMM_WGMMA_MIN_M, GEMM_DEQUANT_MIN_M, cublas_ready(), _dev_id())
+    key = (T, sig, SETTINGS.gemm_rs, SETTINGS.gemm_wgmma, SETTINGS.gemm_wgmma_min_m, SETTINGS.gemm_dequant_min_m, cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
     if path is None:
         K, N = sig[0][0][0], sum(n for _, n in sig[0])
         hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
         lo, hi = rs_range(K, N)
-        rs = GEMM_RS != "0" and hopper and (GEMM_RS == "1" or lo <= T <= hi)
-        fused = (GEMM_WGMMA != "0" and T >= GEMM_WGMMA_MIN_M and hopper
-                 and (GEMM_WGMMA == "1" or T <= wgmma_max_m(K, N)))
-        path = ("rs" if rs else "wgmma" if fused else "dequant" if T >= GEMM_DEQUANT_MIN_M and cublas_ready()
+        rs = SETTINGS.gemm_rs != "0" and hopper and (SETTINGS.gemm_rs == "1" or lo <= T <= hi)
+        fused = (SETTINGS.gemm_wgmma != "0" and T >= SETTINGS.gemm_wgmma_min_m and hopper
+                 and (SETTINGS.gemm_wgmma == "1" or T <= wgmma_max_m(K, N)))
+        path = ("rs" if rs else "wgmma" if fused else "dequant" if T >= SETTINGS.gemm_dequant_min_m and cublas_ready()
                 else "mma")
         path = _remember(_GEMM_PATHS, key, path)
     return path
@@ -1672,14 +1574,14 @@ def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(BM, BN, n_full, split) for T rows and N columns: the tile with the least time counted in
     waves of blocks over the SMs, each wave costing its tile's area over its relative throughput
     (64-row tiles win when 128-row ones leave most SMs idle: o and down at 128-256 rows). The tiles
-    of a partial last wave split their K tiles split ways (up to WGMMA_SPLIT_MAX, at least 8 K tiles
+    of a partial last wave split their K tiles split ways (up to wgmma_split_max, at least 8 K tiles
     each), so that wave costs 1/split; n_full tiles run whole."""
     sms, best = sm_count(), None
-    tiles_ok = [GEMM_WGMMA_FORCE_TILE] if GEMM_WGMMA_FORCE_TILE else list(WGMMA_TILES)
+    tiles_ok = [SETTINGS.gemm_wgmma_tile] if SETTINGS.gemm_wgmma_tile else list(WGMMA_TILES)
     for bm, bn in tiles_ok:
         tiles = math.ceil(T / bm) * (N // bn)
         waves, tail = divmod(tiles, sms)
-        split = max(1, min(WGMMA_SPLIT_MAX, sms // tail, K // 64 // 8)) if tail else 1
+        split = max(1, min(SETTINGS.wgmma_split_max, sms // tail, K // 64 // 8)) if tail else 1
         cost = (waves + (1 / split if tail else 0)) * bm * bn / WGMMA_TILE_EFF[(bm, bn)]  # in tile units
         if best is None or cost < best[0]:
             best = (cost, (bm, bn, tiles - tail if split > 1 else tiles, split))
@@ -1849,7 +1751,7 @@ def gemm(x, m, out=None, path: str | None = None):
     same K (q, k, v), multiplied as one matrix [K, sum of N]. Paths "wgmma" (sm_90, short prompts of
     some shapes, see gemm_path) and "rs" (sm_90, mid-size prompts, rs_range; two launches where rs_rows_split
     says so): the fused wgmma GEMMs of gemm_wgmma.cu, the weights dequantized in shared memory or registers and
-    never written out. Otherwise from GEMM_DEQUANT_MIN_M rows the weights are dequantized (LOP3)
+    never written out. Otherwise from gemm_dequant_min_m rows the weights are dequantized (LOP3)
     into an fp16 scratch matrix that cuBLAS multiplies (path "dequant", fp32 accumulation); below
     it, or with path="mma", the fused tensor-core W4A16 GEMM of gemm_w4a16.cu."""
     mats = m if isinstance(m, tuple) else (m,)
@@ -1884,7 +1786,7 @@ def gemm(x, m, out=None, path: str | None = None):
     m = mats[0]
     # gemm_w4a16.cu's two dense tiles: 128 rows measured 5-8% faster at 2048-8192 tokens on H100 and
     # slower at 128-512 (fewer blocks than SMs x 2)
-    bm = GEMM_FORCE_BM or (128 if T >= 1024 else 64)
+    bm = 128 if T >= 1024 else 64
     grid = (math.ceil(m.N / GEMM_BN), math.ceil(T / bm))
     kernel("gemm", f"gemm_w4a16<{bm}>")(grid, (2 * bm,), (x, m.qweight, m.qzeros, m.scales, out, _i(T), _i(m.N), _i(m.K),
                                                 _i(m.group_size)))
@@ -1915,12 +1817,11 @@ def silu_mul(g, u, I: int, ld: int, out=None):
 
 
 # prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
-ATTN_WGMMA = "auto"
 
 
 def attn_wgmma_fits(hd: int) -> bool:
-    """flash_attn_wgmma's table: head dim 128 on compute capability 9.0 (ATTN_WGMMA not "0")."""
-    return ATTN_WGMMA != "0" and hd == 128 and wgmma_available()
+    """flash_attn_wgmma's table: head dim 128 on compute capability 9.0 (attn_wgmma not "0")."""
+    return SETTINGS.attn_wgmma != "0" and hd == 128 and wgmma_available()
 
 
 def fw_smem_bytes(st: int, nc: int) -> int:
@@ -1949,10 +1850,10 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
             n = kc.shape[1]
         assert hd == 128 and H % KV == 0 and kc.shape[2:] == (KV, hd) and kc.shape[1] >= n and vc.shape == kc.shape
         assert 0 <= layer < kc.shape[0] and q.flags.c_contiguous and out.flags.c_contiguous and out.shape == (T, H * hd)
-        cfg = FW_CONFIG or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
+        cfg = SETTINGS.fw_config or ((4, 2, 3) if T >= FW_NC3_FROM else (4, 1, 2))
         if cfg not in FW_CONFIGS:
             forms = " ".join(",".join(map(str, c)) for c in FW_CONFIGS)
-            raise KuiperError(f"FW_CONFIG={','.join(map(str, cfg))} is not a compiled form of flash_attn_wgmma "
+            raise KuiperError(f"fw_config {','.join(map(str, cfg))} is not a compiled form of flash_attn_wgmma "
                               f"(stages,pipe,warpgroups: {forms})")
         st, pipe, nc = cfg
         fn = kernel("attn90", fw_name(st, pipe, nc))
@@ -1975,10 +1876,10 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
 
 def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
     """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the largest
-    divisor of the GQA group up to ATTN_MAX_HEADS_PER_BLOCK (registers), or the whole group when it
+    divisor of the GQA group up to attn_max_heads_per_block (registers), or the whole group when it
     is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
     G = n_heads // n_kv_heads
-    best = max(d for d in range(1, min(G, ATTN_MAX_HEADS_PER_BLOCK) + 1) if G % d == 0)
+    best = max(d for d in range(1, min(G, SETTINGS.attn_max_heads_per_block) + 1) if G % d == 0)
     return G if best == 1 and G <= 8 else best
 
 
@@ -2017,7 +1918,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     fin += (null, _i(0), _i(0)) if f is None or "ss" not in f else (f["ss"][0], _i(f["ss"][1]), _i(f["ss"][2]))
     assert f is None or f["acc"].dtype == cp.int64 and f["acc"].size == (H + 2 * n_kv_heads) * hd
     most = max(max_keys, n_keys) if pos_dev is not None else n_keys
-    long_path = ATTN_MMA_LONG and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
+    long_path = SETTINGS.attn_mma_long and f is not None and max(-(-most // S), min_chunk) > ATTN_MMA_KEYS
     args = (q, kc, vc, part_o, part_ml, _i(n_keys), pos_arg, _i(H), _i(n_kv_heads),
             _f(math.log2(math.e) / math.sqrt(hd)), *fin, _i(min_chunk))
     grid_cm = (S, n_kv_heads, H // n_kv_heads // hb)
@@ -2029,7 +1930,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
         return _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge, merged=merged)
     name = f"attn_decode_gqa<{hd},{hb}{',true' if long_path else ''}>"
     grid = (n_kv_heads, H // n_kv_heads // hb, S)
-    pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128) if "attn" in SPREAD else 0
+    pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128)
     if long_path:
         pad = max(pad, attn_long_smem(hd))
         allow_dynamic_smem(_compiled("attn", name), pad)
@@ -2086,7 +1987,6 @@ _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
 # cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
 # as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k, change 75)
-CLUSTER_POLICY = 1
 
 
 def _cu_occupancy_clusters():
@@ -2123,9 +2023,9 @@ _CL_ATTRS: dict[tuple, ctypes.Array] = {}
 def _cluster_launch_attrs(CL: int) -> ctypes.Array:
     """The attributes of a decode cluster launch: cluster dimension, PDL, scheduling preference. One array per
     (size, policy): launch_ex keys its launch configurations on the object, so per-step launches reuse them."""
-    key = (CL, CLUSTER_POLICY)
+    key = (CL, SETTINGS.cluster_policy)
     if key not in _CL_ATTRS:
-        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(CLUSTER_POLICY))
+        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(SETTINGS.cluster_policy))
     return _CL_ATTRS[key]
 
 
@@ -2145,22 +2045,20 @@ def _cluster_attr(CL: int) -> _LaunchAttr:
 
 # the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured
 # faster at Qwen3-8B's 384 blocks on H100, PERFORMANCE.md change 75), "1" wherever it is served (tests), "0" off
-DECODE_FFN = "auto"
 FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
 # the one-launch FFN kernels' cluster exchange by pushes into receive slots (st.async on mbarriers) instead of
 # the cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush, PERFORMANCE.md
-# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000): FFN_PUSH=0 the barrier (A/B)
-FFN_PUSH = True
+# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000):
 
 
-def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push: bool | None = None) -> dict:
+def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push: bool = True) -> dict:
     """The plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB) instantiation
     over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
-    (all n must be: the caller checks). push (default FFN_PUSH): the cluster's exchange by pushes."""
-    push = FFN_PUSH if push is None else push
+    (all n must be: the caller checks). push: the cluster's exchange by pushes (False: through the cluster
+    barrier, the form the tests compare it with)."""
     fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>" if push else f"{kernel}<{CL}, {TB}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
@@ -2187,8 +2085,8 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for ffn_decode (the FFN half of a dense decode layer in one cluster launch): the plan
     (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
     line saying why not. A cluster owns 256 intermediate channels (_ffn_first_fit picks the pair)."""
-    if DECODE_FFN not in ("auto", "1"):
-        return None, "off (DECODE_FFN=0)"
+    if SETTINGS.decode_ffn not in ("auto", "1"):
+        return None, "off (decode_ffn=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, I = a.hidden_size, a.intermediate_size
@@ -2198,16 +2096,16 @@ def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     plan, why = _ffn_first_fit("ffn_decode", D, n)
     # the form without a cluster launch needs only a (CL, TB) pair, not clusters that fit
     pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in _ffn_pairs(D)), None)
-    if pair is not None and DECODE_FFN == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
+    if pair is not None and SETTINGS.decode_ffn == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
         return None, (f"auto: off at {pair['CL'] * n} blocks for {sm_count()} SMs (a grid this small streams the "
-                      f"weights slower than the separate GEMVs; DECODE_FFN=1 forces it)")
-    if pair is not None and FFN_GLOBAL in ("auto", "1"):
-        g, how = ffn_global_plan(pair, n, at_cap_only=FFN_GLOBAL == "auto")
+                      f"weights slower than the separate GEMVs; decode_ffn=1 forces it)")
+    if pair is not None and SETTINGS.ffn_global in ("auto", "1"):
+        g, how = ffn_global_plan(pair, n, at_cap_only=SETTINGS.ffn_global == "auto")
         if g is not None:
             return g, how
-    if plan is not None and DECODE_FFN == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
+    if plan is not None and SETTINGS.decode_ffn == "auto" and (D, I) in device_tuning().get("ffn_off", ()):
         return None, (f"auto: off for this shape on the {device_name()} (the separate GEMVs measured faster "
-                      f"there than the cluster launch, DEVICE_TUNING; DECODE_FFN=1 forces it)")
+                      f"there than the cluster launch, device_tables; decode_ffn=1 forces it)")
     return plan, why
 
 
@@ -2235,8 +2133,7 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 # 100 clusters of 5 at 4 (so 32B ran the separate GEMVs). H100 step timer at 512 keys: 8B -2.5%, 14B -2.7% against
 # the cluster launch, 32B -9.7% against the separate GEMVs; H200: 8B -3.3%, 14B -6.6%. "auto" (default) where the
 # grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never (A/B).
-FFN_GLOBAL = "auto"
-FFN_GLOBAL_PER_SM = 3  # the count FFN_GLOBAL=1 takes
+FFN_GLOBAL_PER_SM = 3  # the count ffn_global=1 takes
 FFN_SLOT_BYTES = 8 * FFN_CH * 8 + 8 * 4  # ffn_decode.cu sizeof(FfnSlots)
 
 
@@ -2266,13 +2163,12 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
 # shorter on H100 with the router in the cluster, PERFORMANCE.md change 76, and 6.3% more with the logits
 # from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
-DECODE_MOE = "auto"
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
     k * moe_intermediate / 256 clusters in all (_ffn_first_fit picks the pair)."""
-    if DECODE_MOE not in ("auto", "1"):
-        return None, "off (DECODE_MOE=0)"
+    if SETTINGS.decode_moe not in ("auto", "1"):
+        return None, "off (decode_moe=0)"
     if not pdl_enabled() or _cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
@@ -2371,32 +2267,32 @@ def moe_route_tile_counters():
 
 def moe_route_splits(T: int, D: int, warps: int, ng: int) -> int:
     """moe_route_mma's K splits per 16-token tile (gridDim.y): as many as keep the grid one wave (one 16-warp block or two
-    8-warp blocks per SM) up to MOE_ROUTE_SPLIT_MAX, each split at least one 32-wide chunk of D per warp; or
-    MOE_ROUTE_SPLITS forced (within the chunk bound). One token never splits (a decode step's fallback routing may be
+    8-warp blocks per SM) up to moe_route_split_max, each split at least one 32-wide chunk of D per warp; or
+    moe_route_splits forced (within the chunk bound). One token never splits (a decode step's fallback routing may be
     captured in a graph, where the partial logits' allocation has no place)."""
     if T == 1:
         return 1
     tiles, ks = math.ceil(T / 16), warps // ng
     most = max(1, (D // 32) // ks)
-    if MOE_ROUTE_SPLITS != "auto":
-        return max(1, min(int(MOE_ROUTE_SPLITS), most))
+    if SETTINGS.moe_route_splits != "auto":
+        return max(1, min(int(SETTINGS.moe_route_splits), most))
     per_sm = 1 if warps == 16 else 2
-    return max(1, min(MOE_ROUTE_SPLIT_MAX, most, per_sm * sm_count() // tiles))
+    return max(1, min(SETTINGS.moe_route_split_max, most, per_sm * sm_count() // tiles))
 
 
 def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights=None, maps=None):
     """Router logits in fp32, softmax, top-k, optional renormalisation (logits [T, E] fp32 kept).
     x [T, D] fp16, router [E, D] fp16 -> ids int32 [T, k], weights fp32 [T, k]. One launch on tensor cores
-    (moe_route_mma, 8 or 16 warps per block: moe_rmma_form) where D % 32 == 0 and E <= 256, unless MOE_ROUTER is
+    (moe_route_mma, 8 or 16 warps per block: moe_rmma_form) where D % 32 == 0 and E <= 256, unless moe_router is
     "cuda". maps (tile_m, counts, offsets, tiles, p2u, u2p): moe_maps' arrays for these picks are written too, by
-    the routing launch's last block (MOE_ROUTE_MAPS, in the 16-warp form: up to moe_route_wide_t() tokens, where it
+    the routing launch's last block (moe_route_maps, in the 16-warp form: up to moe_route_wide_t() tokens, where it
     was measured; the 8-warp form's maps over more picks were not) or by moe_maps after it."""
     T, D = x.shape
     E = router.shape[0]
     logits = _empty((T, E), cp.float32) if logits is None else logits
     ids = _empty((T, k), cp.int32) if ids is None else ids
     weights = _empty((T, k), cp.float32) if weights is None else weights
-    if (MOE_ROUTER != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
+    if (SETTINGS.moe_router != "cuda" and D % 32 == 0 and E <= MOE_MAX_EXPERTS and x.flags.c_contiguous
             and router.flags.c_contiguous):
         name, warps = moe_rmma_form(T, E)
         smem = moe_rmma_smem(warps)
@@ -2409,7 +2305,7 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
         else:
             split = ()
         allow_dynamic_smem(_compiled("moe", name), smem)
-        fuse = maps is not None and MOE_ROUTE_MAPS and warps == 16
+        fuse = maps is not None and SETTINGS.moe_route_maps and warps == 16
         if fuse:
             assert all(a.dtype == cp.int32 and a.flags.c_contiguous for a in maps[1:])
             assert [a.size for a in maps[1:]] == [E, E + 1, E + 1, T * k, T * k]
@@ -2421,7 +2317,7 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
         if maps is not None and not fuse:
             moe_maps(ids, E, out=maps[1:], tile_m=maps[0])
         return ids, weights
-    if T >= MOE_ROUTER_GEMM_MIN_T and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
+    if T >= SETTINGS.moe_router_gemm_min_t and cublas_ready():  # fp32 products of fp16 values are exact: fp32 logits
         cp.matmul(x.astype(cp.float32), router.astype(cp.float32).T, out=logits)
     else:
         kernel("moe", "moe_router_logits")((math.ceil(E / 8), math.ceil(T / MOE_LOGIT_TB)), (256,),
@@ -2486,14 +2382,12 @@ def _moe_grid_rows(n: int, E: int, tile_m: int = GEMM_BM) -> int:
 # Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
 # PERFORMANCE.md change 168) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
 # "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
-MOE_RS = "auto"
 # gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
 # both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
 # against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168). With change 177's narrow forms
 # (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
 # against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
 # 352.8 against 319.2: the two cost the same at 60 (change 179)
-MOE_RS_BT128_FROM = 60
 
 
 def moe_tc_fits(D: int, inter: int, group: int) -> bool:
@@ -2503,10 +2397,10 @@ def moe_tc_fits(D: int, inter: int, group: int) -> bool:
 
 
 def moe_tc_tile(n: int, E: int) -> int | None:
-    """gemm_moe_tc's rows per tile for n routed rows over E experts, or None where gemm_moe_rs is taken (MOE_TC)."""
-    if MOE_TC == "0" or n > MOE_TC_MAX_MEAN * E:
+    """gemm_moe_tc's rows per tile for n routed rows over E experts, or None where gemm_moe_rs is taken (moe_tc)."""
+    if SETTINGS.moe_tc == "0" or n > SETTINGS.moe_tc_max_mean * E:
         return None
-    return 16 if n <= MOE_TC_T16_MAX * E else 32
+    return 16 if n <= SETTINGS.moe_tc_t16_max * E else 32
 
 
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
@@ -2516,8 +2410,8 @@ def moe_rs_fits(D: int, inter: int, group: int) -> bool:
 
 
 def moe_rs_tile(n: int, E: int) -> int:
-    """gemm_moe_rs's rows per tile for n routed rows over E experts (MOE_RS_BT128_FROM)."""
-    return 128 if n >= MOE_RS_BT128_FROM * E else 64
+    """gemm_moe_rs's rows per tile for n routed rows over E experts (moe_rs_bt128_from)."""
+    return 128 if n >= SETTINGS.moe_rs_bt128_from * E else 64
 
 
 def moe_gather(x, p2u, k: int, out=None):
@@ -2603,9 +2497,9 @@ def moe_finalize(y, u2p, weights, out=None):
 
 
 def moe_rs_path(w13: AwqStack, w2: AwqStack) -> bool:
-    """Whether moe_experts takes gemm_moe_rs for these stacks (MOE_RS, compute capability 9.0, moe_rs_fits)."""
+    """Whether moe_experts takes gemm_moe_rs for these stacks (moe_rs, compute capability 9.0, moe_rs_fits)."""
     D, inter = w2.scales.shape[-1], w2.qweight.shape[1]
-    return (MOE_RS != "0" and w13.group_size == w2.group_size and w13.scales.shape[-1] == 2 * inter
+    return (SETTINGS.moe_rs != "0" and w13.group_size == w2.group_size and w13.scales.shape[-1] == 2 * inter
             and moe_rs_fits(D, inter, w2.group_size) and wgmma_available())
 
 
@@ -2682,23 +2576,13 @@ def moe_decode(x, w13: AwqStack, w2: AwqStack, ids, weights, partial, act, out, 
          ids_early=True)  # the gate/up GEMV, not the router, is the kernel just before
     return out
 
-# Decode without add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32
-# residual stream in its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue.
-# FUSE_NORM=0 runs the separate add_rmsnorm kernel instead (A/B).
-FUSE_NORM = True
-# Decode's q/k RMSNorm, RoPE and KV-cache write in the QKV GEMV's epilogue; FUSE_ROPE=0: the
-# separate qk_norm_rope_store kernel (A/B).
-FUSE_ROPE = True
-# Decode's flash-decoding merge in the o GEMV's prologue; FUSE_COMBINE=0: the combine kernel (A/B).
-FUSE_COMBINE = True
-# MoE prefill's finalize (the routing-weighted sum of each token's expert rows) in the next add_rmsnorm, so the
-# [T, D] sum is neither written nor read back and one launch per layer goes; MOE_FUSE_FINALIZE=0: the
-# moe_finalize kernel, then add_rmsnorm (A/B; the same bits either way)
-MOE_FUSE_FINALIZE = True
-# Decode's GEMVs in accumulating mode (no split-K reduction tail: the residual add, the RMSNorm's
-# 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, docs/PERFORMANCE.md
-# changes 49-50 and, for MoE layers, 52-53); GEMV_ACC=0: the last-block reductions (A/B).
-GEMV_ACC = True
+# Decode has no add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32 residual stream in
+# its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue; q/k RMSNorm, RoPE and the KV-cache write
+# are the q|k|v GEMV's epilogue, flash decoding's merge the o GEMV's prologue. MoE prefill's finalize (the
+# routing-weighted sum of each token's expert rows) is in the next add_rmsnorm (the [T, D] sum is neither written nor
+# read back). Decode's GEMVs run in accumulating mode where their splits fit (no split-K reduction tail: the residual
+# add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, PERFORMANCE.md
+# changes 49-50 and, for MoE layers, 52-53); gemv_acc False (tests) takes the reduction tails that wider shapes take.
 
 
 class _QkvInput:
@@ -2737,7 +2621,7 @@ class _Normed:
 class _ExpertRows:
     """A MoE prefill's output not yet summed: the expert rows y [T*k, D] (permuted), u2p and the routing weights
     [T, k]; the next add_rmsnorm, the layer output's one consumer, sums them as it adds them to h
-    (MOE_FUSE_FINALIZE)."""
+    (in the next add_rmsnorm)."""
 
     def __init__(self, y, u2p, weights):
         self.y, self.u2p, self.weights = y, u2p, weights
@@ -2760,7 +2644,13 @@ class _SwigluAcc:
 class CupyOps:
     name = "cuda"
 
-    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True):
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
+                 settings: Settings | None = None):
+        """settings: the tuning this backend runs with (cuda/settings.py; None: the active one, by default its
+        defaults), made the process's active tuning."""
+        if settings is not None:
+            use_settings(settings)
+        self.settings = SETTINGS
         self.args = a = args
         if a.num_experts:
             if a.num_experts > MOE_MAX_EXPERTS or not 0 < a.num_experts_per_tok <= min(MOE_MAX_TOPK, a.num_experts):
@@ -2793,7 +2683,7 @@ class CupyOps:
         self.graphs = os.environ.get("KUIPER_CUDA_GRAPHS", "1") != "0"
         self._graph = None
         self._dev_pos = None
-        self._arena = _Arena()  # short prefills' activations (_ARENA_MAX_T)
+        self._arena = _Arena()  # short prefills' activations (arena_max_t)
         # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
         # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
         # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
@@ -2804,7 +2694,7 @@ class CupyOps:
         self._pnever: set[int] = set()
         self._parena = _BumpArena()
         self._pbuf = self._graph_ids = self._graph_pos = None
-        self.prefill_graphs = self.graphs and PREFILL_GRAPH_MAX_T > 1
+        self.prefill_graphs = self.graphs and SETTINGS.prefill_graph_max_t > 1
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
         self._stream = cp.cuda.Stream(non_blocking=False)
         try:
@@ -2814,7 +2704,7 @@ class CupyOps:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
         gemv_counters()  # allocated (zeroed) before any graph capture
         # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its accumulator
-        o_clears = FUSE_COMBINE and o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
+        o_clears = o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
         self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and o_clears else
                                           (None, "needs accumulating mode and the o GEMV's merge prologue"))
         # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
@@ -2853,14 +2743,14 @@ class CupyOps:
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
-        # at least two blocks per SM over all groups; for a larger cache about ATTN_KEYS_PER_SPLIT
-        # keys per split when full, capped at ATTN_MAX_PER_SM blocks per SM. The kernel leaves splits
+        # at least two blocks per SM over all groups; for a larger cache about attn_keys_per_split
+        # keys per split when full, capped at 3 blocks per SM (8 with the scalar loop). The kernel leaves splits
         # idle while the context is short (attention.cu decode_chunk).
         H = a.num_attention_heads
         groups = H // decode_heads_per_block(H, a.num_key_value_heads)
-        self.attn_splits = max(1, math.ceil(ATTN_PER_SM * self.n_sm / groups),
-                               min(math.ceil(max_context / ATTN_KEYS_PER_SPLIT),
-                                   ATTN_MAX_PER_SM * self.n_sm // groups))
+        self.attn_splits = max(1, math.ceil(SETTINGS.attn_per_sm * self.n_sm / groups),
+                               min(math.ceil(max_context / SETTINGS.attn_keys_per_split),
+                                   (3 if SETTINGS.attn_mma_long else 8) * self.n_sm // groups))
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
@@ -2966,7 +2856,7 @@ class CupyOps:
             s_max = max(s_max, gemv_partial_size(D, [mI, mI], k), gemv_partial_size(mI, [D], k))
         self.d = {
             "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
-            "partial": cp.empty((s_max,), cp.float32), "qkv": cp.empty((1, qd + 2 * kvd), cp.float16),
+            "partial": cp.empty((s_max,), cp.float32),
             "qrot": cp.empty((1, a.num_attention_heads, a.head_dim), cp.float16),
             "attn": cp.empty((1, qd), cp.float16), "proj": cp.empty((1, D), cp.float16),
             "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
@@ -2980,7 +2870,7 @@ class CupyOps:
         # the next layer's q|k|v GEMV)
         def fits(*shapes):
             return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
-        self.acc_attn = GEMV_ACC and FUSE_NORM and fits((D, qd))
+        self.acc_attn = SETTINGS.gemv_acc and fits((D, qd))
         self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
         self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
         if self.acc_attn:
@@ -3045,12 +2935,9 @@ class CupyOps:
             hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
             return hout, _Normed(h, w, r.run_acc(h), hout)
         if isinstance(r, _Deferred):
-            if FUSE_NORM:
-                r.run(h)  # h += r in the projection's epilogue
-                r = None
-            else:
-                r = r.run(None)
-        if h.shape[0] == 1 and FUSE_NORM and r is None:
+            r.run(h)  # h += r in the projection's epilogue
+            r = None
+        if h.shape[0] == 1 and r is None:
             return h, _Normed(h, w)
         if isinstance(r, _ExpertRows):
             return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
@@ -3083,13 +2970,9 @@ class CupyOps:
 
     def qkv(self, x, layer: Layer):
         a = self.args
-        if x.shape[0] == 1 and FUSE_ROPE:
+        if x.shape[0] == 1:  # launched by qk_norm_rope_store, with the norm and RoPE in its epilogue
             return _QkvInput(x), None, None
-        if x.shape[0] == 1:
-            y = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=self.d["qkv"],
-                     partial=self.d["partial"], zero=self.d.get("acc_o_gu"), **self._gemv_in(x))
-        else:  # one matrix for cuBLAS: k and v alone are narrow
-            y = gemm(x, (layer.wq, layer.wk, layer.wv))
+        y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
         qd, kvd = a.q_dim, a.kv_dim
         return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
 
@@ -3125,11 +3008,11 @@ class CupyOps:
                            ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
                 q = q.q
             parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
-                                     self.d["part_o"], self.d["part_ml"], None if FUSE_COMBINE else self.d["attn"],
+                                     self.d["part_o"], self.d["part_ml"], None,
                                      self.d["pos"] if self.graphs else None, finish=fin,
                                      min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
                                      max_keys=self._attn_regime(pos0 + 1),
-                                     merged=self.d["attn"] if FUSE_COMBINE and self.attn_cm else None)
+                                     merged=self.d["attn"] if self.attn_cm else None)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
@@ -3141,14 +3024,14 @@ class CupyOps:
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, pos0: int, n_tokens: int) -> None:
         """Single-token steps read their position from device memory (so a graph can replay them). A
-        forward of 2.._ARENA_MAX_T tokens takes its activations from this ops' arena until end_step; a
+        forward of 2..arena_max_t tokens takes its activations from this ops' arena until end_step; a
         longer one gives the arena's arrays back to the pool first (its own are larger)."""
         global _ARENA
         self._argmax_ready = False
         if n_tokens == 1 and self._dev_pos != pos0:
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
-        if 1 < n_tokens <= _ARENA_MAX_T:
+        if 1 < n_tokens <= SETTINGS.arena_max_t:
             _ARENA = self._arena
         elif n_tokens > 1:
             self._arena.clear()
@@ -3189,7 +3072,7 @@ class CupyOps:
             # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
             # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
             # turns it into the id (d["token"] and the pinned host int), so sample_launch needs no kernel
-            d, n = self.d, (self._last_n_valid or self.args.vocab_size) if FUSED_ARGMAX else 0
+            d, n = self.d, self._last_n_valid or self.args.vocab_size
             self._capture_argmax = n
             with stream:
                 stream.begin_capture()
@@ -3250,14 +3133,14 @@ class CupyOps:
         """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
         first T rows are the prompt's (the rest the padding's: ids 0 at positions pos0 + T..pos0 + B - 1, whose
         cache rows later steps overwrite before any step reads them), or None where the prefill runs eagerly: a
-        prompt longer than PREFILL_GRAPH_MAX_T, whose padded end passes the cache, or whose bucket this process has
+        prompt longer than prefill_graph_max_t, whose padded end passes the cache, or whose bucket this process has
         not met (the first prefill of a bucket runs eagerly: a capture costs as much host time as that prefill, so
         a one-off prompt does not pay it). One graph per bucket serves every position: the rotary embedding, the
         cache rows written and attention's keys come from the position the host writes before each replay, with
         the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
         norm on a list of B ids."""
         T = len(ids)
-        if not (self._prefill_graphs_on() and 1 < T <= PREFILL_GRAPH_MAX_T):
+        if not (self._prefill_graphs_on() and 1 < T <= SETTINGS.prefill_graph_max_t):
             return None
         B = prefill_bucket(T)
         if pos0 + B > self.max_context or B in self._pnever:
@@ -3281,14 +3164,14 @@ class CupyOps:
 
     def warm_prefill_graphs(self, layers) -> list[int]:
         """Capture now the prefill graph of every bucket that fits the cache and has none, so a prompt of up to
-        PREFILL_GRAPH_MAX_T tokens replays its bucket's graph from its first meeting on (`kuiper chat` at its start:
+        prefill_graph_max_t tokens replays its bucket's graph from its first meeting on (`kuiper chat` at its start:
         its turns meet most buckets, and otherwise each bucket's first meeting runs eagerly and its second pays the
         capture). layers(ids) runs the model's layers on a list of B ids. The largest bucket first, so the shared
         activations grow once; captured again while a module buffer grew under an earlier capture (_BUF_GEN).
         Returns the buckets that have a graph."""
         if not self._prefill_graphs_on():
             return []
-        top = min(PREFILL_GRAPH_MAX_T, self.max_context)
+        top = min(SETTINGS.prefill_graph_max_t, self.max_context)
         buckets = sorted({B for B in map(prefill_bucket, range(2, top + 1)) if B <= self.max_context}, reverse=True)
         for _ in range(4):
             todo = [B for B in buckets if B not in self._pnever and self._current_prefill_graph(B) is None]
@@ -3321,7 +3204,7 @@ class CupyOps:
         global _ARENA
         self._pseen.add(B)
         if self._pbuf is None:
-            self._pbuf = cp.zeros((_PBUF_IDS + 4 * PREFILL_GRAPH_MAX_T,), cp.uint8)  # (the pool's blocks: 512-aligned)
+            self._pbuf = cp.zeros((_PBUF_IDS + 4 * SETTINGS.prefill_graph_max_t,), cp.uint8)  # (the pool's blocks: 512-aligned)
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
         # captured, not run, and a capture that is retried or refused would leave them holding garbage
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
@@ -3463,9 +3346,8 @@ class CupyOps:
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, maps=(bt, *maps))
         if self.routing_log is not None:
             self.routing_log.append(cp.asnumpy(ids))
-        if MOE_FUSE_FINALIZE:  # the weighted sum in the next add_rmsnorm
-            return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
-        return moe_experts(x, w13, w2, ids, w, rs=rs, maps=maps)
+        # the weighted sum in the next add_rmsnorm
+        return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
 
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size

@@ -5,6 +5,14 @@ import numpy as np
 
 from kuiper_py.sampling import SamplingParams
 
+
+def tune(monkeypatch, **changes):
+    """The CUDA backend's active Settings with these fields changed, for the rest of the test (ops_cupy.SETTINGS,
+    which every CupyOps built without settings of its own runs with)."""
+    import dataclasses
+    from kuiper_py import ops_cupy as oc
+    monkeypatch.setattr(oc, "SETTINGS", dataclasses.replace(oc.SETTINGS, **changes))
+
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
 
@@ -168,20 +176,20 @@ def decode_logits(mf, ids, n_prefill, max_context, graphs):
 
 def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
     """{"0": logits, "1": logits} of decoding ids[n_prefill:] after a prefill with flash decoding's clusters'
-    merge off and on (ATTN_CM), the o GEMV's own merge forced to gemv_merge_span at every split count and
+    merge off and on (the attn_cm setting), the o GEMV's own merge forced to gemv_merge_span at every split count and
     a short-context regime of 16 splits (4 keys per split at least, up to 64 keys); skips where the GPU cannot
     merge in clusters."""
     import cupy as cp
     import pytest
     from kuiper_py import ops_cupy as oc
     from kuiper_py.model import Qwen3
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
+    tune(monkeypatch, attn_min_chunk=4)
+    tune(monkeypatch, attn_short=(64,))
+    tune(monkeypatch, gemv_o_merge=True)
+    tune(monkeypatch, gemv_o_merge_min_splits=0)
     got = {}
     for cm in ("0", "1"):
-        monkeypatch.setattr(oc, "ATTN_CM", cm)
+        tune(monkeypatch, attn_cm=cm == "1")
         m = Qwen3(mf, oc.CupyOps, 64)
         m.ops.graphs = graphs
         a = m.ops.args
@@ -247,10 +255,10 @@ def assert_as_accurate(name, fused, separate, cpu):
     assert rel(fused, separate) < 2 * e_sep
 
 
-def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=None):
+def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=True):
     """ops_cupy.ffn_cluster_plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB)
     instantiation over n_clusters (push: the cluster's exchange by pushes into receive slots, False: through the
-    cluster barrier, None: the default), or a skip where clusters or the driver's occupancy query are missing
+    cluster barrier), or a skip where clusters or the driver's occupancy query are missing
     (before sm_90); its clusters must all be resident."""
     import pytest
     from kuiper_py import ops_cupy as oc
@@ -289,7 +297,7 @@ def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
     prompts = [rng.integers(0, 151643, size=n).tolist() for n in lengths]
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(oc, "_ARENA_MAX_T", 512 if on else 0)
+        tune(monkeypatch, arena_max_t=512 if on else 0)
         m = Qwen3(mf, oc.CupyOps, 128)
         out = []
         for j, ids in enumerate(prompts):

@@ -13,7 +13,7 @@ import pytest
 
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
-from reference import cluster_plan_or_skip, dequant_reference, pending_row_inputs, rand_awq_tensors, rel
+from reference import cluster_plan_or_skip, dequant_reference, pending_row_inputs, rand_awq_tensors, rel, tune
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -134,15 +134,14 @@ def test_gemv_massive_activations(source):
     assert np.all(np.isfinite(got)) and rel(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize("moe2,early", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("K,N,E,slots", [(768, 2048, 16, 8), (1536, 4096, 12, 8), (256, 768, 4, 3), (128, 256, 2, 1)])
-def test_gemv_moe_weighted_sum(monkeypatch, moe2, early, K, N, E, slots):
+def test_gemv_moe_weighted_sum(early, K, N, E, slots):
     """The experts' down projection with the routing-weighted sum over the token's slots fused in (the
-    MoE finalize of decode), in two reduction levels (per slot over the K splits, then over the slots)
-    and in one, with the ids read before or after the PDL wait: each slot its own expert (ids drawn, a
+    MoE finalize of decode), in two reduction levels (per slot over the K splits, then over the slots),
+    with the ids read before or after the PDL wait: each slot its own expert (ids drawn, a
     repeat allowed), fresh weights; into out and added into a residual row; repeated launches bitwise
     equal and every arrival counter left zero."""
-    monkeypatch.setattr(oc, "GEMV_MOE2", moe2)
     rng = np.random.default_rng()
     g = 128
     qw, qz, sc = rand_awq_tensors(rng, K, N, g, experts=E)
@@ -393,7 +392,7 @@ def test_gemm_dequant_path(M, K, N):
     oc._dequant_scratch(K * N).fill(np.nan)
     x = rng.standard_normal((M, K)).astype(np.float16)
     out = nan_like((M, N), cp.float16)
-    oc.gemm(cp.asarray(x), m, out, path=None if M >= oc.GEMM_DEQUANT_MIN_M else "dequant")  # None: the dispatch
+    oc.gemm(cp.asarray(x), m, out, path=None if M >= oc.SETTINGS.gemm_dequant_min_m else "dequant")  # None: the dispatch
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
@@ -577,8 +576,8 @@ def test_gemm_path_routes_rs(monkeypatch):
         return tuple(Mat(K, n) for n in Ns)
     qkv, o, gu, down = mats(4096, 4096, 1024, 1024), mats(4096, 4096), mats(4096, 12288, 12288), mats(12288, 4096)
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
-    monkeypatch.setattr(oc, "GEMM_RS", "auto")
-    monkeypatch.setattr(oc, "GEMM_WGMMA", "auto")
+    tune(monkeypatch, gemm_rs="auto")
+    tune(monkeypatch, gemm_wgmma="auto")
     for m in (qkv, gu, down):  # (change 227: rs from 80 rows for matrices past 4096 x 4096)
         assert ([oc.gemm_path(T, m) for T in (64, 79, 80, 128, 256, 512, 768, 2048)] ==
                 ["wgmma", "wgmma", "rs", "rs", "rs", "rs", "dequant", "dequant"])
@@ -587,9 +586,9 @@ def test_gemm_path_routes_rs(monkeypatch):
     assert [oc.gemm_path(T, qkv30) for T in (128, 223, 224, 256, 768, 1024)] == ["wgmma", "wgmma", "rs", "rs", "rs",
                                                                                  "dequant"]
     assert [oc.gemm_path(T, o30) for T in (256, 384, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
-    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    tune(monkeypatch, gemm_rs="0")
     assert oc.gemm_path(512, o) == "wgmma" and oc.gemm_path(512, qkv) == "dequant"
-    monkeypatch.setattr(oc, "GEMM_RS", "1")
+    tune(monkeypatch, gemm_rs="1")
     assert oc.gemm_path(4, qkv) == "rs" and oc.gemm_path(4096, down) == "rs"
     assert oc.gemm_path(512, mats(4096, 4096, 384)) == "dequant"  # N % 256: not in the fused kernels' table
 
@@ -678,7 +677,7 @@ def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
     def no_cublas(*a, **k):
         raise RuntimeError("libcublas.so: cannot open shared object file")
     monkeypatch.setattr(oc, "_CUBLAS", {})
-    monkeypatch.setattr(oc, "GEMM_WGMMA", "0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
+    tune(monkeypatch, gemm_wgmma="0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
     monkeypatch.setattr(oc.cp, "matmul", no_cublas)
     x = rng.standard_normal((300, 1024)).astype(np.float16)
     out = nan_like((300, 3072), cp.float16)
@@ -709,7 +708,7 @@ def attn_path_or_skip(path: str, hd: int, monkeypatch) -> str:
     if path.startswith("wgmma") and not (hd == 128 and oc.wgmma_available()):
         pytest.skip("flash_attn_wgmma runs at head dim 128 on compute capability 9.0 only")
     if path == "wgmma-nc3":
-        monkeypatch.setattr(oc, "FW_CONFIG", (4, 2, 3))
+        tune(monkeypatch, fw_config=(4, 2, 3))
     return path.split("-")[0]
 
 
@@ -1192,7 +1191,7 @@ def test_o_gemv_on_cluster_merge_equals_its_own_merge(H, KV, hd, D, n, monkeypat
     hb = oc.decode_heads_per_block(H, KV)
     splits = 16
     cm_or_skip(splits, hb, hd)
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)  # gemv_merge_span at 16 splits
+    tune(monkeypatch, gemv_o_merge_min_splits=0)  # gemv_merge_span at 16 splits
     rng = np.random.default_rng()
     Kc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
     Vc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
@@ -1233,8 +1232,8 @@ def test_flash_decoding_split_partials(D, H, KV, hd, hb, pos0, min_chunk, long_p
     in the P V product would miss by ~1e-4."""
     if long_path == "scalar" and pos0 < 1100:
         pytest.skip("short splits: the same path either way")
-    monkeypatch.setattr(oc, "ATTN_MMA_LONG", long_path == "mma")
-    monkeypatch.setattr(oc, "ATTN_MAX_HEADS_PER_BLOCK", hb)
+    tune(monkeypatch, attn_mma_long=long_path == "mma")
+    tune(monkeypatch, attn_max_heads_per_block=hb)
     rng = np.random.default_rng()
     splits, ctx = 16, pos0 + 4
     case = qkv_case(rng, D, H, KV, hd, ctx)
@@ -1489,7 +1488,7 @@ def test_gpu_multi_block_draw_equals_one_block(kw, hist, monkeypatch):
     seed = int(rng.integers(1 << 30))
     draws = {}
     for mb in (False, True):
-        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        tune(monkeypatch, sample_mb=mb)
         draws[mb] = _gpu_sample(x, p, 151669, hist, seed=seed, n=200)
     assert draws[True] == draws[False]
     assert all(0 <= t < 151669 for t in draws[True])
@@ -1510,10 +1509,10 @@ def test_gpu_multi_block_draw_overflow_and_all_nan(monkeypatch):
     seed = int(rng.integers(1 << 30))
     draws = {}
     for mb in (False, True):
-        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        tune(monkeypatch, sample_mb=mb)
         draws[mb] = _gpu_sample(x, p, 151669, seed=seed, n=100)
     assert draws[True] == draws[False] and len(set(draws[True])) > 50
-    monkeypatch.setattr(oc, "SAMPLE_MB", True)
+    tune(monkeypatch, sample_mb=True)
     nan = np.full(151936, np.nan, dtype=np.float32)
     for kw in (dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.0, top_k=20, top_p=1.0)):
         with pytest.raises(KuiperError, match="no finite logit"):

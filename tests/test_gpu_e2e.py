@@ -12,7 +12,7 @@ from kuiper_py.ops_numpy import NumpyOps
 from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
                        assert_prefill_graphs_accurate, cpu_decode,
                        decode_cluster_merge_ab, decode_logits, decode_step_twice, forget_zeroed_counters, greedy_tokens,
-                       prefill_graph_spy, record_calls, rel)
+                       prefill_graph_spy, record_calls, rel, tune)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -45,7 +45,7 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
         m.prefill(list(range(1, 9)))
     assert oc._ARENA is None
     monkeypatch.undo()
-    monkeypatch.setattr(oc, "_ARENA_MAX_T", 4)
+    tune(monkeypatch, arena_max_t=4)
     m.reset()
     m.prefill(list(range(1, 9)))
     assert not m.ops._arena.slots and oc._ARENA is None
@@ -98,7 +98,7 @@ def test_chat_decode_graphs_captured_at_start_give_the_same_replies(small_bin, m
     same tokens as a chat without the start's captures, and no step captures another graph."""
     from kuiper_py.generate import Chat, Engine
     from kuiper_py.sampling import SamplingParams
-    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    tune(monkeypatch, attn_short=(256,))
     rng = np.random.default_rng()
     words = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour"]
     msgs = [" ".join(rng.choice(words, 8)) for _ in range(5)]
@@ -134,7 +134,7 @@ def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkey
     within 40 tokens, which greedy_lockstep's tests tell apart from errors.)"""
     from kuiper_py.generate import Engine, generate
     from kuiper_py.sampling import SamplingParams
-    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    tune(monkeypatch, attn_short=(256,))
     greedy = SamplingParams(temperature=0.0)
     prompt = np.random.default_rng().integers(0, 1000, size=40).tolist()
     eng = Engine.load(small_bin, "cuda", need_tokenizer=False)
@@ -355,16 +355,19 @@ def test_queued_ahead_generation_equals_serial(untied_bin, monkeypatch):
 
 def test_greedy_draw_in_graph_equals_draw_kernel(untied_bin, monkeypatch):
     """Greedy decode's draw inside the decode graph (the lm_head's argmax, advance_position's id) gives
-    the tokens the sampling kernel draws, queued ahead or not, and takes over every decode step's draw."""
+    the tokens the sampling kernel draws (handed a copy of the same logits, which the graph's argmax does not
+    serve), queued ahead or not, and takes over every decode step's draw."""
     from kuiper_py.generate import Engine, generate
     from kuiper_py.sampling import SamplingParams
     prompt = np.random.default_rng().integers(0, 151643, size=20).tolist()
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(oc, "FUSED_ARGMAX", fused)
         eng = Engine.load(untied_bin, "cuda", need_tokenizer=False)
         m = eng.session(64)
+        if not fused:
+            launch = m.ops.sample_launch
+            monkeypatch.setattr(m.ops, "sample_launch", lambda logits, *a: launch(logits.copy(), *a))
         recs = list(generate(eng, prompt, 30, greedy, eos_ids=[], max_context=64))
         out[fused] = [r.token for r in recs]
         assert m.ops.fused_draws == (29 if fused else 0)  # every draw but the prompt's
@@ -392,11 +395,11 @@ def test_short_context_attention_regime_switch(untied_bin, bounds, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(untied_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 7)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "0")
+    tune(monkeypatch, attn_min_chunk=7)
+    tune(monkeypatch, attn_short=())
     ref = decode_logits(mf, ids, 10, 64, True)
-    monkeypatch.setattr(oc, "ATTN_SHORT", bounds)
     want = tuple(int(b) for b in bounds.split(","))
+    tune(monkeypatch, attn_short=want)
     for graphs in (True, False):
         m = Qwen3(mf, oc.CupyOps, 64)
         assert m.ops.attn_short == want and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
@@ -431,10 +434,10 @@ def test_long_splits_on_tensor_cores_decode(untied_bin, min_chunk, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=3006).tolist()
     mf = load(untied_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", min_chunk)
+    tune(monkeypatch, attn_min_chunk=min_chunk)
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(oc, "ATTN_MMA_LONG", on)
+        tune(monkeypatch, attn_mma_long=on)
         m = Qwen3(mf, oc.CupyOps, 3100)
         m.prefill(ids[:3000])
         got[on] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[3000:]])
@@ -455,7 +458,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     cpu = cpu_decode(mf, ids, 10)
     errs = {}
     for acc in (True, False):
-        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        tune(monkeypatch, gemv_acc=acc)
         assert Qwen3(mf, oc.CupyOps, 8).ops.acc_mode == acc
         for graphs in (True, False):
             errs[acc, graphs] = rel(decode_logits(mf, ids, 10, 64, graphs), cpu)
@@ -463,7 +466,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     for acc, graphs in errs:
         assert errs[acc, graphs] < 1e-2
         assert errs[True, graphs] < 1.5 * errs[False, graphs]
-    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    tune(monkeypatch, gemv_acc=True)
     ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
     assert int(cp.count_nonzero(ops.d["acc_d"])) == 0
@@ -492,10 +495,10 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
     mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
     ids = np.random.default_rng().integers(0, 151643, size=600).tolist()
     calls = record_calls(monkeypatch, "gemm_rs", lambda *a, **k: a[1])
-    monkeypatch.setattr(oc, "GEMM_RS", "auto")
+    tune(monkeypatch, gemm_rs="auto")
     rs = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
     assert len(calls) == 2 * 4  # q|k|v, o, gate|up, down in each layer
-    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    tune(monkeypatch, gemm_rs="0")
     other = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
     assert len(calls) == 8
     ref = Qwen3(mf, NumpyOps, 608).prefill(ids, all_logits=True)
@@ -548,7 +551,7 @@ def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
                                np.asarray(cp.asnumpy(m.prefill(ids[500:], all_logits=True)))])
     wg = run(oc.CupyOps)
     assert paths == ["wgmma"] * 4
-    monkeypatch.setattr(oc, "ATTN_WGMMA", "0")
+    tune(monkeypatch, attn_wgmma="0")
     mma = run(oc.CupyOps)
     assert paths[4:] == ["mma"] * 4
     ref = run(NumpyOps)
@@ -573,7 +576,7 @@ def ffn_bin(request, ckpt_root):
 
 
 def _ffn_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96):
-    monkeypatch.setattr(oc, "DECODE_FFN", "1" if on else "0")
+    tune(monkeypatch, decode_ffn="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, ctx)
     assert (m.ops._ffn is not None) == on, m.ops.decode_ffn_why
     m.ops.graphs = graphs
@@ -605,23 +608,23 @@ def test_one_launch_ffn_global_exchange(ffn_bin, graphs, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=30).tolist()
     mf = load(ffn_bin)
-    monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+    tune(monkeypatch, ffn_global="1")
     m, glob = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
     assert m.ops._ffn.get("xslots") is not None, m.ops.decode_ffn_why
     assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
-    monkeypatch.setattr(oc, "FFN_GLOBAL", "0")
+    tune(monkeypatch, ffn_global="0")
     m2, clus = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
     assert m2.ops._ffn.get("xslots") is None
     np.testing.assert_array_equal(glob, clus)
     if graphs:
-        monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+        tune(monkeypatch, ffn_global="1")
         assert greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24) == \
             greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
 
 
 def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):
     mf = load(ffn_bin)
-    monkeypatch.setattr(oc, "DECODE_FFN", "1")
+    tune(monkeypatch, decode_ffn="1")
     fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
     assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
     ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)

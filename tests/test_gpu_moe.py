@@ -19,7 +19,7 @@ from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
 from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
                        assert_prefill_graphs_accurate, cluster_plan_or_skip, forget_zeroed_counters,
                        decode_cluster_merge_ab, decode_logits, decode_step_twice, greedy_lockstep, pending_row_inputs,
-                       rand_awq_tensors, record_calls, rel)
+                       rand_awq_tensors, record_calls, rel, tune)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -192,7 +192,7 @@ def rs_form_or_skip(monkeypatch, form) -> int:
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
     monkeypatch.setitem(oc.MOE_RS_FORMS, form[0], form[1:])
-    monkeypatch.setattr(oc, "MOE_TC", "0")  # (moe_experts' rs path is gemm_moe_rs at every length)
+    tune(monkeypatch, moe_tc="0")  # (moe_experts' rs path is gemm_moe_rs at every length)
     return form[0]
 
 
@@ -257,9 +257,9 @@ def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
     y = oc.gemm_moe_tc(cp.asarray(r.act16), layer["w2_d"], offsets, tiles, tm, out=poisoned((n, D), np.float16))
     assert row_rel(cp.asnumpy(y), r.y) < 5e-3
 
-    monkeypatch.setattr(oc, "MOE_TC", "auto")
-    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)
-    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 1e9 if tm == 16 else 0)
+    tune(monkeypatch, moe_tc="auto")
+    tune(monkeypatch, moe_tc_max_mean=1e9)
+    tune(monkeypatch, moe_tc_t16_max=1e9 if tm == 16 else 0)
     assert oc.moe_experts_tile(layer["w13_d"], layer["w2_d"], n, rs=True) == (True, tm)
     calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **kw: a[4])
     got = oc.moe_experts(cp.asarray(r.x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(r.w), rs=True)
@@ -281,11 +281,11 @@ def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
     """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless MOE_RS=0;
     tiny-moe's hidden size of 128 (no whole 256-column tile) never does; moe_rs_tile by the mean rows."""
     assert oc.moe_rs_path(layer["w13_d"], layer["w2_d"]) == oc.wgmma_available()
-    monkeypatch.setattr(oc, "MOE_RS", "0")
+    tune(monkeypatch, moe_rs="0")
     assert not oc.moe_rs_path(layer["w13_d"], layer["w2_d"])
     assert not oc.moe_rs_fits(128, 128, 128) and oc.moe_rs_fits(2048, 768, 128) and not oc.moe_rs_fits(2048, 832, 128)
     assert oc.moe_rs_fits(2048, 768, 64) and not oc.moe_rs_fits(2048, 768, 192)  # groups 64 << n only
-    monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 64)
+    tune(monkeypatch, moe_rs_bt128_from=64)
     assert oc.moe_rs_tile(64 * E - 1, E) == 64 and oc.moe_rs_tile(64 * E, E) == 128
 
 
@@ -397,9 +397,9 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     products), the ids the exact logits' top-k (experts whose exact logits lie within that bound may trade
     places: assert_same_topk), the weights the softmax of the kernel's own logits over its picks. Outputs
     poisoned; 33 experts and D = 96 leave a partial expert group and an odd chunk count."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if path == "cuda" else "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 1 << 30 if path.startswith("mma16") else 0)
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "3" if path.endswith("s") else "1")  # (3: uneven chunk ranges)
+    tune(monkeypatch, moe_router="cuda" if path == "cuda" else "mma")
+    tune(monkeypatch, moe_route_wide_t=1 << 30 if path.startswith("mma16") else 0)
+    tune(monkeypatch, moe_route_splits="3" if path.endswith("s") else "1")  # (3: uneven chunk ranges)
     rng = np.random.default_rng()
     x = rng.standard_normal((T, dim)).astype(np.float16)
     router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
@@ -412,7 +412,7 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     split = "_split" if path.endswith("s") and oc.moe_route_splits(T, dim, warps, ng) > 1 else ""
     launches = ([f"moe_route_mma{split}<{ng}, {8 // ng}>"] if path.startswith("mma8") else
                 [f"moe_route_mma{split}<{ng}, {16 // ng}>"] if path.startswith("mma16") else
-                ["moe_topk"] if T >= oc.MOE_ROUTER_GEMM_MIN_T else ["moe_router_logits", "moe_topk"])
+                ["moe_topk"] if T >= oc.SETTINGS.moe_router_gemm_min_t else ["moe_router_logits", "moe_topk"])
     for norm_topk in (True, False):
         lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
         del calls[:]
@@ -433,13 +433,13 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
 def test_moe_route_mma_form_by_token_count(monkeypatch):
     """moe_route takes moe_route_mma's 16-warp form up to moe_route_wide_t() tokens (unset: 16 per SM) and its 8-warp
     form above."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
+    tune(monkeypatch, moe_router="mma")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     router = cp.asarray((np.random.default_rng().standard_normal((128, 64)) / 8).astype(np.float16))
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
+    tune(monkeypatch, moe_route_wide_t=None)
     wide = oc.moe_route_wide_t()
     assert wide == 16 * oc.sm_count()
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "1")
+    tune(monkeypatch, moe_route_splits="1")
     for T, name in ((wide, "moe_route_mma<4, 4>"), (wide + 1, "moe_route_mma<4, 2>")):
         del calls[:]
         oc.moe_route(cp.ones((T, 64), cp.float16), router, 8, True)
@@ -452,7 +452,7 @@ def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k, wide_t, m
     """moe_route_mma's top-k (8- and 16-warp forms) on exactly representable logits with many ties
     (tied_logits: each logit a multiple of 0.5, made as x . router with x a one-hot row and the router holding
     the logits): the ids of NumPy's stable sort (ties to the lower id), as moe_topk gives them."""
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", wide_t)
+    tune(monkeypatch, moe_route_wide_t=wide_t)
     rng = np.random.default_rng()
     T, dim = 64, 128
     lg = tied_logits(rng, T, n_exp, k)
@@ -477,10 +477,10 @@ def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
     poisoned; two launches in a row with fresh inputs (the arrival counter must be left at zero by the first);
     the launches are the routing's alone where the maps ride in it. 4100 tokens leave warps whose slot range ends
     inside a batch of loads; routers with low rows leave experts without tokens."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if form == "cuda" else "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 0 if form == "mma8" else 1 << 30)
-    monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", form != "separate")
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "4" if form == "mma16s" else "1")
+    tune(monkeypatch, moe_router="cuda" if form == "cuda" else "mma")
+    tune(monkeypatch, moe_route_wide_t=0 if form == "mma8" else 1 << 30)
+    tune(monkeypatch, moe_route_maps=form != "separate")
+    tune(monkeypatch, moe_route_splits="4" if form == "mma16s" else "1")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     rng = np.random.default_rng()
     dim = 512 if form == "mma16s" else 128  # (split: 16 chunks of D, 4 per split over 4 or 2 K parts)
@@ -539,7 +539,7 @@ def test_moe_finalize_weighted_sum(T, dim, k):
 @pytest.mark.parametrize("T,dim,k", [(1, D, K_TOP), (7, 136, 3), (300, 4096, 8), (33, 2048, 32), (5, 2056, 1)])
 def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
     """add_rmsnorm with a MoE prefill's expert rows (the routing-weighted sum in the same kernel,
-    MOE_FUSE_FINALIZE): the new residual and x bitwise equal to moe_finalize then add_rmsnorm from the same
+    as the MoE prefill runs it): the new residual and x bitwise equal to moe_finalize then add_rmsnorm from the same
     residual, and x within fp16 rounding of NumPy's RMSNorm of h + the float64 weighted sum. x poisoned."""
     from kuiper_py.ops_numpy import rmsnorm
     rng = np.random.default_rng()
@@ -558,26 +558,6 @@ def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
     rows = cp.asnumpy(y).astype(np.float64)[cp.asnumpy(u2p).reshape(T, k)]
     h_ref = h0 + np.einsum("tj,tjd->td", cp.asnumpy(wts).astype(np.float64), rows)
     assert rel(cp.asnumpy(x_fused), rmsnorm(h_ref, cp.asnumpy(nw), 1e-6)) < 2e-3
-
-
-def test_moe_prefill_finalize_in_add_rmsnorm_same_bits(moe_bin, monkeypatch):
-    """A whole MoE prefill (every position's logits) with the experts' weighted sum in the next add_rmsnorm
-    (MOE_FUSE_FINALIZE, the default) and with the moe_finalize kernel: the same bits; one moe_finalize
-    launch per MoE layer without the fusion and none with it."""
-    mf = load(moe_bin)
-    ids = np.random.default_rng().integers(0, 151643, size=37).tolist()
-    got, launches = {}, {}
-    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
-    for fuse in (True, False):
-        monkeypatch.setattr(oc, "MOE_FUSE_FINALIZE", fuse)
-        m = Qwen3(mf, oc.CupyOps, 64)
-        del calls[:]
-        got[fuse] = cp.asnumpy(m.prefill(ids, all_logits=True))
-        launches[fuse] = calls.count("moe_finalize")
-    n_moe = sum(1 for L in mf.weights.layers if L.router is not None)
-    assert n_moe > 0 and launches == {True: 0, False: n_moe}
-    assert np.isfinite(got[True]).all()
-    np.testing.assert_array_equal(got[True], got[False])
 
 
 def test_moe_prefill_arena_same_bits(moe_bin, monkeypatch):
@@ -770,11 +750,11 @@ def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     got, both = {}, np.ones(len(ids), bool)
     calls = record_calls(monkeypatch, "gemm_moe_rs", lambda *a, **k: ("rs", a[4]))
     tc_calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **k: ("tc", a[4]))
-    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)  # ("tc": gemm_moe_tc at 75 rows per expert, in 32-row tiles)
-    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 0)
+    tune(monkeypatch, moe_tc_max_mean=1e9)  # ("tc": gemm_moe_tc at 75 rows per expert, in 32-row tiles)
+    tune(monkeypatch, moe_tc_t16_max=0)
     for rs, tc in (("auto", "0"), ("auto", "auto"), ("0", "0")):
-        monkeypatch.setattr(oc, "MOE_RS", rs)
-        monkeypatch.setattr(oc, "MOE_TC", tc)
+        tune(monkeypatch, moe_rs=rs)
+        tune(monkeypatch, moe_tc=tc)
         gpu = Qwen3(mf, oc.CupyOps, 320)
         gpu.ops.routing_log = []
         got[rs + tc] = cp.asnumpy(gpu.prefill(ids, all_logits=True))
@@ -851,7 +831,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
     eager; one step repeated from the same cache bitwise equal, the accumulators left zero."""
     mf = load(moe_bin)
     for acc in (True, False):
-        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        tune(monkeypatch, gemv_acc=acc)
         ops = Qwen3(mf, oc.CupyOps, 8).ops
         assert ops.acc_attn == ops.acc_moe == acc and not ops.acc_mode
     compared = 0
@@ -860,7 +840,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
         ref, cpu_log = _cpu_decode_routed(mf, ids, 10)
         got, first = {}, 30
         for acc in (True, False):
-            monkeypatch.setattr(oc, "GEMV_ACC", acc)
+            tune(monkeypatch, gemv_acc=acc)
             m = Qwen3(mf, oc.CupyOps, 64)
             m.ops.graphs = False
             m.prefill(ids[:10])
@@ -877,7 +857,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
             compared = first
             break
     assert compared >= 10
-    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    tune(monkeypatch, gemv_acc=True)
     ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
     assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0
@@ -905,7 +885,7 @@ def fused_moe_bin(request, tmp_path_factory):
 def _fused_moe_decode(mf, ids, n_prefill, graphs, on, monkeypatch):
     """Logits of decoding ids[n_prefill:] after a prefill with the one-launch MoE FFN on or off, and the
     routing log of the decode steps (eager only: [step * MoE layers + layer] -> ids [1, k])."""
-    monkeypatch.setattr(oc, "DECODE_MOE", "1" if on else "0")
+    tune(monkeypatch, decode_moe="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, 64)
     assert (m.ops._moe is not None) == on, m.ops.decode_moe_why
     m.ops.graphs = graphs
@@ -959,7 +939,7 @@ def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
     top-2 gap under the step's largest GPU - CPU logit difference. One step repeated from the same cache
     bitwise equal, the accumulators left zero."""
     mf = load(fused_moe_bin)
-    monkeypatch.setattr(oc, "DECODE_MOE", "1")
+    tune(monkeypatch, decode_moe="1")
     for _ in range(3):
         prompt = np.random.default_rng().integers(0, 151643, size=8).tolist()
         cpu, gpu = Qwen3(mf, NumpyOps, len(prompt) + 24), Qwen3(mf, oc.CupyOps, len(prompt) + 24)

@@ -149,7 +149,7 @@ def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
     fake = _FakeCupy(delays, broken)
     monkeypatch.setattr(oc, "cp", fake)
     for name, value in (("_MODULES", {}), ("_FNS", {}), ("_BUILDING", {}), ("_BUILD_NOTICED", [False]),
-                        ("_BUILD_NOTICE_S", notice_s), ("PRECOMPILE", True)):
+                        ("_BUILD_NOTICE_S", notice_s)):
         monkeypatch.setattr(oc, name, value)
     return fake
 
@@ -177,7 +177,7 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     """precompile() starts every family's build at once in worker threads: four 0.5 s builds are all done within
     well under their 2 s in a row, a family _compiled asks for while its build runs is waited for rather than built
     again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
-    family's. With PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
+    family's."""
     import time
     fams = ["norm", "rope", "lmh", "gemm"]  # (one module each)
     fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)
@@ -188,12 +188,6 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     assert time.perf_counter() - t0 < 1.5
     assert got == [(oc._FILES[f][0], oc._FILES[f][1][0]) for f in fams]
     assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
-    fake = _fake_builds(monkeypatch, {}, notice_s=60)
-    monkeypatch.setattr(oc, "PRECOMPILE", False)
-    oc.precompile(fams, 0)
-    assert oc._BUILDING == {} and fake.builds == {}
-    oc._compiled("norm", "add_rmsnorm")
-    assert fake.builds == {"norm.cu": 1}
 
 
 def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):

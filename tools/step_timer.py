@@ -8,7 +8,7 @@ graph. Then, per round, three times over: the session is rewound to the prompt's
 position reset, --replays graph launches are queued back to back between two events, and the round keeps
 the fastest of the three. Each replay advances the device position, so a timing steps through keys ctx to
 ctx + replays - 1 in the graph captured at ctx (keep that range inside one graph regime: flash decoding's
-short-context graph serves up to 1024 keys on the GPUs in DEVICE_TUNING). No host work sits between
+short-context graph serves up to 1024 keys on the GPUs the per-GPU table lists). No host work sits between
 replays (no sampling, no token read back), so the figure is the GPU's step alone; `tools/bench_e2e.py`
 times the loop kuiper generate runs.
 
