@@ -1,4 +1,5 @@
-"""CuPy backend: the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/.
+"""CuPy backend: the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/ (device queries, launches,
+the kernel registry and its builds in kuiper_py/cuda/runtime; the tuning in kuiper_py/cuda/settings.py).
 
 Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed (4-bit) on the GPU.
 Their qweight is rearranged once at load into the tiled layout of common.cuh (tile_qweight): the
@@ -7,25 +8,32 @@ preallocated buffers and allocates nothing per token.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import functools
-import hashlib
 import math
 import os
-import queue
-import re
-import struct
 import sys
-import threading
-import time
 import weakref
-from pathlib import Path
 
 import numpy as np
 
 from .config import ModelArgs, rope_tables
 from .cuda.settings import Settings
+# the runtime layer (kuiper_py/cuda/runtime): what the ops below use, and the names cli.py, bench.py, generate.py, the
+# tools and the tests import from this module
+from .cuda.runtime.device import (_dev_id, check_device, copy_bandwidth, cuda_available, device_attrs, device_name,
+                                  gpu_memory_used_mib, gpu_name, sm_count, smem_optin)
+from .cuda.runtime.launch import (_LaunchAttr, _PdlKernel, _cluster_attr, _cluster_policy_attr, _cu_fn,
+                                  _cu_launch_ex, _cu_occupancy_clusters, _cu_tmap_encode, _pdl_attr, _remember,
+                                  allow_dynamic_smem, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters,
+                                  tma_map_2d, tma_map_cache, tma_map_words)
+from .cuda.runtime.registry import (ATTN_CM_HB, ATTN_CM_MAX, FFN_GLOBAL_CAPS, FFN_PAIRS, FFN_XCH_GLOBAL,
+                                    FFN_XCH_PUSH, FW_CONFIGS, FW_NC3_FROM, GEMV_O_MIN_BLOCKS, GEMV_ROWS,
+                                    MOE_RS_FORMS, MOE_RS_FORMS_ALL, MOE_RS_TILES, MOE_TC_TILES, RS_STAGES,
+                                    WGMMA_PRODUCERS, WGMMA_TILES, WGMMA_TILE_EFF, _FILES, _FILES_SM90, fw_name,
+                                    gemv_name, moe_rs_name)
+from .cuda.runtime.build import (MODULE_PARTS, SM90A_FAMILIES, _BUILDING, _compiled, _family_names, _kernel_group,
+                                 _module, _module_keys, _usable_cpus, family_modules, headers_tag, kernel,
+                                 kernel_build_seconds, kernel_dir, model_families, model_groups, precompile)
 from .errors import KuiperError, ResourceError
 from .loader import (AwqLinear, AwqStack, Layer, Weights, check_weights_fit, device_bytes, drop_pages,
                      kv_bytes_per_position)
@@ -47,8 +55,6 @@ def use_settings(settings: Settings) -> None:
     global SETTINGS
     SETTINGS = settings
 
-GEMV_ROWS = 16  # tuning knobs of gemv_w4a16.cu (benchmarks)
-GEMV_MIN_BLOCKS = 4
 # the grid size the split aims at: 4 blocks per SM measured best on H100 with the tiled layout and
 # the first loads ahead of pdl_wait (3 and 6 tried; 3 was best before). gemv_blocks_per_sm sets it
 # on every GPU and shape; unset, a GEMV takes device_tables's target for its shape on this GPU, else
@@ -68,37 +74,6 @@ GEMV_BASE_BLOCKS_PER_SM = 4.0
 # Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
 GEMV_O_COARSE_SPLITS = 48
 GEMV_O_MERGE_COARSE_SPLITS = 80
-# the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
-# instantiations, 80 registers: at most 3 blocks per SM) for the shapes in device_tables's "o_merge", where
-# flash decoding has more than gemv_o_merge_min_splits splits and o's grid fits 3 per SM; else decode_merge's
-# running max at 64 registers. gemv_o_merge=1 / 0: on / off for every shape (A/B)
-GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
-# the MoE weighted sum (the experts' down projection) reduces in two levels (gemv_w4a16<true>: slot by slot,
-# then over the slots), so it splits like the dense GEMVs (gemv_moe_blocks_per_sm, default the GEMVs' target)
-# the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
-# an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
-GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once (A/B)
-# prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
-# on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
-# so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
-# the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
-# runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
-# 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
-# (gemm_wgmma unset or "auto") it takes short prompts of the shapes where it measured faster,
-# wgmma_max_m() below; gemm_wgmma=1 sends every prefill from gemm_wgmma_min_m rows to it,
-# =0 never (A/B)
-# the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
-# ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
-# above and dequant + cuBLAS (H200, PERFORMANCE.md change 167); "1": every prefill that fits it, "0": never
-# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
-# of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
-# and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
-# half-size tile pair), for wgmma_plan's wave arithmetic
-WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
-WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
-# producer warpgroups of gemm_wgmma.cu (1 or 2; the kernel's NP): they take alternate K tiles, so the
-# dequantization, which bounded the kernel alone (change 44: 420 TFLOP/s), has twice the warps
-WGMMA_PRODUCERS = (2,)
 # split-K on the wave tail (gemm_wgmma.cu): the tiles of a partial last wave each split into up to
 # this many K ranges, so that wave takes 1/split of the time (q|k|v at 512 rows: 192 tiles on 132
 # SMs, 1.45 waves run as 2); 1 turns it off (A/B)
@@ -108,7 +83,6 @@ GEMV_EPI = {"plain": 0, "swiglu": 1, "moe_sum": 2, "qkv_rope": 3}
 GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe_maps' tile_m); dense prefill picks 64 or 128 rows
 MOE_MAX_EXPERTS, MOE_MAX_TOPK = 256, 32  # moe.cu: 8 experts per lane of a warp; k slots kept by lanes
 SUPPORTED_HEAD_DIMS = (64, 128)
-ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U (A/B)
 # flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): device_tables's
 # "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; attn_min_chunk sets it (A/B)
 DECODE_MIN_CHUNK = 32
@@ -145,127 +119,6 @@ def draw_plan(n_valid: int, p: SamplingParams) -> tuple[int, int] | None:
     return None
 
 
-
-def kernel_dir() -> Path:
-    try:
-        from importlib.resources import files
-        p = Path(str(files("kuiper_py.kernels_cu")))
-        if (p / "common.cuh").is_file():
-            return p
-    except (ImportError, ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parent.parent / "kernels_cu"
-
-
-def cuda_available() -> bool:
-    if cp is None:
-        return False
-    try:
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device
-        return False
-
-
-def check_device() -> None:
-    if not cuda_available():
-        raise KuiperError("--device cuda: no CUDA GPU is visible (use --device cpu)")
-    major, minor = cp.cuda.Device().compute_capability[:-1], cp.cuda.Device().compute_capability[-1]
-    if int(major) < 8:
-        raise KuiperError(f"GPU compute capability {major}.{minor} is below 8.0 (cp.async, ldmatrix and "
-                          f"mma.sync need Ampere or newer)")
-
-
-def gpu_name() -> str:
-    return cp.cuda.runtime.getDeviceProperties(_dev_id())["name"].decode()
-
-
-_COPY16 = r'''
-extern "C" __global__ void copy16(const float4* __restrict__ a, float4* __restrict__ b, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        b[i] = a[i];
-}'''
-
-
-def copy_bandwidth(reps: int = 10) -> dict:
-    """The device copy bandwidth (GB/s, read + write bytes) every benchmark ratio divides by: cudaMemcpy
-    device-to-device and a 16-byte-per-thread copy kernel over 1 GiB, and the better of the two."""
-    n = 1 << 28  # floats: 1 GiB per buffer
-    a, b = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
-    k = cp.RawKernel(_COPY16, "copy16")
-    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    runs = {"memcpy": lambda: b.data.copy_from_device(a.data, a.nbytes),
-            "kernel": lambda: k((n_sm * 8,), (512,), (a, b, cp.int64(n // 4)))}
-    out = {}
-    for name, fn in runs.items():
-        fn()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        out[name] = 2 * a.nbytes * reps / (cp.cuda.get_elapsed_time(e0, e1) / 1e3) / 1e9
-    out["best"] = max(out.values())
-    return out
-
-
-def gpu_memory_used_mib() -> float:
-    """Device memory this process holds through CuPy's pool (weights, KV cache, workspace)."""
-    return cp.get_default_memory_pool().total_bytes() / 2**20
-
-
-_MODULES: dict[str, object] = {}
-# gemv_w4a16.cu's instantiations <MOE2, RT, OM, ACC>: the split-K form (MOE2: the MoE sum over two levels),
-# the MoE o projection's router rows (RT), o's merge of many flash-decoding splits (OM), and the accumulating
-# decode forms (ACC), which leave out the split-K reduction tails
-GEMV_FORMS = ((False, False, False, False), (True, False, False, False), (False, True, False, False),
-              (False, False, True, False), (False, True, True, False),
-              *((False, rt, om, True) for rt in (False, True) for om in (False, True)))
-
-
-def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False) -> str:
-    """The name expression of one gemv_w4a16 instantiation (GEMV_FORMS), every template argument written out."""
-    return "gemv_w4a16<" + ", ".join("true" if f else "false" for f in (moe2, rt, om, acc)) + ">"
-
-
-RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
-# gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
-# one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
-# so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
-# 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
-# Both with the narrow flag (a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only; PERFORMANCE.md change
-# 177). H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
-# / -7 / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
-MOE_RS_FORMS = {64: (4, 2, 1, 1), 128: (8, 4, 1, 1)}  # rows per tile -> (stages, warpgroups, narrow, swizzled)
-MOE_RS_FORMS_ALL = tuple((bt, *f) for bt, f in MOE_RS_FORMS.items())  # compiled: (rows, stages, warpgroups, ...)
-MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
-# Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
-# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md changes 199-200), in tiles of 16 rows up to moe_tc_t16_max on the
-# mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B). The bounds are whole-model crossovers (H200,
-# 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
-# 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
-# 24.16 against 24.73) and lose at 64 (1024 tokens: 26.06 against 25.42). 13 and 60 lie between those points.
-MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
-# attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
-# (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or fw_config
-# ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
-# then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
-# / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
-FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
-FW_NC3_FROM = 2048
-
-
-def moe_rs_name(st: int, bt: int, wg: int, narrow: int, swz: int) -> str:
-    """The name expression of one gemm_moe_rs instantiation (the flags written out only where one is set)."""
-    return f"gemm_moe_rs<{st}, {bt}, {wg}" + (f", {narrow}, 1>" if swz else ", 1>" if narrow else ">")
-
-
-def fw_name(st: int, pipe: int, nc: int) -> str:
-    """The name expression of one flash_attn_wgmma instantiation."""
-    return f"flash_attn_wgmma<{st}, {pipe}, {nc}>"
-
-
 MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
 # instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
@@ -284,17 +137,6 @@ MOE_LOGIT_TB = 16  # moe.cu MOE_LOGIT_TB: tokens per block of moe_router_logits
 # 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
 
 
-_OPTIN: dict[int, int] = {}
-
-
-def smem_optin() -> int:
-    """The current device's most shared memory per block with the opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
-    dev = _dev_id()
-    if dev not in _OPTIN:
-        _OPTIN[dev] = cp.cuda.runtime.deviceGetAttribute(97, dev)
-    return _OPTIN[dev]
-
-
 def moe_rmma_smem(warps: int) -> int:
     """moe_route_mma's dynamic shared memory: its cp.async stages, [warps][MOE_RMMA_ST 4][6 pieces][32 lanes] x 16 B."""
     return warps * 4 * 6 * 32 * 16
@@ -306,9 +148,6 @@ def moe_route_wide_t() -> int:
 
 
 _RMMA_FITS: dict[tuple[int, str], bool] = {}
-# moe_route_mma's instantiations <NG, KS> (expert groups of 32 x K parts: 8 or 16 warps), each also as
-# moe_route_mma_split (change 198)
-MOE_RMMA_NAMES = [f"moe_route_mma{sp}<{ng}, {w // ng}>" for ng in (4, 8) for w in (8, 16) for sp in ("", "_split")]
 
 
 def moe_rmma_groups(E: int) -> int:
@@ -337,524 +176,6 @@ def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
         if fits:
             return wide, 16
     return f"moe_route_mma<{ng}, {8 // ng}>", 8
-
-
-_FILES = {
-    "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
-    "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
-                                 for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
-    # and 256 tokens per block; 64 only its test
-    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
-                  + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
-    "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "awq_dequant3", "gemm_moe_gate_up", "gemm_moe_down"]),
-    # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199)
-    "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
-    "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
-                       "moe_expert_maps", "moe_gather_rows",
-                       "moe_finalize"]),
-    # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
-    "attn90": ("attn_wgmma.cu", [fw_name(*c) for c in FW_CONFIGS]),
-    "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
-                      + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
-                         for lp in ("", ",true")]),
-    "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
-    "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
-    "lmh": ("lm_head.cu", ["lm_head_gemv"]),
-    "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
-}
-# compiled on demand, on compute capability 9.0+ only (thread-block clusters, bulk copies)
-FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
-FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
-# blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
-# and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
-FFN_GLOBAL_CAPS = (3, 4)
-ATTN_CM_HB = (1, 2, 4, 8)  # heads per block of attention.cu's cluster-merge instantiations (attn_decode_gqa CM)
-ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
-_FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
-                                           for hb in ATTN_CM_HB]),
-               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
-                          for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS])}
-
-
-# Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
-# launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
-# while the current kernel drains. These are the decode step's kernels and some prefill ones (routing, the
-# 16-byte norm and RoPE forms).
-PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm",
-               "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
-               "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", *MOE_RMMA_NAMES,
-               "moe_route_decode"} | {
-               f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9) for lp in ("", ",true")}
-_PDL: dict[int, bool] = {}
-
-
-def _dev_id() -> int:
-    """The current device's ordinal (the runtime call; building a cupy Device object per launch showed up
-    in prefill's host time)."""
-    return cp.cuda.runtime.getDevice()
-
-
-def pdl_enabled() -> bool:
-    """Programmatic dependent launch: Hopper or newer, unless KUIPER_PDL=0."""
-    dev = _dev_id()
-    if dev not in _PDL:
-        _PDL[dev] = (os.environ.get("KUIPER_PDL", "1") != "0"
-                     and int(cp.cuda.Device(dev).compute_capability) >= 90 and _cu_launch_ex() is not None)
-    return _PDL[dev]
-
-
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint64 * 8)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
-
-
-_CU_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-_CU_FNS: dict[str, object] = {}
-_V, _I = ctypes.c_void_p, ctypes.c_int
-_CU_ARGTYPES = {  # the driver entry points called through ctypes (each returns a CUresult)
-    "cuLaunchKernelEx": [ctypes.POINTER(_LaunchConfig), _V, ctypes.POINTER(_V), _V],
-    "cuTensorMapEncodeTiled": [_V, _I, ctypes.c_uint, _V, _V, _V, _V, _V, _I, _I, _I, _I],
-    "cuOccupancyMaxActiveClusters": [ctypes.POINTER(_I), _V, ctypes.POINTER(_LaunchConfig)],
-    "cuFuncSetAttribute": [_V, _I, _I],
-    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(_I), _V, _I, ctypes.c_size_t],
-}
-
-
-def _cu_fn(name: str):
-    """The driver entry point `name` (one of _CU_ARGTYPES), looked up once, or None where the driver
-    lacks it (or there is no libcuda). Every launch_ex asks for cuLaunchKernelEx: one dict lookup."""
-    f = _CU_FNS.get(name)
-    if f is None and name not in _CU_FNS:
-        try:
-            f = getattr(ctypes.CDLL("libcuda.so.1"), name)
-            f.argtypes, f.restype = _CU_ARGTYPES[name], ctypes.c_int
-        except (OSError, AttributeError):
-            f = None
-        _CU_FNS[name] = f
-    return f
-
-
-def _cu_launch_ex():
-    """The driver's cuLaunchKernelEx (CuPy's launcher takes no launch attributes), or None."""
-    return _cu_fn("cuLaunchKernelEx")
-
-
-class _ArgPack:
-    """A kernel's parameters for one signature (the argument types, in order), each at its natural
-    alignment in one buffer reused by every launch of that signature, with the kernelParams pointer
-    array into it made once (the driver reads each parameter through its pointer, at the kernel's own
-    offset and size for it). A launch then costs one struct.pack_into; a ctypes object per argument
-    made the host side of a prefill layer slower than its kernels (PERFORMANCE.md change 72). The
-    driver copies the parameters at launch (and into a graph node at capture), so the buffer can be
-    refilled right after."""
-    _PTR, _PLAIN, _BYTES = 0, 1, 2
-
-    def __init__(self, args):
-        fmt, off, offs, kinds = "=", 0, [], []
-        for a in args:
-            if isinstance(a, (ctypes.Array, ctypes.Structure)):  # a struct by value (TMA descriptor, DlArgs)
-                size, align = ctypes.sizeof(a), ctypes.alignment(a)
-                code, kind = f"{size}s", self._BYTES
-            elif isinstance(a, cp.ndarray):
-                size, align, code, kind = 8, 8, "Q", self._PTR
-            elif isinstance(a, (np.int32, np.float32, np.uint64)):
-                size = align = a.itemsize
-                code, kind = {np.int32: "i", np.float32: "f", np.uint64: "Q"}[type(a)], self._PLAIN
-            else:
-                raise TypeError(f"kernel argument of type {type(a).__name__}")
-            pad = -off % align
-            fmt += f"{pad}x{code}" if pad else code
-            offs.append(off + pad)
-            kinds.append(kind)
-            off += pad + size
-        self.st = struct.Struct(fmt)
-        self.buf = ctypes.create_string_buffer(max(off, 8))
-        base = ctypes.addressof(self.buf)
-        self.params = (ctypes.c_void_p * max(len(offs), 1))(*[base + o for o in offs])
-        self.kinds = tuple(kinds)
-
-    def pack(self, args):
-        P, B = self._PTR, self._BYTES
-        self.st.pack_into(self.buf, 0, *[a.data.ptr if k == P else bytes(a) if k == B else a
-                                         for a, k in zip(args, self.kinds)])
-        return self.params
-
-
-_ARG_PACKS: dict[tuple, _ArgPack] = {}
-_LAUNCH_CFGS: dict[tuple, _LaunchConfig] = {}
-
-
-def _remember(cache: dict, key, value):
-    """cache[key] = value, the cache emptied first once it holds 4096 entries (the per-shape host
-    caches of the launch path: a long-running process must not grow them without bound)."""
-    if len(cache) >= 4096:
-        cache.clear()
-    cache[key] = value
-    return value
-
-
-def _pdl_attr() -> _LaunchAttr:
-    """The programmatic-stream-serialization launch attribute (PDL)."""
-    attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
-    attr.value[0] = 1
-    return attr
-
-
-class _PdlKernel:
-    """A kernel launched through cuLaunchKernelEx with the programmatic-stream-serialization
-    attribute (captured into CUDA graphs as a programmatic edge); same call form as CuPy's."""
-
-    def __init__(self, fn):
-        self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction (its module stays in _MODULES)
-        self.attr = _pdl_attr()
-
-    def __call__(self, grid, block, args, shared_mem: int = 0):
-        launch_ex(self.ptr, grid, block, args, smem=shared_mem, attr=self.attr)
-
-
-def launch_ex(fn, grid, block, args, smem: int = 0, attr=None):
-    """Launch a kernel (a RawKernel or a CUfunction handle) through cuLaunchKernelEx, with launch
-    attributes (one _LaunchAttr, a ctypes array of them, or None): CuPy's launcher takes no attributes
-    (PDL, cluster dimensions) and cannot pass a struct by value (a __grid_constant__ TMA descriptor)."""
-    sig = tuple(map(type, args))
-    pack = _ARG_PACKS.get(sig)
-    if pack is None:
-        pack = _ARG_PACKS[sig] = _ArgPack(args)
-    params = pack.pack(args)
-    ptr = fn if isinstance(fn, int) else getattr(fn, "kernel", fn).ptr
-    stream = cp.cuda.get_current_stream().ptr
-    key = (tuple(grid), tuple(block), smem, stream, id(attr))
-    cfg = _LAUNCH_CFGS.get(key)
-    if cfg is None:  # configurations repeat (a prefill's layers): made once, each holding its attribute
-        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        cfg = _launch_config(grid, block, smem, stream, attr)
-        _remember(_LAUNCH_CFGS, key, cfg)
-    err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
-
-
-def _launch_config(grid, block, smem: int, stream: int, attr) -> _LaunchConfig:
-    """A CUlaunchConfig holding its attributes (one _LaunchAttr, an array of them, or None)."""
-    if attr is None:
-        ptr, n = None, 0
-    elif isinstance(attr, ctypes.Array):
-        ptr, n = ctypes.cast(attr, ctypes.POINTER(_LaunchAttr)), len(attr)
-    else:
-        ptr, n = ctypes.pointer(attr), 1
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream, ptr, n)
-    cfg.keep = attr
-    return cfg
-
-
-def _cu_tmap_encode():
-    """The driver's cuTensorMapEncodeTiled (CUDA 12.0+), or None."""
-    return _cu_fn("cuTensorMapEncodeTiled")
-
-
-_TMAPS: dict[tuple, ctypes.Array] = {}
-
-
-def _tmap_encode(dtype: int, ptr: int, dims, strides, box):
-    """cuTensorMapEncodeTiled into a new 128-byte map: CUtensorMapDataType dtype, dims innermost first, byte
-    strides of the outer dims, box sizes; element strides 1, interleave none, the 128-byte swizzle, L2
-    promotion 128B, out-of-bounds elements filled with zeros."""
-    n = len(dims)
-    m = (ctypes.c_uint64 * 16)()
-    d, st = (ctypes.c_uint64 * n)(*dims), (ctypes.c_uint64 * (n - 1))(*strides)
-    bx, el = (ctypes.c_uint32 * n)(*box), (ctypes.c_uint32 * n)(*([1] * n))
-    err = _cu_tmap_encode()(ctypes.addressof(m), dtype, n, ptr, ctypes.addressof(d), ctypes.addressof(st),
-                          ctypes.addressof(bx), ctypes.addressof(el), 0, 3, 2, 0)
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err}")
-    return m
-
-
-def tma_map_2d(a, box_rows: int, box_cols: int):
-    """A CUtensorMap (128 bytes, for a __grid_constant__ TmaDesc) of the fp16 matrix a [rows, cols]
-    (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
-    (box_cols * 2 == 128), rows past the end zero-filled. Kept per (address, shape, stride, box):
-    a prefill's activation buffers come back from the pool at the same addresses."""
-    key = (_dev_id(), a.data.ptr, a.shape, a.strides, box_rows, box_cols)
-    m = _TMAPS.get(key)
-    if m is not None:
-        return m
-    assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
-    assert box_cols * 2 == 128
-    # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
-    return _remember(_TMAPS, key, _tmap_encode(6, a.data.ptr, (a.shape[1], a.shape[0]), (a.strides[0],),
-                                               (box_cols, box_rows)))
-
-
-def tma_map_cache(c, n: int):
-    """A CUtensorMap of the first n rows of every layer of a KV cache c [L, ctx, KV, hd] (fp16, contiguous) as
-    [L][n][KV*hd], boxes of 64 rows x 64 columns of one layer with the 128-byte swizzle, rows past n zero-filled
-    (flash_attn_wgmma's K and V). One map per cache and length serves every layer: a map per layer made a prefill
-    of a length not seen before encode 2 L of them (PERFORMANCE.md change 196)."""
-    key = (_dev_id(), c.data.ptr, c.shape, n)
-    m = _TMAPS.get(key)
-    if m is not None:
-        return m
-    L, ctx, KV, hd = c.shape
-    W = KV * hd
-    assert c.dtype == cp.float16 and c.flags.c_contiguous and c.data.ptr % 16 == 0 and 0 < n <= ctx and W % 64 == 0
-    return _remember(_TMAPS, key, _tmap_encode(6, c.data.ptr, (W, n, L), (W * 2, ctx * W * 2), (64, 64, 1)))
-
-
-def tma_map_words(qw, wg: int):
-    """A CUtensorMap of a tiled qweight (int32, contiguous; common.cuh's layout, whole 32-word tiles) as
-    [row quads][4 quarters][32 words] (a quarter: 8 words x 4 rows, 128 bytes), boxes of 32 x wg x 16 (the quarters
-    of wg consumer warpgroups over one 64-k tile) with the 128-byte swizzle, for gemm_moe_rs's SWZ forms."""
-    key = (_dev_id(), qw.data.ptr, qw.size, wg)
-    m = _TMAPS.get(key)
-    if m is not None:
-        return m
-    assert qw.dtype == cp.int32 and qw.flags.c_contiguous and qw.size % 128 == 0 and qw.data.ptr % 16 == 0
-    # CU_TENSOR_MAP_DATA_TYPE_UINT32 = 2
-    return _remember(_TMAPS, key, _tmap_encode(2, qw.data.ptr, (32, 4, qw.size // 128), (128, 512), (32, wg, 16)))
-
-
-_KERNELS: dict[tuple, object] = {}
-
-
-def kernel(family: str, name: str):
-    """A compiled kernel, launched with PDL where that is safe and available (PDL_KERNELS)."""
-    key = (_dev_id(), family, name)
-    if key not in _KERNELS:
-        fn = _compiled(family, name)
-        _KERNELS[key] = _PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
-    return _KERNELS[key]
-
-
-def headers_tag() -> str:
-    """A comment line naming the hash of kernels_cu's headers, for the end of a source that includes them:
-    CuPy's disk cache is keyed on the source text, not on what it includes."""
-    d = kernel_dir()
-    deps = hashlib.sha1(b"".join((d / h).read_bytes() for h in sorted(os.listdir(d)) if h.endswith(".cuh")))
-    return f"\n// headers {deps.hexdigest()}\n"
-
-
-_FNS: dict[tuple[str, str], object] = {}
-_BUILD = [0.0]  # seconds the caller waited for kernel modules to be built (kernel_build_seconds)
-_BUILD_NOTICE_S = 2.0  # a module build that takes longer is a compile, not a cache load: say so once
-_BUILD_NOTICED = [False]
-_BUILD_LOCK = threading.Lock()
-_BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build started by precompile()
-BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
-# the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
-BUILD_THREADS = max(1, int(os.environ.get("KUIPER_BUILD_THREADS", "16")))
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one: a container's share, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (not on every OS)
-        return os.cpu_count() or 1
-
-
-def _build_notice() -> None:
-    with _BUILD_LOCK:
-        if _BUILD_NOTICED[0]:
-            return
-        _BUILD_NOTICED[0] = True
-    from tqdm import tqdm  # (its write keeps the line clear of a progress bar being drawn: the upload's)
-    tqdm.write("kuiper: compiling CUDA kernels for this GPU (their first use on this machine takes a while; CuPy "
-               "caches them on disk for later runs)", file=sys.stderr)
-
-
-def kernel_build_seconds() -> float:
-    """Seconds this process waited for kernel modules to be built: NVRTC compiles on a machine's first run, loads
-    from CuPy's disk cache after (builds that precompile() ran beside the weights' upload count only where something
-    waited for them). `kuiper generate` reports it, since a first run's figures include it."""
-    return _BUILD[0]
-
-
-# families built as several modules (each a share of the instantiations, in the list's order), so that their
-# compiles run side by side: alone, attention.cu's took 31.0 s, ffn_decode.cu's 13.5 and gemv_w4a16.cu's 7.3 of a
-# first run's 83 (H200 machine, session 82); gemv was then the last build to finish (13.1 s beside the others)
-MODULE_PARTS = {"attn": 4, "ffn": 3, "gemv": 3}
-SM90A_FAMILIES = ("gemm90", "gemm90rs", "attn90")  # built for sm_90a (wgmma): they load on compute capability 9.0 only
-# the instantiations only some models use, built as modules of their own ("family@group") that a model's load builds
-# only when it needs them: the 64-dim attention forms (only the test presets: every Qwen3 has head_dim 128) and the
-# MoE forms of files that dense models also use (change 226)
-MODULE_GROUPS = ("hd64", "moe")
-
-
-def _kernel_group(family: str, name: str) -> str:
-    """The MODULE_GROUPS group of a family's kernel, or "" for those every model of the family's users needs."""
-    if family in ("attn", "attncm") and re.match(r"\w+<64\b", name):
-        return "hd64"
-    if (family, name.partition("<")[0]) in (("gemm90rs", "gemm_moe_rs"), ("ffn", "moe_ffn_decode")):
-        return "moe"
-    return ""
-
-
-def model_groups(a: ModelArgs) -> set[str]:
-    """The MODULE_GROUPS a model's kernels come from."""
-    return {g for g, used in zip(MODULE_GROUPS, (a.head_dim == 64, bool(a.num_experts))) if used}
-
-
-def _family_names(family: str) -> tuple[str, list[str]]:
-    return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
-
-
-@functools.cache
-def _module_of(family: str) -> dict[str, str]:
-    """Each kernel of `family` -> the module key holding it, the one rule both ways (_module_key, _module_names,
-    _module_keys): per _kernel_group group ("family" or "family@group"), in the list's order, part i of a
-    MODULE_PARTS family ("...#i") holds the i-th of its shares of that group's kernels."""
-    names = _family_names(family)[1]
-    n = MODULE_PARTS.get(family, 1)
-    groups = {x: _kernel_group(family, x) for x in names}
-    out = {}
-    for g in dict.fromkeys(groups.values()):
-        group = [x for x in names if groups[x] == g]
-        base = family + (f"@{g}" if g else "")
-        out.update((x, base if n == 1 else f"{base}#{i * n // len(group)}") for i, x in enumerate(group))
-    return out
-
-
-def _module_keys(family: str, groups=None) -> list[str]:
-    """The modules a family is built as (_module_of), those of the kernels every user needs first, each group's in
-    part order; groups (a set of MODULE_GROUPS names) keeps only those groups' modules beside the common ones, None
-    keeps all."""
-    keys = sorted(dict.fromkeys(_module_of(family).values()), key=lambda k: "@" in k)
-    return [k for k in keys if groups is None or "@" not in k or k.partition("@")[2].partition("#")[0] in groups]
-
-
-def _module_key(family: str, name: str) -> str:
-    """The module holding kernel `name` of `family` (_module_of)."""
-    return _module_of(family)[name]
-
-
-def _module_names(key: str) -> tuple[str, list[str]]:
-    """(file, the kernels it instantiates) of a module key."""
-    family = key.partition("#")[0].partition("@")[0]
-    return _family_names(family)[0], [x for x, k in _module_of(family).items() if k == key]
-
-
-def family_modules(family: str) -> list:
-    """The built modules of a family (its parts in order)."""
-    return [_MODULES[k] for k in _module_keys(family) if k in _MODULES]
-
-
-def _build(key: str):
-    """Build one kernel module (compile, or load CuPy's cached binary): a family, or one of its MODULE_PARTS. The
-    source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
-    so a second start does not recompile."""
-    family = key.partition("#")[0].partition("@")[0]
-    fname, names = _module_names(key)
-    d = kernel_dir()
-    src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
-    opts = ("--std=c++17", f"-I{d}")
-    if family in ("attn", "attncm"):
-        opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
-    if family in SM90A_FAMILIES:  # wgmma exists only in the arch-specific sm_90a target
-        opts += ("-arch=sm_90a",)
-    if family == "gemv":
-        opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
-    # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
-    notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
-    if notice is not None:
-        notice.daemon = True
-        notice.start()
-    t0 = time.perf_counter()
-    try:
-        mod = cp.RawModule(code=src, options=opts, name_expressions=names)
-        mod.compile()
-    except cp.cuda.compiler.CompileException as e:
-        raise KuiperError(f"kernel compilation failed for {fname}:\n{e}") from None
-    finally:
-        if notice is not None:
-            notice.cancel()
-        BUILD_TIMES[key] = time.perf_counter() - t0
-    return mod
-
-
-def precompile(families, device_id: int, groups=None) -> None:
-    """Start building the kernel modules of `families` (of their MODULE_GROUPS only `groups`', as _module_keys picks)
-    that are not built yet, in worker threads (NVRTC releases the GIL), on device device_id: a first run compiled them
-    one after another as each was first used (87.0 s for Qwen3-8B on the H200 machine), now side by side while the
-    weights upload (20.8 s, change 225; 11.9 s with change 226's groups, parts and threads). _compiled waits for a
-    module's build; a build that failed there is redone in the caller, so its error is raised where the family is
-    used."""
-    with _BUILD_LOCK:
-        keys = [k for f in families for k in _module_keys(f, groups)]
-        todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
-        if not todo:
-            return
-        work = queue.SimpleQueue()
-        for f in todo:
-            _BUILDING[f] = fut = concurrent.futures.Future()
-            work.put((f, fut))
-
-    def worker():
-        # daemon threads, not a ThreadPoolExecutor: the interpreter joins those at exit, so an error or Ctrl-C
-        # during a first run's load would wait for every compile (an abandoned one leaves CuPy a temp file at most)
-        with cp.cuda.Device(device_id):
-            while True:
-                try:
-                    f, fut = work.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    fut.set_result(_build(f))
-                except BaseException as e:  # noqa: BLE001 (given to _compiled, which builds again and raises)
-                    fut.set_exception(e)
-
-    for _ in range(min(len(todo), _usable_cpus(), BUILD_THREADS)):
-        threading.Thread(target=worker, name="kuiper-build", daemon=True).start()
-
-
-def model_families(a: ModelArgs, cc: int) -> list[str]:
-    """The kernel families a model's prefill and decode use on compute capability cc (e.g. 90), which the load builds
-    (precompile's list): one missing is built at its first use."""
-    # cluster launches and bulk copies from 9.0 on; the wgmma modules are built for sm_90a, which loads on 9.0 only
-    hopper, sm90a, moe = cc >= 90, cc == 90, bool(a.num_experts)
-    # the longest compiles first, so the last to finish starts early (seconds alone on the H200 machine's host,
-    # session 82: attn 31.0, ffn 13.5, gemv 7.3, gemm90rs 7.0, attncm 6.9, moe 6.2, smp 4.2, attn90 2.5, moetc 1.2,
-    # gemm 1.2, gemm90 0.8, the rest 0.1-0.2)
-    fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs"] * sm90a + ["attncm"] * hopper + ["moe"] * moe
-    fams += ["smp"] + ["attn90"] * sm90a + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * sm90a
-    return fams + ["norm", "rope", "lmh"]
-
-
-def _compiled(family: str, name: str):
-    """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
-    attention_decode asks on every launch); its module built here, or by precompile()'s worker."""
-    fn = _FNS.get((family, name))
-    if fn is None:
-        fn = _FNS[(family, name)] = _module(_module_key(family, name)).get_function(name)
-    return fn
-
-
-def _module(key: str):
-    """The built module of a module key: built here, or precompile()'s build waited for (one that failed there is
-    built again here, which raises its error)."""
-    if key not in _MODULES:
-        t0 = time.perf_counter()
-        try:
-            fut, mod = _BUILDING.get(key), None
-            if fut is not None:
-                try:
-                    mod = fut.result()
-                except Exception:  # noqa: BLE001 (built again below, which raises the error here)
-                    mod = None
-            _MODULES[key] = mod if mod is not None else _build(key)
-        finally:
-            _BUILD[0] += time.perf_counter() - t0
-    return _MODULES[key]
 
 
 def tile_qweight(q, segments: int = 1):
@@ -1022,8 +343,6 @@ _NULL = np.uint64(0)  # a null pointer argument
 
 
 _COUNTERS: dict[int, object] = {}
-_DEV_ATTRS: dict[int, dict] = {}
-_DEV_NAMES: dict[int, str] = {}
 
 
 # Launches whose blocks are spread evenly over the SMs (spread_smem): "attn" (flash decoding), "gemv"
@@ -1061,53 +380,6 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
         return 0
     allow_dynamic_smem(fn, pad)
     return pad if fit(pad) == want else 0
-
-
-_DYN_SMEM: dict[int, int] = {}
-
-
-def allow_dynamic_smem(fn, nbytes: int) -> None:
-    """Lets kernel fn (a RawKernel or CuPy Function) launch with nbytes of dynamic shared memory: past 48 KB the
-    driver wants the size asked for. The attribute is set (and read) once per kernel and size, not per launch."""
-    ptr = getattr(fn, "kernel", fn).ptr
-    if _DYN_SMEM.get(ptr, -1) >= nbytes:
-        return
-    if fn.max_dynamic_shared_size_bytes < nbytes:
-        fn.max_dynamic_shared_size_bytes = nbytes
-    _DYN_SMEM[ptr] = nbytes  # (past the early return: more than any size set before)
-
-
-def blocks_per_sm(fn, threads: int, smem: int = 0) -> int:
-    """How many blocks of kernel fn (threads each, smem bytes of dynamic shared memory) fit on one SM by
-    the driver's occupancy calculator, or -1 where it cannot say."""
-    occ = _cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    if occ is None:
-        return -1
-    n = ctypes.c_int(0)
-    return -1 if occ(ctypes.byref(n), getattr(fn, "kernel", fn).ptr, threads, smem) else n.value
-
-
-def device_attrs() -> dict:
-    """The current device's attributes, read once (Device.attributes reads every attribute, too slow
-    for a per-launch call)."""
-    dev = _dev_id()
-    if dev not in _DEV_ATTRS:
-        _DEV_ATTRS[dev] = cp.cuda.Device(dev).attributes
-    return _DEV_ATTRS[dev]
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current device."""
-    return device_attrs()["MultiProcessorCount"]
-
-
-def device_name() -> str:
-    """The current device's name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"), read once."""
-    dev = _dev_id()
-    if dev not in _DEV_NAMES:
-        name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
-        _DEV_NAMES[dev] = name.decode() if isinstance(name, bytes) else str(name)
-    return _DEV_NAMES[dev]
 
 
 def device_tuning() -> dict:
@@ -1982,39 +1254,8 @@ class _AttnParts:
         self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
 
-_CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-_CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
 # cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
 # as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k, change 75)
-
-
-def _cu_occupancy_clusters():
-    """The driver's cuOccupancyMaxActiveClusters, or None."""
-    return _cu_fn("cuOccupancyMaxActiveClusters")
-
-
-def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
-    """How many clusters of CL blocks (threads each, smem bytes of dynamic shared memory) of kernel fn can be
-    resident at once (the GPU's GPCs bound it: an H100 holds 62 clusters of 8 of ffn_decode's blocks), or 0 where the driver refuses the size.
-    n: the clusters of the launch."""
-    ptr = getattr(fn, "kernel", fn).ptr
-    if smem:
-        allow_dynamic_smem(fn, smem)
-    if CL > 8 and not allow_nonportable_clusters(fn):
-        return 0
-    cfg = _launch_config((CL, n, 1), (threads, 1, 1), smem, 0, _cluster_attr(CL))
-    k = ctypes.c_int(0)
-    err = _cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
-    return 0 if err else k.value
-
-
-def allow_nonportable_clusters(fn) -> bool:
-    """Lets kernel fn launch clusters of more than 8 blocks: Hopper has 16-block clusters, but they are
-    "non-portable" and the driver wants them asked for. False where the driver refuses."""
-    set_attr = _cu_fn("cuFuncSetAttribute")
-    ptr = getattr(fn, "kernel", fn).ptr
-    return set_attr is not None and not set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
 
 
 _CL_ATTRS: dict[tuple, ctypes.Array] = {}
@@ -2027,20 +1268,6 @@ def _cluster_launch_attrs(CL: int) -> ctypes.Array:
     if key not in _CL_ATTRS:
         _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(SETTINGS.cluster_policy))
     return _CL_ATTRS[key]
-
-
-def _cluster_policy_attr(policy: int) -> _LaunchAttr:
-    """The cluster scheduling policy preference: 0 the driver's default, 1 spread, 2 load balancing."""
-    attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY, 0)
-    attr.value[0] = policy
-    return attr
-
-
-def _cluster_attr(CL: int) -> _LaunchAttr:
-    attr = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 0)
-    attr.value[0] = CL | (1 << 32)  # {x, y, z} = {CL, 1, 1} as three uint32
-    attr.value[1] = 1
-    return attr
 
 
 # the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured

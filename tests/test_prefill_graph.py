@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kuiper_py import ops_cupy as oc
+from kuiper_py.cuda.runtime import build as kb
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
@@ -147,10 +148,10 @@ class _FakeCupy:
 
 def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
     fake = _FakeCupy(delays, broken)
-    monkeypatch.setattr(oc, "cp", fake)
+    monkeypatch.setattr(kb, "cp", fake)
     for name, value in (("_MODULES", {}), ("_FNS", {}), ("_BUILDING", {}), ("_BUILD_NOTICED", [False]),
                         ("_BUILD_NOTICE_S", notice_s)):
-        monkeypatch.setattr(oc, name, value)
+        monkeypatch.setattr(kb, name, value)
     return fake
 
 
@@ -200,8 +201,8 @@ def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):
     fams = ["norm", "rope", "lmh"]
     for cap, cpus, fast in ((1, 8, False), (3, 3, True)):
         fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.3 for f in fams}, notice_s=60)
-        monkeypatch.setattr(oc, "BUILD_THREADS", cap)
-        monkeypatch.setattr(oc, "_usable_cpus", lambda: cpus)
+        monkeypatch.setattr(kb, "BUILD_THREADS", cap)
+        monkeypatch.setattr(kb, "_usable_cpus", lambda: cpus)
         t0 = time.perf_counter()
         oc.precompile(fams, 0)
         for f in fams:
@@ -217,7 +218,7 @@ def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
     from kuiper_py.errors import KuiperError
     fake = _fake_builds(monkeypatch, {}, broken=("rope.cu",), notice_s=60)
     oc.precompile(["norm", "rope"], 0)
-    oc._BUILDING["rope"].exception()  # (its worker has finished, with the error)
+    kb._BUILDING["rope"].exception()  # (its worker has finished, with the error)
     assert oc._compiled("norm", "add_rmsnorm") == ("norm.cu", "add_rmsnorm")
     with pytest.raises(KuiperError, match="kernel compilation failed for rope.cu"):
         oc._compiled("rope", "advance_position")
