@@ -7,11 +7,24 @@ from kuiper_py.sampling import SamplingParams
 
 
 def tune(monkeypatch, **changes):
-    """The CUDA backend's active Settings with these fields changed, for the rest of the test (ops_cupy.SETTINGS,
-    which every CupyOps built without settings of its own runs with)."""
+    """The CUDA backend's active Settings with these fields changed, for the rest of the test (cuda/settings.py's
+    SETTINGS, which every CupyOps built without settings of its own runs with)."""
     import dataclasses
+    from kuiper_py.cuda import settings as cfg
+    monkeypatch.setattr(cfg, "SETTINGS", dataclasses.replace(cfg.SETTINGS, **changes))
+
+
+def patch(monkeypatch, name, value):
+    """Rebind `name` for the rest of the test in every kuiper_py module that holds the object ops_cupy exports under
+    it (the CUDA backend's modules import their names from one another; `cp` in every module that has one)."""
+    import sys
     from kuiper_py import ops_cupy as oc
-    monkeypatch.setattr(oc, "SETTINGS", dataclasses.replace(oc.SETTINGS, **changes))
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("kuiper_py") and m is not None and name in vars(m)]
+    assert mods, f"no kuiper_py module has {name}"
+    old = vars(oc)[name] if name in vars(oc) else vars(mods[0])[name]
+    for mod in mods:
+        if vars(mod)[name] is old or name == "cp":
+            monkeypatch.setattr(mod, name, value)
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
@@ -236,7 +249,7 @@ def record_calls(monkeypatch, name, note):
     def wrapper(*a, **k):
         seen.append(note(*a, **k))
         return real(*a, **k)
-    monkeypatch.setattr(oc, name, wrapper)
+    patch(monkeypatch, name, wrapper)
     return seen
 
 
@@ -287,11 +300,12 @@ def pending_row_inputs(rng, D, massive):
 def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
     """Prefills of the given lengths on one GPU model (a reset before each but the last, which continues the
     one before it at its position), every position's logits, with the activations from the ops' arena
-    (ops_cupy._ARENA_MAX_T, the default for these lengths) and from cupy.empty (_ARENA_MAX_T = 0): the
+    (the arena_max_t setting's default for these lengths) and from cupy.empty (arena_max_t 0): the
     same bits. Before each arena prefill its arrays are poisoned (NaN, -1), so a value read before this
     prefill wrote it shows; the arena is inactive between forwards."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
+    from kuiper_py.cuda import memory as mem
     from kuiper_py.model import Qwen3
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 151643, size=n).tolist() for n in lengths]
@@ -306,7 +320,7 @@ def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
             for _, _, a in m.ops._arena.slots.values():
                 a.fill(-1 if a.dtype.kind == "i" else np.nan)
             out.append(cp.asnumpy(m.prefill(ids, all_logits=True)))
-            assert oc._ARENA is None
+            assert mem._ARENA is None
             assert bool(m.ops._arena.slots) == on
         got[on] = out
     for a, b in zip(got[True], got[False]):
@@ -334,7 +348,7 @@ def forget_zeroed_counters(monkeypatch):
     import cupy as cp
     from kuiper_py import ops_cupy as oc
     for name in ("_GEMM_TICKETS", "_MOE_COUNTER", "_MOE_TILE_COUNTERS"):
-        monkeypatch.setattr(oc, name, {})
+        patch(monkeypatch, name, {})
     blocks = [cp.full((n,), -1, cp.int32) for n in (1, oc.MOE_ROUTE_MAX_TILES, 4096) for _ in range(8)]
     cp.cuda.Device().synchronize()
     del blocks

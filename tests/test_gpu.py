@@ -11,9 +11,10 @@ import types
 import numpy as np
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
-from reference import cluster_plan_or_skip, dequant_reference, pending_row_inputs, rand_awq_tensors, rel, tune
+from reference import cluster_plan_or_skip, dequant_reference, patch, pending_row_inputs, rand_awq_tensors, rel, tune
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -392,7 +393,7 @@ def test_gemm_dequant_path(M, K, N):
     oc._dequant_scratch(K * N).fill(np.nan)
     x = rng.standard_normal((M, K)).astype(np.float16)
     out = nan_like((M, N), cp.float16)
-    oc.gemm(cp.asarray(x), m, out, path=None if M >= oc.SETTINGS.gemm_dequant_min_m else "dequant")  # None: the dispatch
+    oc.gemm(cp.asarray(x), m, out, path=None if M >= cfg.SETTINGS.gemm_dequant_min_m else "dequant")  # None: the dispatch
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
@@ -544,14 +545,14 @@ def test_gemm_rs_rows_split(monkeypatch, M):
     two runs bitwise equal, and both launches seen with their row counts."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
-    monkeypatch.setattr(oc, "RS_ROWS_SPLIT_KN", 0)
+    patch(monkeypatch, "RS_ROWS_SPLIT_KN", 0)
     seen = []
     real = oc.gemm_rs
 
     def spy(x, mats, out, bt=None, split=None):
         seen.append((x.shape[0], bt))
         return real(x, mats, out, bt, split)
-    monkeypatch.setattr(oc, "gemm_rs", spy)
+    patch(monkeypatch, "gemm_rs", spy)
 
     def run(x, mats, out):
         return oc.gemm(x, mats, out, path="rs")
@@ -676,7 +677,7 @@ def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
 
     def no_cublas(*a, **k):
         raise RuntimeError("libcublas.so: cannot open shared object file")
-    monkeypatch.setattr(oc, "_CUBLAS", {})
+    patch(monkeypatch, "_CUBLAS", {})
     tune(monkeypatch, gemm_wgmma="0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
     monkeypatch.setattr(oc.cp, "matmul", no_cublas)
     x = rng.standard_normal((300, 1024)).astype(np.float16)
@@ -1141,9 +1142,9 @@ def test_clusters_that_cannot_be_resident_leave_the_merge_to_o(splits, monkeypat
     the merged buffer is left as it was; the partials merged by attn_decode_combine match float64 attention."""
     H, KV, hd, n = 32, 8, 128, 700
     cm_or_skip(splits, oc.decode_heads_per_block(H, KV), hd)
-    monkeypatch.setattr(oc, "_ATTN_CM_FNS", {})
+    patch(monkeypatch, "_ATTN_CM_FNS", {})
     asked = []
-    monkeypatch.setattr(oc, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
+    patch(monkeypatch, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
     q, Kc, Vc, merged, part_o, part_ml, parts = flash_decoding_asked_to_merge(H, KV, hd, n, splits)
     assert asked == [splits] and parts.merged is None and bool(cp.isnan(merged).all())
     out = oc.attention_combine(parts, nan_like((1, H * hd), cp.float16))

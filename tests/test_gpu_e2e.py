@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
+from kuiper_py.cuda import memory as mem
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
@@ -32,10 +33,10 @@ def test_prefill_arena_same_bits(model_bin, monkeypatch):
 
 def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, monkeypatch):
     """A forward that fails midway leaves no arena active (later direct kernel calls get fresh arrays), and
-    a prompt past _ARENA_MAX_T gives the arena's arrays back before it runs."""
+    a prompt past the arena_max_t setting gives the arena's arrays back before it runs."""
     m = Qwen3(load(model_bin[0]), oc.CupyOps, 64)
     m.prefill(list(range(1, 9)))
-    assert m.ops._arena.slots and oc._ARENA is None
+    assert m.ops._arena.slots and mem._ARENA is None
 
     def fail(*a, **k):
         raise RuntimeError("injected")
@@ -43,12 +44,12 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
     m.reset()
     with pytest.raises(RuntimeError, match="injected"):
         m.prefill(list(range(1, 9)))
-    assert oc._ARENA is None
+    assert mem._ARENA is None
     monkeypatch.undo()
     tune(monkeypatch, arena_max_t=4)
     m.reset()
     m.prefill(list(range(1, 9)))
-    assert not m.ops._arena.slots and oc._ARENA is None
+    assert not m.ops._arena.slots and mem._ARENA is None
 
 
 @pytest.fixture(scope="module")

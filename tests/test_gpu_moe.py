@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
@@ -412,7 +413,7 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     split = "_split" if path.endswith("s") and oc.moe_route_splits(T, dim, warps, ng) > 1 else ""
     launches = ([f"moe_route_mma{split}<{ng}, {8 // ng}>"] if path.startswith("mma8") else
                 [f"moe_route_mma{split}<{ng}, {16 // ng}>"] if path.startswith("mma16") else
-                ["moe_topk"] if T >= oc.SETTINGS.moe_router_gemm_min_t else ["moe_router_logits", "moe_topk"])
+                ["moe_topk"] if T >= cfg.SETTINGS.moe_router_gemm_min_t else ["moe_router_logits", "moe_topk"])
     for norm_topk in (True, False):
         lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
         del calls[:]
@@ -562,7 +563,7 @@ def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
 
 def test_moe_prefill_arena_same_bits(moe_bin, monkeypatch):
     """Short prefills with their activations from the ops' arena, reused from prefill to prefill, against
-    cupy.empty's (ops_cupy._ARENA_MAX_T): the same bits at every position (reference.py)."""
+    cupy.empty's (the arena_max_t setting): the same bits at every position (reference.py)."""
     assert_arena_prefills_same_bits(load(moe_bin), monkeypatch)
 
 

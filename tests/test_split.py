@@ -4,15 +4,16 @@ import math
 
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 import kuiper_py.ops_cupy as oc
-from reference import tune
+from reference import patch, tune
 
 
 @pytest.fixture
 def sms(monkeypatch):
     def set_count(n, name="mocked GPU"):
-        monkeypatch.setattr(oc, "sm_count", lambda: n)
-        monkeypatch.setattr(oc, "device_name", lambda: name)
+        patch(monkeypatch, "sm_count", lambda: n)
+        patch(monkeypatch, "device_name", lambda: name)
     return set_count
 
 
@@ -36,7 +37,7 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS, merge=True) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS + 1, merge=True) == fine
     assert fine == oc.gemv_split(4096, 16)
-    if oc.SETTINGS.gemv_o_blocks_per_sm == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
+    if cfg.SETTINGS.gemv_o_blocks_per_sm == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
         assert coarse == (16, 256) and fine == (32, 128)
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS + 1) == fine
@@ -89,7 +90,7 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
-    for key, t in oc.SETTINGS.device_tables.items():
+    for key, t in cfg.SETTINGS.device_tables.items():
         assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge", "attn_cm"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
@@ -166,15 +167,15 @@ def test_ffn_off_entry_turns_off_only_the_cluster_launch(sms, monkeypatch):
     from types import SimpleNamespace
     sms(132, "NVIDIA H200")
     tune(monkeypatch, device_tables={"H200": {"ffn_off": {(4096, 12288)}}})
-    monkeypatch.setattr(oc, "pdl_enabled", lambda: True)
-    monkeypatch.setattr(oc, "_cu_occupancy_clusters", lambda: object())
+    patch(monkeypatch, "pdl_enabled", lambda: True)
+    patch(monkeypatch, "_cu_occupancy_clusters", lambda: object())
     cluster = {"CL": 8, "TB": 2, "kind": "cluster"}
-    monkeypatch.setattr(oc, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
+    patch(monkeypatch, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
     glob = {"applies": False}
 
     def global_plan(plan, n, at_cap_only=False):
         return (dict(plan, kind="global"), "global") if glob["applies"] else (None, "not at the cap")
-    monkeypatch.setattr(oc, "ffn_global_plan", global_plan)
+    patch(monkeypatch, "ffn_global_plan", global_plan)
     a8b = SimpleNamespace(hidden_size=4096, intermediate_size=12288, group_size=128)
     a14 = SimpleNamespace(hidden_size=5120, intermediate_size=17408, group_size=128)
     tune(monkeypatch, decode_ffn="auto")
@@ -266,11 +267,11 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
             asked.append(1)
             return static
 
-    monkeypatch.setattr(oc, "_RMMA_FITS", {})
+    patch(monkeypatch, "_RMMA_FITS", {})
     tune(monkeypatch, moe_route_wide_t=None)
-    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
-    monkeypatch.setattr(oc, "smem_optin", lambda: 227 * 1024)
-    monkeypatch.setattr(oc, "_compiled", lambda family, name: Fn())
+    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "smem_optin", lambda: 227 * 1024)
+    patch(monkeypatch, "_compiled", lambda family, name: Fn())
     wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4, 2>", 8)
     for _ in range(3):
         assert oc.moe_rmma_form(128, 128) == wide
@@ -330,9 +331,9 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
                          np.ones((K // 128, N), np.float16), 128)
     layers = [(lin(2048, 4096), lin(2048, 512), lin(2048, 512)) for _ in range(2)]
     launches, builds = [], []
-    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
-    monkeypatch.setattr(oc, "tma_map_2d", lambda a, rows, cols: ("map", rows))
-    monkeypatch.setattr(oc, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
+    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "tma_map_2d", lambda a, rows, cols: ("map", rows))
+    patch(monkeypatch, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
     x, out = np.zeros((100, 2048), np.float16), np.zeros((100, 5120), np.float16)
     cache = {}
 
@@ -362,19 +363,19 @@ def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused, splits)
     T, D, E, k, tile = 40, 512, 128, 8, 128  # (D: 16 chunks, 4 per split over 4 K parts)
     launches, maps_calls = [], []
     counter, tile_counters = np.zeros(1, np.int32), np.zeros(oc.MOE_ROUTE_MAX_TILES, np.int32)
-    monkeypatch.setattr(oc, "cp", np)
+    patch(monkeypatch, "cp", np)
     tune(monkeypatch, moe_router="mma")
     tune(monkeypatch, moe_route_maps=fused)
     tune(monkeypatch, moe_route_splits=str(splits))
-    monkeypatch.setattr(oc, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
-    monkeypatch.setattr(oc, "_compiled", lambda family, name: name)
+    patch(monkeypatch, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
+    patch(monkeypatch, "_compiled", lambda family, name: name)
     allowed = []
-    monkeypatch.setattr(oc, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
-    monkeypatch.setattr(oc, "moe_route_counter", lambda: counter)
-    monkeypatch.setattr(oc, "moe_route_tile_counters", lambda: tile_counters)
-    monkeypatch.setattr(oc, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
+    patch(monkeypatch, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
+    patch(monkeypatch, "moe_route_counter", lambda: counter)
+    patch(monkeypatch, "moe_route_tile_counters", lambda: tile_counters)
+    patch(monkeypatch, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
         (name, grid, block, args, shared_mem)))
-    monkeypatch.setattr(oc, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
+    patch(monkeypatch, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
         (ids, n_experts, out, tile_m)))
     x, router = np.zeros((T, D), np.float16), np.zeros((E, D), np.float16)
     lg, ids, w = np.zeros((T, E), np.float32), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)

@@ -127,3 +127,14 @@ class Settings:
     sample_mb: bool = True
     # per-GPU exceptions, keyed on a substring of the device's name
     device_tables: Mapping = field(default_factory=lambda: DEVICE_TABLES)
+
+
+# The active tuning: the defaults, or what the CupyOps being built was given (one backend per process); the ops read
+# it at each call (tests swap it, reference.tune).
+SETTINGS = Settings()
+
+
+def use_settings(settings: Settings) -> None:
+    """Make `settings` the active tuning (CupyOps does at construction)."""
+    global SETTINGS
+    SETTINGS = settings

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from ... import env
 from ...config import ModelArgs
 from ...errors import KuiperError
 from .device import _dev_id
@@ -82,7 +83,7 @@ BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diag
 
 
 # the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
-BUILD_THREADS = max(1, int(os.environ.get("KUIPER_BUILD_THREADS", "16")))
+BUILD_THREADS = env.build_threads()
 
 
 def _usable_cpus() -> int:

@@ -3,11 +3,11 @@ clusters, dynamic shared memory, occupancy queries and TMA descriptors."""
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 
 import numpy as np
 
+from ... import env
 from .device import _dev_id
 
 try:
@@ -29,7 +29,7 @@ def pdl_enabled() -> bool:
     """Programmatic dependent launch: Hopper or newer, unless KUIPER_PDL=0."""
     dev = _dev_id()
     if dev not in _PDL:
-        _PDL[dev] = (os.environ.get("KUIPER_PDL", "1") != "0"
+        _PDL[dev] = (env.pdl()
                      and int(cp.cuda.Device(dev).compute_capability) >= 90 and _cu_launch_ex() is not None)
     return _PDL[dev]
 
