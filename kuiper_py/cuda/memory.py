@@ -1,5 +1,6 @@
-"""Device memory the ops share: the qweight tiling the kernels read, the arenas a short prefill's activations come from
-(switched through _ARENA while a forward is enqueued), prefill graph buckets, zeroed counters and launch-argument scalars."""
+"""Device memory the ops share: the qweight tiling the kernels read, the arenas a short prefill's activations come
+from (switched through _ARENA while a forward is enqueued), prefill graph buckets, zeroed counters and launch-argument
+scalars."""
 from __future__ import annotations
 
 import math

@@ -195,5 +195,5 @@ def _cluster_launch_attrs(CL: int) -> ctypes.Array:
     (size, policy): launch_ex keys its launch configurations on the object, so per-step launches reuse them."""
     key = (CL, cfg.SETTINGS.cluster_policy)
     if key not in _CL_ATTRS:
-        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(cfg.SETTINGS.cluster_policy))
+        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(key[1]))
     return _CL_ATTRS[key]

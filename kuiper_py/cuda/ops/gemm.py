@@ -215,18 +215,17 @@ def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rs" or "wgmma" (the two fused
     Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
-    sig = _mats_rec(mats)[0]
-    key = (T, sig, cfg.SETTINGS.gemm_rs, cfg.SETTINGS.gemm_wgmma, cfg.SETTINGS.gemm_wgmma_min_m, cfg.SETTINGS.gemm_dequant_min_m, cublas_ready(), _dev_id())
+    sig, st = _mats_rec(mats)[0], cfg.SETTINGS
+    key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
     if path is None:
         K, N = sig[0][0][0], sum(n for _, n in sig[0])
         hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
         lo, hi = rs_range(K, N)
-        rs = cfg.SETTINGS.gemm_rs != "0" and hopper and (cfg.SETTINGS.gemm_rs == "1" or lo <= T <= hi)
-        fused = (cfg.SETTINGS.gemm_wgmma != "0" and T >= cfg.SETTINGS.gemm_wgmma_min_m and hopper
-                 and (cfg.SETTINGS.gemm_wgmma == "1" or T <= wgmma_max_m(K, N)))
-        path = ("rs" if rs else "wgmma" if fused else "dequant" if T >= cfg.SETTINGS.gemm_dequant_min_m and cublas_ready()
-                else "mma")
+        rs = st.gemm_rs != "0" and hopper and (st.gemm_rs == "1" or lo <= T <= hi)
+        fused = (st.gemm_wgmma != "0" and T >= st.gemm_wgmma_min_m and hopper
+                 and (st.gemm_wgmma == "1" or T <= wgmma_max_m(K, N)))
+        path = "rs" if rs else "wgmma" if fused else "dequant" if T >= st.gemm_dequant_min_m and cublas_ready() else "mma"
         path = _remember(_GEMM_PATHS, key, path)
     return path
 

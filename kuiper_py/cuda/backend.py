@@ -1,0 +1,950 @@
+"""The CUDA backend (CupyOps): the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/; the op families
+are in cuda/ops, device queries, launches, the kernel registry and its builds in cuda/runtime, the tuning in
+cuda/settings.py.
+
+Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed (4-bit) on the GPU.
+Their qweight is rearranged once at load into the tiled layout of common.cuh (tile_qweight): the
+same words, ordered so the decode GEMV reads whole contiguous spans. Decode (T = 1) runs on
+preallocated buffers and allocates nothing per token.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from ..config import ModelArgs, rope_tables
+from .. import env
+from . import memory as mem
+from . import settings as cfg
+from .settings import Settings, use_settings
+from .runtime.device import device_name, sm_count
+from .runtime.launch import tma_map_cache
+from .runtime.registry import ATTN_CM_MAX
+from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
+from .memory import (_Arena, _ArenaFull, _BUF_GEN, _BumpArena, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, _f,
+                     _i, prefill_bucket, tile_qweight)
+from .sampling import SAMPLED_TOKEN, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS, SMP_THREADS, draw_plan
+from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, SUPPORTED_HEAD_DIMS, attn_cm, attn_min_chunk, attn_short,
+                       decode_acc_layout, decode_regime, decode_regimes, gemv, gemv_counters, gemv_partial_size,
+                       gemv_split, o_merge, o_split)
+from .ops.gemm import _gemm_split_buffers, awq_dequant, cublas_ready, gemm, swiglu_prefill
+from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill, decode_heads_per_block
+from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
+from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
+                      moe_route, moe_route_counter, moe_route_decode, moe_route_tile_counters)
+from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
+from ..errors import KuiperError, ResourceError
+from ..loader import (AwqLinear, Layer, Weights, check_weights_fit, device_bytes, drop_pages,
+                     kv_bytes_per_position)
+from ..sampling import SamplingParams
+
+try:
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas as _cublas
+except ImportError:  # pragma: no cover - CPU-only installs
+    cp = _cublas = None
+
+
+
+# greedy decode's argmax rides inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
+# greedy step
+
+
+# from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
+# instead of moe_router_logits (PERFORMANCE.md change 168, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
+# against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
+# went 1.5x slower, so below 1024 tokens the kernel stays)
+# "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
+# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from moe_router_gemm_min_t tokens)
+# and moe_topk, as before PERFORMANCE.md change 181
+# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
+# Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
+# one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
+# 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35 (PERFORMANCE.md changes 188-189)
+# "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
+# 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
+# moe_route_mma's split form (PERFORMANCE.md change 198): "auto" splits D over up to moe_route_split_max blocks per
+# 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
+
+
+# prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
+
+
+# cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
+# as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k, change 75)
+
+
+# the one-launch FFN kernels' cluster exchange by pushes into receive slots (st.async on mbarriers) instead of
+# the cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush, PERFORMANCE.md
+# change 124: the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000):
+
+
+# Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
+# PERFORMANCE.md change 168) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
+# "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
+# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
+# both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
+# against 19.0; 128 rows 34.8-35.1 against 26.9-27.1; PERFORMANCE.md change 168). With change 177's narrow forms
+# (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
+# against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
+# 352.8 against 319.2: the two cost the same at 60 (change 179)
+
+
+# Decode has no add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32 residual stream in
+# its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue; q/k RMSNorm, RoPE and the KV-cache write
+# are the q|k|v GEMV's epilogue, flash decoding's merge the o GEMV's prologue. MoE prefill's finalize (the
+# routing-weighted sum of each token's expert rows) is in the next add_rmsnorm (the [T, D] sum is neither written nor
+# read back). Decode's GEMVs run in accumulating mode where their splits fit (no split-K reduction tail: the residual
+# add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, PERFORMANCE.md
+# changes 49-50 and, for MoE layers, 52-53); gemv_acc False (tests) takes the reduction tails that wider shapes take.
+
+
+class _QkvInput:
+    """Decode's QKV projection not yet launched (ops.qkv's q): qk_norm_rope_store launches it with the
+    norm, RoPE and cache write in its epilogue."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class _Deferred:
+    """A decode projection not yet launched: add_rmsnorm launches it with the residual add fused
+    (run(h)), or in accumulating mode (run_acc(h), h the residual row it will be added to; it returns
+    the int64 accumulator the next GEMV finishes); any other consumer gets its fp16 output (run(None))."""
+
+    def __init__(self, run, run_acc=None):
+        self.run, self.run_acc = run, run_acc
+
+
+def _acc_only(what: str):
+    """A _Deferred's run for a launch that exists in accumulating mode only (a fused half)."""
+    def run(h):
+        raise AssertionError(f"{what} runs in accumulating mode only")
+    return run
+
+
+class _Normed:
+    """Decode's x = rmsnorm(h) * w not yet computed: a GEMV computes it in its prologue; any other
+    consumer gets it from the add_rmsnorm kernel (CupyOps._x). pend: a projection's output still to
+    be added to h (accumulating mode), the sum going to hout."""
+
+    def __init__(self, h, w, pend=None, hout=None):
+        self.h, self.w, self.shape, self.pend, self.hout = h, w, h.shape, pend, hout
+
+
+class _ExpertRows:
+    """A MoE prefill's output not yet summed: the expert rows y [T*k, D] (permuted), u2p and the routing weights
+    [T, k]; the next add_rmsnorm, the layer output's one consumer, sums them as it adds them to h
+    (in the next add_rmsnorm)."""
+
+    def __init__(self, y, u2p, weights):
+        self.y, self.u2p, self.weights = y, u2p, weights
+
+
+class _QkvAcc:
+    """Decode's q|k|v sums in accumulating mode: the attention kernel finishes them (norm, RoPE, cache)."""
+
+    def __init__(self, q, layer):
+        self.q, self.layer, self.shape = q, layer, q.shape
+
+
+class _SwigluAcc:
+    """Decode's gate/up sums in accumulating mode (int64 [2, I]): the down GEMV applies SwiGLU."""
+
+    def __init__(self, acc):
+        self.acc, self.shape = acc, (1, acc.size // 2)
+
+
+class CupyOps:
+    name = "cuda"
+
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
+                 settings: Settings | None = None):
+        """settings: the tuning this backend runs with (cuda/settings.py; None: the active one, by default its
+        defaults), made the process's active tuning."""
+        if settings is not None:
+            use_settings(settings)
+        self.settings = cfg.SETTINGS
+        self.args = a = args
+        if a.num_experts:
+            if a.num_experts > MOE_MAX_EXPERTS or not 0 < a.num_experts_per_tok <= min(MOE_MAX_TOPK, a.num_experts):
+                raise KuiperError(f"{a.num_experts} experts with {a.num_experts_per_tok} per token: the GPU MoE "
+                                  f"kernels support up to {MOE_MAX_EXPERTS} experts and {MOE_MAX_TOPK} per token")
+            if a.moe_intermediate_size % 64:
+                raise KuiperError(f"moe_intermediate_size={a.moe_intermediate_size} is not a multiple of 64, which "
+                                  f"the grouped expert GEMM needs")
+        self.routing_log = None  # a list: record each MoE layer's expert ids, prefill and eager decode (tests)
+        if a.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
+        for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),
+                        (a.q_dim, "heads*head_dim"), (a.kv_dim, "kv_heads*head_dim")):
+            if n % 32:
+                raise KuiperError(f"{what}={n} is not a multiple of 32, which the GPU kernels need")
+        if a.group_size % 32:
+            raise KuiperError(f"AWQ group size {a.group_size} is not a multiple of 32 (GPU kernels)")
+        if a.hidden_size > 8192:
+            raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
+        self.dev = cp.cuda.Device()
+        families, groups = model_families(a, int(self.dev.compute_capability)), model_groups(a)
+        # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
+        precompile(families, self.dev.id, groups)
+        self.n_sm = sm_count()
+        self.attn_min_chunk = attn_min_chunk(a)
+        self.attn_short = attn_short(a)
+        self.o_merge = o_merge(a)
+        self.attn_cm = attn_cm(a)
+        self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
+        self.graphs = env.cuda_graphs()
+        self._graph = None
+        self._dev_pos = None
+        self._arena = _Arena()  # short prefills' activations (arena_max_t)
+        # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
+        # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
+        # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
+        # graphs read (_pbuf: K's and V's maps, the position, the ids; _PBUF_*); prefill_graphs False runs every
+        # prefill eagerly (A/B, tests)
+        self._pgraphs: dict[int, tuple] = {}
+        self._pseen: set[int] = set()
+        self._pnever: set[int] = set()
+        self._parena = _BumpArena()
+        self._pbuf = self._graph_ids = self._graph_pos = None
+        self.prefill_graphs = self.graphs and cfg.SETTINGS.prefill_graph_max_t > 1
+        # a blocking stream: ordered with the default stream that eager kernels use, and capturable
+        self._stream = cp.cuda.Stream(non_blocking=False)
+        try:
+            self.weights = self._upload(weights, progress)
+            self._alloc_decode()
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
+        gemv_counters()  # allocated (zeroed) before any graph capture
+        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its accumulator
+        o_clears = o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
+        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and o_clears else
+                                          (None, "needs accumulating mode and the o GEMV's merge prologue"))
+        # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
+        # cleared by the o GEMV before it
+        self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
+                                          (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
+                                                 "prologue"))
+        self._router_o = self._router_o_rows() if self._moe is not None else {}
+        self.alloc_cache(max_context)
+        # every family this model uses built (or precompile's builds waited for) before anything is timed; only
+        # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
+        for key in (k for fam in families for k in _module_keys(fam, groups)):
+            _module(key)
+        cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
+
+    def alloc_cache(self, max_context: int) -> None:
+        """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
+        a = self.args
+        L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+        self.k_cache = self.v_cache = None
+        self._arena.clear()
+        # the prefill graphs hold the old cache's addresses: they, their activations and the buckets met go
+        # before the pool gives its free blocks back
+        self._pgraphs, self._pseen, self._parena = {}, set(), _BumpArena()
+        cp.get_default_memory_pool().free_all_blocks()
+        try:
+            self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+            self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+        except cp.cuda.memory.OutOfMemoryError:
+            self.k_cache = self.v_cache = None
+            per = kv_bytes_per_position(a)
+            free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+            raise ResourceError(f"out of GPU memory: the KV cache needs {per * max_context / 2**20:.0f} MiB for "
+                                f"--max-context {max_context}; {free / 2**20:.0f} MiB are free, at most "
+                                f"{free // per} positions: try a smaller --max-context") from None
+        cos, sin = rope_tables(a, max_context)
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
+        # at least two blocks per SM over all groups; for a larger cache about attn_keys_per_split
+        # keys per split when full, capped at 3 blocks per SM (8 with the scalar loop). The kernel leaves splits
+        # idle while the context is short (attention.cu decode_chunk).
+        H = a.num_attention_heads
+        groups = H // decode_heads_per_block(H, a.num_key_value_heads)
+        self.attn_splits = max(1, math.ceil(cfg.SETTINGS.attn_per_sm * self.n_sm / groups),
+                               min(math.ceil(max_context / cfg.SETTINGS.attn_keys_per_split),
+                                   (3 if cfg.SETTINGS.attn_mma_long else 8) * self.n_sm // groups))
+        self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
+        self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
+        self.max_context = max_context
+        self._graph, self._graphs = None, {}  # they hold the old cache's addresses
+
+    def _router_o_rows(self) -> dict:
+        """For the one-launch MoE FFN half: per MoE layer i, (R, Rh) = (W_o diag(ffn_norm) router^T
+        [q_dim, E], diag(ffn_norm) router^T [D, E]) fp16: the router's logits before the 1/rms as a
+        function of the attention output and of the residual row, which the o GEMV computes beside o
+        (gemv_w4a16.cu gemv_rt_tile). Made once here, R from the dequantized o matrix in fp32: 1.5 MB
+        per Qwen3-30B-A3B layer."""
+        out = {}
+        for i, L in enumerate(self.weights.layers):
+            if L.router is None:
+                continue
+            rt = L.ffn_norm.astype(cp.float32)[:, None] * L.router.astype(cp.float32).T  # [D, E]
+            wo = awq_dequant(L.wo).astype(cp.float32)  # [q_dim, D]
+            out[i] = (cp.ascontiguousarray((wo @ rt).astype(cp.float16)), cp.ascontiguousarray(rt.astype(cp.float16)))
+            del wo, rt
+        cp.get_default_memory_pool().free_all_blocks()
+        return out
+
+    @staticmethod
+    def synchronize() -> None:
+        cp.cuda.get_current_stream().synchronize()
+
+    # ------------------------------------------------------------------ loading
+    def _upload(self, w: Weights, progress: bool) -> Weights:
+        import cupyx
+        need, pinned_bytes = device_bytes(w)  # (pinned_bytes: the untied embedding, kept in pinned host memory)
+        total = need + pinned_bytes
+        free, dev_total = cp.cuda.runtime.memGetInfo()
+        check_weights_fit(need, free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())
+        chunk = 64 << 20
+        pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr,
+                       dynamic_ncols=True, leave=False)
+        done: dict[int, object] = {}
+
+        def up(x, share=True):  # share: reuse the copy of an array met before (a tied lm_head)
+            if share and id(x) in done:
+                return done[id(x)]
+            d = cp.empty(x.shape, dtype=x.dtype)
+            src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            dst = d.reshape(-1).view(cp.uint8)
+            stream = cp.cuda.get_current_stream()
+            for o in range(0, src.size, chunk):
+                n = min(chunk, src.size - o)
+                pinned[:n] = src[o:o + n]
+                drop_pages(src[o:o + n])  # the file's pages, copied: no longer this process's memory
+                dst[o:o + n].set(pinned[:n], stream=stream)
+                stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
+            if bar:
+                bar.update(x.nbytes)
+            if share:
+                done[id(x)] = d
+            return d
+
+        def lin(q, segments=1):  # AwqLinear or AwqStack (same fields), or None; qweight tiled on the GPU
+            return None if q is None else type(q)(tile_qweight(up(q.qweight, False), segments), up(q.qzeros),
+                                                  up(q.scales), q.group_size)
+
+        layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
+                        lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
+                        None if L.router is None else up(L.router), lin(L.experts_w13, 2), lin(L.experts_w2))
+                  for L in w.layers]
+        # An untied token-embedding table (151936 x 4096 fp16 = 1.2 GB at 8B) is read one row per token,
+        # so it stays in pinned host memory, which kernels read directly over the bus (unified
+        # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
+        # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
+        embed = None
+        if pinned_bytes:
+            try:
+                embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
+                rows = max(1, chunk // max(1, w.embed[0].nbytes))
+                for r in range(0, w.embed.shape[0], rows):  # a chunk at a time, so its file pages go as it is copied
+                    embed[r:r + rows] = w.embed[r:r + rows]
+                    drop_pages(w.embed[r:r + rows])
+                if bar:
+                    bar.update(w.embed.nbytes)
+            except (cp.cuda.runtime.CUDARuntimeError, MemoryError):  # page-locked memory refused: GPU copy
+                print(f"kuiper: could not pin {w.embed.nbytes / 2**20:.0f} MiB of host memory for the token "
+                      f"embeddings; keeping them on the GPU", file=sys.stderr)
+                embed = None
+        if embed is None:
+            embed = up(w.embed)
+        out = Weights(embed, up(w.final_norm), up(w.lm_head), layers)
+        if bar:
+            bar.close()
+        cp.cuda.Device().synchronize()
+        return out
+
+    def _alloc_decode(self):
+        a = self.args
+        D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
+        E, k, mI = a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size
+        s_max = max(gemv_partial_size(D, [qd, kvd, kvd]), gemv_partial_size(qd, [D]),
+                    gemv_partial_size(D, [I, I]), gemv_partial_size(I, [D]))
+        if E:  # the expert GEMVs: k slots each
+            s_max = max(s_max, gemv_partial_size(D, [mI, mI], k), gemv_partial_size(mI, [D], k))
+        self.d = {
+            "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
+            "partial": cp.empty((s_max,), cp.float32),
+            "qrot": cp.empty((1, a.num_attention_heads, a.head_dim), cp.float16),
+            "attn": cp.empty((1, qd), cp.float16), "proj": cp.empty((1, D), cp.float16),
+            "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
+            "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
+            "hist": cp.zeros((1024,), cp.int32),
+        }
+        # accumulating mode: accumulators [o | gate, up | down | q, k, v], zero between steps; the second
+        # residual row the adds alternate with; the scaled norms' per-split sums of squares. acc_attn:
+        # the attention half of every layer (q|k|v finished by flash decoding, o by the next norm's
+        # consumer: a GEMV, or the MoE router); acc_mode: the dense FFN too (its down GEMV's sums go to
+        # the next layer's q|k|v GEMV)
+        def fits(*shapes):
+            return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
+        self.acc_attn = cfg.SETTINGS.gemv_acc and fits((D, qd))
+        self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
+        self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
+        if self.acc_attn:
+            G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
+            # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
+            # half's, added by the o GEMV) are cleared with o by the next q|k|v GEMV
+            size, parts = decode_acc_layout(D, G, E, qd + 2 * kvd)
+            acc = cp.zeros((size,), cp.int64)
+            self.d.update({name: acc[sl] for name, sl in parts.items()})
+            self.d.update(h2=cp.empty((1, D), cp.float32),
+                          ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
+            self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
+        if E:
+            self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
+                          moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
+                          moe_counter=cp.zeros((1,), cp.int32))
+        self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
+        self._init_draw()
+
+    def _init_draw(self) -> None:
+        """sample_launch's pinned host buffers (the draw's id back, the penalty's history out) and the
+        event that says the id has landed: the host reads it while the next step already runs."""
+        import cupyx
+        # [0] the draw kernels' id, [1 + position % 2] the decode graph's greedy argmax (advance_position)
+        self._tok_host = cupyx.empty_pinned((3,), np.int32)
+        self._read_slot = 0
+        self._hist_host = cupyx.empty_pinned((self.d["hist"].size,), np.int32)
+        self._tok_event = cp.cuda.Event(disable_timing=True)
+        self._draw_queued = False
+        # greedy decode's argmax from the graph (decode_step): the ids it covers, whether it is current
+        self._last_n_valid = self._capture_argmax = self._graph_argmax_n = 0
+        self._argmax_ready = False
+        self.fused_draws = 0  # draws served by the graph's argmax (tests)
+        # sample_token_mb's per-block results (candidates, maxima, counts) and its arrival counter
+        self.d.update(smp_v=cp.empty((SMP_CAND,), cp.float32), smp_i=cp.empty((SMP_CAND,), cp.int32),
+                      smp_mx=cp.empty((SMP_MAX_BLOCKS,), cp.float32), smp_n=cp.empty((SMP_MAX_BLOCKS,), cp.int32),
+                      smp_counter=cp.zeros((1,), cp.int32), argmax=cp.zeros((1,), cp.uint64))
+
+    # ------------------------------------------------------------------ the ops interface
+    def embed(self, ids: list[int]):
+        T, D = len(ids), self.args.hidden_size
+        if T == 1:
+            on_dev = ids[0] == SAMPLED_TOKEN or (self._sampled is not None and ids[0] == self._sampled)
+            dev_ids = self.d["token"] if on_dev else None
+            if dev_ids is None:
+                dev_ids = self.d["ids"]
+                dev_ids[0] = ids[0]
+            h = self.d["h"]
+        else:  # (a prefill graph's capture reads the ids from the buffer each replay fills)
+            dev_ids = self._graph_ids if self._graph_ids is not None else cp.asarray(np.asarray(ids, dtype=np.int32))
+            assert dev_ids.size == T
+            h = cp.empty((T, D), cp.float32)
+        table = self.weights.embed
+        if isinstance(table, np.ndarray):  # pinned host memory: its address is valid on the device
+            table = np.uint64(table.ctypes.data)
+        kernel("norm", "embed_gather")((T,), (256,), (dev_ids, table, h, _i(D)))
+        return h
+
+    def add_rmsnorm(self, h, r, w):
+        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_attn:
+            # the projection adds into an accumulator; the consumer adds it to h, writing the other row
+            hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
+            return hout, _Normed(h, w, r.run_acc(h), hout)
+        if isinstance(r, _Deferred):
+            r.run(h)  # h += r in the projection's epilogue
+            r = None
+        if h.shape[0] == 1 and r is None:
+            return h, _Normed(h, w)
+        if isinstance(r, _ExpertRows):
+            return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
+        out = self.d["x"] if h.shape[0] == 1 else None
+        return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
+
+    def _x(self, x):
+        """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel
+        without the add, a _Deferred projection launched with its plain fp16 output."""
+        if isinstance(x, _Normed):
+            out = add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"], pend=x.pend)
+            if x.pend is not None:  # h += the pending output was done in place: the caller holds hout
+                x.hout[...] = x.h
+            return out
+        if isinstance(x, _SwigluAcc):
+            raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
+        if isinstance(x, _Deferred):
+            return x.run(None)
+        if isinstance(x, _AttnParts):
+            return x.merged if x.merged is not None else attention_combine(x, self.d["attn"])
+        return x
+
+    def _gemv_in(self, x) -> dict:
+        """gemv()'s input arguments for x: the array, or the fused RMSNorm prologue of a _Normed."""
+        if isinstance(x, _Normed):
+            return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps), "pend": x.pend, "hout": x.hout}
+        if isinstance(x, _SwigluAcc):
+            return {"x": None, "pend": x.acc}
+        return {"x": x}
+
+    def qkv(self, x, layer: Layer):
+        a = self.args
+        if x.shape[0] == 1:  # launched by qk_norm_rope_store, with the norm and RoPE in its epilogue
+            return _QkvInput(x), None, None
+        y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
+        qd, kvd = a.q_dim, a.kv_dim
+        return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
+
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
+        a = self.args
+        if isinstance(q, _QkvInput) and self.acc_attn:
+            # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
+            # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
+            # written after this kernel has finished)
+            self._ss_n["attn"] = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None,
+                                      partial=self.d["partial"], acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"],
+                                      ss_out=self.d["ss_attn"], **self._gemv_in(q.x))
+            return _QkvAcc(self.d["qrot"], layer)
+        if isinstance(q, _QkvInput):
+            rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
+                        kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=self.d["pos"],
+                        eps=a.rms_norm_eps)
+            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="qkv_rope", out=None, partial=self.d["partial"],
+                 rope=rope, **self._gemv_in(q.x))
+            return self.d["qrot"]
+        one = q.shape[0] == 1
+        return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
+                                  self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
+                                  self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
+
+    def attention(self, q, i: int, pos0: int):
+        KV = self.args.num_key_value_heads
+        if q.shape[0] == 1:
+            fin = None
+            if isinstance(q, _QkvAcc):
+                fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
+                           sin=self.sin, eps=self.args.rms_norm_eps,
+                           ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
+                q = q.q
+            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
+                                     self.d["part_o"], self.d["part_ml"], None,
+                                     self.d["pos"] if self.graphs else None, finish=fin,
+                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
+                                     max_keys=self._attn_regime(pos0 + 1),
+                                     merged=self.d["attn"] if self.attn_cm else None)
+            if isinstance(parts, _AttnParts):
+                parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
+            return parts
+        if self._graph_pos is not None:  # a prefill graph's capture: the position and maps read on the device
+            return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i, pos_dev=self._graph_pos,
+                                     kvmaps=self._pbuf[:_PBUF_POS])
+        return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
+
+    # ------------------------------------------------------------------ decode as one CUDA graph
+    def begin_step(self, pos0: int, n_tokens: int) -> None:
+        """Single-token steps read their position from device memory (so a graph can replay them). A
+        forward of 2..arena_max_t tokens takes its activations from this ops' arena until end_step; a
+        longer one gives the arena's arrays back to the pool first (its own are larger)."""
+        self._argmax_ready = False
+        if n_tokens == 1 and self._dev_pos != pos0:
+            self.d["pos"].fill(pos0)
+            self._dev_pos = pos0
+        if 1 < n_tokens <= cfg.SETTINGS.arena_max_t:
+            mem._ARENA = self._arena
+        elif n_tokens > 1:
+            self._arena.clear()
+
+    def begin_layer(self) -> None:
+        """The model's loop starts a decoder layer (the arena's slots alternate by layer)."""
+        if mem._ARENA is not None:
+            mem._ARENA.begin_layer()
+
+    def end_step(self) -> None:
+        mem._ARENA = None
+
+    def decode_step(self, body, token: int | None, pos0: int):
+        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32.
+        token None: the id the last sample_launch drew, read by the graph from d["token"] (the host
+        may not know it yet)."""
+        if token is None:
+            assert self._draw_queued or self._sampled is not None, "no draw to decode"
+        elif self._sampled is None or token != self._sampled:
+            self.d["token"].fill(token)
+            self._sampled = token
+        self.begin_step(pos0, 1)
+        self._graph, self._graph_argmax_n = self._decode_graph(self._attn_regime(pos0 + 1), body)
+        self._graph.launch(self._stream)
+        self._dev_pos = pos0 + 1
+        self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
+        self._argmax_slot = 1 + (pos0 + 1) % 2
+        if self._graph_argmax_n:  # the graph wrote its argmax to d["token"]: the host learns it in sample_result
+            self._sampled = None
+        return self.d["logits"]
+
+    def _decode_graph(self, regime: int, body) -> tuple:
+        """(graph, the ids its fused argmax covers) of a flash-decoding regime (attn_short: a graph per regime),
+        captured from body() where the regime has none."""
+        if regime not in self._graphs:
+            stream = self._stream
+            # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
+            # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
+            # turns it into the id (d["token"] and the pinned host int), so sample_launch needs no kernel
+            d, n = self.d, self._last_n_valid or self.args.vocab_size
+            self._capture_argmax = n
+            with stream:
+                stream.begin_capture()
+                try:
+                    out = body()
+                    kernel("rope", "advance_position")((1,), (1,), (
+                        d["pos"], *((d["argmax"], d["token"], np.uint64(self._tok_host.ctypes.data)) if n
+                                    else (np.uint64(0),) * 3)))
+                finally:
+                    graph = stream.end_capture()
+                    self._capture_argmax = 0
+            assert out.data.ptr == self.d["logits"].data.ptr
+            self._graphs[regime] = graph, n
+        return self._graphs[regime]
+
+    def warm_decode_graphs(self, body_at, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
+        """Capture now the decode graph of every flash-decoding regime this cache has (attn_short's bounds within it,
+        then the capacity's), which the steps would otherwise capture on the first one each meets (a chat's first
+        reply, then its keys passing each bound); keys (lo, hi): only the regimes of steps with lo..hi keys (a
+        generation of known length). body_at(pos0) is the model's one-token forward at pos0 on the drawn token
+        (SAMPLED_TOKEN); n_valid the ids the draws take (the graphs' fused greedy argmax covers them). Returns the
+        regimes that have a graph."""
+        if not self.graphs:
+            return []
+        self._last_n_valid = n_valid
+        for regime in decode_regimes(self.attn_short, self.max_context, keys):
+            pos0 = min(regime, self.max_context) - 1  # (a step whose keys reach the regime's bound)
+            self.begin_step(pos0, 1)
+            self._decode_graph(regime, lambda: body_at(pos0))
+        self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
+        return sorted(self._graphs)
+
+    SAMPLED_TOKEN = SAMPLED_TOKEN
+
+    def _attn_short_bound(self, n_keys: int) -> int:
+        """The short-context regime (attn_short) that serves n_keys keys: the first bound at or above n_keys, else
+        0 (the capacity's regime). Each regime is a decode graph of its own."""
+        return decode_regime(self.attn_short, 0, n_keys)
+
+    def _attn_regime(self, n_keys: int) -> int:
+        """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
+        capacity."""
+        return decode_regime(self.attn_short, self.max_context, n_keys)
+
+    def _attn_split_count(self, n_keys: int) -> int:
+        """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's
+        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer,
+        change 116), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
+        bound = self._attn_short_bound(n_keys)
+        if bound:
+            # (with the clusters' merge, at most the splits one cluster holds)
+            return min(self.attn_splits, math.ceil(bound / self.attn_min_chunk),
+                       ATTN_CM_MAX if self.attn_cm else self.attn_splits)
+        return self.attn_splits
+
+    # ------------------------------------------------------------------ short prefills as CUDA graphs
+    def prefill_graph(self, ids: list[int], pos0: int, layers):
+        """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
+        first T rows are the prompt's (the rest the padding's: ids 0 at positions pos0 + T..pos0 + B - 1, whose
+        cache rows later steps overwrite before any step reads them), or None where the prefill runs eagerly: a
+        prompt longer than prefill_graph_max_t, whose padded end passes the cache, or whose bucket this process has
+        not met (the first prefill of a bucket runs eagerly: a capture costs as much host time as that prefill, so
+        a one-off prompt does not pay it). One graph per bucket serves every position: the rotary embedding, the
+        cache rows written and attention's keys come from the position the host writes before each replay, with
+        the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
+        norm on a list of B ids."""
+        T = len(ids)
+        if not (self._prefill_graphs_on() and 1 < T <= cfg.SETTINGS.prefill_graph_max_t):
+            return None
+        B = prefill_bucket(T)
+        if pos0 + B > self.max_context or B in self._pnever:
+            return None
+        rec = self._current_prefill_graph(B)
+        if rec is None:
+            if B not in self._pseen:
+                self._pseen.add(B)
+                return None
+            rec = self._capture_prefill(B, layers)
+            if rec is None:
+                return None
+        host = np.zeros((_PBUF_IDS + 4 * B,), np.uint8)
+        host[:_PBUF_POS] = np.frombuffer(bytes(tma_map_cache(self.k_cache, pos0 + B))
+                                         + bytes(tma_map_cache(self.v_cache, pos0 + B)), np.uint8)
+        host[_PBUF_POS:].view(np.int32)[0] = pos0
+        host[_PBUF_IDS:_PBUF_IDS + 4 * T].view(np.int32)[:] = ids
+        self._pbuf[:host.size].set(host)  # on the null stream: after the last replay's reads, before this one's
+        rec[0].launch(self._stream)
+        return rec[1]
+
+    def warm_prefill_graphs(self, layers) -> list[int]:
+        """Capture now the prefill graph of every bucket that fits the cache and has none, so a prompt of up to
+        prefill_graph_max_t tokens replays its bucket's graph from its first meeting on (`kuiper chat` at its start:
+        its turns meet most buckets, and otherwise each bucket's first meeting runs eagerly and its second pays the
+        capture). layers(ids) runs the model's layers on a list of B ids. The largest bucket first, so the shared
+        activations grow once; captured again while a module buffer grew under an earlier capture (_BUF_GEN).
+        Returns the buckets that have a graph."""
+        if not self._prefill_graphs_on():
+            return []
+        top = min(cfg.SETTINGS.prefill_graph_max_t, self.max_context)
+        buckets = sorted({B for B in map(prefill_bucket, range(2, top + 1)) if B <= self.max_context}, reverse=True)
+        for _ in range(4):
+            todo = [B for B in buckets if B not in self._pnever and self._current_prefill_graph(B) is None]
+            if not todo:
+                break
+            for B in todo:
+                self._capture_prefill(B, layers)
+        return [B for B in reversed(buckets) if self._current_prefill_graph(B) is not None]
+
+    def _prefill_graphs_on(self) -> bool:
+        """Whether prefills may replay graphs at all (a routing log records each prefill's routing on the host,
+        which a replay would skip)."""
+        return bool(self.prefill_graphs and self.graphs and self.routing_log is None)
+
+    def _current_prefill_graph(self, B: int) -> tuple | None:
+        """Bucket B's graph where it holds today's module buffers, else None (a stale one is dropped: a module
+        buffer it reads was replaced since its capture, _BUF_GEN)."""
+        rec = self._pgraphs.get(B)
+        if rec is not None and rec[3] != _BUF_GEN[0]:
+            del self._pgraphs[B]
+            rec = None
+        return rec
+
+    def _capture_prefill(self, B: int, layers) -> tuple | None:
+        """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
+        while a region is too small; the graphs captured before then hold the old region and are dropped), every
+        other allocation kept with the graph (the residual rows), the position, ids and the attention's cache maps
+        read from self._pbuf. None where the prefill calls what a capture cannot hold (_NotCapturable); B is then
+        never tried again (_pnever). Either way B counts as met (_pseen)."""
+        self._pseen.add(B)
+        if self._pbuf is None:
+            # (the pool's blocks: 512-aligned)
+            self._pbuf = cp.zeros((_PBUF_IDS + 4 * cfg.SETTINGS.prefill_graph_max_t,), cp.uint8)
+        # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
+        # captured, not run, and a capture that is retried or refused would leave them holding garbage
+        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
+        pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
+        for _ in range(64):
+            keep, full, gen, refused = [], None, _BUF_GEN[0], False
+
+            def alloc(n: int, keep=keep):
+                m = pool.malloc(n)
+                keep.append(m)
+                return m
+            arena.reset()
+            prev, mem._ARENA = mem._ARENA, arena
+            self._graph_ids = self._pbuf[_PBUF_IDS:_PBUF_IDS + 4 * B].view(cp.int32)
+            self._graph_pos = self._pbuf[_PBUF_POS:_PBUF_IDS].view(cp.int32)
+            _CAPTURING[0] = True
+            try:
+                with stream, cp.cuda.using_allocator(alloc):
+                    stream.begin_capture()
+                    try:
+                        x = layers([0] * B)
+                    except _ArenaFull as e:
+                        full = e.args
+                    except _NotCapturable:
+                        refused = True
+                    finally:
+                        graph = stream.end_capture()
+            finally:
+                mem._ARENA = prev
+                self._graph_ids = self._graph_pos = None
+                _CAPTURING[0] = False
+            if refused:
+                self._pnever.add(B)
+                return None
+            if full is not None:
+                self._pgraphs.clear()
+                arena.grow(*full)
+            elif gen == _BUF_GEN[0]:  # (else a module buffer grew during the capture: the retry meets the new one)
+                assert x.shape[0] == B
+                self._pgraphs[B] = rec = (graph, x, keep, gen)
+                return rec
+        raise AssertionError("a prefill graph's capture did not settle in 64 tries")
+
+    def forget_position(self) -> None:
+        """A queued step was discarded: the device's position no longer matches the host's."""
+        self._dev_pos = None
+
+    def linear(self, x, lin: AwqLinear):
+        d = self.d
+        if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
+            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits, x.o_merge)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+                def o_acc(h):
+                    # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
+                    # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
+                    rows = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
+                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
+                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None,
+                         router=(*rows, h, d["acc_z"]) if rows is not None else None)
+                    return d["acc_o"]
+                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
+        if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
+            assert lin is x.layer.w2
+
+            def ffn_half(h):
+                return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
+            return _Deferred(_acc_only("the one-launch FFN half"), ffn_half)
+        if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
+            ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
+
+            def down_acc(h):
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss, zero=None)
+                return d["acc_d"]
+            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
+                                            ss_in=ss), down_acc)
+        x = self._x(x)
+        if x.shape[0] == 1:
+            if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
+                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h))
+            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
+        return gemm(x, lin)
+
+    def gate_up_silu(self, x, layer: Layer):
+        if x.shape[0] == 1:
+            if self._ffn is not None and isinstance(x, _Normed):
+                return _FfnIn(x, layer)  # launched by the down projection (linear)
+            if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
+                # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
+                # next written by the down GEMV and the next layer's q|k|v GEMV)
+                self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None,
+                                         partial=self.d["partial"], acc_out=self.d["acc_gu"],
+                                         zero=self.d["acc_d_qkv"], ss_out=self.d["ss_ffn"], **self._gemv_in(x))
+                return _SwigluAcc(self.d["acc_gu"])
+            # (accumulating attention half: clears the q|k|v accumulator, last read by this layer's attention)
+            return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
+                        zero=self.d["acc_d_qkv"] if self.acc_attn else None, **self._gemv_in(x))
+        return swiglu_prefill(x, layer.w1, layer.w3)
+
+    def moe(self, x, layer: Layer):
+        """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
+        a, d = self.args, self.d
+        k = a.num_experts_per_tok
+        if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
+            # logits from this layer's o GEMV, its router rows)
+            def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
+                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
+                if self.routing_log is not None and not self.graphs:  # eager decode only
+                    self.routing_log.append(cp.asnumpy(d["moe_ids"]))
+                return d["acc_d"]
+            return _Deferred(_acc_only("the one-launch MoE FFN half"), moe_half)
+        if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
+            # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
+            ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
+                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"], x.pend, x.hout)
+            x = d["x"]
+        else:
+            x = self._x(x)
+            ids = w = None
+        if x.shape[0] == 1:
+            if ids is None:
+                ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+            if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
+                self.routing_log.append(cp.asnumpy(ids))
+            # the expert gate/up GEMV clears the down and q|k|v accumulators (last read by this layer's
+            # q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
+            zero = d["acc_d_qkv"] if self.acc_attn else None
+
+            def run(h):
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
+                                  d["proj"], resid=h, zero=zero)
+
+            def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
+                                  zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
+            return _Deferred(run, run_acc if self.acc_moe else None)
+        w13, w2 = layer.experts_w13, layer.experts_w2
+        rs, bt = moe_experts_tile(w13, w2, x.shape[0] * k)
+        maps = moe_maps_arrays(x.shape[0] * k, w13.E)  # built with the picks (moe_route_mma's last block)
+        ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, maps=(bt, *maps))
+        if self.routing_log is not None:
+            self.routing_log.append(cp.asnumpy(ids))
+        # the weighted sum in the next add_rmsnorm
+        return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
+
+    def logits(self, x, all_positions: bool = False):
+        V = self.args.vocab_size
+        x = self._x(x)
+        if not all_positions:  # (while a decode graph is captured, greedy's argmax rides along: decode_step)
+            n = self._capture_argmax
+            return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"],
+                           self.d["argmax"] if n else None, n or 0)
+        out = cp.empty((x.shape[0], V), cp.float32)
+        for r in range(x.shape[0]):
+            lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
+        return out
+
+    def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
+        """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
+        self.sample_launch(logits, p, rng, history, n_valid)
+        return self.sample_result()
+
+    def sample_launch(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int],
+                      n_valid: int) -> None:
+        """Queue sample()'s draw without waiting for it: its id lands in d["token"] (where the next decode
+        step's graph reads it, so that step may be queued at once: Qwen3.decode_sampled) and in pinned
+        host memory for sample_result(). Nothing here waits for the GPU."""
+        assert not self._draw_queued, "sample_result() must follow each sample_launch()"
+        if logits.data.ptr % 16 or not logits.flags.c_contiguous:  # the kernel reads 16-byte vectors
+            logits = cp.ascontiguousarray(logits).copy()
+        hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
+        hist = hist[-1024:]
+        # on the decode graphs' stream, so a step queued after the draw follows it without a cross-stream wait
+        stream = self._stream
+        if hist:  # from pinned memory: a pageable copy could wait for the step queued before it
+            self._hist_host[:len(hist)] = hist
+            cp.cuda.runtime.memcpyAsync(self.d["hist"].data.ptr, self._hist_host.ctypes.data, 4 * len(hist),
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        d = self.d
+        self._last_n_valid = n_valid
+        if (p.temperature == 0 and not hist and self._argmax_ready and logits is d["logits"]
+                and n_valid == self._graph_argmax_n):
+            # the step's graph already drew it (greedy's argmax in lm_head, the id in advance_position)
+            self._argmax_ready = False
+            self.fused_draws += 1
+            self._read_slot = self._argmax_slot
+            self._tok_event.record(stream)
+            self._draw_queued = True
+            return
+        self._argmax_ready = False
+        self._read_slot = 0
+        plan = draw_plan(n_valid, p)
+        with stream:
+            if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
+                self._rng, self._seed = rng, np.uint64(rng.integers(0, 2**63))
+                d["step"].fill(0)
+            # the id also goes straight to the pinned host int (mapped: its address is valid on the
+            # device), so no copy follows the kernel
+            args = (logits, _i(n_valid), d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
+                    _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, d["step"], d["token"],
+                    np.uint64(self._tok_host.ctypes.data))
+            if plan is None:
+                kernel("smp", "sample_token")((1,), (SMP_THREADS,), args)
+            else:
+                G, cap = plan
+                kernel("smp", "sample_token_mb")((G,), (SMP_THREADS,), args + (
+                    _i(SMP_CHUNK), d["smp_v"], d["smp_i"], d["smp_mx"], d["smp_n"], d["smp_counter"], _i(cap)))
+        self._tok_event.record(stream)
+        self._draw_queued = True
+
+    def cancel_draw(self) -> None:
+        """Wait out a queued draw whose id nobody will read (an interrupted generation)."""
+        if self._draw_queued:
+            self._tok_event.synchronize()
+            self._draw_queued = False
+
+    def sample_result(self) -> int:
+        """The id of the draw sample_launch queued (waits for it; the pinned history buffer is free again)."""
+        assert self._draw_queued, "sample_result() without sample_launch()"
+        self._tok_event.synchronize()
+        self._draw_queued = False
+        tok = int(self._tok_host[self._read_slot])
+        if tok < 0:
+            raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be damaged")
+        self._sampled = tok
+        return tok
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return cp.asnumpy(x)
