@@ -10,7 +10,6 @@ preallocated buffers and allocates nothing per token.
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 
@@ -19,32 +18,28 @@ from .. import env
 from . import memory as mem
 from . import settings as cfg
 from .settings import Settings, use_settings
-from .runtime.device import device_name, sm_count
-from .runtime.launch import tma_map_cache
-from .runtime.registry import ATTN_CM_MAX
+from .runtime.device import sm_count
 from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
-from .memory import (_Arena, _ArenaFull, _BUF_GEN, _BumpArena, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, _f,
-                     _i, prefill_bucket, tile_qweight)
-from .sampling import SAMPLED_TOKEN, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS, SMP_THREADS, draw_plan
+from .memory import _Arena, _BumpArena, _PBUF_POS, _i
+from .sampling import SAMPLED_TOKEN
 from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, SUPPORTED_HEAD_DIMS, attn_cm, attn_min_chunk, attn_short,
-                       decode_acc_layout, decode_regime, decode_regimes, gemv, gemv_counters, gemv_partial_size,
-                       gemv_split, o_merge, o_split)
-from .ops.gemm import _gemm_split_buffers, awq_dequant, cublas_ready, gemm, swiglu_prefill
+                       decode_acc_layout, gemv, gemv_counters, gemv_partial_size, gemv_split, o_merge, o_split)
+from .ops.gemm import cublas_ready, gemm, swiglu_prefill
 from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill, decode_heads_per_block
 from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
-                      moe_route, moe_route_counter, moe_route_decode, moe_route_tile_counters)
+                      moe_route, moe_route_decode)
 from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
 from ..errors import KuiperError, ResourceError
-from ..loader import (AwqLinear, Layer, Weights, check_weights_fit, device_bytes, drop_pages,
-                     kv_bytes_per_position)
-from ..sampling import SamplingParams
+from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
+from .draws import DeviceDraws
+from .graphs import CudaGraphs
+from .weights import WeightUpload
 
 try:
     import cupy as cp
-    from cupy_backends.cuda.libs import cublas as _cublas
 except ImportError:  # pragma: no cover - CPU-only installs
-    cp = _cublas = None
+    cp = None
 
 
 
@@ -157,7 +152,7 @@ class _SwigluAcc:
         self.acc, self.shape = acc, (1, acc.size // 2)
 
 
-class CupyOps:
+class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
     name = "cuda"
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
@@ -272,95 +267,9 @@ class CupyOps:
         self.max_context = max_context
         self._graph, self._graphs = None, {}  # they hold the old cache's addresses
 
-    def _router_o_rows(self) -> dict:
-        """For the one-launch MoE FFN half: per MoE layer i, (R, Rh) = (W_o diag(ffn_norm) router^T
-        [q_dim, E], diag(ffn_norm) router^T [D, E]) fp16: the router's logits before the 1/rms as a
-        function of the attention output and of the residual row, which the o GEMV computes beside o
-        (gemv_w4a16.cu gemv_rt_tile). Made once here, R from the dequantized o matrix in fp32: 1.5 MB
-        per Qwen3-30B-A3B layer."""
-        out = {}
-        for i, L in enumerate(self.weights.layers):
-            if L.router is None:
-                continue
-            rt = L.ffn_norm.astype(cp.float32)[:, None] * L.router.astype(cp.float32).T  # [D, E]
-            wo = awq_dequant(L.wo).astype(cp.float32)  # [q_dim, D]
-            out[i] = (cp.ascontiguousarray((wo @ rt).astype(cp.float16)), cp.ascontiguousarray(rt.astype(cp.float16)))
-            del wo, rt
-        cp.get_default_memory_pool().free_all_blocks()
-        return out
-
     @staticmethod
     def synchronize() -> None:
         cp.cuda.get_current_stream().synchronize()
-
-    # ------------------------------------------------------------------ loading
-    def _upload(self, w: Weights, progress: bool) -> Weights:
-        import cupyx
-        need, pinned_bytes = device_bytes(w)  # (pinned_bytes: the untied embedding, kept in pinned host memory)
-        total = need + pinned_bytes
-        free, dev_total = cp.cuda.runtime.memGetInfo()
-        check_weights_fit(need, free + cp.get_default_memory_pool().free_bytes(), dev_total, device_name())
-        chunk = 64 << 20
-        pinned = cupyx.empty_pinned((min(chunk, max(total, 1)),), dtype=np.uint8)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="upload", file=sys.stderr,
-                       dynamic_ncols=True, leave=False)
-        done: dict[int, object] = {}
-
-        def up(x, share=True):  # share: reuse the copy of an array met before (a tied lm_head)
-            if share and id(x) in done:
-                return done[id(x)]
-            d = cp.empty(x.shape, dtype=x.dtype)
-            src = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-            dst = d.reshape(-1).view(cp.uint8)
-            stream = cp.cuda.get_current_stream()
-            for o in range(0, src.size, chunk):
-                n = min(chunk, src.size - o)
-                pinned[:n] = src[o:o + n]
-                drop_pages(src[o:o + n])  # the file's pages, copied: no longer this process's memory
-                dst[o:o + n].set(pinned[:n], stream=stream)
-                stream.synchronize()  # the copy from pinned memory is asynchronous: finish it before refilling
-            if bar:
-                bar.update(x.nbytes)
-            if share:
-                done[id(x)] = d
-            return d
-
-        def lin(q, segments=1):  # AwqLinear or AwqStack (same fields), or None; qweight tiled on the GPU
-            return None if q is None else type(q)(tile_qweight(up(q.qweight, False), segments), up(q.qzeros),
-                                                  up(q.scales), q.group_size)
-
-        layers = [Layer(up(L.attn_norm), up(L.ffn_norm), up(L.q_norm), up(L.k_norm), lin(L.wq), lin(L.wk),
-                        lin(L.wv), lin(L.wo), lin(L.w1), lin(L.w2), lin(L.w3),
-                        None if L.router is None else up(L.router), lin(L.experts_w13, 2), lin(L.experts_w2))
-                  for L in w.layers]
-        # An untied token-embedding table (151936 x 4096 fp16 = 1.2 GB at 8B) is read one row per token,
-        # so it stays in pinned host memory, which kernels read directly over the bus (unified
-        # addressing), as llama.cpp keeps it on the host: GPU memory is the 4-bit weights plus the
-        # fp16 lm_head. A tied table is lm_head too and goes to the GPU. KUIPER_EMBED_ON_GPU=1: always.
-        embed = None
-        if pinned_bytes:
-            try:
-                embed = cupyx.empty_pinned(w.embed.shape, dtype=w.embed.dtype)
-                rows = max(1, chunk // max(1, w.embed[0].nbytes))
-                for r in range(0, w.embed.shape[0], rows):  # a chunk at a time, so its file pages go as it is copied
-                    embed[r:r + rows] = w.embed[r:r + rows]
-                    drop_pages(w.embed[r:r + rows])
-                if bar:
-                    bar.update(w.embed.nbytes)
-            except (cp.cuda.runtime.CUDARuntimeError, MemoryError):  # page-locked memory refused: GPU copy
-                print(f"kuiper: could not pin {w.embed.nbytes / 2**20:.0f} MiB of host memory for the token "
-                      f"embeddings; keeping them on the GPU", file=sys.stderr)
-                embed = None
-        if embed is None:
-            embed = up(w.embed)
-        out = Weights(embed, up(w.final_norm), up(w.lm_head), layers)
-        if bar:
-            bar.close()
-        cp.cuda.Device().synchronize()
-        return out
 
     def _alloc_decode(self):
         a = self.args
@@ -406,24 +315,6 @@ class CupyOps:
         self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
         self._init_draw()
 
-    def _init_draw(self) -> None:
-        """sample_launch's pinned host buffers (the draw's id back, the penalty's history out) and the
-        event that says the id has landed: the host reads it while the next step already runs."""
-        import cupyx
-        # [0] the draw kernels' id, [1 + position % 2] the decode graph's greedy argmax (advance_position)
-        self._tok_host = cupyx.empty_pinned((3,), np.int32)
-        self._read_slot = 0
-        self._hist_host = cupyx.empty_pinned((self.d["hist"].size,), np.int32)
-        self._tok_event = cp.cuda.Event(disable_timing=True)
-        self._draw_queued = False
-        # greedy decode's argmax from the graph (decode_step): the ids it covers, whether it is current
-        self._last_n_valid = self._capture_argmax = self._graph_argmax_n = 0
-        self._argmax_ready = False
-        self.fused_draws = 0  # draws served by the graph's argmax (tests)
-        # sample_token_mb's per-block results (candidates, maxima, counts) and its arrival counter
-        self.d.update(smp_v=cp.empty((SMP_CAND,), cp.float32), smp_i=cp.empty((SMP_CAND,), cp.int32),
-                      smp_mx=cp.empty((SMP_MAX_BLOCKS,), cp.float32), smp_n=cp.empty((SMP_MAX_BLOCKS,), cp.int32),
-                      smp_counter=cp.zeros((1,), cp.int32), argmax=cp.zeros((1,), cp.uint64))
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, ids: list[int]):
@@ -559,208 +450,10 @@ class CupyOps:
     def end_step(self) -> None:
         mem._ARENA = None
 
-    def decode_step(self, body, token: int | None, pos0: int):
-        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32.
-        token None: the id the last sample_launch drew, read by the graph from d["token"] (the host
-        may not know it yet)."""
-        if token is None:
-            assert self._draw_queued or self._sampled is not None, "no draw to decode"
-        elif self._sampled is None or token != self._sampled:
-            self.d["token"].fill(token)
-            self._sampled = token
-        self.begin_step(pos0, 1)
-        self._graph, self._graph_argmax_n = self._decode_graph(self._attn_regime(pos0 + 1), body)
-        self._graph.launch(self._stream)
-        self._dev_pos = pos0 + 1
-        self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
-        self._argmax_slot = 1 + (pos0 + 1) % 2
-        if self._graph_argmax_n:  # the graph wrote its argmax to d["token"]: the host learns it in sample_result
-            self._sampled = None
-        return self.d["logits"]
 
-    def _decode_graph(self, regime: int, body) -> tuple:
-        """(graph, the ids its fused argmax covers) of a flash-decoding regime (attn_short: a graph per regime),
-        captured from body() where the regime has none."""
-        if regime not in self._graphs:
-            stream = self._stream
-            # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
-            # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
-            # turns it into the id (d["token"] and the pinned host int), so sample_launch needs no kernel
-            d, n = self.d, self._last_n_valid or self.args.vocab_size
-            self._capture_argmax = n
-            with stream:
-                stream.begin_capture()
-                try:
-                    out = body()
-                    kernel("rope", "advance_position")((1,), (1,), (
-                        d["pos"], *((d["argmax"], d["token"], np.uint64(self._tok_host.ctypes.data)) if n
-                                    else (np.uint64(0),) * 3)))
-                finally:
-                    graph = stream.end_capture()
-                    self._capture_argmax = 0
-            assert out.data.ptr == self.d["logits"].data.ptr
-            self._graphs[regime] = graph, n
-        return self._graphs[regime]
 
-    def warm_decode_graphs(self, body_at, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
-        """Capture now the decode graph of every flash-decoding regime this cache has (attn_short's bounds within it,
-        then the capacity's), which the steps would otherwise capture on the first one each meets (a chat's first
-        reply, then its keys passing each bound); keys (lo, hi): only the regimes of steps with lo..hi keys (a
-        generation of known length). body_at(pos0) is the model's one-token forward at pos0 on the drawn token
-        (SAMPLED_TOKEN); n_valid the ids the draws take (the graphs' fused greedy argmax covers them). Returns the
-        regimes that have a graph."""
-        if not self.graphs:
-            return []
-        self._last_n_valid = n_valid
-        for regime in decode_regimes(self.attn_short, self.max_context, keys):
-            pos0 = min(regime, self.max_context) - 1  # (a step whose keys reach the regime's bound)
-            self.begin_step(pos0, 1)
-            self._decode_graph(regime, lambda: body_at(pos0))
-        self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
-        return sorted(self._graphs)
 
     SAMPLED_TOKEN = SAMPLED_TOKEN
-
-    def _attn_short_bound(self, n_keys: int) -> int:
-        """The short-context regime (attn_short) that serves n_keys keys: the first bound at or above n_keys, else
-        0 (the capacity's regime). Each regime is a decode graph of its own."""
-        return decode_regime(self.attn_short, 0, n_keys)
-
-    def _attn_regime(self, n_keys: int) -> int:
-        """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
-        capacity."""
-        return decode_regime(self.attn_short, self.max_context, n_keys)
-
-    def _attn_split_count(self, n_keys: int) -> int:
-        """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's
-        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer,
-        change 116), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
-        bound = self._attn_short_bound(n_keys)
-        if bound:
-            # (with the clusters' merge, at most the splits one cluster holds)
-            return min(self.attn_splits, math.ceil(bound / self.attn_min_chunk),
-                       ATTN_CM_MAX if self.attn_cm else self.attn_splits)
-        return self.attn_splits
-
-    # ------------------------------------------------------------------ short prefills as CUDA graphs
-    def prefill_graph(self, ids: list[int], pos0: int, layers):
-        """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
-        first T rows are the prompt's (the rest the padding's: ids 0 at positions pos0 + T..pos0 + B - 1, whose
-        cache rows later steps overwrite before any step reads them), or None where the prefill runs eagerly: a
-        prompt longer than prefill_graph_max_t, whose padded end passes the cache, or whose bucket this process has
-        not met (the first prefill of a bucket runs eagerly: a capture costs as much host time as that prefill, so
-        a one-off prompt does not pay it). One graph per bucket serves every position: the rotary embedding, the
-        cache rows written and attention's keys come from the position the host writes before each replay, with
-        the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
-        norm on a list of B ids."""
-        T = len(ids)
-        if not (self._prefill_graphs_on() and 1 < T <= cfg.SETTINGS.prefill_graph_max_t):
-            return None
-        B = prefill_bucket(T)
-        if pos0 + B > self.max_context or B in self._pnever:
-            return None
-        rec = self._current_prefill_graph(B)
-        if rec is None:
-            if B not in self._pseen:
-                self._pseen.add(B)
-                return None
-            rec = self._capture_prefill(B, layers)
-            if rec is None:
-                return None
-        host = np.zeros((_PBUF_IDS + 4 * B,), np.uint8)
-        host[:_PBUF_POS] = np.frombuffer(bytes(tma_map_cache(self.k_cache, pos0 + B))
-                                         + bytes(tma_map_cache(self.v_cache, pos0 + B)), np.uint8)
-        host[_PBUF_POS:].view(np.int32)[0] = pos0
-        host[_PBUF_IDS:_PBUF_IDS + 4 * T].view(np.int32)[:] = ids
-        self._pbuf[:host.size].set(host)  # on the null stream: after the last replay's reads, before this one's
-        rec[0].launch(self._stream)
-        return rec[1]
-
-    def warm_prefill_graphs(self, layers) -> list[int]:
-        """Capture now the prefill graph of every bucket that fits the cache and has none, so a prompt of up to
-        prefill_graph_max_t tokens replays its bucket's graph from its first meeting on (`kuiper chat` at its start:
-        its turns meet most buckets, and otherwise each bucket's first meeting runs eagerly and its second pays the
-        capture). layers(ids) runs the model's layers on a list of B ids. The largest bucket first, so the shared
-        activations grow once; captured again while a module buffer grew under an earlier capture (_BUF_GEN).
-        Returns the buckets that have a graph."""
-        if not self._prefill_graphs_on():
-            return []
-        top = min(cfg.SETTINGS.prefill_graph_max_t, self.max_context)
-        buckets = sorted({B for B in map(prefill_bucket, range(2, top + 1)) if B <= self.max_context}, reverse=True)
-        for _ in range(4):
-            todo = [B for B in buckets if B not in self._pnever and self._current_prefill_graph(B) is None]
-            if not todo:
-                break
-            for B in todo:
-                self._capture_prefill(B, layers)
-        return [B for B in reversed(buckets) if self._current_prefill_graph(B) is not None]
-
-    def _prefill_graphs_on(self) -> bool:
-        """Whether prefills may replay graphs at all (a routing log records each prefill's routing on the host,
-        which a replay would skip)."""
-        return bool(self.prefill_graphs and self.graphs and self.routing_log is None)
-
-    def _current_prefill_graph(self, B: int) -> tuple | None:
-        """Bucket B's graph where it holds today's module buffers, else None (a stale one is dropped: a module
-        buffer it reads was replaced since its capture, _BUF_GEN)."""
-        rec = self._pgraphs.get(B)
-        if rec is not None and rec[3] != _BUF_GEN[0]:
-            del self._pgraphs[B]
-            rec = None
-        return rec
-
-    def _capture_prefill(self, B: int, layers) -> tuple | None:
-        """Capture layers() at B tokens: activations from the shared _BumpArena (grown and the capture retried
-        while a region is too small; the graphs captured before then hold the old region and are dropped), every
-        other allocation kept with the graph (the residual rows), the position, ids and the attention's cache maps
-        read from self._pbuf. None where the prefill calls what a capture cannot hold (_NotCapturable); B is then
-        never tried again (_pnever). Either way B counts as met (_pseen)."""
-        self._pseen.add(B)
-        if self._pbuf is None:
-            # (the pool's blocks: 512-aligned)
-            self._pbuf = cp.zeros((_PBUF_IDS + 4 * cfg.SETTINGS.prefill_graph_max_t,), cp.uint8)
-        # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
-        # captured, not run, and a capture that is retried or refused would leave them holding garbage
-        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
-        pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
-        for _ in range(64):
-            keep, full, gen, refused = [], None, _BUF_GEN[0], False
-
-            def alloc(n: int, keep=keep):
-                m = pool.malloc(n)
-                keep.append(m)
-                return m
-            arena.reset()
-            prev, mem._ARENA = mem._ARENA, arena
-            self._graph_ids = self._pbuf[_PBUF_IDS:_PBUF_IDS + 4 * B].view(cp.int32)
-            self._graph_pos = self._pbuf[_PBUF_POS:_PBUF_IDS].view(cp.int32)
-            _CAPTURING[0] = True
-            try:
-                with stream, cp.cuda.using_allocator(alloc):
-                    stream.begin_capture()
-                    try:
-                        x = layers([0] * B)
-                    except _ArenaFull as e:
-                        full = e.args
-                    except _NotCapturable:
-                        refused = True
-                    finally:
-                        graph = stream.end_capture()
-            finally:
-                mem._ARENA = prev
-                self._graph_ids = self._graph_pos = None
-                _CAPTURING[0] = False
-            if refused:
-                self._pnever.add(B)
-                return None
-            if full is not None:
-                self._pgraphs.clear()
-                arena.grow(*full)
-            elif gen == _BUF_GEN[0]:  # (else a module buffer grew during the capture: the retry meets the new one)
-                assert x.shape[0] == B
-                self._pgraphs[B] = rec = (graph, x, keep, gen)
-                return rec
-        raise AssertionError("a prefill graph's capture did not settle in 64 tries")
 
     def forget_position(self) -> None:
         """A queued step was discarded: the device's position no longer matches the host's."""
@@ -874,76 +567,6 @@ class CupyOps:
         for r in range(x.shape[0]):
             lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
         return out
-
-    def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
-        """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
-        self.sample_launch(logits, p, rng, history, n_valid)
-        return self.sample_result()
-
-    def sample_launch(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int],
-                      n_valid: int) -> None:
-        """Queue sample()'s draw without waiting for it: its id lands in d["token"] (where the next decode
-        step's graph reads it, so that step may be queued at once: Qwen3.decode_sampled) and in pinned
-        host memory for sample_result(). Nothing here waits for the GPU."""
-        assert not self._draw_queued, "sample_result() must follow each sample_launch()"
-        if logits.data.ptr % 16 or not logits.flags.c_contiguous:  # the kernel reads 16-byte vectors
-            logits = cp.ascontiguousarray(logits).copy()
-        hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
-        hist = hist[-1024:]
-        # on the decode graphs' stream, so a step queued after the draw follows it without a cross-stream wait
-        stream = self._stream
-        if hist:  # from pinned memory: a pageable copy could wait for the step queued before it
-            self._hist_host[:len(hist)] = hist
-            cp.cuda.runtime.memcpyAsync(self.d["hist"].data.ptr, self._hist_host.ctypes.data, 4 * len(hist),
-                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        d = self.d
-        self._last_n_valid = n_valid
-        if (p.temperature == 0 and not hist and self._argmax_ready and logits is d["logits"]
-                and n_valid == self._graph_argmax_n):
-            # the step's graph already drew it (greedy's argmax in lm_head, the id in advance_position)
-            self._argmax_ready = False
-            self.fused_draws += 1
-            self._read_slot = self._argmax_slot
-            self._tok_event.record(stream)
-            self._draw_queued = True
-            return
-        self._argmax_ready = False
-        self._read_slot = 0
-        plan = draw_plan(n_valid, p)
-        with stream:
-            if getattr(self, "_rng", None) is not rng:  # a new generation: new seed, counter from zero
-                self._rng, self._seed = rng, np.uint64(rng.integers(0, 2**63))
-                d["step"].fill(0)
-            # the id also goes straight to the pinned host int (mapped: its address is valid on the
-            # device), so no copy follows the kernel
-            args = (logits, _i(n_valid), d["hist"], _i(len(hist)), _f(p.repeat_penalty), _f(p.temperature),
-                    _i(p.top_k), _f(p.top_p), _f(p.min_p), self._seed, d["step"], d["token"],
-                    np.uint64(self._tok_host.ctypes.data))
-            if plan is None:
-                kernel("smp", "sample_token")((1,), (SMP_THREADS,), args)
-            else:
-                G, cap = plan
-                kernel("smp", "sample_token_mb")((G,), (SMP_THREADS,), args + (
-                    _i(SMP_CHUNK), d["smp_v"], d["smp_i"], d["smp_mx"], d["smp_n"], d["smp_counter"], _i(cap)))
-        self._tok_event.record(stream)
-        self._draw_queued = True
-
-    def cancel_draw(self) -> None:
-        """Wait out a queued draw whose id nobody will read (an interrupted generation)."""
-        if self._draw_queued:
-            self._tok_event.synchronize()
-            self._draw_queued = False
-
-    def sample_result(self) -> int:
-        """The id of the draw sample_launch queued (waits for it; the pinned history buffer is free again)."""
-        assert self._draw_queued, "sample_result() without sample_launch()"
-        self._tok_event.synchronize()
-        self._draw_queued = False
-        tok = int(self._tok_host[self._read_slot])
-        if tok < 0:
-            raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be damaged")
-        self._sampled = tok
-        return tok
 
     @staticmethod
     def to_host(x) -> np.ndarray:
