@@ -332,8 +332,8 @@ def prefill_graph_spy(m):
     """A list that records, for each prefill of GPU session m, the bucket its graph ran at (None: eager)."""
     served, orig = [], m.ops.prefill_graph
 
-    def spy(ids, pos0, layers):
-        x = orig(ids, pos0, layers)
+    def spy(step, layers):
+        x = orig(step, layers)
         served.append(None if x is None else x.shape[0])
         return x
     m.ops.prefill_graph = spy

@@ -54,7 +54,8 @@ class PaddedNumpyOps(NumpyOps):
     end fits in the cache."""
     served = 0
 
-    def prefill_graph(self, ids, pos0, layers):
+    def prefill_graph(self, step, layers):
+        ids, pos0 = step.one().ids, step.one().pos0
         B = oc.prefill_bucket(len(ids))
         if pos0 + B > self.k_cache.shape[1]:
             return None

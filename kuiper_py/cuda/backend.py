@@ -21,7 +21,6 @@ from .settings import Settings, use_settings
 from .runtime.device import sm_count
 from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
-from .sampling import SAMPLED_TOKEN
 from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, SUPPORTED_HEAD_DIMS, attn_cm, attn_min_chunk, attn_short,
                        decode_acc_layout, gemv, gemv_counters, gemv_partial_size, gemv_split, o_merge, o_split)
 from .ops.gemm import cublas_ready, gemm, swiglu_prefill
@@ -30,6 +29,7 @@ from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_f
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
                       moe_route, moe_route_decode)
 from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
+from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
 from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
 from .draws import DeviceDraws
@@ -153,7 +153,10 @@ class _SwigluAcc:
 
 
 class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
+    """backend.Backend on one GPU (graphs: set per instance, KUIPER_CUDA_GRAPHS)."""
     name = "cuda"
+    queues_draws = True
+    max_batch = 1
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
                  settings: Settings | None = None):
@@ -317,7 +320,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
 
     # ------------------------------------------------------------------ the ops interface
-    def embed(self, ids: list[int]):
+    def embed(self, step: Step):
+        ids = step.one().ids
         T, D = len(ids), self.args.hidden_size
         if T == 1:
             on_dev = ids[0] == SAMPLED_TOKEN or (self._sampled is not None and ids[0] == self._sampled)
@@ -383,7 +387,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         qd, kvd = a.q_dim, a.kv_dim
         return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
 
-    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
+        pos0 = step.one().pos0
         a = self.args
         if isinstance(q, _QkvInput) and self.acc_attn:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
@@ -405,7 +410,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
                                   self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
                                   self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
 
-    def attention(self, q, i: int, pos0: int):
+    def attention(self, q, i: int, step: Step):
+        pos0 = step.one().pos0
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             fin = None
@@ -429,7 +435,11 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
 
     # ------------------------------------------------------------------ decode as one CUDA graph
-    def begin_step(self, pos0: int, n_tokens: int) -> None:
+    def begin_step(self, step: Step) -> None:
+        s = step.one()
+        self._begin(s.pos0, len(s.ids))
+
+    def _begin(self, pos0: int, n_tokens: int) -> None:
         """Single-token steps read their position from device memory (so a graph can replay them). A
         forward of 2..arena_max_t tokens takes its activations from this ops' arena until end_step; a
         longer one gives the arena's arrays back to the pool first (its own are larger)."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import memory as mem
 from . import settings as cfg
+from ..backend import SAMPLED_TOKEN, Step
 from .memory import _ArenaFull, _BUF_GEN, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, prefill_bucket
 from .ops.gemm import _gemm_split_buffers
 from .ops.gemv import decode_regime, decode_regimes, gemv_counters
@@ -25,16 +26,18 @@ except ImportError:  # pragma: no cover - CPU-only installs
 class CudaGraphs:
     """CupyOps' graph capture and replay (a mixin: the state it reads is CupyOps')."""
 
-    def decode_step(self, body, token: int | None, pos0: int):
-        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32.
-        token None: the id the last sample_launch drew, read by the graph from d["token"] (the host
-        may not know it yet)."""
+    def decode_step(self, body, step: Step):
+        """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32. The step's token
+        SAMPLED_TOKEN: the id the last sample_launch drew, read by the graph from d["token"] (the host may not know
+        it yet)."""
+        s = step.one()
+        token, pos0 = (None if s.ids[0] == SAMPLED_TOKEN else s.ids[0]), s.pos0
         if token is None:
             assert self._draw_queued or self._sampled is not None, "no draw to decode"
         elif self._sampled is None or token != self._sampled:
             self.d["token"].fill(token)
             self._sampled = token
-        self.begin_step(pos0, 1)
+        self._begin(pos0, 1)
         self._graph, self._graph_argmax_n = self._decode_graph(self._attn_regime(pos0 + 1), body)
         self._graph.launch(self._stream)
         self._dev_pos = pos0 + 1
@@ -80,7 +83,7 @@ class CudaGraphs:
         self._last_n_valid = n_valid
         for regime in decode_regimes(self.attn_short, self.max_context, keys):
             pos0 = min(regime, self.max_context) - 1  # (a step whose keys reach the regime's bound)
-            self.begin_step(pos0, 1)
+            self._begin(pos0, 1)
             self._decode_graph(regime, lambda: body_at(pos0))
         self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
         return sorted(self._graphs)
@@ -107,7 +110,7 @@ class CudaGraphs:
         return self.attn_splits
 
     # ------------------------------------------------------------------ short prefills as CUDA graphs
-    def prefill_graph(self, ids: list[int], pos0: int, layers):
+    def prefill_graph(self, step: Step, layers):
         """A prompt's layers and final norm as one replayed CUDA graph: x [B, D] fp16, B = prefill_bucket(T), whose
         first T rows are the prompt's (the rest the padding's: ids 0 at positions pos0 + T..pos0 + B - 1, whose
         cache rows later steps overwrite before any step reads them), or None where the prefill runs eagerly: a
@@ -117,6 +120,8 @@ class CudaGraphs:
         cache rows written and attention's keys come from the position the host writes before each replay, with
         the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
         norm on a list of B ids."""
+        s = step.one()
+        ids, pos0 = s.ids, s.pos0
         T = len(ids)
         if not (self._prefill_graphs_on() and 1 < T <= cfg.SETTINGS.prefill_graph_max_t):
             return None

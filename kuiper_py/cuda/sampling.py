@@ -1,8 +1,6 @@
 """Token draws on the device: which sampling kernel form a draw takes."""
 from __future__ import annotations
 
-
-
 from ..sampling import SamplingParams
 from . import settings as cfg
 
@@ -12,8 +10,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 
-# the one-token id that means "the id the last sample_launch drew", read by the step from device memory
-SAMPLED_TOKEN = -1
 
 
 # sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
