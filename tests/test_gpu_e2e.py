@@ -378,6 +378,19 @@ def test_greedy_draw_in_graph_equals_draw_kernel(untied_bin, monkeypatch):
     assert out[True] == out[False] and len(set(out[True])) > 5
 
 
+def test_decode_plan_describes_the_loaded_backend(untied_bin):
+    """The decode plan (cuda/plan.py) of a loaded backend follows its load-time choices and names every launch of a
+    layer; `describe` is what `kuiper info MODEL --plan` prints."""
+    from kuiper_py.cuda.plan import describe
+    for path in (untied_bin,):
+        m = Qwen3(load(path), oc.CupyOps, 64)
+        p = m.ops.plan
+        assert (p.acc_attn, p.acc_mode, p.attn_splits) == (m.ops.acc_attn, m.ops.acc_mode, m.ops.attn_splits)
+        assert p.dense[0].kernel == "gemv_w4a16 q|k|v" and bool(p.moe_layer) == bool(m.args.num_experts)
+        text = describe(m)
+        assert text.startswith("decode plan on ") and f"{len(p.dense)}. " in text
+
+
 def test_graph_decode_equals_eager_decode(untied_bin):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()

@@ -668,6 +668,14 @@ def moe_bin(request, tmp_path_factory):
     return root / "m.bin"
 
 
+def test_decode_plan_of_a_moe_model(moe_bin):
+    """A MoE model's decode plan has a MoE layer's launches, the one-launch MoE half where the backend took it."""
+    m = Qwen3(load(moe_bin), oc.CupyOps, 64)
+    p = m.ops.plan
+    assert p.moe_layer and (p.moe_layer[-1].kernel == "moe_ffn_decode") == (m.ops._moe is not None)
+    assert "MoE layer:" in p.describe()
+
+
 def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
     mf = load(moe_bin)
     cpu = Qwen3(mf, NumpyOps, len(PROMPT) + 40)

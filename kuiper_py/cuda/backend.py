@@ -33,6 +33,7 @@ from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
 from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
 from .draws import DeviceDraws
+from .plan import DecodePlan, build as build_plan
 from .graphs import CudaGraphs
 from .weights import WeightUpload
 
@@ -234,8 +235,16 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
             _module(key)
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
+    @property
+    def plan(self) -> DecodePlan:
+        """The decode schedule this backend runs (cuda/plan.py), made on first use after each alloc_cache."""
+        if self._plan is None:
+            self._plan = build_plan(self)
+        return self._plan
+
     def alloc_cache(self, max_context: int) -> None:
         """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
+        self._plan = None  # (the split counts follow the cache's capacity)
         a = self.args
         L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         self.k_cache = self.v_cache = None
