@@ -5,8 +5,8 @@
 //   64 queries x one head per block (4 warps x 16 rows), 64-key tiles double-buffered in dynamic shared
 //   memory (the next tile's cp.async copies in flight while this one is multiplied; FaSmem, 69.6 KB at HD
 //   128, 3 blocks per SM), heaviest query tiles first, the causal mask only on diagonal tiles (PERFORMANCE.md
-//   change 169). HD in {64, 128}.
-//   On compute capability 9.0 at HD 128 prefill takes attn_wgmma.cu's wgmma kernel instead (change 170);
+//   measured). HD in {64, 128}.
+//   On compute capability 9.0 at HD 128 prefill takes attn_wgmma.cu's wgmma kernel instead;
 //   this one serves HD 64 and other GPUs.
 // attn_decode_gqa + attn_decode_combine: flash-decoding for one query token, the KV length split
 //   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
@@ -244,7 +244,7 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
             }
         }
         // the 1/rms after the tasks' loads are issued: its partial sums' loads fly beside them, one L2
-        // round trip instead of two (PERFORMANCE.md change 80)
+        // round trip instead of two
         const float sc = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
@@ -364,7 +364,7 @@ __device__ __forceinline__ void attn_cm_merge(AttnCmSmem<HD, HB>& c, int s, int 
 // shared memory, completing on its mbarrier) and its max/sum pairs to all; the owner merges as the o
 // GEMV's gemv_merge_span does (the same operations in the same split order). Why: the o GEMV's merge
 // prologue, every o block reading all splits' partials of its rows from L2 after its PDL wait, took
-// ~2.6 us of o's ~6 us on the H200 (PERFORMANCE.md changes 143, 156); here the exchange is one DSMEM
+// ~2.6 us of o's ~6 us on the H200; here the exchange is one DSMEM
 // hop inside a kernel already running, and o stages a plain fp16 row.
 template <int HD, int HB, bool LP = false, bool CM = false>
 __global__ void __launch_bounds__(128)

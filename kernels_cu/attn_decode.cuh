@@ -14,7 +14,7 @@
 
 // 16 bytes of a cache row. fresh: the row may be the newest, written in this launch, so from L2 only;
 // otherwise a row of an earlier step, unchanged for the whole launch and read once per block, so the
-// non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100, change 95)
+// non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100)
 __device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
     if (!fresh) return ld_stream16(p);
     return __ldcg(reinterpret_cast<const uint4*>(p));
@@ -47,19 +47,19 @@ struct AttnSplitSmem {                            // the merge of a block's key 
 };
 
 #ifndef ATTN_KV_PF
-#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B; PERFORMANCE.md change 102)
+#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B)
 #endif
 // A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched whole, a longer one its first iteration
 // only (ATTN_KV_PF_WHOLE 0: the first ATTN_KV_PF_ITERS of every chunk; A/B). At a short context the
 // second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at 512 on the
 // H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5%
-// at 32k (change 108)
+// at 32k
 #ifndef ATTN_KV_PF_WHOLE
 #define ATTN_KV_PF_WHOLE 1
 #endif
 
 // Keys a split starts on before its wait, counted from its first: a chunk of at most ATTN_KV_PF_ITERS
-// iterations whole, a longer one its first iteration (change 108).
+// iterations whole, a longer one its first iteration.
 template <int HD, int HB>
 __device__ __forceinline__ int attn_early_keys(int k_begin, int k_end) {
     constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
@@ -78,7 +78,7 @@ __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
 }
 
 #ifndef ATTN_MMA
-#define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B; PERFORMANCE.md change 143)
+#define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B)
 #endif
 #define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
 
@@ -98,7 +98,7 @@ struct AttnPartDst {
 // The tensor-core paths' merge of their 4 warps' slots into split s's partials: warp w < nw's max and sum
 // of head j in sm_ml [4][HB][2], its output element (j, d) at *slot(w, j, d); warps from nw on saw no keys
 // and are not read. Fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
-// as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143).
+// as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips.
 template <int HD, int HB, class Slot>
 __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, int nw, const AttnPartDst& dst, int tid) {
     constexpr int NW = 4, EPT = (HB * HD + 127) / 128;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, 
 // a multiple of 16) and q (q_sm, [HB][HD]) are in shared memory. Why: the scalar loop spends ~1.1 µs
 // on one 32-key iteration even with its code cached (16 lanes per key, four dependent shuffles per
 // dot product, one warp per scheduler), and its 8-slot merge another ~0.7 (H200 timeline,
-// PERFORMANCE.md change 143). Here warp w takes keys 16w..16w+15: S = q K^T by mma.m16n8k16 (heads
+// docs/PERFORMANCE.md). Here warp w takes keys 16w..16w+15: S = q K^T by mma.m16n8k16 (heads
 // as rows 0..HB-1 of the 16, K rows straight from the stage by ldmatrix), its softmax in registers,
 // and P V with the S accumulators reused as P's A fragments (no trip through shared memory). P goes
 // in as fp16 hi + lo, two MMAs, so P V keeps fp32's precision where fp16 P alone would round to 2^-11.
@@ -240,7 +240,7 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
 }
 
 #ifndef ATTN_MMA_LONG
-#define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B; PERFORMANCE.md change 144)
+#define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B)
 #endif
 #ifndef ATTN_LONG_PRE
 #define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
@@ -275,9 +275,9 @@ __device__ __forceinline__ void attn_long_copy(uint4* buf, const half* Kc, const
 // 64 keys through two buffers (buf0, buf1: [ATTN_LONG_TILE][SRW] 16-byte pieces; the first ATTN_LONG_PRE
 // tiles were copied before the PDL wait, but for the newest key), warp w taking keys 16w..16w+15 of every tile
 // with an online softmax of its own. Why: the scalar loop spends ~1.1 µs per 32 keys on shuffles and
-// exp2f with one warp per scheduler (change 143), so a split of 250-1000 keys was bound by its
+// exp2f with one warp per scheduler, so a split of 250-1000 keys was bound by its
 // arithmetic, not by its bytes (30B-A3B at 8k keys: ~0.27 of copy in attention; this form took 9-12%
-// off its step there, PERFORMANCE.md change 144; 3 or 4 buffers measured slower). Transposed against
+// off its step there; 3 or 4 buffers measured slower). Transposed against
 // attn_split_mma, S^T = K q^T and O^T = V^T P^T: the heads are the MMA's 8 columns, so no half of a
 // 16-row fragment is wasted, O is 4 accumulators per 16 dims, and P's C layout reaches the B operand by
 // movmatrix. P goes in as fp16 hi + lo (fp32 precision, as attn_split_mma). Each warp's l stays a per-lane

@@ -15,7 +15,7 @@ typedef unsigned int u32;
 
 // A 16-byte read-only load that does not allocate in L1: a streamed line is never read again, and
 // allocating it only evicts lines that are (the zeros and scales a block's warps share, the norm
-// weights). 8B decode steps -0.9% on the H200, -1.5% on the H100 (change 94).
+// weights). 8B decode steps -0.9% on the H200, -1.5% on the H100.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -445,7 +445,7 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
 // A MoE prefill token's routing-weighted expert rows (moe.cu moe_finalize, norm.cu add_rmsnorm): its k (<= 32,
 // <= the block) permuted row indices and weights staged in shared memory by the block, then columns 8c..8c+7 of
 // sum_j wt[j] * y[row[j]] summed in fp32 in j order, the k rows' 16-byte loads issued together (one column per
-// thread by 2-byte loads ran at ~0.4 of the copy rate, PERFORMANCE.md change 182). The two kernels share this
+// thread by 2-byte loads ran at ~0.4 of the copy rate). The two kernels share this
 // so their sums are the same bits.
 __device__ __forceinline__ void expert_rows_stage(const int* __restrict__ u2p,    // [T*k]
                                                   const float* __restrict__ wts,  // [T, k]
@@ -532,7 +532,7 @@ __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D,
 #define DECODE_MIN_CHUNK 32  // fewest keys per split where the host passes none (the persistent and fused kernels)
 
 // Keys per split for n_keys keys over S splits, at least min_chunk (the split kernel and every merge
-// agree on it; the host picks min_chunk per model and GPU, PERFORMANCE.md change 105: fewer splits at a
+// agree on it; the host picks min_chunk per model and GPU, docs/PERFORMANCE.md: fewer splits at a
 // short context mean fewer partials for the merge to read).
 __device__ __forceinline__ int decode_chunk(int n_keys, int S, int min_chunk) {
     return max((n_keys + S - 1) / S, min_chunk);
@@ -583,7 +583,7 @@ __device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
 // Picked entries are set to `gone`, which must not be above any candidate. A lane's best remaining entry
 // comes from a tree of comparisons (3 deep, not a chain of 8): the 30B-A3B decode top-k took 1.41 µs on
 // the MoE kernel's critical path with the chain, 1.09 with the tree. (Sorting each lane's 8 entries once
-// and taking heads was faster still, but its 400 more instructions made the step 2% slower: change 145.)
+// and taking heads was faster still, but its 400 more instructions made the step 2% slower.)
 __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k, float gone, int& my_id, float& my_v,
                                               float& picked) {
     static_assert(MOE_MAX_E / 32 == 8, "the tree below holds a lane's 8 entries");

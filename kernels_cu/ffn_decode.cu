@@ -5,19 +5,19 @@
 //
 // Separately these are two split-K GEMVs with a grid-wide hand-off between them: every down block
 // needs every gate/up column, so down's blocks wait for the whole gate/up grid, drain it, and start
-// with a prologue of their own (PERFORMANCE.md change 67: ~4 µs of a layer's 57 at Qwen3-8B). Here a
+// with a prologue of their own (docs/PERFORMANCE.md: ~4 µs of a layer's 57 at Qwen3-8B). Here a
 // cluster owns 256 intermediate channels end to end: block b of its CL blocks takes rows
 // [b D/CL, (b+1) D/CL) of the channels' gate and up columns, the cluster sums the partials through
 // distributed shared memory (a cluster barrier, not a grid one), and then block b takes the 256
 // channels' rows of down for its D/CL output columns and adds them into the fixed-point accumulator
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
-// other; no block waits on the grid. Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
+// other; no block waits on the grid. Measured on H100: the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
 // next to empty ones. The cluster's exchange is by pushes into each block's receive slots on an
-// mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Where the
+// mbarrier rather than through the cluster barrier (FfnPush below). Where the
 // grid needs 3 or 4 blocks per SM (Qwen3-8B, 14B and 32B on 132 SMs), the host runs the form without a
 // cluster launch instead: registers for only that many blocks per SM spread it evenly, and a tile's blocks
-// exchange through global memory (FfnSlots below, changes 129-130).
+// exchange through global memory (FfnSlots below).
 //
 // Numerics as the accumulating-mode GEMVs (gemv_w4a16.cu, scaled norm): x = (h + fp16(o)) * w in
 // fp16, the 1/rms applied to the gate and up sums, SwiGLU rounded to fp16, the same 4-row fp16 dot
@@ -38,8 +38,8 @@
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
 #ifndef FFN_PF_STEPS
 #define FFN_PF_STEPS 1  // ffn_decode's gate/up steps after the first whose rows go towards L2 before the
-                        // PDL wait (0: none, A/B; PERFORMANCE.md change 99; the global form at 3 blocks per
-                        // SM: 0 steps +2.5%, 2 steps +0.7% per H100 8B step, session 42)
+                        // PDL wait (0: none, A/B; the global form at 3 blocks per
+                        // SM: 0 steps +2.5%, 2 steps +0.7% per H100 8B step)
 #endif
 
 // A lane's FFN_ROWS rows of one packed word of a tiled matrix (common.cuh's layout, full 32-word
@@ -109,7 +109,7 @@ __device__ __forceinline__ int ffn_stage_x(const float* __restrict__ h, const lo
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float mx = 0.f, ssl = 0.f;
     // two elements per thread by 8- and 16-byte loads, all issued before any is used (SP and k_lo
-    // even): 8B's 512-row span is one L2 round trip after the PDL wait, not two (change 85)
+    // even): 8B's 512-row span is one L2 round trip after the PDL wait, not two
     for (int e = 2 * tid; e < SP; e += 2 * FFN_THREADS) {
         const int k = k_lo + e;
         const float2 hv = resid_pending2(h, pend, k / 2);
@@ -193,7 +193,7 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
 }
 
 // ---- the exchange by pushes (ffn_decode and moe_ffn_decode <CL, TB, FFN_XCH_PUSH>;
-// PERFORMANCE.md change 124) ----
+// docs/PERFORMANCE.md) ----
 // Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
 // operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
 // Here each block stores its gate and up sums and its span's sum of squares straight into every block's
@@ -254,9 +254,9 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
 // ---- the exchange through global memory (ffn_decode<CL, TB, FFN_XCH_GLOBAL>) ----
 // Why: a cluster launch is placed by GPC (clusters reach ~124 of an H100's 132 SMs), and the dense FFN's
 // 384 blocks land up to 4 per SM next to SMs holding 0 or 1; the SMs holding 4 end the FFN last (PERFORMANCE.md
-// changes 125-130). Without clusters, and with registers for only as many blocks per SM as it needs (MINB), the
+// measured). Without clusters, and with registers for only as many blocks per SM as it needs (MINB), the
 // grid spreads evenly (capped by shared-memory padding instead, its blocks could only land as the o GEMV's
-// left: change 125); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
+// left); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
 // stores its slot and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
 // (acquire loads). The counter only grows (64 bits: no wrap, no reset), so a
 // launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
@@ -307,7 +307,7 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 #else
         // acquire loads (LDG.STRONG.GPU + CCTL.IVALL), not relaxed polling and a fence: the fence is a
-        // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before (change 132)
+        // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before
         while (ld_acquire_u64(cnt) < target)  // pairs with the peers' release adds
             if (++spins > (1ll << 26)) __trap();  // a peer never arrived (not all blocks resident): fail loudly
 #endif
@@ -467,7 +467,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 // expert: slot g / (mI / 256), channel tile g % (mI / 256); from there it is ffn_decode with the
 // expert's matrices and its routing weight applied to down's sums; the weights (softmax of z / rms, the
 // 1/rms known after the cluster's exchange) are only needed there. Cluster 0's block 0 also stores the
-// ids and weights (read by tests only). Measured on H100 (PERFORMANCE.md changes 76-77): with the
+// ids and weights (read by tests only). Measured on H100: with the
 // router dot product and its cluster exchange in this kernel, the Qwen3-30B-A3B decode step was
 // 2.6-2.9% shorter than the routing kernel and expert GEMVs; with the logits from the o GEMV, see 77.
 //
@@ -521,7 +521,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // block: every cluster picks the same experts ----
     lg[tid] = tid < E ? fix_f(za) : -INFINITY;
     __syncthreads();
-    if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
+    if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer)
         float p[MOE_MAX_E / 32];
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lg[lane + 32 * j];
@@ -545,7 +545,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     const half* sc = ws + (size_t)ex * (D / 128) * W2 * 8;
     const int gword = (mat ? mI / 8 : 0) + t * 32 + lane;
     // (x is staged before the top-k: with the expert's first loads issued before the stage instead, the
-    // 30B-A3B step measured 0.8% longer, change 77)
+    // 30B-A3B step measured 0.8% longer)
     u32 wv[FFN_ROWS], zw;
     uint4 sv;
     ffn_load_rows(qb, k_lo + wr * FFN_ROWS, wv);

@@ -32,7 +32,7 @@
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
 #ifndef GEMV_POS_EARLY
-#define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B; change 109)
+#define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B)
 #endif
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
@@ -124,7 +124,7 @@ __device__ __forceinline__ float gemv_merge_each(const float* __restrict__ part_
 // barrier each thread finds its head's weights there. decode_merge's running max (the generic
 // instantiation) spreads the same loads over 4-6 dependent round trips: under the 64-register bound
 // the compiler issues them between the exp2 steps, and every split past a multiple of 8 adds two
-// serial round trips of its own (PERFORMANCE.md change 121). This form needs the 80 registers of 3
+// serial round trips of its own. This form needs the 80 registers of 3
 // blocks per SM (16 partials spill at 64). Every thread calls it (the barrier); more heads x splits
 // than the pairs' room, or a span past the block's threads, takes gemv_merge_each.
 __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -180,9 +180,9 @@ __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_
 // [q_dim, E] and Rh = diag(ffn_norm) router^T [D, E], fp16, made at load. More column tiles: R's take
 // it against the block's staged span of the attention output, the last takes Rh against the split's
 // rows of h. The MoE kernel after us then reads z and starts its top-k at once, instead of a router dot
-// product and a cluster exchange after its wait (PERFORMANCE.md change 77). R's columns may be split
+// product and a cluster exchange after its wait. R's columns may be split
 // over several tiles (the host's choice: the tiles between o's and the last): a block of one R tile
-// then reads what a block of an int4 tile does, instead of being the GEMV's straggler (change 79). A
+// then reads what a block of an int4 tile does, instead of being the GEMV's straggler. A
 // tile's row of R is E/8 16-byte chunks (E its columns, ld the row stride); lane = (row phase,
 // chunk), 32 / lpr rows side by side, a warp's GEMV_ROWS rows in batches of GEMV_RT_LOADS.
 #define GEMV_RT_LOADS (GEMV_ROWS / 4)  // 16-byte router loads in flight per lane: in the registers of a
@@ -355,7 +355,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an
             // iteration's loads issued before any is used: this runs after the PDL wait, where every
             // dependent L2 round trip lengthens the step, and a span of 4 x 256 rows is one round trip
-            // instead of four (change 85). One loop per source, so each holds only its own loads in
+            // instead of four. One loop per source, so each holds only its own loads in
             // registers beside the first step's weights (one loop for all spilled).
             const int e0 = 4 * threadIdx.x, step = 4 * blockDim.x;
             if (hn) {
@@ -552,13 +552,13 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
 // split K as finely as the dense GEMVs. The last block of a (slot, tile) sums that slot's S partials
 // times its routing weight into the slot's first partial row; the last slot to finish a tile sums
 // the slots. In one level a single block per tile read slots x S partials, so the split aimed at one
-// block per SM (PERFORMANCE.md change 6). It is its own instantiation: beside every other epilogue
-// the second level spilled under the 64-register bound of 4 blocks per SM (change 39); alone it fits.
+// block per SM. It is its own instantiation: beside every other epilogue
+// the second level spilled under the 64-register bound of 4 blocks per SM; alone it fits.
 // OM: the o projection with gemv_merge_span's merge, at the 80 registers of GEMV_O_MIN_BLOCKS per SM
 // (the host takes it for DEVICE_TUNING's "o_merge" shapes past 16 splits, where o's grid fits 3 per SM).
 // ACC: accumulating mode only (acc_out set), so the split-K reduction tails and epilogues are not in the
 // kernel: about 2200 fewer instructions, and the decode step measured 1.8% (30B-A3B) / 0.5% (8B) shorter
-// (change 146). The decode kernels run from cold instruction caches every layer, so code they hold but
+//. The decode kernels run from cold instruction caches every layer, so code they hold but
 // never run still costs.
 template <bool MOE2, bool RT = false, bool OM = false, bool ACC = false>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, OM ? GEMV_O_MIN_BLOCKS : GEMV_MIN_BLOCKS)

@@ -30,7 +30,7 @@ def _deq_keep_budget() -> int:
     """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
     the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
     fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
-    each token (5.6 against 0.25 tok/s on the 2-core CI host, PERFORMANCE.md change 220); 1.7B's 6.9 GB rarely do."""
+    each token (5.6 against 0.25 tok/s on the 2-core CI host); 1.7B's 6.9 GB rarely do."""
     avail = 0
     try:
         with open("/proc/meminfo") as f:

@@ -480,7 +480,7 @@ def test_gemm_wgmma(M, tile, producers):
 @pytest.mark.parametrize("bt", [64, 128, 256])
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
 def test_gemm_rs_prototype(M, bt, split):
-    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-167) at each width
+    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs) at each width
     and split on check_wgmma's cases, bt tokens per block (256: blocks of 128 channels, half a column tile, 5
     stages): q|k|v side by side with ragged last token tiles, two launches bitwise equal (split parts are
     added in a fixed order whatever order they finish in), and the lone matrix with 64-row groups and more
@@ -522,7 +522,7 @@ def test_rs_choose(T, N, K):
                for b in (128, 256) for t in range(1, max(1, min(8, nk // 8)) + 1))
 
 
-@pytest.mark.parametrize("M", [80, 144, 200, 256, 300, 512, 700])  # (80-255: change 227's rows)
+@pytest.mark.parametrize("M", [80, 144, 200, 256, 300, 512, 700])  # (80-255: the short prompts rs serves)
 def test_gemm_rs_path(M):
     """gemm()'s "rs" path (gemm_w4a16_rs as rs_choose plans it) on check_wgmma's cases: q|k|v side by side,
     two launches bitwise equal (the repeat through the launch record the first one kept), and the lone matrix
@@ -539,7 +539,7 @@ def test_gemm_rs_path(M):
 
 @pytest.mark.parametrize("M", [257, 300, 320])
 def test_gemm_rs_rows_split(monkeypatch, M):
-    """gemm()'s "rs" path with its rows split in two launches (rs_rows_split, change 206: the first 256 rows by
+    """gemm()'s "rs" path with its rows split in two launches (rs_rows_split: the first 256 rows by
     256-token blocks, the rest by 64-token blocks; the weight bound lowered to 0 so check_wgmma's small matrices
     take it): q|k|v side by side and the lone matrix against the reference, every row written (outputs poisoned),
     two runs bitwise equal, and both launches seen with their row counts."""
@@ -579,7 +579,7 @@ def test_gemm_path_routes_rs(monkeypatch):
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
     tune(monkeypatch, gemm_rs="auto")
     tune(monkeypatch, gemm_wgmma="auto")
-    for m in (qkv, gu, down):  # (change 227: rs from 80 rows for matrices past 4096 x 4096)
+    for m in (qkv, gu, down):  # (rs from 80 rows for matrices past 4096 x 4096)
         assert ([oc.gemm_path(T, m) for T in (64, 79, 80, 128, 256, 512, 768, 2048)] ==
                 ["wgmma", "wgmma", "rs", "rs", "rs", "rs", "dequant", "dequant"])
     assert ([oc.gemm_path(T, o) for T in (128, 143, 144, 256, 512, 768, 2048)] ==
@@ -615,7 +615,7 @@ cp.cuda.Device().synchronize()
 
 def test_gemm_rs_traps_on_wrong_block():
     """gemm_w4a16_rs launched with fewer threads than its consumer warpgroups fails with a CUDA error (its
-    blockDim trap) instead of hanging on barriers no warp will complete (change 166's first run hung so)."""
+    blockDim trap) instead of hanging on barriers no warp will complete."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
     import subprocess
@@ -759,7 +759,7 @@ def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, pa
 
 @pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
 def test_flash_attention_prefill_position_on_device(path, monkeypatch):
-    """A prefill graph's attention (change 207): the position read from device memory and, on the wgmma kernel, K's
+    """A prefill graph's attention: the position read from device memory and, on the wgmma kernel, K's
     and V's maps from a device buffer, both rewritten between launches of the same arguments (as between replays):
     each launch equals, bit for bit, the launch with that position and its own maps as arguments, and float64.
     Every other layer and the rows past each launch's keys hold NaN (a map over the whole cache would let them into
@@ -956,7 +956,7 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
 @pytest.mark.parametrize("dev_pos", [False, True])
 def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0, dev_pos):
     """q/k norm, RoPE and the cache write against NumPy; dev_pos: the position read from device memory (the decode
-    step's graph, and a prefill graph's since change 207), the argument a wrong -1."""
+    step's graph, and a prefill graph's), the argument a wrong -1."""
     from kuiper_py.config import ModelArgs, rope_tables
     from kuiper_py.ops_numpy import rmsnorm, rope
     rng = np.random.default_rng()

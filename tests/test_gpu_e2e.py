@@ -77,7 +77,7 @@ def test_prefill_graphs_match_eager_and_reference(small_bin, monkeypatch):
 
 
 def test_prefill_graphs_serve_continued_prompts(small_bin):
-    """A chat's later turns (pos0 > 0) through the same prefill graphs as fresh prompts (change 207: the position and
+    """A chat's later turns (pos0 > 0) through the same prefill graphs as fresh prompts (the position and
     the attention's cache maps are read on the device): three chats whose turns meet the 48-token bucket at
     positions 0, 9, 20, 33 and 46, each turn's logits as accurate as the eager prefill's, then a greedy continuation
     after two replayed turns (reference.assert_prefill_graphs_accurate)."""
@@ -191,7 +191,7 @@ def test_kv_cache_that_cannot_fit_says_how_many_positions_would(tiny_bin):
     per = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
     ops = oc.CupyOps(a, mf.weights, 64, progress=False)
     # earlier tests' unreachable arrays first: CuPy collects them itself when an allocation fails, which would
-    # free memory between this count and the one in the message (364 MiB in the whole file's run, session 82)
+    # free memory between this count and the one in the message (364 MiB in the whole file's run)
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
@@ -522,8 +522,7 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
 
 def test_new_prompt_length_plans_each_shape_once_not_each_layer(ckpt_root, monkeypatch):
     """A prompt length the process has not seen (what every turn of a chat meets) plans each projection shape's
-    fused GEMM once and encodes one TMA descriptor per KV cache, however many layers share them (PERFORMANCE.md
-    change 196: plans and descriptors per layer made a new length's host side ~6 ms slower on 30B-A3B). Two
+    fused GEMM once and encodes one TMA descriptor per KV cache, however many layers share them (docs/PERFORMANCE.md: plans and descriptors per layer made a new length's host side ~6 ms slower on 30B-A3B). Two
     layers of Qwen3-0.6B shapes on Hopper; the logits of the new length equal those of a fresh engine's."""
     if not oc.wgmma_available():
         pytest.skip("the fused GEMMs and flash_attn_wgmma need compute capability 9.0")

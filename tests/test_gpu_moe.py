@@ -200,8 +200,8 @@ def rs_form_or_skip(monkeypatch, form) -> int:
 @pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
-    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md change 168) in each
-    compiled form (rows per tile, stages, consumer warpgroups: change 176): the expert maps in tiles of those rows,
+    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs) in each
+    compiled form (rows per tile, stages, consumer warpgroups): the expert maps in tiles of those rows,
     the rows gathered per expert, the grouped gate|up and down GEMMs, each stage against moe_ref with poisoned
     outputs; then moe_experts whole, on this path and on the mma.sync one, against moe_ref's pipeline. Experts
     with no tokens are part of every case (DEAD)."""
@@ -241,8 +241,7 @@ def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
 @pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
-    """Prefill's expert half on gemm_moe_tc (the batched GEMV on tensor cores for few rows per expert, PERFORMANCE.md
-    change 199) in tiles of tm rows: gate|up reading the token rows through perm_to_unperm, down on permuted rows,
+    """Prefill's expert half on gemm_moe_tc (the batched GEMV on tensor cores for few rows per expert) in tiles of tm rows: gate|up reading the token rows through perm_to_unperm, down on permuted rows,
     each against moe_ref with poisoned outputs; then moe_experts whole on that path against moe_ref's pipeline.
     Experts with no tokens are part of every case (DEAD); 300 and 2048 tokens give experts of many tiles, whose
     last tile ends inside the expert."""
@@ -708,7 +707,7 @@ def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch, pro
     head dim of 128 (so that k and v are 256 wide and every dense projection takes the fused GEMMs; narrower ones go
     through cuBLAS, where a capture is refused): the padding's rows are routed and computed too, and leave the
     prompt's rows and continuation as accurate as the eager prefill's; fresh prompts, and chats whose later turns
-    replay the graph at pos0 > 0 (change 207)."""
+    replay the graph at pos0 > 0."""
     if not oc.wgmma_available():
         pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
     monkeypatch.setitem(synth.MOE_PRESETS, "pg-moe", (256, 512, 2, 4, 2, 128, True, 16, 4, 256, ()))

@@ -40,7 +40,7 @@ def test_decode_regimes_are_those_the_steps_meet():
 
 
 def test_rs_rows_split_rule():
-    """gemm()'s rs rows split (change 206) applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
+    """gemm()'s rs rows split applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
     weights only (Qwen3-8B gate|up and down, not q|k|v or o), with 256 rows in its first launch."""
     gu, down, qkv, o = (4096, 24576), (12288, 4096), (4096, 6144), (4096, 4096)
     assert [oc.rs_rows_split(T, *gu) for T in (2, 256, 257, 300, 320, 321, 352, 512)] == [0, 0, 256, 256, 256, 0, 0, 0]
@@ -50,7 +50,7 @@ def test_rs_rows_split_rule():
 
 class PaddedNumpyOps(NumpyOps):
     """The reference ops serving prefill_graph as the CUDA backend does: the layers run on the prompt padded with
-    id 0 to prefill_bucket(T) positions, at the cache's start or after earlier turns (change 207), where the padded
+    id 0 to prefill_bucket(T) positions, at the cache's start or after earlier turns, where the padded
     end fits in the cache."""
     served = 0
 

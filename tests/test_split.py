@@ -31,8 +31,8 @@ def test_gemv_split_covers_k_in_whole_steps(sms, n_sm, K, N):
 
 def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     sms(132)
-    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md change 83;
-    # with gemv_merge_span's merge the bound covers every split count of a 40960-position cache (change 121)
+    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles);
+    # with gemv_merge_span's merge the bound covers every split count of a 40960-position cache
     coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 65)
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS, merge=True) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS + 1, merge=True) == fine
@@ -48,7 +48,7 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
 
 
 # Qwen3 dense FFN shapes (hidden D, intermediate I) and their splits on 132 SMs at 4 and 3 blocks per SM
-# (PERFORMANCE.md Next levers 0000 / change 84): (gate/up at 4, at 3), (down at 4, at 3)
+# (gate/up at 4, at 3), (down at 4, at 3)
 FFN_SPLITS = {(2560, 9728): ((7, 384), (5, 512), (38, 256), (38, 256)),
               (4096, 12288): ((6, 768), (4, 1024), (32, 384), (24, 512)),
               (5120, 17408): ((4, 1280), (3, 1792), (23, 768), (20, 896)),
@@ -103,7 +103,7 @@ def test_device_tuning_table_is_well_formed():
         assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
         # the clusters' merge serves only the short-context graph (its splits capped at ATTN_CM_MAX)
         assert all(shape in t.get("attn_short", {}) for shape in t.get("attn_cm", ()))
-        # a second short bound paid only with the clusters' merge (change 158: +1.1% without it)
+        # a second short bound paid only with the clusters' merge (+1.1% without it)
         assert all(shape in t.get("attn_cm", ()) for shape, keys in t.get("attn_short", {}).items()
                    if not isinstance(keys, int) and len(keys) > 1)
 

@@ -100,8 +100,7 @@ class CudaGraphs:
 
     def _attn_split_count(self, n_keys: int) -> int:
         """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's
-        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer,
-        change 116), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
+        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
         bound = self._attn_short_bound(n_keys)
         if bound:
             # (with the clusters' merge, at most the splits one cluster holds)
@@ -118,7 +117,7 @@ class CudaGraphs:
         not met (the first prefill of a bucket runs eagerly: a capture costs as much host time as that prefill, so
         a one-off prompt does not pay it). One graph per bucket serves every position: the rotary embedding, the
         cache rows written and attention's keys come from the position the host writes before each replay, with
-        the cache maps of the prompt's pos0 + B keys (change 207). layers(ids) runs the model's layers and final
+        the cache maps of the prompt's pos0 + B keys. layers(ids) runs the model's layers and final
         norm on a list of B ids."""
         s = step.one()
         ids, pos0 = s.ids, s.pos0

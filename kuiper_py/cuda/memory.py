@@ -43,7 +43,7 @@ def device_linear(lin, segments: int = 1):
 
 
 # A multi-token forward of at most this many tokens takes its activations from the CupyOps' _Arena instead of
-# cupy.empty (PERFORMANCE.md change 194): short prefills are host-bound, and the ~18 allocations of a MoE layer were
+# cupy.empty: short prefills are host-bound, and the ~18 allocations of a MoE layer were
 # ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off (A/B). Longer
 # prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
 _ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
@@ -87,7 +87,7 @@ class _Arena:
 # layer. 0 turns them off.
 # what a replay reads, in one device buffer the host fills before each (one copy): K's and V's cache maps of the
 # prompt's keys at bytes 0 and 128 (64-byte aligned, for flash_attn_wgmma), the position at _PBUF_POS, the padded
-# ids from _PBUF_IDS (PERFORMANCE.md change 207)
+# ids from _PBUF_IDS
 _PBUF_POS, _PBUF_IDS = 256, 260
 
 

@@ -10,53 +10,53 @@ from typing import Mapping
 # per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
 # its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
 # decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
-# where the one-launch FFN's cluster launch is off under DECODE_FFN=auto (PERFORMANCE.md change 84; its form
-# without a cluster launch, change 129, is taken first where it applies: H200 8B -3.3% per step at 512 against
+# where the one-launch FFN's cluster launch is off under DECODE_FFN=auto (docs/PERFORMANCE.md; its form
+# without a cluster launch is taken first where it applies: H200 8B -3.3% per step at 512 against
 # the separate GEMVs, so the entry no longer decides there). H200: Qwen3-8B
 # with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
 # q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
 # 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
 # "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
-# (change 105). H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
-# 16), 14B -0.7%; 30B-A3B at 64 since its short splits' keys are staged before the wait (change 115): -1.2% at
-# 512, -3.4% at 1100 (change 118; +0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
-# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100 (change 119), so it keeps 32; 8B at 64 (after
-# change 132) -0.7% at 512 and at 2000, neutral at 8000 (change 135: o merges 8 splits instead of 16)
+#. H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
+# 16), 14B -0.7%; 30B-A3B at 64 since its short splits' keys are staged before the wait: -1.2% at
+# 512, -3.4% at 1100 (+0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
+# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100, so it keeps 32; 8B at 64 (after
+# the staged short splits) -0.7% at 512 and at 2000, neutral at 8000 (o merges 8 splits instead of 16)
 # "attn_short": {(hidden, heads, kv heads, head dim): keys or (keys, ...)} flash decoding's short-context regimes
-# (change 116): up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
-# 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (change 119; -0.5% at 1000), H200 30B-A3B -2.4%
-# (change 137; +0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (change 158: 8 splits, clusters of 8 with
+#: up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
+# 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (-0.5% at 1000), H200 30B-A3B -2.4%
+# (+0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (8 splits, clusters of 8 with
 # attn_cm) -1.5% on the H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B
-# (H200, no attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm, change 161: the same as one bound at
+# (H200, no attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm: the same as one bound at
 # 412 keys)
-# "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span,
-# change 121). H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
+# "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span).
+# H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
 # 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
 # H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512, and +0.8 to +2.0% at 64
-# registers too (change 122, not explained), so the H200 kept decode_merge; after changes 132-135 (8 splits at 512
+# registers too (not explained), so the H200 kept decode_merge; after the short splits' staging (8 splits at 512
 # keys, out of the merge's reach by the 16-split bound) 8B gains there too: -1.7% at 2000 keys, -1.5% at 8k, -1.2% at
-# 32k with a 33000-position cache, neutral at 512 (change 136); 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
+# 32k with a 33000-position cache, neutral at 512; 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
 # 14B and 4B measured mixed (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge
 # "attn_cm": {(hidden, heads, kv heads, head dim)} flash decoding's short-context graph merges its splits in its
-# own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue (change 157).
+# own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue.
 # Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
-# -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32; change 161): H200 -1.0% at 412 keys, +0.15%
+# -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32): H200 -1.0% at 412 keys, +0.15%
 # at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TABLES = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
              "gemv_blocks_per_sm": {(4096, 24576): 3.0, (12288, 4096): 3.0, **_QWEN3_4B_AT_3},  # 8B gate|up, down
-             "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B (change 135)
-             # Qwen3-8B (change 158: a graph of 8 splits up to 512 keys, with attn_cm), 30B-A3B (change 137)
+             "attn_min_chunk": {(4096, 32, 8, 128): 64},  # Qwen3-8B
+             # Qwen3-8B (a graph of 8 splits up to 512 keys, with attn_cm), 30B-A3B
              "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},
-             "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B (change 136)
-             "attn_cm": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B (change 157), 30B-A3B (change 161)
+             "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B
+             "attn_cm": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B, 30B-A3B
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
              "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B
              "o_merge": {(4096, 32, 8, 128), (2048, 32, 4, 128)},  # Qwen3-8B, 30B-A3B
-             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B (change 157)
+             "attn_cm": {(4096, 32, 8, 128)}},  # Qwen3-8B
 }
 
 

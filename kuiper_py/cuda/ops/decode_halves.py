@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 # the one-launch FFN half: "auto" where its grid holds at least FFN_AUTO_BLOCKS_PER_SM blocks per SM (measured
-# faster at Qwen3-8B's 384 blocks on H100, PERFORMANCE.md change 75), "1" wherever it is served (tests), "0" off
+# faster at Qwen3-8B's 384 blocks on H100), "1" wherever it is served (tests), "0" off
 FFN_AUTO_BLOCKS_PER_SM = 2
 
 
@@ -102,10 +102,10 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
     return acc
 
 
-# The dense one-launch FFN without a cluster launch (ffn_decode.cu FfnSlots, PERFORMANCE.md changes 129-130): registers
+# The dense one-launch FFN without a cluster launch (ffn_decode.cu FfnSlots): registers
 # for only as many blocks per SM as its grid needs (3 or 4, FFN_GLOBAL_CAPS) spread it evenly, and a channel tile's
 # blocks exchange their sums through global memory. A cluster launch cannot be spread that way: clusters reach
-# ~124 of an H100's 132 SMs, where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM (change 128), and 94 of 32B's
+# ~124 of an H100's 132 SMs, where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM, and 94 of 32B's
 # 100 clusters of 5 at 4 (so 32B ran the separate GEMVs). H100 step timer at 512 keys: 8B -2.5%, 14B -2.7% against
 # the cluster launch, 32B -9.7% against the separate GEMVs; H200: 8B -3.3%, 14B -6.6%. "auto" (default) where the
 # grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never (A/B).
@@ -138,8 +138,8 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
 
 # the one-launch MoE FFN half (ffn_decode.cu's moe_ffn_decode: the top-k and the selected experts in one
 # cluster launch, the router's logits from the o GEMV before it; Qwen3-30B-A3B's decode step 2.6-2.9%
-# shorter on H100 with the router in the cluster, PERFORMANCE.md change 76, and 6.3% more with the logits
-# from the o GEMV, change 77): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
+# shorter on H100 with the router in the cluster, docs/PERFORMANCE.md, and 6.3% more with the logits
+# from the o GEMV): "auto" (default) and "1" wherever it is served, "0" off (the routing kernel
 # and the two expert GEMVs)
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):

@@ -60,7 +60,7 @@ def awq_dequant(m: AwqLinear, out=None):
 def awq_dequant3(mats, out):
     """One to three device AwqLinears with one K and group size (q, k and v) dequantized side by side into out
     [K, sum of N] (a row-major matrix or a column slice of a wider one) by one launch of awq_dequant3: what
-    awq_dequant writes for each, in one launch instead of one per matrix (PERFORMANCE.md change 230)."""
+    awq_dequant writes for each, in one launch instead of one per matrix."""
     K, g = mats[0].K, mats[0].group_size
     assert 1 <= len(mats) <= 3 and all(m.K == K and m.group_size == g for m in mats)
     assert out.shape == (K, sum(m.N for m in mats)) and out.strides[1] == 2 and out.strides[0] % 16 == 0
@@ -139,18 +139,18 @@ def wgmma_fits(mats) -> bool:
 
 
 def wgmma_max_m(K: int, N: int) -> int:
-    """Most rows for which the default path takes the fused wgmma GEMM (PERFORMANCE.md change 56;
+    """Most rows for which the default path takes the fused wgmma GEMM (docs/PERFORMANCE.md;
     H100, TFLOP/s at 128 / 256 / 512 rows, fused vs dequant + cuBLAS): 8B q|k|v 206 / 263 / 323 vs
     103 / 191 / 351-413, gate 266 / 319 / 351 vs 141 / 276 / 425, down 290 / 346 / 373-383 vs
     138 / 257 / 428-440; 8B o 188 / 276 / 324-352 vs 65 / 133 / 261-405 (dequant + cuBLAS pays for
-    writing back an fp16 matrix that fits in L2, change 54), 30B-A3B q|k|v 155 / 161 / 240 vs 42 /
+    writing back an fp16 matrix that fits in L2), 30B-A3B q|k|v 155 / 161 / 240 vs 42 /
     87 / 166, o 128 / 198 / 280 vs 33 / 68 / 130. So: matrices up to 4096 x 4096 to 512 rows, larger
     ones to 256; at 2048 rows dequant + cuBLAS wins everywhere (580-640 vs 320-370)."""
     return 512 if K * N <= 4096 * 4096 else 256
 
 
 def rs_range(K: int, N: int) -> tuple[int, int]:
-    """The rows (least, most) for which the default path takes gemm_w4a16_rs (PERFORMANCE.md change 167;
+    """The rows (least, most) for which the default path takes gemm_w4a16_rs (docs/PERFORMANCE.md;
     H200 TFLOP/s, rs as rs_choose plans it against the better of the other two paths): 8B q|k|v at 256 /
     384 / 512 rows 328 / 315 / 423 vs 285 / 300 / 370, o 315 / 329 / 437 vs 297 / 315 / 448 (the kernel
     above, which took o to 512 rows, 373), gate|up 440 / 424 / 539 vs 364 / 416 / 479, down 463 / 407 / 506
@@ -159,8 +159,8 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
     rows dequant + cuBLAS wins at 8B o, gate|up and down (503-544 vs 421-480; q|k|v: 338 vs 344 and the
     kernel above's 356), and the kernel above at 128 rows (and for N < 4096, 30B-A3B o, at 256: 211 vs
     177). So: from 256 rows (384 for N < 4096) to 512 for matrices from 4096 x 4096, to 768 for smaller
-    ones. The H100 agrees (change 167) but for 30B-A3B at 384 rows, 3% behind the kernel above.
-    Change 227 (H200, after change 204 made rs's dequantization cheaper): below 256 rows rs is now the faster too, 8B
+    ones. The H100 agrees but for 30B-A3B at 384 rows, 3% behind the kernel above.
+    On the H200, once rs's dequantization was cheaper: below 256 rows rs is now the faster too, 8B
     q|k|v / gate|up / down at 80 rows 159 / 263 / 209 against 147 / 227 / 200, at 128 rows 243 / 415 / 327 against
     227 / 348 / 319, at 176 rows 237 / 304 / 333 against 176 / 250 / 258; at 64 rows it is behind (128 / 168 against
     141 / 202 for q|k|v / down). 8B o (4096 x 4096) stays on the kernel above up to 128 rows (214 against 177) and
@@ -173,7 +173,7 @@ def rs_range(K: int, N: int) -> tuple[int, int]:
 
 
 # gemm()'s "rs" path for 257 to rs_rows_split_max rows of a matrix of at least RS_ROWS_SPLIT_KN weights: the first
-# 256 rows by 256-token blocks, the rest by a second launch of 64-token blocks (PERFORMANCE.md change 206; 0: one
+# 256 rows by 256-token blocks, the rest by a second launch of 64-token blocks (docs/PERFORMANCE.md; 0: one
 # launch whatever the rows)
 RS_ROWS_SPLIT_KN = 3 * 4096 * 4096
 
@@ -181,7 +181,7 @@ RS_ROWS_SPLIT_KN = 3 * 4096 * 4096
 def rs_rows_split(T: int, K: int, N: int) -> int:
     """The rows of gemm()'s first rs launch where it splits a prompt's rows in two, else 0. Why: gemm_w4a16_rs's
     blocks pass over their weights at the same pace whatever their tokens (a ragged last tile whose wgmmas cover
-    only its rows was as slow, change 206), so 257-320 rows in 256-token blocks cost the GPU two full passes; one
+    only its rows was as slow), so 257-320 rows in 256-token blocks cost the GPU two full passes; one
     pass of 256 tokens, then 64-token blocks of 256 channels (half the blocks per pass) cost less where the
     matrix's passes are long (H200, Qwen3-8B gate|up at 288 rows 161 against 209 µs, down 83 against 91; q|k|v
     and o gain nothing). The whole 8B prefill: -15% at 257 tokens, -10% at 320, +6% at 352 (the bound)."""
@@ -196,7 +196,7 @@ def _mats_rec(mats) -> list:
     is collected (a finalizer drops the entry then, before its id can be reused; a model's weights are not kept
     alive by this cache): the signature ((K, N) of each, group size, whether gemm_wgmma.cu's shape table takes
     them) keys what depends only on shapes, the prompt's path and launch plan, so that a prompt length not seen
-    before plans each projection shape once, not once per layer (PERFORMANCE.md change 196); the arguments
+    before plans each projection shape once, not once per layer; the arguments
     (_mat_slots') are filled in by the first fused GEMM launch that needs them."""
     key = tuple(map(id, mats))
     rec = _MATS.get(key)
@@ -306,11 +306,11 @@ def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
     return out
 
 
-RS_PART_COST = 14  # K tiles: what one more K range of a tile costs gemm_w4a16_rs (fit to change 165's splits)
+RS_PART_COST = 14  # K tiles: what one more K range of a tile costs gemm_w4a16_rs (fit to the measured splits)
 
 
 # a 128-token block's throughput relative to a 256-token one (the same area: 256 x 128 channels); H200,
-# 2048 rows, split 1, change 167's probe: 0.77-0.84 over the 8B and 30B-A3B shapes
+# 2048 rows, split 1, measured: 0.77-0.84 over the 8B and 30B-A3B shapes
 RS_BT128_EFF = 0.8
 
 
@@ -329,8 +329,8 @@ def rs_cost(T: int, N: int, K: int, bt: int, s: int) -> float:
 
 def rs_plan(T: int, N: int, K: int, bt: int = 128) -> int:
     """gemm_w4a16_rs's split for bt tokens per block: the K ranges per tile (up to 8, each at least 8 K tiles)
-    with the least rs_cost (ties to the smaller split). Change 165's fit: o and down at 512 rows (64 tiles)
-    split 2, at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole. Change 167: with 256 tokens the
+    with the least rs_cost (ties to the smaller split). The fit: o and down at 512 rows (64 tiles)
+    split 2, at 256 rows split 4; q|k|v at 512 (96 tiles) stays whole. With 256 tokens the
     model's splits are within the probe's spread of the best measured ones."""
     nk = K // 64
     return min(range(1, max(1, min(8, nk // 8)) + 1), key=lambda s: (rs_cost(T, N, K, bt, s), s))
@@ -352,7 +352,7 @@ _RS_CALLS: dict[tuple, tuple] = {}
 
 
 def gemm_rs(x, mats, out, bt: int | None = None, split: int | None = None):
-    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-167; gemm()'s "rs"
+    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs; gemm()'s "rs"
     path): up to 3 matrices with the same K (each N % 256 == 0), side by side in out; bt tokens per block
     (64, 128, or 256 with blocks of 128 channels); each tile's K cut into split ranges. By default
     rs_choose's bt and split (with bt given, rs_plan's split). As gemm_wgmma, everything but x's descriptor

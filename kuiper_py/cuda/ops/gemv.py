@@ -28,16 +28,16 @@ GEMV_BASE_BLOCKS_PER_SM = 4.0
 
 
 # a target below the base never takes a projection under min(gemv_min_splits, its splits at the base):
-# 3 per SM would give Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step (change 83; with
-# gemv_blocks_per_sm=3 on the H200, the floor's 3 x 1792 measured 2.6% faster, change 84)
+# 3 per SM would give Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step (with
+# gemv_blocks_per_sm=3 on the H200, the floor's 3 x 1792 measured 2.6% faster)
 # the o GEMV (its prologue merges flash decoding's partials) aims at 3 while flash decoding has at most
-# GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs (change 82), a grid that does not
+# GEMV_O_COARSE_SPLITS splits: since its blocks are spread over the SMs, a grid that does not
 # fill every SM's registers lets the next kernel's blocks sit resident at their PDL wait with their first
-# loads out (change 71's residency gap). Qwen3-8B's o then takes 16 splits of 256 rows instead of 32 of
+# loads out (a residency gap). Qwen3-8B's o then takes 16 splits of 256 rows instead of 32 of
 # 128, two heads merged per block: 0.6% shorter steps at 512 and 8k (33 attention splits), 0.7% longer
-# at 32k (65) with decode_merge, hence the bound (PERFORMANCE.md change 83); with gemv_merge_span (below)
+# at 32k (65) with decode_merge, hence the bound; with gemv_merge_span (below)
 # 1.3% shorter at 32k on the H100, so there the bound covers the 80 splits of a 40960-position cache
-# (GEMV_O_MERGE_COARSE_SPLITS, change 121). The other projections stay at 4: 3 for all of them made
+# (GEMV_O_MERGE_COARSE_SPLITS). The other projections stay at 4: 3 for all of them made
 # Qwen3-32B's gate/up two splits of 2560 rows, 6.6% slower per step
 GEMV_O_COARSE_SPLITS = 48
 
@@ -65,7 +65,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 DECODE_MIN_CHUNK = 32
 
 
-# the short-context regimes of flash decoding (attn_short; changes 116, 158): attn_short key counts ("512,1024"),
+# the short-context regimes of flash decoding (attn_short): attn_short key counts ("512,1024"),
 # "0" none, unset: device_tables's "attn_short" for the model's shape
 # flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
 # prologue: "1" / "0" for every shape (A/B), unset: device_tables's "attn_cm"
@@ -87,8 +87,7 @@ def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
     """Dynamic shared memory (bytes, unused by the kernel) that lets at most ceil(blocks / SMs) blocks
     of kernel `name` of `family` sit on one SM, or 0 where its registers already do (or no size does). A
     grid of fewer blocks than the SMs could hold is otherwise placed where space frees first: flash
-    decoding's 264 blocks landed on ~93 SMs, up to 4 per SM, beside idle ones (PERFORMANCE.md change
-    82). Worked out once per (device, kernel, grid, block); a launch then costs one dict lookup."""
+    decoding's 264 blocks landed on ~93 SMs, up to 4 per SM, beside idle ones. Worked out once per (device, kernel, grid, block); a launch then costs one dict lookup."""
     key = (_dev_id(), family, name, blocks, threads)
     pad = _SPREAD.get(key)
     if pad is None:
@@ -152,7 +151,7 @@ def attn_cm(a: ModelArgs) -> bool:
 
 def attn_short(a: ModelArgs) -> tuple[int, ...]:
     """The key counts up to which flash decoding runs in a short-context regime (each a decode graph of its own
-    whose grid holds only the splits its keys can use; PERFORMANCE.md changes 116, 158), ascending, () for
+    whose grid holds only the splits its keys can use), ascending, () for
     none: the attn_short setting ((512, 1024); () none), else the per-GPU table's "attn_short" for this model on
     this GPU (an int or a tuple of ints)."""
     if cfg.SETTINGS.attn_short is not None:
@@ -224,7 +223,7 @@ def decode_acc_layout(D: int, G: int, E: int, qkv: int) -> tuple[int, dict[str, 
     """Accumulating decode's int64 accumulators in one buffer: [o | gate, up | router z | down | q, k, v]
     (D, G, E, D, qkv elements), the size and each part's slice; acc_o_gu and acc_d_qkv are the two
     halves cleared together. Every part but z starts 16-byte aligned (an even offset), since its
-    consumers read it in pairs (the GEMV prologue's longlong2 loads, change 85): z is padded to even."""
+    consumers read it in pairs (the GEMV prologue's longlong2 loads): z is padded to even."""
     e = D + G + E + E % 2
     return e + D + qkv, {"acc_o": slice(0, D), "acc_gu": slice(D, D + G), "acc_z": slice(D + G, D + G + E),
                          "acc_d": slice(e, e + D), "acc_qkv": slice(e + D, e + D + qkv),
@@ -292,7 +291,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     assert slots * tiles + tiles <= gemv_counters().size
     assert out_kind != "swiglu" or (len(mats) == 2 and mats[0].N == mats[1].N)
     assert resid is None or (out_kind == "moe_sum" or (len(mats) == 1 and slots == 1)) and resid.size == mats[0].N
-    # the prologue's vector loads (change 85): the row and hout by 16 bytes, the norm weight by 8
+    # the prologue's vector loads: the row and hout by 16 bytes, the norm weight by 8
     assert norm is None or (norm[0].size == K and x_slot_stride == 0 and norm[0].data.ptr % 16 == 0
                             and norm[1].data.ptr % 8 == 0 and (hout is None or hout.data.ptr % 16 == 0))
     hn, wn, eps = norm if norm is not None else (np.uint64(0), np.uint64(0), 0.0)
@@ -343,7 +342,7 @@ def gemv(x, mats: list[AwqLinear], out_kind: str, out, partial, *, ids=None, slo
     flat = _mat_slots(mats)
     om = (att is not None and att.merged is None and att.o_merge and att.splits > cfg.SETTINGS.gemv_o_merge_min_splits
           and math.ceil(tiles * S / sm_count()) <= GEMV_O_MIN_BLOCKS)
-    # accumulating launches take the ACC instantiations, which hold no split-K tail code (PERFORMANCE.md change 146)
+    # accumulating launches take the ACC instantiations, which hold no split-K tail code
     name = gemv_name(moe2, router is not None, om, acc_out is not None and not moe2)
     pad = spread_smem("gemv", name, tiles * S * slots, 256)
     kernel("gemv", name)((tiles, S, slots), (256,), (

@@ -82,7 +82,7 @@ _BUILDING: dict[str, concurrent.futures.Future] = {}  # module key -> its build 
 BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diagnosis)
 
 
-# the most worker threads precompile() starts (fewer where the process may use fewer CPUs): 8 until change 226
+# the most worker threads precompile() starts (fewer where the process may use fewer CPUs)
 BUILD_THREADS = env.build_threads()
 
 
@@ -113,7 +113,7 @@ def kernel_build_seconds() -> float:
 
 # families built as several modules (each a share of the instantiations, in the list's order), so that their
 # compiles run side by side: alone, attention.cu's took 31.0 s, ffn_decode.cu's 13.5 and gemv_w4a16.cu's 7.3 of a
-# first run's 83 (H200 machine, session 82); gemv was then the last build to finish (13.1 s beside the others)
+# first run's 83 (H200 machine); gemv was then the last build to finish (13.1 s beside the others)
 MODULE_PARTS = {"attn": 4, "ffn": 3, "gemv": 3}
 
 
@@ -122,7 +122,7 @@ SM90A_FAMILIES = ("gemm90", "gemm90rs", "attn90")  # built for sm_90a (wgmma): t
 
 # the instantiations only some models use, built as modules of their own ("family@group") that a model's load builds
 # only when it needs them: the 64-dim attention forms (only the test presets: every Qwen3 has head_dim 128) and the
-# MoE forms of files that dense models also use (change 226)
+# MoE forms of files that dense models also use
 MODULE_GROUPS = ("hd64", "moe")
 
 
@@ -222,7 +222,7 @@ def precompile(families, device_id: int, groups=None) -> None:
     """Start building the kernel modules of `families` (of their MODULE_GROUPS only `groups`', as _module_keys picks)
     that are not built yet, in worker threads (NVRTC releases the GIL), on device device_id: a first run compiled them
     one after another as each was first used (87.0 s for Qwen3-8B on the H200 machine), now side by side while the
-    weights upload (20.8 s, change 225; 11.9 s with change 226's groups, parts and threads). _compiled waits for a
+    weights upload (20.8 s; 11.9 s with the groups, parts and threads). _compiled waits for a
     module's build; a build that failed there is redone in the caller, so its error is raised where the family is
     used."""
     with _BUILD_LOCK:
@@ -259,7 +259,7 @@ def model_families(a: ModelArgs, cc: int) -> list[str]:
     # cluster launches and bulk copies from 9.0 on; the wgmma modules are built for sm_90a, which loads on 9.0 only
     hopper, sm90a, moe = cc >= 90, cc == 90, bool(a.num_experts)
     # the longest compiles first, so the last to finish starts early (seconds alone on the H200 machine's host,
-    # session 82: attn 31.0, ffn 13.5, gemv 7.3, gemm90rs 7.0, attncm 6.9, moe 6.2, smp 4.2, attn90 2.5, moetc 1.2,
+    # attn 31.0, ffn 13.5, gemv 7.3, gemm90rs 7.0, attncm 6.9, moe 6.2, smp 4.2, attn90 2.5, moetc 1.2,
     # gemm 1.2, gemm90 0.8, the rest 0.1-0.2)
     fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs"] * sm90a + ["attncm"] * hopper + ["moe"] * moe
     fams += ["smp"] + ["attn90"] * sm90a + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * sm90a

@@ -79,7 +79,7 @@ class _ArgPack:
     alignment in one buffer reused by every launch of that signature, with the kernelParams pointer
     array into it made once (the driver reads each parameter through its pointer, at the kernel's own
     offset and size for it). A launch then costs one struct.pack_into; a ctypes object per argument
-    made the host side of a prefill layer slower than its kernels (PERFORMANCE.md change 72). The
+    made the host side of a prefill layer slower than its kernels. The
     driver copies the parameters at launch (and into a graph node at capture), so the buffer can be
     refilled right after."""
     _PTR, _PLAIN, _BYTES = 0, 1, 2
@@ -218,7 +218,7 @@ def tma_map_cache(c, n: int):
     """A CUtensorMap of the first n rows of every layer of a KV cache c [L, ctx, KV, hd] (fp16, contiguous) as
     [L][n][KV*hd], boxes of 64 rows x 64 columns of one layer with the 128-byte swizzle, rows past n zero-filled
     (flash_attn_wgmma's K and V). One map per cache and length serves every layer: a map per layer made a prefill
-    of a length not seen before encode 2 L of them (PERFORMANCE.md change 196)."""
+    of a length not seen before encode 2 L of them."""
     key = (_dev_id(), c.data.ptr, c.shape, n)
     m = _TMAPS.get(key)
     if m is not None:

@@ -20,22 +20,22 @@ GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), pa
 # the MoE weighted sum (the experts' down projection) reduces in two levels (gemv_w4a16<true>: slot by slot,
 # then over the slots), so it splits like the dense GEMVs (gemv_moe_blocks_per_sm, default the GEMVs' target)
 # the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
-# an int4 tile (256 columns) does (PERFORMANCE.md change 79); 0: all of R in one tile (A/B)
+# an int4 tile (256 columns) does; 0: all of R in one tile (A/B)
 GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once (A/B)
 
 
 # prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
-# on H100 that path was faster at every M measured (4 to 2048, bench_kernels; PERFORMANCE.md change 25),
+# on H100 that path was faster at every M measured (4 to 2048, bench_kernels),
 # so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
-# runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (PERFORMANCE.md changes 44 and
+# runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (docs/PERFORMANCE.md and
 # 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
 # (gemm_wgmma unset or "auto") it takes short prompts of the shapes where it measured faster,
 # wgmma_max_m() below; gemm_wgmma=1 sends every prefill from gemm_wgmma_min_m rows to it,
 # =0 never (A/B)
 # the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
 # ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
-# above and dequant + cuBLAS (H200, PERFORMANCE.md change 167); "1": every prefill that fits it, "0": never
+# above and dequant + cuBLAS (H200); "1": every prefill that fits it, "0": never
 # gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
 # of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
 # and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
@@ -47,7 +47,7 @@ WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
 
 
 # producer warpgroups of gemm_wgmma.cu (1 or 2; the kernel's NP): they take alternate K tiles, so the
-# dequantization, which bounded the kernel alone (change 44: 420 TFLOP/s), has twice the warps
+# dequantization, which bounded the kernel alone (420 TFLOP/s), has twice the warps
 WGMMA_PRODUCERS = (2,)
 
 
@@ -73,7 +73,7 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
-# 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8% (PERFORMANCE.md change 176).
+# 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8%.
 # Both with the narrow flag (a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
 # swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only; PERFORMANCE.md change
 # 177). H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
@@ -88,7 +88,7 @@ MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 
 
 # Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
-# on tensor cores (gemm_moe_tc.cu, PERFORMANCE.md changes 199-200), in tiles of 16 rows up to moe_tc_t16_max on the
+# on tensor cores (gemm_moe_tc.cu), in tiles of 16 rows up to moe_tc_t16_max on the
 # mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B). The bounds are whole-model crossovers (H200,
 # 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
 # 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
@@ -98,7 +98,7 @@ MOE_TC_TILES = (16, 32)  # gemm_moe_tc's compiled rows per tile
 
 # attn_wgmma.cu flash_attn_wgmma's (K/V stages, PIPE, consumer warpgroups) instantiations; prefill takes (4, 2, 3)
 # (3 warpgroups taking turns) from FW_NC3_FROM tokens and (4, 1, 2) below, or fw_config
-# ("stages,pipe,warpgroups") always. H100, PERFORMANCE.md change 170, TFLOP/s at 2048 / 8192 tokens (from position 0,
+# ("stages,pipe,warpgroups") always. H100, docs/PERFORMANCE.md, TFLOP/s at 2048 / 8192 tokens (from position 0,
 # then after T/2 cached positions): (4, 1, 2) 340-345 / 405 / 441-493 / 467-469, (4, 2, 3) 342-347 / 423-425 / 501-553
 # / 529-533, (4, 1, 3) 327-337 / 394-396 / 471-521 / 494-498; at 512 tokens 3 warpgroups leave SMs idle (135 against 172)
 FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), (4, 2, 3))
@@ -118,7 +118,7 @@ def fw_name(st: int, pipe: int, nc: int) -> str:
 
 
 # moe_route_mma's instantiations <NG, KS> (expert groups of 32 x K parts: 8 or 16 warps), each also as
-# moe_route_mma_split (change 198)
+# moe_route_mma_split
 MOE_RMMA_NAMES = [f"moe_route_mma{sp}<{ng}, {w // ng}>" for ng in (4, 8) for w in (8, 16) for sp in ("", "_split")]
 
 
@@ -126,17 +126,17 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A kernel of the same file (PERFORMANCE.md changes 164-167): gemm()'s "rs" path takes 128
+    # the register-A kernel of the same file: gemm()'s "rs" path takes 128
     # and 256 tokens per block; 64 only its test
     "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
                   + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "awq_dequant3", "gemm_moe_gate_up", "gemm_moe_down"]),
-    # MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md change 199)
+    # MoE prefill's grouped expert GEMMs for few rows per expert
     "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
     "moe": ("moe.cu", ["moe_router_logits", "moe_topk", *MOE_RMMA_NAMES, "moe_route_decode",
                        "moe_expert_maps", "moe_gather_rows",
                        "moe_finalize"]),
-    # prefill flash attention on wgmma (head dim 128 on compute capability 9.0; PERFORMANCE.md change 170)
+    # prefill flash attention on wgmma (head dim 128 on compute capability 9.0)
     "attn90": ("attn_wgmma.cu", [fw_name(*c) for c in FW_CONFIGS]),
     "attn": ("attention.cu", ["flash_attn_prefill<64>", "flash_attn_prefill<128>", "attn_decode_combine"]
                       + [f"attn_decode_gqa<{hd},{hb}{lp}>" for hd in (64, 128) for hb in range(1, 9)
@@ -156,7 +156,7 @@ FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argumen
 
 
 # blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
-# and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs, change 130)
+# and taken at (2, Qwen3-4B's on an H100, measured 3.6% slower than the separate GEMVs)
 FFN_GLOBAL_CAPS = (3, 4)
 
 
