@@ -46,40 +46,26 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     static constexpr int shared_floats = so_floats > long_floats ? so_floats : long_floats;
 };
 
-#ifndef ATTN_KV_PF
-#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B)
-#endif
-// A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched whole, a longer one its first iteration
-// only (ATTN_KV_PF_WHOLE 0: the first ATTN_KV_PF_ITERS of every chunk; A/B). At a short context the
-// second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at 512 on the
-// H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5%
-// at 32k
-#ifndef ATTN_KV_PF_WHOLE
-#define ATTN_KV_PF_WHOLE 1
-#endif
+// A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched into L2 whole, a longer one its first iteration
+// only. At a short context the second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at
+// 512 on the H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5% at 32k
 
 // Keys a split starts on before its wait, counted from its first: a chunk of at most ATTN_KV_PF_ITERS
 // iterations whole, a longer one its first iteration.
 template <int HD, int HB>
 __device__ __forceinline__ int attn_early_keys(int k_begin, int k_end) {
     constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
-    const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
+    const int its = k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
     return min(its * KPB, k_end - k_begin);
 }
 
 // Of those, the keys copied into shared memory: a short chunk's (a long one's are prefetched into L2).
-#ifndef ATTN_STAGE_LONG
-#define ATTN_STAGE_LONG 0  // 1: a long chunk stages its first iteration too (A/B)
-#endif
 template <int HD, int HB>
 __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
     const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * AttnSplitSmem<HD, HB>::KPB;
-    return lng && !ATTN_STAGE_LONG ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
+    return lng ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
 }
 
-#ifndef ATTN_MMA
-#define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B)
-#endif
 #define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
 
 // Where a split's partials go: head j's element d at o[j * ho + d], its max and sum at ml[j * hm], ml[j * hm + 1].
@@ -239,9 +225,6 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
     attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, dst, tid);  // (warp 0 always saw keys)
 }
 
-#ifndef ATTN_MMA_LONG
-#define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B)
-#endif
 #ifndef ATTN_LONG_PRE
 #define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
 #endif
@@ -452,10 +435,10 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const int n_stage = stage && k_begin < k_end ? attn_staged_keys<HD, HB>(k_begin, k_end) : 0;
     constexpr int SRW = L::SRW;
     // the tensor-core path: a short split wholly staged, q and the newest key's rows from wait()
-    const bool mma = ATTN_MMA && q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
+    const bool mma = q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
                      n_stage <= (ATTN_MMA_KEYS < L::CAP ? ATTN_MMA_KEYS : L::CAP);
     // the long tensor-core path: a split past the short one's keys, q from wait(), two tile buffers
-    const bool mma_long = ATTN_MMA_LONG && !mma && stage2 && stage && q_sm && newest_staged &&
+    const bool mma_long = !mma && stage2 && stage && q_sm && newest_staged &&
                           k_end - k_begin > ATTN_MMA_KEYS;
     if (mma_long) {  // the first ATTN_LONG_PRE tiles but the newest key, a group each
 #pragma unroll
@@ -484,7 +467,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                 }
             }
         }
-    } else if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+    } else if (k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
         const int n_early = attn_early_keys<HD, HB>(k_begin, k_end);
 #pragma unroll
         for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {

@@ -278,9 +278,6 @@ __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-#ifndef FFN_POLL_FENCE
-#define FFN_POLL_FENCE 0  // 1: relaxed polling, then fence.acq_rel.gpu (measured slower)
-#endif
 
 // The block's sums (as ffn_push_send) into slot `rank` of its tile, then its arrival on cnt.
 __device__ __forceinline__ void ffn_global_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
@@ -301,16 +298,10 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
     const int tid = threadIdx.x;
     if (tid == 0) {
         long long spins = 0;
-#if FFN_POLL_FENCE
-        while (ld_relaxed_u64(cnt) < target)
-            if (++spins > (1ll << 26)) __trap();
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#else
         // acquire loads (LDG.STRONG.GPU + CCTL.IVALL), not relaxed polling and a fence: the fence is a
         // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before
         while (ld_acquire_u64(cnt) < target)  // pairs with the peers' release adds
             if (++spins > (1ll << 26)) __trap();  // a peer never arrived (not all blocks resident): fail loudly
-#endif
     }
     __syncthreads();  // thread 0's acquire before every thread's reads of the slots
     float ss = 0.f, sg = 0.f, su = 0.f;

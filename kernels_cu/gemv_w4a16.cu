@@ -31,9 +31,6 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
-#ifndef GEMV_POS_EARLY
-#define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B)
-#endif
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
@@ -306,7 +303,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     // PDL's transitive waits, so it may be read before ours (from L2: this SM's L1 may hold an older
     // line), and the merge's loads then go out right after the wait (H100 8B -0.6% per step). Not in
     // the router-row instantiation (RT), where the register it holds across the wait adds spills.
-    constexpr bool pos_early = GEMV_POS_EARLY && !RT;
+    constexpr bool pos_early = !RT;  // the o projection reads the position before its PDL wait
     const int n_keys_early = pos_early && att_o ? (pos_dev ? __ldcg(pos_dev) : pos0) + 1 : 0;
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
