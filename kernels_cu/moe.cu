@@ -254,8 +254,8 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
 // chunk's two mma.sync take logical k (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3)
 // and (8q + 4, 8q + 5 | 8q + 6, 8q + 7), for A and B alike: every operand is one 16-byte piece, no ldmatrix.
 // KS = 16 / NG (16 warps, each over half the chunks) is the form while its blocks (one per SM) are one wave
-// (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks (PERFORMANCE.md changes
-// 188-189). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
+// (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks)
+// . grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
 // 12 KB per warp); D % 32 == 0, E <= 32 NG.
 // With a counter (one int, zero before, left zero) the last block to finish also builds the expert maps of
 // the T k picks (expert_maps_block, in the stages' shared memory): one launch per MoE layer fewer than

@@ -43,58 +43,13 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 
-
-# greedy decode's argmax rides inside the decode graph (lm_head's blocks, advance_position): no draw kernel per
-# greedy step
-
-
-# from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
-# instead of moe_router_logits (docs/PERFORMANCE.md, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
-# against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
-# went 1.5x slower, so below 1024 tokens the kernel stays)
-# "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
-# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from moe_router_gemm_min_t tokens)
-# and moe_topk, as before docs/PERFORMANCE.md
-# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
-# Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
-# one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
-# 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35
-# "1" (default): a MoE prefill layer's expert maps are built by moe_route_mma's last block (PERFORMANCE.md change
-# 197); "0": by moe_expert_maps, a launch of its own after the routing (A/B)
-# moe_route_mma's split form: "auto" splits D over up to moe_route_split_max blocks per
-# 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
-
-
-# prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
-
-
-# cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (A/B; spread measured
-# as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k)
-
-
-# the one-launch FFN kernels' cluster exchange by pushes into receive slots (st.async on mbarriers) instead of
-# the cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush, PERFORMANCE.md
-# the H100 8B step 0.9% shorter at 512 keys, 1.5% at 2000):
-
-
-# Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
-# docs/PERFORMANCE.md) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
-# "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (A/B)
-# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
-# both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
-# against 19.0; 128 rows 34.8-35.1 against 26.9-27.1). With the narrow forms
-# (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
-# against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
-# 352.8 against 319.2: the two cost the same at 60
-
-
 # Decode has no add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32 residual stream in
 # its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue; q/k RMSNorm, RoPE and the KV-cache write
 # are the q|k|v GEMV's epilogue, flash decoding's merge the o GEMV's prologue. MoE prefill's finalize (the
 # routing-weighted sum of each token's expert rows) is in the next add_rmsnorm (the [T, D] sum is neither written nor
 # read back). Decode's GEMVs run in accumulating mode where their splits fit (no split-K reduction tail: the residual
-# add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel, PERFORMANCE.md
-# and the MoE layers' expert GEMVs); gemv_acc False (tests) takes the reduction tails that wider shapes take.
+# add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel,
+# the MoE layers' expert GEMVs too); gemv_acc False (tests) takes the reduction tails that wider shapes take.
 
 
 class _QkvInput:
@@ -203,7 +158,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
         # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
         # graphs read (_pbuf: K's and V's maps, the position, the ids; _PBUF_*); prefill_graphs False runs every
-        # prefill eagerly (A/B, tests)
+        # prefill eagerly (tests)
         self._pgraphs: dict[int, tuple] = {}
         self._pseen: set[int] = set()
         self._pnever: set[int] = set()

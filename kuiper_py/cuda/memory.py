@@ -44,7 +44,7 @@ def device_linear(lin, segments: int = 1):
 
 # A multi-token forward of at most this many tokens takes its activations from the CupyOps' _Arena instead of
 # cupy.empty: short prefills are host-bound, and the ~18 allocations of a MoE layer were
-# ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off (A/B). Longer
+# ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off. Longer
 # prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
 _ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
 

@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 # sampling.cu: a block's threads, the candidates its shared memory holds, and the logits each block of
-# sample_token_mb scans. sample_mb=0 draws in one block (sample_token) always (A/B)
+# sample_token_mb scans. sample_mb=0 draws in one block (sample_token) always
 SMP_THREADS, SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS = 1024, 4096, 16384, 256
 
 

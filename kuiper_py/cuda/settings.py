@@ -60,6 +60,47 @@ DEVICE_TABLES = {
 }
 
 
+# The measurements behind some defaults below (the rest: docs/RUNTIME.md, docs/PERFORMANCE.md).
+# from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
+# instead of moe_router_logits (docs/PERFORMANCE.md, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
+# against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
+# went 1.5x slower, so below 1024 tokens the kernel stays)
+# "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
+# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from moe_router_gemm_min_t tokens)
+# and moe_topk
+# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
+# Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
+# one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
+# 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35
+# moe_route_maps: a MoE prefill layer's expert maps are built by moe_route_mma's last block; False: by moe_expert_maps,
+# a launch of its own after the routing
+# moe_route_mma's split form: "auto" splits D over up to moe_route_split_max blocks per
+# 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
+
+
+# prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
+
+
+# cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (spread measured
+# as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k)
+
+
+# the one-launch FFN kernels exchange by pushes into receive slots (st.async on mbarriers) instead of through the
+# cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush): the H100 8B step 0.9%
+# shorter at 512 keys, 1.5% at 2000
+
+
+# Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
+# docs/PERFORMANCE.md) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
+# "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (tests)
+# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
+# both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
+# against 19.0; 128 rows 34.8-35.1 against 26.9-27.1). With the narrow forms
+# (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
+# against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
+# 352.8 against 319.2: the two cost the same at 60
+
+
 @dataclass(frozen=True)
 class Settings:
     """Launch shapes and path choices the CUDA backend reads at run time. None / "auto": decided per model and GPU

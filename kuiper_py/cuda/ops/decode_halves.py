@@ -108,7 +108,7 @@ def decode_ffn(plan: dict, x, layer, acc, eps: float):
 # ~124 of an H100's 132 SMs, where 45 of Qwen3-8B's 48 clusters of 8 fit at 3 per SM, and 94 of 32B's
 # 100 clusters of 5 at 4 (so 32B ran the separate GEMVs). H100 step timer at 512 keys: 8B -2.5%, 14B -2.7% against
 # the cluster launch, 32B -9.7% against the separate GEMVs; H200: 8B -3.3%, 14B -6.6%. "auto" (default) where the
-# grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never (A/B).
+# grid needs one of those counts per SM, "1" at 3 per SM wherever its whole grid fits (tests), "0" never.
 FFN_GLOBAL_PER_SM = 3  # the count ffn_global=1 takes
 
 

@@ -47,7 +47,7 @@ GEMV_O_MERGE_COARSE_SPLITS = 80
 
 # split-K on the wave tail (gemm_wgmma.cu): the tiles of a partial last wave each split into up to
 # this many K ranges, so that wave takes 1/split of the time (q|k|v at 512 rows: 192 tiles on 132
-# SMs, 1.45 waves run as 2); 1 turns it off (A/B)
+# SMs, 1.45 waves run as 2); 1 turns it off
 GEMV_STEP = 8 * GEMV_ROWS  # rows a block's 8 warps take per step: the split granularity
 
 
@@ -61,16 +61,16 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 # flash decoding's fewest keys per split (common.cuh decode_chunk; the kernels' own default below): device_tables's
-# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; attn_min_chunk sets it (A/B)
+# "attn_min_chunk" for the model's shape, else DECODE_MIN_CHUNK; attn_min_chunk sets it
 DECODE_MIN_CHUNK = 32
 
 
 # the short-context regimes of flash decoding (attn_short): attn_short key counts ("512,1024"),
 # "0" none, unset: device_tables's "attn_short" for the model's shape
 # flash decoding's splits merged by their own cluster (attention.cu attn_decode_gqa CM) instead of in the o GEMV's
-# prologue: "1" / "0" for every shape (A/B), unset: device_tables's "attn_cm"
+# prologue: "1" / "0" for every shape, unset: device_tables's "attn_cm"
 # flash decoding's splits past ATTN_MMA_KEYS keys on tensor cores (attn_decode.cuh attn_split_mma_long), which
-# needs a second 64-key tile buffer of dynamic shared memory; attn_mma_long=0: the scalar loop (A/B)
+# needs a second 64-key tile buffer of dynamic shared memory; attn_mma_long=0: the scalar loop
 # flash-decoding split size at capacity, and the most blocks per SM the splits may take: the long path's
 # blocks hold ~70 KB of shared memory (3 per SM), and its splits cost little arithmetic per key
 ATTN_MMA_KEYS, ATTN_LONG_TILE = 64, 64  # attn_decode.cuh

@@ -13,26 +13,26 @@ GEMV_MIN_BLOCKS = 4
 # the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
 # instantiations, 80 registers: at most 3 blocks per SM) for the shapes in device_tables's "o_merge", where
 # flash decoding has more than gemv_o_merge_min_splits splits and o's grid fits 3 per SM; else decode_merge's
-# running max at 64 registers. gemv_o_merge=1 / 0: on / off for every shape (A/B)
+# running max at 64 registers. gemv_o_merge=1 / 0: on / off for every shape
 GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
 
 
 # the MoE weighted sum (the experts' down projection) reduces in two levels (gemv_w4a16<true>: slot by slot,
 # then over the slots), so it splits like the dense GEMVs (gemv_moe_blocks_per_sm, default the GEMVs' target)
 # the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
-# an int4 tile (256 columns) does; 0: all of R in one tile (A/B)
-GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once (A/B)
+# an int4 tile (256 columns) does; 0: all of R in one tile
+GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once
 
 
 # prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
 # on H100 that path was faster at every M measured (4 to 2048, bench_kernels),
-# so every dense prefill takes it; a larger value keeps small M on the MMA tile (A/B)
+# so every dense prefill takes it; a larger value keeps small M on the MMA tile
 # the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
 # runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (docs/PERFORMANCE.md and
 # 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
 # (gemm_wgmma unset or "auto") it takes short prompts of the shapes where it measured faster,
 # wgmma_max_m() below; gemm_wgmma=1 sends every prefill from gemm_wgmma_min_m rows to it,
-# =0 never (A/B)
+# =0 never
 # the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
 # ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
 # above and dequant + cuBLAS (H200); "1": every prefill that fits it, "0": never
@@ -51,7 +51,7 @@ WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
 WGMMA_PRODUCERS = (2,)
 
 
-ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U (A/B)
+ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U
 
 
 # gemv_w4a16.cu's instantiations <MOE2, RT, OM, ACC>: the split-K form (MOE2: the MoE sum over two levels),
@@ -75,8 +75,8 @@ RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (w
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8%.
 # Both with the narrow flag (a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only; PERFORMANCE.md change
-# 177). H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
+# swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only;)
+# . H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
 # / -7 / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
 MOE_RS_FORMS = {64: (4, 2, 1, 1), 128: (8, 4, 1, 1)}  # rows per tile -> (stages, warpgroups, narrow, swizzled)
 
@@ -89,7 +89,7 @@ MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
 
 # Up to this many routed rows per expert on the mean (n / E) the grouped expert GEMMs are gemm_moe_tc's batched GEMV
 # on tensor cores (gemm_moe_tc.cu), in tiles of 16 rows up to moe_tc_t16_max on the
-# mean and 32 above; "0" keeps gemm_moe_rs at every length (A/B). The bounds are whole-model crossovers (H200,
+# mean and 32 above; "0" keeps gemm_moe_rs at every length. The bounds are whole-model crossovers (H200,
 # 30B-A3B, 48 layers, GPU ms per prefill): 16-row tiles lead up to 12 rows per expert (192 tokens: 10.77 against
 # 10.95), 32-row from 14 (224 tokens: 11.85 against 11.90); 32-row tiles beat gemm_moe_rs up to 56 rows (896 tokens:
 # 24.16 against 24.73) and lose at 64 (1024 tokens: 26.06 against 25.42). 13 and 60 lie between those points.
