@@ -5,9 +5,9 @@
 //   64 queries x one head per block (4 warps x 16 rows), 64-key tiles double-buffered in dynamic shared
 //   memory (the next tile's cp.async copies in flight while this one is multiplied; FaSmem, 69.6 KB at HD
 //   128, 3 blocks per SM), heaviest query tiles first, the causal mask only on diagonal tiles (PERFORMANCE.md
-//   change 169). HD in {64, 128}.
-//   On compute capability 9.0 at HD 128 prefill takes attn_wgmma.cu's wgmma kernel instead (change 170);
-//   this one serves HD 64, other GPUs, and KUIPER_ATTN_WGMMA=0.
+//   measured). HD in {64, 128}.
+//   On compute capability 9.0 at HD 128 prefill takes attn_wgmma.cu's wgmma kernel instead;
+//   this one serves HD 64 and other GPUs.
 // attn_decode_gqa + attn_decode_combine: flash-decoding for one query token, the KV length split
 //   across blocks so that long contexts fill the GPU, each block serving a KV head's query heads;
 //   a second pass merges the partial softmaxes.
@@ -244,7 +244,7 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
             }
         }
         // the 1/rms after the tasks' loads are issued: its partial sums' loads fly beside them, one L2
-        // round trip instead of two (PERFORMANCE.md change 80)
+        // round trip instead of two
         const float sc = ss_in ? deferred_rms_inv(ss_in, ss_n, ss_D, eps) : 1.f;
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
@@ -296,9 +296,6 @@ __device__ __forceinline__ void decode_finish_qkv(const long long* __restrict__ 
 }
 
 #define ATTN_CM_MAX 16  // most splits one cluster merges (16 is Hopper's non-portable cluster size)
-#ifndef ATTN_CM_DIAG
-#define ATTN_CM_DIAG 0  // 1 (with KUIPER_DIAG_TIMES): stamp 3 after the clusters' exchange, not after the split
-#endif
 
 // CM's shared memory: this block's split partials, and what the cluster's S blocks push to it for its
 // share of the HB x HD elements (E / S of them, e = j HD + d; rank r merges [r E / S, (r + 1) E / S)).
@@ -334,9 +331,6 @@ __device__ __forceinline__ void attn_cm_merge(AttnCmSmem<HD, HB>& c, int s, int 
         st_async_v2(cl_map(smem_u32(&c.rx_ml[s][j]), r), make_float2(c.ml[j][0], c.ml[j][1]), cl_map(bar, r));
     }
     mbar_wait_cluster(bar, 0);  // the barrier's one phase: armed once per launch
-#if defined(KUIPER_DIAG_TIMES) && ATTN_CM_DIAG
-    diag_stamp(3);  // (diagnosis: stamp 3 after the exchange instead of after the split)
-#endif
     // unrolled over ATTN_CM_MAX splits, predicated past S: a thread's loads of all splits fly together
     for (int i = tid; i < per; i += 128) {
         const int e = s * per + i, j = e / HD;
@@ -370,7 +364,7 @@ __device__ __forceinline__ void attn_cm_merge(AttnCmSmem<HD, HB>& c, int s, int 
 // shared memory, completing on its mbarrier) and its max/sum pairs to all; the owner merges as the o
 // GEMV's gemv_merge_span does (the same operations in the same split order). Why: the o GEMV's merge
 // prologue, every o block reading all splits' partials of its rows from L2 after its PDL wait, took
-// ~2.6 us of o's ~6 us on the H200 (PERFORMANCE.md changes 143, 156); here the exchange is one DSMEM
+// ~2.6 us of o's ~6 us on the H200; here the exchange is one DSMEM
 // hop inside a kernel already running, and o stages a plain fp16 row.
 template <int HD, int HB, bool LP = false, bool CM = false>
 __global__ void __launch_bounds__(128)
@@ -389,10 +383,9 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                 half* __restrict__ merged) {                           // CM: [H, HD] the merged output
     using L = AttnSplitSmem<HD, HB>;
     // the merge's slots, and before them the staged keys (attn_decode_split)
-    __shared__ __align__(16) float sm_o[KUIPER_ATTN_STAGE ? L::shared_floats : L::o_floats];
+    __shared__ __align__(16) float sm_o[L::shared_floats];
     __shared__ float sm_ml[L::ml_floats];
     __shared__ __align__(16) half q_sm[HB * HD];
-    diag_stamp(0);
     // The position was written at the end of the previous step (advance_position), long finished
     // under PDL's transitive waits; L2 (.cg), as a line in this SM's L1 may be older.
     if (pos_dev) n_keys = __ldcg(pos_dev) + 1;
@@ -406,7 +399,7 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
         own_ml = &cm.ml[0][0];
     }
     const bool has_keys = s * chunk < n_keys;  // splits past the keys present write nothing that is read
-    uint4* stage = KUIPER_ATTN_STAGE ? reinterpret_cast<uint4*>(sm_o) : nullptr;
+    uint4* stage = reinterpret_cast<uint4*>(sm_o);
     extern __shared__ __align__(16) unsigned char attn_dyn[];  // LP: [64][SRW] 16-byte pieces
     uint4* stage2 = LP ? reinterpret_cast<uint4*>(attn_dyn) : nullptr;
     // the newest key's rows, which the finish writes, into the stage when it holds them
@@ -418,7 +411,6 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                               sm_o, sm_ml, threadIdx.x, [] { __syncthreads(); }, [&] {
                                   pdl_wait();  // q and the newest key come from the kernel before
                                   pdl_trigger();
-                                  diag_stamp(1);
                                   if (qkv_acc && has_keys) {
                                       decode_finish_qkv<HD>(qkv_acc, q_sm, s == 0 ? q : nullptr, Kc, Vc, qn, kn,
                                                             cosb, sinb, eps, kvh * (H / KV) + hb * HB, HB,
@@ -426,18 +418,9 @@ attn_decode_gqa(half* __restrict__ q,         // [H, HD] rotated (written here w
                                                             ss_in, ss_n, ss_D, k_stage, k_stage ? k_stage + HD : nullptr);
                                       __syncthreads();  // q_sm, the stage and the block's cache writes visible
                                   }
-                                  diag_stamp(2);
                               }, qkv_acc ? q_sm : nullptr, stage, qkv_acc != nullptr, stage2,
                               own_o, own_ml);
-#ifdef KUIPER_DIAG_TIMES
-    diag_stamp(3);
-#endif
     if constexpr (CM) attn_cm_merge<HD, HB>(cm, s, S, merged + (size_t)(kvh * (H / KV) + hb * HB) * HD);
-#ifdef KUIPER_DIAG_TIMES
-    __syncthreads();
-    diag_stamp(4);
-    diag_record((unsigned long long)Kc);
-#endif
 }
 
 // out[h, :] = merged softmax(V) over the splits that held keys. One block of HD threads per head.

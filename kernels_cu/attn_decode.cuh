@@ -9,25 +9,17 @@
 #include "common.cuh"
 
 #ifndef ATTN_DECODE_U
-#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads (A/B: KUIPER_ATTN_U)
+#define ATTN_DECODE_U 4  // flash-decoding warp steps in flight for groups of up to 4 heads 
 #endif
 
-#ifndef KUIPER_ATTN_KV_NC
-#define KUIPER_ATTN_KV_NC 1  // A/B: 0 reads every cache row through L2 (__ldcg) as before
-#endif
 // 16 bytes of a cache row. fresh: the row may be the newest, written in this launch, so from L2 only;
 // otherwise a row of an earlier step, unchanged for the whole launch and read once per block, so the
-// non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100, change 95)
+// non-coherent path is legal and L1 has nothing to gain (8B at 32k -2.0% per step on the H100)
 __device__ __forceinline__ uint4 kv_load16(const half* p, bool fresh) {
-#if KUIPER_ATTN_KV_NC
     if (!fresh) return ld_stream16(p);
-#endif
     return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
-#ifndef KUIPER_ATTN_STAGE
-#define KUIPER_ATTN_STAGE 1  // 0: no shared-memory staging of a split's first keys (A/B; PERFORMANCE.md change 115)
-#endif
 #ifndef ATTN_KV_PF_ITERS
 #define ATTN_KV_PF_ITERS 2
 #endif
@@ -54,40 +46,26 @@ struct AttnSplitSmem {                            // the merge of a block's key 
     static constexpr int shared_floats = so_floats > long_floats ? so_floats : long_floats;
 };
 
-#ifndef ATTN_KV_PF
-#define ATTN_KV_PF 1  // 0: no L2 prefetch of the first iteration's rows (A/B; PERFORMANCE.md change 102)
-#endif
-// A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched whole, a longer one its first iteration
-// only (ATTN_KV_PF_WHOLE 0: the first ATTN_KV_PF_ITERS of every chunk; A/B). At a short context the
-// second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at 512 on the
-// H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5%
-// at 32k (change 108)
-#ifndef ATTN_KV_PF_WHOLE
-#define ATTN_KV_PF_WHOLE 1
-#endif
+// A chunk of at most ATTN_KV_PF_ITERS iterations is prefetched into L2 whole, a longer one its first iteration
+// only. At a short context the second iteration's rows were otherwise a DRAM round trip after the wait: Qwen3-8B at
+// 512 on the H100 (64 keys per split, two iterations) -0.4% per step; two iterations of every chunk cost +0.5% at 32k
 
 // Keys a split starts on before its wait, counted from its first: a chunk of at most ATTN_KV_PF_ITERS
-// iterations whole, a longer one its first iteration (change 108).
+// iterations whole, a longer one its first iteration.
 template <int HD, int HB>
 __device__ __forceinline__ int attn_early_keys(int k_begin, int k_end) {
     constexpr int KPB = AttnSplitSmem<HD, HB>::KPB;
-    const int its = ATTN_KV_PF_WHOLE && k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
+    const int its = k_end - k_begin > ATTN_KV_PF_ITERS * KPB ? 1 : ATTN_KV_PF_ITERS;
     return min(its * KPB, k_end - k_begin);
 }
 
 // Of those, the keys copied into shared memory: a short chunk's (a long one's are prefetched into L2).
-#ifndef ATTN_STAGE_LONG
-#define ATTN_STAGE_LONG 0  // 1: a long chunk stages its first iteration too (A/B)
-#endif
 template <int HD, int HB>
 __device__ __forceinline__ int attn_staged_keys(int k_begin, int k_end) {
     const bool lng = k_end - k_begin > ATTN_KV_PF_ITERS * AttnSplitSmem<HD, HB>::KPB;
-    return lng && !ATTN_STAGE_LONG ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
+    return lng ? 0 : attn_early_keys<HD, HB>(k_begin, k_end);
 }
 
-#ifndef ATTN_MMA
-#define ATTN_MMA 1  // 0: short staged splits take the scalar loop too (A/B; PERFORMANCE.md change 143)
-#endif
 #define ATTN_MMA_KEYS 64  // most keys of a split the tensor-core path serves: 16 per warp
 
 // Where a split's partials go: head j's element d at o[j * ho + d], its max and sum at ml[j * hm], ml[j * hm + 1].
@@ -106,7 +84,7 @@ struct AttnPartDst {
 // The tensor-core paths' merge of their 4 warps' slots into split s's partials: warp w < nw's max and sum
 // of head j in sm_ml [4][HB][2], its output element (j, d) at *slot(w, j, d); warps from nw on saw no keys
 // and are not read. Fully unrolled, so a thread's loads of all 4 slots (and of its elements) fly together:
-// as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips (change 143).
+// as a loop over the slots it took 1.3-1.4 µs of dependent shared-memory round trips.
 template <int HD, int HB, class Slot>
 __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, int nw, const AttnPartDst& dst, int tid) {
     constexpr int NW = 4, EPT = (HB * HD + 127) / 128;
@@ -140,7 +118,7 @@ __device__ __forceinline__ void attn_merge_warps(const float* sm_ml, Slot slot, 
 // a multiple of 16) and q (q_sm, [HB][HD]) are in shared memory. Why: the scalar loop spends ~1.1 µs
 // on one 32-key iteration even with its code cached (16 lanes per key, four dependent shuffles per
 // dot product, one warp per scheduler), and its 8-slot merge another ~0.7 (H200 timeline,
-// PERFORMANCE.md change 143). Here warp w takes keys 16w..16w+15: S = q K^T by mma.m16n8k16 (heads
+// docs/PERFORMANCE.md). Here warp w takes keys 16w..16w+15: S = q K^T by mma.m16n8k16 (heads
 // as rows 0..HB-1 of the 16, K rows straight from the stage by ldmatrix), its softmax in registers,
 // and P V with the S accumulators reused as P's A fragments (no trip through shared memory). P goes
 // in as fp16 hi + lo, two MMAs, so P V keeps fp32's precision where fp16 P alone would round to 2^-11.
@@ -247,9 +225,6 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
     attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, dst, tid);  // (warp 0 always saw keys)
 }
 
-#ifndef ATTN_MMA_LONG
-#define ATTN_MMA_LONG 1  // 0: splits past ATTN_MMA_KEYS keep the scalar loop (A/B; PERFORMANCE.md change 144)
-#endif
 #ifndef ATTN_LONG_PRE
 #define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
 #endif
@@ -283,9 +258,9 @@ __device__ __forceinline__ void attn_long_copy(uint4* buf, const half* Kc, const
 // 64 keys through two buffers (buf0, buf1: [ATTN_LONG_TILE][SRW] 16-byte pieces; the first ATTN_LONG_PRE
 // tiles were copied before the PDL wait, but for the newest key), warp w taking keys 16w..16w+15 of every tile
 // with an online softmax of its own. Why: the scalar loop spends ~1.1 µs per 32 keys on shuffles and
-// exp2f with one warp per scheduler (change 143), so a split of 250-1000 keys was bound by its
+// exp2f with one warp per scheduler, so a split of 250-1000 keys was bound by its
 // arithmetic, not by its bytes (30B-A3B at 8k keys: ~0.27 of copy in attention; this form took 9-12%
-// off its step there, PERFORMANCE.md change 144; 3 or 4 buffers measured slower). Transposed against
+// off its step there; 3 or 4 buffers measured slower). Transposed against
 // attn_split_mma, S^T = K q^T and O^T = V^T P^T: the heads are the MMA's 8 columns, so no half of a
 // 16-row fragment is wasted, O is 4 accumulators per 16 dims, and P's C layout reaches the B operand by
 // movmatrix. P goes in as fp16 hi + lo (fp32 precision, as attn_split_mma). Each warp's l stays a per-lane
@@ -460,10 +435,10 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
     const int n_stage = stage && k_begin < k_end ? attn_staged_keys<HD, HB>(k_begin, k_end) : 0;
     constexpr int SRW = L::SRW;
     // the tensor-core path: a short split wholly staged, q and the newest key's rows from wait()
-    const bool mma = ATTN_MMA && q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
+    const bool mma = q_sm && newest_staged && n_stage == k_end - k_begin && n_stage > 0 &&
                      n_stage <= (ATTN_MMA_KEYS < L::CAP ? ATTN_MMA_KEYS : L::CAP);
     // the long tensor-core path: a split past the short one's keys, q from wait(), two tile buffers
-    const bool mma_long = ATTN_MMA_LONG && !mma && stage2 && stage && q_sm && newest_staged &&
+    const bool mma_long = !mma && stage2 && stage && q_sm && newest_staged &&
                           k_end - k_begin > ATTN_MMA_KEYS;
     if (mma_long) {  // the first ATTN_LONG_PRE tiles but the newest key, a group each
 #pragma unroll
@@ -492,7 +467,7 @@ __device__ __forceinline__ void attn_decode_split(const half* q,   // [H, HD] ro
                 }
             }
         }
-    } else if (ATTN_KV_PF && k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
+    } else if (k_begin < k_end && dl % 8 == 0) {  // one lane per 128-byte line of a row
         const int n_early = attn_early_keys<HD, HB>(k_begin, k_end);
 #pragma unroll
         for (int it = 0; it < ATTN_KV_PF_ITERS; ++it) {

@@ -4,7 +4,7 @@
 //
 // Why: flash_attn_prefill (mma.sync, 4 warps x 16 query rows) reads every K and V fragment from shared memory
 // by ldmatrix once per 16 query rows, and it ran at 171-242 TFLOP/s on the H100 at 2048-8192 tokens
-// (PERFORMANCE.md change 169) where the tensor cores allow ~3x that. Here a block of 64 NC query rows of one
+// where the tensor cores allow ~3x that. Here a block of 64 NC query rows of one
 // head is NC consumer warpgroups of 64 rows each:
 //   - S = Q K^T is a wgmma with both operands in shared memory as TMA wrote them (128B-swizzled, K-major);
 //   - the online softmax runs on S's accumulator registers;
@@ -17,14 +17,14 @@
 // PIPE 2 also has the warpgroups issue those wgmmas in turn (FlashAttention-3's ping-pong), so one
 // warpgroup's softmax meets the next one's wgmmas rather than all softmaxes at once.
 // Forms (the host's FW_CONFIGS; ops_cupy picks (4, 1, 2) below 2048 tokens and (4, 2, 3) from there), H100
-// TFLOP/s at 2048 / 8192 tokens (PERFORMANCE.md change 170): (4, 1, 2) 340-405 / 441-493, (4, 2, 3) 342-429 /
+// TFLOP/s at 2048 / 8192 tokens: (4, 1, 2) 340-405 / 441-493, (4, 2, 3) 342-429 /
 // 501-556, (4, 1, 3) 327-396 / 471-524, (3, 0, 2) 297-346 / 402-425; flash_attn_prefill 174-246. At 512 tokens
 // 3 warpgroups leave SMs idle (4 x 32 blocks of 128 rows: 172; of 192 rows: 135).
 //
 // Supported (the host checks, ops_cupy.attn_wgmma_fits and FW_CONFIGS): head dim 128, H % KV == 0, q [T, H*128]
 // and out [T, H*128] contiguous, the K/V caches read as [L][n_keys][KV*128] (n_keys = pos0 + T; TMA reads zeros
 // past them) at layer `layer`: one descriptor per cache and prompt length serves every layer, where one per layer
-// cost a prefill of a new length 2 L descriptor encodes on the host (PERFORMANCE.md change 196); ST 3 or 4 (up to
+// cost a prefill of a new length 2 L descriptor encodes on the host; ST 3 or 4 (up to
 // 181 KB at 4 stages and 3 warpgroups: 1 block per SM). Tiles of 128 keys measured slower: ptxas holds a block of
 // 288 threads to 168 registers, which serialized their wgmmas, and the pipelined form spilled.
 // grid (ceil(T / (64 NC)), H), block FW_THREADS(NC), FwSmem<ST, NC>::bytes of dynamic shared memory.
@@ -68,7 +68,7 @@ flash_attn_wgmma(const __grid_constant__ TmaDesc qmap,  // q [T, H*128] fp16 (ro
                  const int* __restrict__ pos_dev,       // when set, pos0 is read here (a prefill graph's replay)
                  const TmaDesc* __restrict__ kvmaps) {  // when set, [2] K and V maps in global memory instead
     // A prefill graph serves prompts at any position: the host writes the position and maps of its n_keys rows
-    // into device memory before each replay (PERFORMANCE.md change 207). Maps over the cache's whole capacity
+    // into device memory before each replay. Maps over the cache's whole capacity
     // would let V rows past n_keys (stale, or never written) into P V, where a masked key's 0 times NaN is NaN.
     if (pos_dev) pos0 = *pos_dev;
     static_assert(NC == 2 || NC == 3, "2 consumer warpgroups and a load warp, or 3 and a load warpgroup");

@@ -9,61 +9,18 @@ typedef unsigned int u32;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// The GPU's nanosecond clock, comparable across SMs: the diagnosis stamps below and the tools' probes
-// (tools/bench_loaded_latency.py, tools/probe_merge_forms.py).
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Diagnosis only (KUIPER_DIAG_DEFINES=-DKUIPER_DIAG_TIMES, tools/timeline_decode.py): each block of
-// an instrumented kernel stamps %globaltimer at up to 5 points and appends one record per block to
-// g_diag, so a replayed decode step shows when every block entered, passed its PDL wait and ended.
-#ifdef KUIPER_DIAG_TIMES
-__device__ unsigned long long g_diag[1 << 21];  // [n][8]: id, smid | block << 8, stamps 0-4, grid size
-__device__ unsigned int g_diag_n;
-__shared__ unsigned long long s_diag[5];
-__device__ __forceinline__ void diag_stamp(int i) {
-    if (threadIdx.x == 0) s_diag[i] = globaltimer_ns();
-}
-// After the block's last stamp, past a barrier: id names the launch (a weight or cache pointer).
-__device__ __forceinline__ void diag_record(unsigned long long id) {
-    if (threadIdx.x != 0) return;
-    const unsigned i = atomicAdd(&g_diag_n, 1u);
-    if (i >= (1u << 18)) return;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    unsigned long long* r = g_diag + 8 * (size_t)i;
-    r[0] = id;
-    r[1] = smid | ((unsigned long long)(blockIdx.x + 1024u * (blockIdx.y + 1024u * blockIdx.z)) << 8);
-    for (int j = 0; j < 5; ++j) r[2 + j] = s_diag[j];
-    r[7] = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-}
-#else
-#define diag_stamp(i) ((void)0)
-#define diag_record(id) ((void)0)
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Streamed reads: data a decode step reads exactly once (packed weights, lm_head rows).
 // ---------------------------------------------------------------------------------------------
-#ifndef KUIPER_LD_STREAM
-#define KUIPER_LD_STREAM 1  // 0: plain __ldg, for A/B (PERFORMANCE.md change 94)
-#endif
 
 // A 16-byte read-only load that does not allocate in L1: a streamed line is never read again, and
 // allocating it only evicts lines that are (the zeros and scales a block's warps share, the norm
-// weights). 8B decode steps -0.9% on the H200, -1.5% on the H100 (change 94).
+// weights). 8B decode steps -0.9% on the H200, -1.5% on the H100.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
-#if KUIPER_LD_STREAM == 0
-    return __ldg(reinterpret_cast<const uint4*>(p));
-#else
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -377,12 +334,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Starts `bytes` (a multiple of 16, 16-byte aligned) of global memory towards L2 and does not wait
-// (sm_90): the MoE FFN half warms the next layer's q|k|v weights while its routing leaves DRAM idle.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
@@ -494,7 +445,7 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* f) {
 // A MoE prefill token's routing-weighted expert rows (moe.cu moe_finalize, norm.cu add_rmsnorm): its k (<= 32,
 // <= the block) permuted row indices and weights staged in shared memory by the block, then columns 8c..8c+7 of
 // sum_j wt[j] * y[row[j]] summed in fp32 in j order, the k rows' 16-byte loads issued together (one column per
-// thread by 2-byte loads ran at ~0.4 of the copy rate, PERFORMANCE.md change 182). The two kernels share this
+// thread by 2-byte loads ran at ~0.4 of the copy rate). The two kernels share this
 // so their sums are the same bits.
 __device__ __forceinline__ void expert_rows_stage(const int* __restrict__ u2p,    // [T*k]
                                                   const float* __restrict__ wts,  // [T, k]
@@ -581,7 +532,7 @@ __device__ __forceinline__ float row_rms_inv(const float* __restrict__ h, int D,
 #define DECODE_MIN_CHUNK 32  // fewest keys per split where the host passes none (the persistent and fused kernels)
 
 // Keys per split for n_keys keys over S splits, at least min_chunk (the split kernel and every merge
-// agree on it; the host picks min_chunk per model and GPU, PERFORMANCE.md change 105: fewer splits at a
+// agree on it; the host picks min_chunk per model and GPU, docs/PERFORMANCE.md: fewer splits at a
 // short context mean fewer partials for the merge to read).
 __device__ __forceinline__ int decode_chunk(int n_keys, int S, int min_chunk) {
     return max((n_keys + S - 1) / S, min_chunk);
@@ -632,7 +583,7 @@ __device__ __forceinline__ bool moe_better(float pa, int ea, float pb, int eb) {
 // Picked entries are set to `gone`, which must not be above any candidate. A lane's best remaining entry
 // comes from a tree of comparisons (3 deep, not a chain of 8): the 30B-A3B decode top-k took 1.41 µs on
 // the MoE kernel's critical path with the chain, 1.09 with the tree. (Sorting each lane's 8 entries once
-// and taking heads was faster still, but its 400 more instructions made the step 2% slower: change 145.)
+// and taking heads was faster still, but its 400 more instructions made the step 2% slower.)
 __device__ __forceinline__ void moe_topk_pick(float (&p)[MOE_MAX_E / 32], int k, float gone, int& my_id, float& my_v,
                                               float& picked) {
     static_assert(MOE_MAX_E / 32 == 8, "the tree below holds a lane's 8 entries");

@@ -5,19 +5,19 @@
 //
 // Separately these are two split-K GEMVs with a grid-wide hand-off between them: every down block
 // needs every gate/up column, so down's blocks wait for the whole gate/up grid, drain it, and start
-// with a prologue of their own (PERFORMANCE.md change 67: ~4 µs of a layer's 57 at Qwen3-8B). Here a
+// with a prologue of their own (docs/PERFORMANCE.md: ~4 µs of a layer's 57 at Qwen3-8B). Here a
 // cluster owns 256 intermediate channels end to end: block b of its CL blocks takes rows
 // [b D/CL, (b+1) D/CL) of the channels' gate and up columns, the cluster sums the partials through
 // distributed shared memory (a cluster barrier, not a grid one), and then block b takes the 256
 // channels' rows of down for its D/CL output columns and adds them into the fixed-point accumulator
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
-// other; no block waits on the grid. Measured on H100 (change 75): the Qwen3-8B step 1-1.5% shorter; the
+// other; no block waits on the grid. Measured on H100: the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
 // next to empty ones. The cluster's exchange is by pushes into each block's receive slots on an
-// mbarrier rather than through the cluster barrier (FfnPush below, PERFORMANCE.md change 124). Where the
+// mbarrier rather than through the cluster barrier (FfnPush below). Where the
 // grid needs 3 or 4 blocks per SM (Qwen3-8B, 14B and 32B on 132 SMs), the host runs the form without a
 // cluster launch instead: registers for only that many blocks per SM spread it evenly, and a tile's blocks
-// exchange through global memory (FfnSlots below, changes 129-130).
+// exchange through global memory (FfnSlots below).
 //
 // Numerics as the accumulating-mode GEMVs (gemv_w4a16.cu, scaled norm): x = (h + fp16(o)) * w in
 // fp16, the 1/rms applied to the gate and up sums, SwiGLU rounded to fp16, the same 4-row fp16 dot
@@ -36,20 +36,10 @@
 #define FFN_SPW 4             // gate/up: warps per matrix (warps 0, 2, .. gate; 1, 3, .. up)
 #define FFN_MIN_BLOCKS 4      // per SM (64 registers): 32 rows per step need 80 registers, 3 blocks per SM,
                               // and then only 45 of Qwen3-8B's 48 clusters of 8 fit on an H100
-// Diagnosis only (KUIPER_DIAG_DEFINES, PERFORMANCE.md change 78): FFN_DIAG_NOMATH=1 skips the dot
-// products (wrong results: the loads alone); FFN_DIAG_LOOPEND=1 moves moe_ffn_decode's stamp 3 from
-// after the cluster's sums to the end of the block's gate/up loop; MOE_DIAG_ROUTE moves its stamps 2 and
-// 3 to either side of the top-k (change 145).
-#ifndef FFN_DIAG_NOMATH
-#define FFN_DIAG_NOMATH 0
-#endif
-#ifndef FFN_DIAG_LOOPEND
-#define FFN_DIAG_LOOPEND 0
-#endif
 #ifndef FFN_PF_STEPS
 #define FFN_PF_STEPS 1  // ffn_decode's gate/up steps after the first whose rows go towards L2 before the
-                        // PDL wait (0: none, A/B; PERFORMANCE.md change 99; the global form at 3 blocks per
-                        // SM: 0 steps +2.5%, 2 steps +0.7% per H100 8B step, session 42)
+                        // PDL wait (0: none, A/B; the global form at 3 blocks per
+                        // SM: 0 steps +2.5%, 2 steps +0.7% per H100 8B step)
 #endif
 
 // A lane's FFN_ROWS rows of one packed word of a tiled matrix (common.cuh's layout, full 32-word
@@ -84,15 +74,6 @@ __device__ __forceinline__ void ffn_dot(const u32 (&w)[FFN_ROWS], u32 zw, uint4 
 #pragma unroll
     for (int i = 0; i < FFN_ROWS / 8; ++i) xv[i] = reinterpret_cast<const uint4*>(x)[i];
     const half* xs = reinterpret_cast<const half*>(xv);
-#if FFN_DIAG_NOMATH  // (diagnosis: the loads without the dot product)
-    {
-        u32 v = zw ^ sv.x ^ sv.w ^ xv[0].x;
-#pragma unroll
-        for (int r = 0; r < FFN_ROWS; ++r) v ^= w[r];
-        acc[0] += (float)(v & 1u);
-        return;
-    }
-#endif
     half2 zb[4], s2[4];
     awq_zero_bias(zw, zb);
     awq_scales8(sv, s2);
@@ -128,7 +109,7 @@ __device__ __forceinline__ int ffn_stage_x(const float* __restrict__ h, const lo
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float mx = 0.f, ssl = 0.f;
     // two elements per thread by 8- and 16-byte loads, all issued before any is used (SP and k_lo
-    // even): 8B's 512-row span is one L2 round trip after the PDL wait, not two (change 85)
+    // even): 8B's 512-row span is one L2 round trip after the PDL wait, not two
     for (int e = 2 * tid; e < SP; e += 2 * FFN_THREADS) {
         const int k = k_lo + e;
         const float2 hv = resid_pending2(h, pend, k / 2);
@@ -212,7 +193,7 @@ __device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float
 }
 
 // ---- the exchange by pushes (ffn_decode and moe_ffn_decode <CL, TB, FFN_XCH_PUSH>;
-// PERFORMANCE.md change 124) ----
+// docs/PERFORMANCE.md) ----
 // Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
 // operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
 // Here each block stores its gate and up sums and its span's sum of squares straight into every block's
@@ -273,9 +254,9 @@ __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float e
 // ---- the exchange through global memory (ffn_decode<CL, TB, FFN_XCH_GLOBAL>) ----
 // Why: a cluster launch is placed by GPC (clusters reach ~124 of an H100's 132 SMs), and the dense FFN's
 // 384 blocks land up to 4 per SM next to SMs holding 0 or 1; the SMs holding 4 end the FFN last (PERFORMANCE.md
-// changes 125-130). Without clusters, and with registers for only as many blocks per SM as it needs (MINB), the
+// measured). Without clusters, and with registers for only as many blocks per SM as it needs (MINB), the
 // grid spreads evenly (capped by shared-memory padding instead, its blocks could only land as the o GEMV's
-// left: change 125); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
+// left); the CL blocks of a channel tile (blockIdx.y) then exchange their sums through L2: each
 // stores its slot and adds 1 to the tile's counter (release), and waits until the counter has counted all CL of this launch
 // (acquire loads). The counter only grows (64 bits: no wrap, no reset), so a
 // launch's target is the next multiple of CL above the count it reads after its PDL wait. All CL blocks of a
@@ -297,9 +278,6 @@ __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
-#ifndef FFN_POLL_FENCE
-#define FFN_POLL_FENCE 0  // 1: relaxed polling, then fence.acq_rel.gpu (before change 132; A/B by KUIPER_DIAG_DEFINES)
-#endif
 
 // The block's sums (as ffn_push_send) into slot `rank` of its tile, then its arrival on cnt.
 __device__ __forceinline__ void ffn_global_send(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
@@ -320,16 +298,10 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
     const int tid = threadIdx.x;
     if (tid == 0) {
         long long spins = 0;
-#if FFN_POLL_FENCE
-        while (ld_relaxed_u64(cnt) < target)
-            if (++spins > (1ll << 26)) __trap();
-        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#else
         // acquire loads (LDG.STRONG.GPU + CCTL.IVALL), not relaxed polling and a fence: the fence is a
-        // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before (change 132)
+        // MEMBAR.ALL.GPU, which also waits for down's first loads issued just before
         while (ld_acquire_u64(cnt) < target)  // pairs with the peers' release adds
             if (++spins > (1ll << 26)) __trap();  // a peer never arrived (not all blocks resident): fail loudly
-#endif
     }
     __syncthreads();  // thread 0's acquire before every thread's reads of the slots
     float ss = 0.f, sg = 0.f, su = 0.f;
@@ -357,9 +329,6 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
 __device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc, bool arrive = true) {
     // relaxed: a release arrive would wait for down's loads in flight
     if (arrive) cl_arrive_relaxed();
-#if !FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
-    diag_stamp(3);
-#endif
     const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
     xd[threadIdx.x] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
     __syncthreads();
@@ -406,7 +375,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
            FfnSlots* xslots, unsigned long long* xcnt) {  // FFN_XCH_GLOBAL: [I/256] slots, arrival counts
     constexpr bool PUSH = XCH == FFN_XCH_PUSH, GLOBAL = XCH == FFN_XCH_GLOBAL;
     static_assert(!GLOBAL || CL <= 8, "FfnSlots holds 8 ranks");
-    diag_stamp(0);  // (KUIPER_DIAG_TIMES, tools/timeline_decode.py: entry, wait, gate/up done, cluster sums, end)
     constexpr int WPT = FFN_WARPS / TB;    // down: warps per column tile
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
@@ -441,7 +409,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
         if ((wr + s * FFN_SPW) * FFN_ROWS < SP) ffn_prefetch_rows(qb - lane * 4, k_lo + (wr + s * FFN_SPW) * FFN_ROWS);
     pdl_wait();  // h, pend and acc belong to the kernels before us
     pdl_trigger();
-    diag_stamp(1);
     // GLOBAL: the count this launch's CL arrivals take the tile's counter to (read early: off the path; the
     // kernels before have finished, so it holds whole launches and at most CL - 1 arrivals of this one)
     const unsigned long long target = GLOBAL ? (ld_relaxed_u64(xcnt + g) / CL + 1) * CL : 0;
@@ -449,7 +416,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
     float a8[8];
     ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-    diag_stamp(2);
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
     } else if constexpr (GLOBAL) {
@@ -480,8 +446,6 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
     if constexpr (XCH == FFN_XCH_BARRIER) cl_wait();  // no block of the cluster still reads this block's shared memory
-    diag_stamp(4);
-    diag_record((unsigned long long)gq);
 }
 
 // A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, softmax and top-k of the router's logits,
@@ -494,7 +458,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 // expert: slot g / (mI / 256), channel tile g % (mI / 256); from there it is ffn_decode with the
 // expert's matrices and its routing weight applied to down's sums; the weights (softmax of z / rms, the
 // 1/rms known after the cluster's exchange) are only needed there. Cluster 0's block 0 also stores the
-// ids and weights (read by tests only). Measured on H100 (PERFORMANCE.md changes 76-77): with the
+// ids and weights (read by tests only). Measured on H100: with the
 // router dot product and its cluster exchange in this kernel, the Qwen3-30B-A3B decode step was
 // 2.6-2.9% shorter than the routing kernel and expert GEMVs; with the logits from the o GEMV, see 77.
 //
@@ -517,20 +481,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const u32* dq, const u32* dz, const half* ds,  // down stack: [E][mI, D] tiled, [E, mI/128, D/8], [E, mI/128, D]
                int* __restrict__ ids_out, float* __restrict__ w_out,  // [k] the experts picked and their weights
                long long* __restrict__ acc,            // [D] the weighted sum of down's outputs (fixed point), zero on entry
-               int D, int mI, int E, int k, int norm_topk,
-               const unsigned long long* __restrict__ pf,  // [pf_n][2] (address, bytes): the next layer's weights
-               int pf_n, int pf_after) {                   // to start towards L2; after the PDL wait, or before
+               int D, int mI, int E, int k, int norm_topk) {
     static_assert(XCH == FFN_XCH_BARRIER || XCH == FFN_XCH_PUSH, "the MoE kernel runs as a cluster launch only");
     constexpr bool PUSH = XCH == FFN_XCH_PUSH;
-    diag_stamp(0);
-    // Routing leaves DRAM idle for ~2 µs (change 78's timeline); the next layer's q|k|v weights,
-    // which depend on nothing here, can stream into L2 then: the table's chunks spread over the blocks.
-    const int pf_b = blockIdx.y * gridDim.x + blockIdx.x, pf_nb = gridDim.x * gridDim.y;
-    auto prefetch = [&] {
-        for (int i = pf_b + threadIdx.x * pf_nb; i < pf_n; i += pf_nb * blockDim.x)
-            bulk_prefetch_l2(reinterpret_cast<const void*>(pf[2 * i]), (u32)pf[2 * i + 1]);
-    };
-    if (!pf_after) prefetch();
     constexpr int WPT = FFN_WARPS / TB;
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
@@ -552,8 +505,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
     pdl_wait();  // pend, zacc and acc belong to the kernels before us
     pdl_trigger();
-    if (pf_after) prefetch();
-    diag_stamp(1);
     const long long za = tid < E ? __ldcg(zacc + tid) : 0;
     const int xexp = ffn_stage_x(h, pend, hout, g == 0, nw, k_lo, SP, xsm, misc);
 
@@ -561,19 +512,13 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     // block: every cluster picks the same experts ----
     lg[tid] = tid < E ? fix_f(za) : -INFINITY;
     __syncthreads();
-#ifdef MOE_DIAG_ROUTE
-    diag_stamp(2);
-#endif
-    if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer: change 76)
+    if (warp == 0) {  // (a block-wide rank count in one pass measured 4 µs slower per layer)
         float p[MOE_MAX_E / 32];
 #pragma unroll
         for (int j = 0; j < MOE_MAX_E / 32; ++j) p[j] = lg[lane + 32 * j];
         int my_id = 0;
         float my_z = 0.f;
         moe_topk_pick(p, k, -INFINITY, my_id, my_z);
-#ifdef MOE_DIAG_FIXED_IDS
-        my_id = lane;  // (diagnosis: every token takes experts 0..k-1; wrong results)
-#endif
         if (lane < k) {
             sel_id[lane] = my_id;
             sel_z[lane] = my_z;
@@ -581,11 +526,6 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     }
     __syncthreads();
     const int ex = sel_id[slot];
-#ifdef MOE_DIAG_ROUTE
-    diag_stamp(3);
-#else
-    diag_stamp(2);  // (routed; 3: the cluster's gate/up sums read)
-#endif
 
     // ---- ffn_decode on the expert's 256 channels t*256.. of gate, up and down ----
     const int W2 = mI / 4;  // [gate | up]'s zero row in words (its scale row: 8 W2 halves)
@@ -596,16 +536,13 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     const half* sc = ws + (size_t)ex * (D / 128) * W2 * 8;
     const int gword = (mat ? mI / 8 : 0) + t * 32 + lane;
     // (x is staged before the top-k: with the expert's first loads issued before the stage instead, the
-    // 30B-A3B step measured 0.8% longer, change 77)
+    // 30B-A3B step measured 0.8% longer)
     u32 wv[FFN_ROWS], zw;
     uint4 sv;
     ffn_load_rows(qb, k_lo + wr * FFN_ROWS, wv);
     ffn_load_group(qz, sc, W2, gword, k_lo + wr * FFN_ROWS, zw, sv);
     float a8[8];
     ffn_span_dot(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-#if FFN_DIAG_LOOPEND && !defined(MOE_DIAG_ROUTE)
-    diag_stamp(3);
-#endif
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
     } else {
@@ -652,6 +589,4 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_span_dot(db, dzz, dss, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, dstep, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, wgt, acc, red);
     if constexpr (!PUSH) cl_wait();
-    diag_stamp(4);
-    diag_record((unsigned long long)wq);
 }

@@ -1,8 +1,8 @@
-// MoE prefill's grouped expert GEMMs for few rows per expert (PERFORMANCE.md changes 199-202): a batched GEMV on
+// MoE prefill's grouped expert GEMMs for few rows per expert: a batched GEMV on
 // tensor cores. Why: with a few dozen rows per expert (30B-A3B prompts up to ~500 tokens) every expert's
 // weights are read once per layer and each weight serves only its expert's few rows, so the GEMM should run at
 // DRAM speed; gemm_moe_rs (register-A wgmma, weights staged through shared memory by bulk copies and mbarriers)
-// reads them at ~1.3-1.5 TB/s there (PERFORMANCE.md sessions 61-65: its K-tile pipeline is issue-bound). Here each
+// reads them at ~1.3-1.5 TB/s there (docs/PERFORMANCE.md: its K-tile pipeline is issue-bound). Here each
 // thread streams its packed words straight into registers, 16 bytes a load and a whole 128-k chunk ahead, as the
 // decode GEMVs do, and only the block's x rows pass through shared memory (cp.async, 3 stages).
 //
@@ -36,7 +36,7 @@
 // One step's A fragments of mma i = 0..3 from the thread's raw words q (rows k0..k3 of one packed word); zc / sc[c]:
 // column c's zero bias and scale in both halves. Why this order: pairing two rows of a channel takes one byte_perm
 // per 8 raw weights (4 per step) where pairing dequantized halves takes one per 2 (16 per step), and the kernel is
-// issue-bound (PERFORMANCE.md change 201). byte_perm 0x5410 of words (k0, k1) keeps bytes 0-1 of each (nibbles 0-3:
+// issue-bound. byte_perm 0x5410 of words (k0, k1) keeps bytes 0-1 of each (nibbles 0-3:
 // columns 0, 2, 4, 6; awq_magic's pair p of it is column 2p at (k0, k1)), 0x7632 bytes 2-3 (columns 1, 3, 5, 7:
 // pair p is column 2p + 1); pair p is in the lo form for even p, the hi form for odd p, as in awq_dequant8, so each
 // weight gets the same value as there.

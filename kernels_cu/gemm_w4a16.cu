@@ -309,7 +309,7 @@ awq_dequant(const u32* __restrict__ qw,   // [K, N/8], tiled layout (common.cuh)
 }
 
 // Up to three matrices with the same K (q, k and v) side by side in one launch: blockIdx.y picks the matrix and
-// its first column (0, N0, N0 + N1), so the host pays one launch where it paid three (PERFORMANCE.md change 230).
+// its first column (0, N0, N0 + N1), so the host pays one launch where it paid three.
 // A slot with N 0 writes nothing; the columns stay 16-byte aligned (every N % 8 == 0).
 __global__ void __launch_bounds__(256)
 awq_dequant3(const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,

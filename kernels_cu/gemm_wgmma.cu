@@ -9,7 +9,7 @@
 //     scales and zeros in by cp.async (each its own PS / NP slots of a ring, PS / NP - 2 of its
 //     tiles ahead: DRAM latency), dequantize them (LOP3) into an N-major fp16 W tile of a
 //     ring of SB slots and arrive on that slot's "full" mbarrier (two warpgroups: the
-//     dequantization alone bounded one, PERFORMANCE.md change 56);
+//     dequantization alone bounded one);
 //   - two consumer warpgroups wait for both tiles, run wgmma on them straight from shared memory,
 //     and arrive on the slots' "empty" mbarriers once their wgmma has read them.
 // Split-K on the wave tail: the host (ops_cupy.wgmma_plan) runs the tiles of a partial last wave
@@ -18,10 +18,10 @@
 // Nothing but C is written to global memory; the dequant + cuBLAS path writes and rereads 2 bytes
 // per weight, which dominates at short prompts.
 //
-// Status (H100, PERFORMANCE.md changes 44 and 56-57): 335-400 TFLOP/s at 512-2048 rows with 128 x
+// Status (H100): 335-400 TFLOP/s at 512-2048 rows with 128 x
 // 128 tiles, 215-330 at 128 rows (split tails); cuBLAS fp16 reaches 600-760. Diagnosis runs: with
-// one producer (change 44) wgmma alone 766 TFLOP/s, the loads and handshakes alone 630, the
-// dequantization alone 420, adding up rather than overlapping; with two (change 57) leaving out
+// one producer wgmma alone 766 TFLOP/s, the loads and handshakes alone 630, the
+// dequantization alone 420, adding up rather than overlapping; with two leaving out
 // the dequantization still took q|k|v at 512 rows from 0.48 to 0.72 of cuBLAS.
 //
 // Supported configurations (the host's WGMMA_TILES; the host rejects other shapes and takes the
@@ -266,11 +266,11 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
     }
 }
 
-// ---- The register-A form (PERFORMANCE.md changes 164-168): dense prefill's "rs" path, and MoE prefill's grouped
+// ---- The register-A form: dense prefill's "rs" path, and MoE prefill's grouped
 // expert GEMMs (gemm_moe_rs, at the end of the file) ----
 // Why: gemm_w4a16_ws stores every dequantized W tile to shared memory and each consumer's wgmma reads it
 // back as B (1/64 byte of shared-memory reads plus 1/128 of stores per FLOP, x as A another 1/128), and the
-// producers' dequantization, the loads and the wgmmas measured additive (change 44). Here the product is
+// producers' dequantization, the loads and the wgmmas measured additive. Here the product is
 // transposed, C^T [N, T] = W^T x^T: W^T is wgmma's A operand, dequantized by the consumer warps straight
 // into A's register fragments (no W tile in shared memory), and x [T, K] from TMA is B, K-major. The first
 // thread of each warpgroup issues a share of the loads: per K tile x's box, the column tile's 64-k slab of
@@ -280,32 +280,17 @@ gemm_w4a16_ws(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 //     (m64nBTk16), 8 stages: H200 456-475 TFLOP/s at 2048 rows against 369-393 for gemm_w4a16_ws (164);
 //   BT = 256 tokens x 128 channels (half a column tile), 2 warpgroups (m64n256k16: 128 accumulators and
 //     253 registers a thread), 5 stages: each dequantized A fragment serves twice the tokens, so half the
-//     dequantization and packed-word reads per FLOP (change 166: 499-550 at 2048 rows, 416-523 at 512).
-// Sustained, these GEMMs run at the 700 W board cap (change 165: BT = 128 spends 1.5-1.6 pJ per FLOP
+//     dequantization and packed-word reads per FLOP (499-550 at 2048 rows, 416-523 at 512).
+// Sustained, these GEMMs run at the 700 W board cap (BT = 128 spends 1.5-1.6 pJ per FLOP
 // against cuBLAS fp16's 1.03-1.09): energy per FLOP, not overlap, bounds them there.
-// Split-K (change 165): at 512 rows q|k|v's 96 tiles and o's 64 leave SMs idle, so a tile's K tiles can be
+// Split-K: at 512 rows q|k|v's 96 tiles and o's 64 leave SMs idle, so a tile's K tiles can be
 // cut into `split` ranges (grid z), each part storing fp32 sums and the last to finish (an atomic ticket)
 // adding them in part order, as gemm_w4a16_ws does for its wave tail (ops_cupy.rs_plan picks split).
 // Requires N % 256 == 0 per matrix, K % 64 == 0, group % 64 == 0, any T >= 1; up to 3 matrices with the
 // same K side by side in C; split <= K / 64. grid (ceil(T / BT), N / (64 RS_WG), split), block
 // 128 RS_WG(BT), RsSmem::bytes of dynamic shared memory (ops_cupy.gemm_rs launches it).
 #ifndef RS_REFILL_LAG
-#define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2; A/B by KUIPER_DIAG_DEFINES)
-#endif
-// Diagnosis only (KUIPER_DIAG_DEFINES, wrong results): RS_DIAG_NODEQ=1 drops the dequantization,
-// RS_DIAG_NOMMA=1 the wgmmas, RS_DIAG_NOX=1 / RS_DIAG_NOW=1 the x / weight loads after the first ST K
-// tiles (the stages keep what they first held) (change 165).
-#ifndef RS_DIAG_NODEQ
-#define RS_DIAG_NODEQ 0
-#endif
-#ifndef RS_DIAG_NOMMA
-#define RS_DIAG_NOMMA 0
-#endif
-#ifndef RS_DIAG_NOX
-#define RS_DIAG_NOX 0
-#endif
-#ifndef RS_DIAG_NOW
-#define RS_DIAG_NOW 0
+#define RS_REFILL_LAG 2  // K tiles between a stage's last use and its refill (1 or 2)
 #endif
 // consumer warpgroups of a block: 4 (256 channels) up to 128 tokens, 2 (128 channels) with 256 tokens,
 // whose 128 accumulators per thread leave no registers for 4
@@ -348,7 +333,7 @@ __device__ __forceinline__ RsNib rs_nib(int sh) {
 // Two A registers from the raw words w0, w1 (one packed word at k and k + 1): ra = (c at k, c at k + 1), rb =
 // (c + 1 at k, c + 1 at k + 1). Why pair the raw words: one byte_perm then yields both k of a channel, so the codes
 // need no shift and no regrouping afterwards: 2 byte_perms, 2 LOP3s, 2 HFMA2s and 2 HMUL2s for 4 weights, where
-// dequantizing each word's column pair and regrouping took 2 more (PERFORMANCE.md change 204). nz_c = -(z_c in the
+// dequantizing each word's column pair and regrouping took 2 more. nz_c = -(z_c in the
 // form's scale) and s_c in both halves; each weight is (q - z) * s, q - z exact before the one rounding, as in
 // awq_dequant8.
 __device__ __forceinline__ void rs_pair(u32 w0, u32 w1, const RsNib& n, half2 nz_c, half2 nz_c1, half2 s_c,
@@ -397,27 +382,15 @@ __device__ __forceinline__ void rs_k_tile(float (&d)[ND], u32 (&af)[16], u32 st_
             lo = lds64(st_w + ((qa * 32 + wi) * 4 + ra) * 4);
             hi = lds64(st_w + (((qa + 2) * 32 + wi) * 4 + ra) * 4);
         }
-#if RS_DIAG_NODEQ  // diagnosis (wrong results): the loaded words as the A registers, no dequantization
-        af[4 * kk] = lo.x, af[4 * kk + 1] = lo.y, af[4 * kk + 2] = hi.x, af[4 * kk + 3] = hi.y + zw + sw;
-#else
         rs_pair(lo.x, lo.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk], af[4 * kk + 1]);
         rs_pair(hi.x, hi.y, nib, nz_c, nz_c1, s_c, s_c1, af[4 * kk + 2], af[4 * kk + 3]);
-#endif
     }
     wg_pin(d);
     wg_fence();
-#if RS_DIAG_NOMMA  // diagnosis (wrong results): no wgmma, the A registers still built and kept
-    if (first) {
-#pragma unroll
-        for (int i = 0; i < ND; ++i) d[i] = 0.f;
-    }
-    d[0] += __uint_as_float(af[0] & 1u);
-#else
     if constexpr (ND == 16) wgmma_rs32x4(d, af, wg_desc(xs), !first);
     else if constexpr (ND == 32) wgmma_rs64x4(d, af, wg_desc(xs), !first);
     else if constexpr (ND == 64) wgmma_rs128x4(d, af, wg_desc(xs), !first);
     else wgmma_rs256x4(d, af, wg_desc(xs), !first);
-#endif
     wg_commit();
     wg_pin(d);
 }
@@ -446,7 +419,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     const int tid = threadIdx.x, kt0 = z * (K / WG_BK) / split, nk = (z + 1) * (K / WG_BK) / split - kt0;
     if (tid == 0) {
         // too little shared memory, or too few threads for the consumer warpgroups (their empty barriers
-        // would never complete: a hang, change 166's first run), fails the launch instead
+        // would never complete: a hang), fails the launch instead
         if (dynamic_smem_bytes() < (u32)L::bytes || blockDim.x != NT || (group & (group - 1)) != 0) __trap();
         for (int s = 0; s < ST; ++s) {
             mbar_init(full + 8 * s, 1);
@@ -462,8 +435,8 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     // consumers too, and their warpgroups' wgmmas wait for their issue: from thread 0 alone, as first written
     // (a division by the group, the addresses rebuilt per tile: ~95 instructions at a quarter of its scheduler's
     // issue slots) it took ~800 cycles of a ~1600-cycle K tile and the consumers waited for data a third of the
-    // time (change 171's probe, H100, MoE at 512 tokens); now the pointers are made once, the group index is a
-    // shift and the copies are spread (change 173). Warpgroup 0's arrive.expect_tx may come after another
+    // time (H100, MoE at 512 tokens); now the pointers are made once, the group index is a
+    // shift and the copies are spread. Warpgroup 0's arrive.expect_tx may come after another
     // warpgroup's bytes have landed: the tx-count goes below zero and the phase still waits for that arrival.
     const u32* w_src = qw + (size_t)(n0 >> 8) * 32 * K + (size_t)kt0 * 2048;  // full 32-word tiles: [K/4][32][4]
     const half* s_src = sc + n0;
@@ -472,20 +445,19 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     const int wgi = tid >> 7;  // this thread's warpgroup (its first thread issues copies wgi, wgi + WG, ...)
     auto issue = [&](int kt, int s) {  // kt: the part's own K tile count, s = kt % ST its stage
         const int gi = (kt0 + kt) >> gsh;
-        const bool lx = !RS_DIAG_NOX || kt < ST, lw = !RS_DIAG_NOW || kt < ST;  // (diagnosis: stale stages)
         if (wgi == 0) {
-            mbar_arrive_expect_tx(full + 8 * s, (lx ? BT * 128 : 0) + (lw ? (SWZ ? 2048 * WG : 8192) + 160 * WG : 0));
-            if (lx) tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
+            mbar_arrive_expect_tx(full + 8 * s, BT * 128 + (SWZ ? 2048 * WG : 8192) + 160 * WG);
+            tma_load_2d(sbase + L::x + s * BT * 128, xmap, (kt0 + kt) * WG_BK, tok0, full + 8 * s);
         }
         if constexpr (SWZ) {  // the block's quarters of the tile's 16 row quads (WG x 2 KB)
-            if (lw && wgi == 1 % WG)
+            if (wgi == 1 % WG)
                 tma_load_3d(sbase + L::w + s * 8192, wmap, 0, (n0 >> 6) & 3, wrq0 + (kt0 + kt) * 16, full + 8 * s);
-        } else {  // the whole column tile's 8 KB (one copy: copies cost per instruction, change 165), of which a
+        } else {  // the whole column tile's 8 KB (one copy: copies cost per instruction), of which a
                   // 2-warpgroup block reads half
-            if (lw && wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
+            if (wgi == 1 % WG) bulk_g2s(sbase + L::w + s * 8192, w_src + (size_t)kt * 2048, 8192, full + 8 * s);
         }
-        if (lw && wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
-        if (lw && wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
+        if (wgi == 2 % WG) bulk_g2s(sbase + L::s + s * 512, s_src + (size_t)gi * N, 128 * WG, full + 8 * s);
+        if (wgi == 3 % WG) bulk_g2s(sbase + L::z + s * 128, z_src + (size_t)gi * (N / 8), 32 * WG, full + 8 * s);
     };
     const bool issuer = (tid & 127) == 0;
     if (issuer)
@@ -509,7 +481,7 @@ __device__ __forceinline__ void rs_block(const TmaDesc* xmap, const u32* __restr
     u32 keep = 0;
     // The loop runs U K tiles per pass: with U = ST each tile's stage is a constant, so every shared address
     // below is one base register plus an immediate (with k % ST the compiler rebuilt ~35 addresses per tile:
-    // the consumers' instructions per K tile fell by a quarter, change 171); an odd ST keeps U = 2 (the A
+    // the consumers' instructions per K tile fell by a quarter); an odd ST keeps U = 2 (the A
     // register buffers alternate by tile parity)
     constexpr int U = ST % 2 == 0 ? ST : 2;
     u32 ph = 0;  // (kt / ST) & 1 when U = ST: the parity of this pass's full barriers
@@ -590,13 +562,13 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
                      out, K, group, ldo, split, blockIdx.z, blockIdx.y * gridDim.x + blockIdx.x, part, ticket);
 }
 
-// The MoE grouped form (PERFORMANCE.md change 168): one launch over every expert of a layer, x the rows of
+// The MoE grouped form: one launch over every expert of a layer, x the rows of
 // all experts in permuted order (moe.cu moe_gather_rows for the gate|up GEMM, the activations for down), each
 // expert's rows contiguous (offsets). blockIdx.y walks the row tiles of all experts (tile_offsets counted in
 // tiles of BT rows by moe_expert_maps; blocks past the last tile exit), blockIdx.x the column tiles. A tile's
 // TMA box may run into the next expert's rows: they are multiplied and not stored. No split. WG 2 (64-row
 // tiles by default, ops_cupy.MOE_RS_FORMS): blocks of 128 channels, two per SM, so one block's pipeline fill and
-// stores overlap the other's K loop (change 176: -1 to -7% at 30B-A3B's shapes on the H100).
+// stores overlap the other's K loop (-1 to -7% at 30B-A3B's shapes on the H100).
 //   qw [E][K, N/8] tiled, qz [E][K/g, N/8], sc [E][K/g, N] (an expert's [gate | up] is one [K, 2I] tiled
 //   matrix: its gate tiles then its up tiles); out [n, ldo] permuted rows.
 // NARROW 1: a tile whose expert has at most BT / 2 rows from the tile's first runs its wgmmas on those BT / 2

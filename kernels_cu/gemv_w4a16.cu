@@ -31,15 +31,6 @@
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 4     // blocks per SM the register budget must allow (latency hiding)
 #endif
-#ifndef GEMV_DIAG_NOMATH
-#define GEMV_DIAG_NOMATH 0    // PERFORMANCE.md change 62: the step's bound with a free dot product
-#endif
-#ifndef GEMV_POS_EARLY
-#define GEMV_POS_EARLY 1      // the o projection reads the position before its PDL wait (0: after, A/B; change 109)
-#endif
-#ifndef GEMV_PIPE
-#define GEMV_PIPE 0           // 1: software-pipelined, the next step's loads fly during this step's math
-#endif
 static_assert(GEMV_ROWS % 8 == 0, "a step's x rows are read 8 at a time");
 #define GEMV_COLS 256         // columns per block: 32 lanes x one packed word (8 columns) each
 #define GEMV_FLUSH 4          // rows accumulated in fp16 before folding into fp32 (overflow bound)
@@ -130,7 +121,7 @@ __device__ __forceinline__ float gemv_merge_each(const float* __restrict__ part_
 // barrier each thread finds its head's weights there. decode_merge's running max (the generic
 // instantiation) spreads the same loads over 4-6 dependent round trips: under the 64-register bound
 // the compiler issues them between the exp2 steps, and every split past a multiple of 8 adds two
-// serial round trips of its own (PERFORMANCE.md change 121). This form needs the 80 registers of 3
+// serial round trips of its own. This form needs the 80 registers of 3
 // blocks per SM (16 partials spill at 64). Every thread calls it (the barrier); more heads x splits
 // than the pairs' room, or a span past the block's threads, takes gemv_merge_each.
 __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -186,9 +177,9 @@ __device__ __forceinline__ float gemv_merge_span(const float* __restrict__ part_
 // [q_dim, E] and Rh = diag(ffn_norm) router^T [D, E], fp16, made at load. More column tiles: R's take
 // it against the block's staged span of the attention output, the last takes Rh against the split's
 // rows of h. The MoE kernel after us then reads z and starts its top-k at once, instead of a router dot
-// product and a cluster exchange after its wait (PERFORMANCE.md change 77). R's columns may be split
+// product and a cluster exchange after its wait. R's columns may be split
 // over several tiles (the host's choice: the tiles between o's and the last): a block of one R tile
-// then reads what a block of an int4 tile does, instead of being the GEMV's straggler (change 79). A
+// then reads what a block of an int4 tile does, instead of being the GEMV's straggler. A
 // tile's row of R is E/8 16-byte chunks (E its columns, ld the row stride); lane = (row phase,
 // chunk), 32 / lpr rows side by side, a warp's GEMV_ROWS rows in batches of GEMV_RT_LOADS.
 #define GEMV_RT_LOADS (GEMV_ROWS / 4)  // 16-byte router loads in flight per lane: in the registers of a
@@ -269,9 +260,6 @@ __device__ __noinline__ void gemv_rt_h_tile(const half* rh, const float* h, int 
     if (k_first < k_end) gemv_rt_load(rh, E, E, k_first, 0, k_end, rv);
     pdl_wait();  // h was written by the kernels before us
     pdl_trigger();
-    diag_stamp(1);  // (no prologue: stamps 2 and 3 at once)
-    diag_stamp(2);
-    diag_stamp(3);
     gemv_rt_tile(rh, E, E, rt_acc, nullptr, h, k_lo, k_first, k_end, 0, rv, red);
 }
 
@@ -315,13 +303,12 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     // PDL's transitive waits, so it may be read before ours (from L2: this SM's L1 may hold an older
     // line), and the merge's loads then go out right after the wait (H100 8B -0.6% per step). Not in
     // the router-row instantiation (RT), where the register it holds across the wait adds spills.
-    constexpr bool pos_early = GEMV_POS_EARLY && !RT;
+    constexpr bool pos_early = !RT;  // the o projection reads the position before its PDL wait
     const int n_keys_early = pos_early && att_o ? (pos_dev ? __ldcg(pos_dev) : pos0) + 1 : 0;
     if (wait) {
         pdl_wait();  // x, partials and counters belong to the kernels before us
         pdl_trigger();
     }
-    diag_stamp(1);
     // The block's span of x goes to shared memory once (xsm): the loop then reads a step's 16 values
     // with two 16-byte loads instead of each lane recomputing or reloading every row's x (2 loads,
     // 2 multiplies and a conversion per row: a fifth of the loop's issue slots). Its three sources:
@@ -365,7 +352,7 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // Four consecutive elements per thread (k_lo and span are multiples of 4), all of an
             // iteration's loads issued before any is used: this runs after the PDL wait, where every
             // dependent L2 round trip lengthens the step, and a span of 4 x 256 rows is one round trip
-            // instead of four (change 85). One loop per source, so each holds only its own loads in
+            // instead of four. One loop per source, so each holds only its own loads in
             // registers beside the first step's weights (one loop for all spilled).
             const int e0 = 4 * threadIdx.x, step = 4 * blockDim.x;
             if (hn) {
@@ -440,24 +427,9 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
         }
     }
 
-    diag_stamp(2);
     if (active) {
-#if GEMV_PIPE  // the next step's registers (not named wn: that is the norm weight)
-        u32 w_next[GEMV_ROWS], z_next = 0;
-        uint4 s_next = make_uint4(0, 0, 0, 0);
-#endif
         for (int k0 = k_first; k0 < k_end; k0 += GEMV_WARPS * GEMV_ROWS) {
-#if GEMV_PIPE
-            if (k0 != k_first) {
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = w_next[r];
-                zw = z_next; sv = s_next;
-            }
-            if (k0 + GEMV_WARPS * GEMV_ROWS < k_end)
-                gemv_load_step(m, la, k0 + GEMV_WARPS * GEMV_ROWS, word, group, w_next, z_next, s_next);
-#else
             if (k0 != k_first) gemv_load_step(m, la, k0, word, group, wv, zw, sv);
-#endif
             uint4 xv[GEMV_ROWS / 8];  // the step's x rows, 16-byte loads (k0 % 16 == 0)
             const half* xs = reinterpret_cast<const half*>(xv);
             if (x_in_smem || !hn) {  // (a span longer than xsm: a single split of K > GEMV_ATT_ROWS, unguarded)
@@ -475,27 +447,16 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
             // raw scales: awq_dot4 sums (q - z) * x in every pair
             const half2 s2[4] = {*reinterpret_cast<const half2*>(&sv.x), *reinterpret_cast<const half2*>(&sv.y),
                                  *reinterpret_cast<const half2*>(&sv.z), *reinterpret_cast<const half2*>(&sv.w)};
-#if GEMV_DIAG_NOMATH  // diagnosis only (KUIPER_DIAG_DEFINES, wrong results): the loads without the dot product
-            {
-                u32 v = zw ^ sv.x ^ sv.w ^ *reinterpret_cast<const u32*>(xs);
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) v ^= wv[r];
-                acc[0] += (float)(v & 1u);
-            }
-#else
 #pragma unroll
             for (int r0 = 0; r0 < GEMV_ROWS; r0 += GEMV_FLUSH) awq_dot4_fold(wv + r0, xs + r0, zb, s2, acc);
-#endif
         }
     }
     if constexpr (RT) {
         if (rt) {  // the router rows: fp32 sums, no overflow guard needed beyond undoing xexp
-            diag_stamp(3);
             gemv_rt_tile(rt, rt_ld, rt_E, rt_acc, xsm, nullptr, k_lo, k_first, k_end, xexp, wv, red);
             return;
         }
     }
-    diag_stamp(3);
     // per-warp results to shared memory, then each thread sums one column over the warps
     stash_lane_sums(red[warp], acc, xexp);
     __syncthreads();
@@ -588,13 +549,13 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
 // split K as finely as the dense GEMVs. The last block of a (slot, tile) sums that slot's S partials
 // times its routing weight into the slot's first partial row; the last slot to finish a tile sums
 // the slots. In one level a single block per tile read slots x S partials, so the split aimed at one
-// block per SM (PERFORMANCE.md change 6). It is its own instantiation: beside every other epilogue
-// the second level spilled under the 64-register bound of 4 blocks per SM (change 39); alone it fits.
+// block per SM. It is its own instantiation: beside every other epilogue
+// the second level spilled under the 64-register bound of 4 blocks per SM; alone it fits.
 // OM: the o projection with gemv_merge_span's merge, at the 80 registers of GEMV_O_MIN_BLOCKS per SM
 // (the host takes it for DEVICE_TUNING's "o_merge" shapes past 16 splits, where o's grid fits 3 per SM).
 // ACC: accumulating mode only (acc_out set), so the split-K reduction tails and epilogues are not in the
 // kernel: about 2200 fewer instructions, and the decode step measured 1.8% (30B-A3B) / 0.5% (8B) shorter
-// (change 146). The decode kernels run from cold instruction caches every layer, so code they hold but
+//. The decode kernels run from cold instruction caches every layer, so code they hold but
 // never run still costs.
 template <bool MOE2, bool RT = false, bool OM = false, bool ACC = false>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, OM ? GEMV_O_MIN_BLOCKS : GEMV_MIN_BLOCKS)
@@ -648,7 +609,6 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
            // (fp32), their sums added into rt_acc [rt_E]
            const half* __restrict__ rt, const half* __restrict__ rt_hw, const float* __restrict__ rt_h, int rt_D,
            int rt_E, long long* __restrict__ rt_acc) {
-    diag_stamp(0);
     const int slot = blockIdx.z, S = gridDim.y;
     // which matrix and column tile this block serves
     int tile = blockIdx.x, col_off = 0, mat = 0;
@@ -695,11 +655,6 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const int b = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < zero_n; i += nb * blockDim.x) zero_p[i] = 0;
     }
-#ifdef KUIPER_DIAG_TIMES
-    __syncthreads();
-    diag_stamp(4);
-    diag_record((unsigned long long)qw0);
-#endif
     if (ACC || acc_out) return;
 
     if (MOE2) {  // level 1: this slot's tile over its S splits; level 2: the tile over the slots

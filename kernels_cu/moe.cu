@@ -48,7 +48,7 @@ __device__ __forceinline__ float router_dot(const half* x, const half* __restric
 // in shared memory a segment of D at a time (every load of a segment in flight at once) and each warp runs them
 // over its router segment held in registers: the router is read once per TB tokens. (Per token, a 2048-token
 // prefill read the whole router 2048 times, 1 GB per 30B-A3B layer from L2: 183 us on the H200; holding x in
-// registers instead left too few loads in flight, PERFORMANCE.md change 168.) Each lane adds its chunks in
+// registers instead left too few loads in flight.) Each lane adds its chunks in
 // router_dot's order (l, l + 32, ..), then warp_sum.
 #define MOE_LOGIT_TB 16    // tokens per block
 #define MOE_LOGIT_SEG 128  // 16-byte chunks of D per staged segment (1024 halves; 32 KB for TB rows)
@@ -109,13 +109,13 @@ moe_router_logits(const half* __restrict__ x,       // [T, D]
 // cnt: NW x MOE_MAX_E ints and tot: MOE_MAX_E ints of shared memory; p2u_s: cap more ints, where perm_to_unperm is
 // put together when n <= cap, then stored in order. Why: placed straight into global memory (scattered stores,
 // each chunk's followed by a __syncwarp that orders them) the maps took as long as with __match_any_sync: ~21 us
-// per 2048-token 30B-A3B layer on the H200 with either, ~15 with neither (PERFORMANCE.md change 197).
+// per 2048-token 30B-A3B layer on the H200 with either, ~15 with neither.
 // ids are read through L2 (__ldcg): in moe_route_mma's last block other blocks wrote them; a warp's ids come
 // MOE_MAP_BATCH chunks of 32 at a time, all loads in flight before the first is used.
 #define MOE_MAP_BATCH 4
 // The lanes whose e (an expert id below 256, or -1 for none) equals this lane's, as a mask (0 for e < 0): one ballot
 // per bit of e. Why: __match_any_sync kept the maps at ~21 us per 2048-token 30B-A3B layer on the H200 with
-// perm_to_unperm staged; these ballots ~15 (PERFORMANCE.md change 197).
+// perm_to_unperm staged; these ballots ~15.
 __device__ __forceinline__ unsigned lanes_with_same_expert(int e) {
     unsigned m = __ballot_sync(0xffffffffu, e >= 0);
 #pragma unroll
@@ -169,7 +169,7 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
     }
     __syncthreads();
     // the offsets and tile offsets: warp 0's exclusive scan, 8 experts per lane (E <= 256), from shared memory
-    // (one thread's serial pass over E counts read back from global memory took longer, PERFORMANCE.md change 183)
+    // (one thread's serial pass over E counts read back from global memory took longer)
     if (warp == 0) {
         int c[MOE_MAX_E / 32], sc = 0, st = 0;
 #pragma unroll
@@ -247,23 +247,23 @@ __device__ __forceinline__ void expert_maps_block(const int* ids, int n, int E, 
 // over its chunks c = w / NG, w / NG + KS, .. of D's 32-wide chunks, whose 6 pieces per lane (2 rows of
 // x, 4 router rows) come through MOE_RMMA_ST stages of cp.async in the warp's own shared memory (each lane
 // reads back only what it copied: no barrier). With the pieces loaded into registers instead, nvcc placed
-// each chunk's loads just before its products, one L2 round trip per chunk: 39 µs per layer (change 181).
+// each chunk's loads just before its products, one L2 round trip per chunk: 39 µs per layer.
 // The KS partial sums are added in shared memory in a fixed order (the same bits on every run). Rows
 // past T and experts past E read clamped rows and are not stored. Lane (g, q) = (lane / 4, lane % 4) reads
 // halves 8q .. 8q + 7 of a chunk of each row: the dot product does not care in which order k runs, so the
 // chunk's two mma.sync take logical k (2q, 2q + 1 | 2q + 8, 2q + 9) from halves (8q, 8q + 1 | 8q + 2, 8q + 3)
 // and (8q + 4, 8q + 5 | 8q + 6, 8q + 7), for A and B alike: every operand is one 16-byte piece, no ldmatrix.
 // KS = 16 / NG (16 warps, each over half the chunks) is the form while its blocks (one per SM) are one wave
-// (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks (PERFORMANCE.md changes
-// 188-189). grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
+// (ops_cupy.moe_route_wide_t): there a block's time is its warps' chains of chunks)
+// . grid ceil(T / 16), block 32 NG KS, dynamic shared memory ops_cupy.moe_rmma_smem (the stages:
 // 12 KB per warp); D % 32 == 0, E <= 32 NG.
 // With a counter (one int, zero before, left zero) the last block to finish also builds the expert maps of
 // the T k picks (expert_maps_block, in the stages' shared memory): one launch per MoE layer fewer than
-// moe_expert_maps after it, and no grid-wide wait (change 197). Without one (nullptr) the maps are not built.
-// The split form (moe_route_mma_split, grid (ceil(T / 16), S), change 198): block (tile, y) takes chunks [y nc / S, (y + 1) nc / S) of D's nc,
+// moe_expert_maps after it, and no grid-wide wait. Without one (nullptr) the maps are not built.
+// The split form (moe_route_mma_split, grid (ceil(T / 16), S)): block (tile, y) takes chunks [y nc / S, (y + 1) nc / S) of D's nc,
 // stores its 16 x E sums to plog[y], and the last of a tile's S blocks (tile_counters[tile]) adds the S parts in
 // y order and runs the top-k. Why: below ~1K tokens the grid is a few blocks each reading the whole 0.5 MB router
-// (30B-A3B: ~19 us of loop per layer at 128 and 512 tokens on the H200, not load-latency-bound: session 72); K
+// (30B-A3B: ~19 us of loop per layer at 128 and 512 tokens on the H200, not load-latency-bound); K
 // split over blocks reads the same bytes in all, over S times the SMs. Both forms are route_mma_block below; the
 // unsplit one (moe_route_mma) keeps its own code and registers.
 #define MOE_RMMA_T 16   // tokens per block
@@ -388,7 +388,7 @@ __device__ __forceinline__ void route_mma_block(
 }
 
 // The unsplit form: launch bounds without a block count, so ptxas keeps it at 64-70 registers as before the split
-// form existed (with a count of 1 it takes 96, and each launch ~0.6-0.9 us longer: session 73).
+// form existed (with a count of 1 it takes 96, and each launch ~0.6-0.9 us longer).
 template <int NG, int KS = 8 / NG>
 __global__ void __launch_bounds__(NG * KS * 32)
 moe_route_mma(const half* __restrict__ x, const half* __restrict__ router, float* __restrict__ logits,
@@ -541,7 +541,7 @@ __global__ void moe_gather_rows(const half* __restrict__ x,              // [T, 
 
 // out[t] = sum_j weights[t, j] * y[unperm_to_perm[t*k + j]] (common.cuh expert_rows_sum8: fp32 sum in j order; fp16
 // out). The residual add happens in the next add_rmsnorm, which by default takes this sum itself (norm.cu,
-// PERFORMANCE.md change 190). grid T, block 256: each thread 8 columns at a time. D % 8 == 0, k <= 32.
+// docs/PERFORMANCE.md). grid T, block 256: each thread 8 columns at a time. D % 8 == 0, k <= 32.
 __global__ void __launch_bounds__(256)
 moe_finalize(const half* __restrict__ y,               // [T*k, D] permuted rows
              const int* __restrict__ unperm_to_perm,   // [T*k]

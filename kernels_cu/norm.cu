@@ -34,7 +34,7 @@ __global__ void embed_gather(const int* __restrict__ ids,     // [T]
 
 // h += r (when r is not null); x = h / rms(h) * w. Each thread one 8-element chunk by 16-byte loads and
 // stores, the row kept in registers between the two passes (2- and 4-byte accesses ran at ~0.6 of the copy
-// rate on prefill rows: PERFORMANCE.md change 187), so a decode row costs one round trip per pass, not a loop
+// rate on prefill rows: docs/PERFORMANCE.md), so a decode row costs one round trip per pass, not a loop
 // of them. grid T, block ceil(D / 8 / 32) * 32, D % 8 == 0 and D <= 8192. Each thread sums its 8 squares in
 // order, then block_sum.
 // pend (T = 1, instead of r): a decode projection's pending output in fixed point (gemv_w4a16's

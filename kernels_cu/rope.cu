@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 // Heads 0..H-1 are queries, H..H+KV-1 keys, then KV values (copied). By 16-byte accesses (2-byte loads and
-// stores ran at ~0.4 of the copy rate on prefill rows: PERFORMANCE.md change 187). A head takes HD/16 lanes;
+// stores ran at ~0.4 of the copy rate on prefill rows: docs/PERFORMANCE.md). A head takes HD/16 lanes;
 // lane j of its group holds dims 8j..8j+7 of each half, so the rotation pairs d and d + HD/2 meet in the lane,
 // and the head's sum of squares is a shuffle over the group. grid (T, ceil((H + 2 KV) / (4 * 32 / (HD / 16)))),
 // block 128. Every row start and stride 16-byte aligned (the host checks).

@@ -1,12 +1,14 @@
-"""The Qwen3 forward, written once against an `ops` backend (NumPy or CuPy).
+"""The Qwen3 forward, written once against a backend (backend.Backend: NumPy or CuPy).
 
 Prefill and decode are separate entry points over one preallocated KV cache that the
-backend owns; `pos` is the number of positions already in the cache.
+backend owns; `pos` is the number of positions already in the cache. Each forward is one
+backend.Step (one sequence here: this class holds one conversation's position).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .backend import Backend, Step
 from .errors import KuiperError
 
 
@@ -15,7 +17,7 @@ class Qwen3:
         self.args = model_file.args
         self._check_context(max_context)
         self.max_context = max_context
-        self.ops = ops_cls(self.args, model_file.weights, max_context, **ops_kwargs)
+        self.ops: Backend = ops_cls(self.args, model_file.weights, max_context, **ops_kwargs)
         self.pos = 0
 
     def _check_context(self, n: int) -> None:
@@ -34,22 +36,20 @@ class Qwen3:
     def reset(self) -> None:
         self.pos = 0
 
-    def _body(self, ids: list[int], pos0: int, all_logits: bool = False):
-        return self.ops.logits(self._layers(ids, pos0), all_logits)
+    def _body(self, step: Step, all_logits: bool = False):
+        return self.ops.logits(self._layers(step), all_logits)
 
-    def _layers(self, ids: list[int], pos0: int):
+    def _layers(self, step: Step):
         """Every layer and the final norm: x [T, D], the lm_head's input."""
         ops, w = self.ops, self.ops.weights
-        h = ops.embed(ids)  # [T, D]
+        h = ops.embed(step)  # [T, D]
         r = None
-        # a backend may run every layer of a one-token step at once (CUDA: one persistent kernel)
-        layers = () if len(ids) == 1 and ops.decode_layers(h, pos0) else w.layers
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(w.layers):
             ops.begin_layer()
             h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
             q, k, v = ops.qkv(x, layer)
-            q = ops.qk_norm_rope_store(q, k, v, layer, i, pos0)
-            r = ops.linear(ops.attention(q, i, pos0), layer.wo)
+            q = ops.qk_norm_rope_store(q, k, v, layer, i, step)
+            r = ops.linear(ops.attention(q, i, step), layer.wo)
             h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
             if layer.router is not None:
                 r = ops.moe(x, layer)
@@ -61,13 +61,14 @@ class Qwen3:
         pos0, T = self.pos, len(ids)
         if pos0 + T > self.max_context:
             raise KuiperError(f"context full: {pos0} + {T} tokens exceed --max-context {self.max_context}")
-        self.ops.begin_step(pos0, T)
+        step = Step.single(ids, pos0)
+        self.ops.begin_step(step)
         try:
             # a backend may replay a short prompt's layers as one captured graph (CUDA: padded to a bucket of
             # lengths; x's first T rows are the prompt's)
-            x = None if all_logits or T == 1 or not hasattr(self.ops, "prefill_graph") else \
-                self.ops.prefill_graph(ids, pos0, lambda padded: self._layers(padded, pos0))
-            out = self._body(ids, pos0, all_logits) if x is None else self.ops.logits(x[:T])
+            x = None if all_logits or T == 1 else \
+                self.ops.prefill_graph(step, lambda padded: self._layers(Step.single(padded, pos0)))
+            out = self._body(step, all_logits) if x is None else self.ops.logits(x[:T])
         finally:
             self.ops.end_step()
         self.pos += T
@@ -76,15 +77,14 @@ class Qwen3:
     def warm_prefill_graphs(self) -> list[int]:
         """Have a backend that replays short prefills as graphs (CUDA) capture every length bucket's now, for a
         session that will meet many prompt lengths (a chat's turns); the buckets captured, [] where none are."""
-        warm = getattr(self.ops, "warm_prefill_graphs", None)
-        return [] if warm is None else warm(lambda padded: self._layers(padded, 0))
+        return self.ops.warm_prefill_graphs(lambda padded: self._layers(Step.single(padded, 0)))
 
     def warm_decode_graphs(self, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
         """Have a backend that replays decode steps as graphs (CUDA) capture every flash-decoding regime's now (keys
         (lo, hi): only those of steps with lo..hi keys); n_valid: the ids the session's draws take. The regimes
         captured, [] where none are."""
-        warm = getattr(self.ops, "warm_decode_graphs", None)
-        return [] if warm is None else warm(lambda pos0: self._body([self.ops.SAMPLED_TOKEN], pos0), n_valid, keys)
+        return self.ops.warm_decode_graphs(lambda pos0: self._body(Step.single([self.ops.SAMPLED_TOKEN], pos0)),
+                                           n_valid, keys)
 
     def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """Run the prompt (appended at the current position); float32 logits [V] of its last token,
@@ -97,19 +97,19 @@ class Qwen3:
         """One token at the current position; float32 logits [V]. Backends that can (CUDA) replay
         the whole step as one captured graph."""
         token = int(token)
-        if not getattr(self.ops, "graphs", False):
+        if not self.ops.graphs:
             return self._forward([token])
         if self.pos + 1 > self.max_context:
             raise KuiperError(f"context full: {self.pos} + 1 tokens exceed --max-context {self.max_context}")
-        pos0 = self.pos
-        out = self.ops.decode_step(lambda: self._body([token], pos0), token, pos0)
+        step = Step.single([token], self.pos)
+        out = self.ops.decode_step(lambda: self._body(step), step)
         self.pos += 1
         return out
 
     @property
     def can_queue_ahead(self) -> bool:
         """Whether decode_sampled() is served: a backend that draws on the device and replays graphs."""
-        return bool(getattr(self.ops, "graphs", False)) and hasattr(self.ops, "sample_launch")
+        return self.ops.graphs and self.ops.queues_draws
 
     def decode_sampled(self):
         """decode() of the token the backend's last sample_launch drew, queued before the host has read
@@ -118,9 +118,8 @@ class Qwen3:
         generation."""
         if self.pos + 1 > self.max_context:
             raise KuiperError(f"context full: {self.pos} + 1 tokens exceed --max-context {self.max_context}")
-        pos0 = self.pos
-        tok = self.ops.SAMPLED_TOKEN
-        out = self.ops.decode_step(lambda: self._body([tok], pos0), None, pos0)
+        step = Step.single([self.ops.SAMPLED_TOKEN], self.pos)
+        out = self.ops.decode_step(lambda: self._body(step), step)
         self.pos += 1
         return out
 
@@ -132,5 +131,4 @@ class Qwen3:
         """Go back to position pos (<= the current one): later steps overwrite the cache rows from there."""
         assert 0 <= pos <= self.pos
         self.pos = pos
-        if hasattr(self.ops, "forget_position"):
-            self.ops.forget_position()
+        self.ops.forget_position()

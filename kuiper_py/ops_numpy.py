@@ -15,7 +15,8 @@ from . import awq
 from .config import ModelArgs, rope_tables
 from .errors import ResourceError
 from .loader import AwqLinear, Layer, Weights
-from .sampling import sample
+from .backend import SAMPLED_TOKEN, Step
+from .sampling import SamplingParams, sample
 
 _BLOCK_BYTES = 4 << 20  # float32 bytes of a linear's dequantized rows per block (dequant_blocks), whole groups
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
@@ -29,7 +30,7 @@ def _deq_keep_budget() -> int:
     """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
     the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
     fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
-    each token (5.6 against 0.25 tok/s on the 2-core CI host, PERFORMANCE.md change 220); 1.7B's 6.9 GB rarely do."""
+    each token (5.6 against 0.25 tok/s on the 2-core CI host); 1.7B's 6.9 GB rarely do."""
     avail = 0
     try:
         with open("/proc/meminfo") as f:
@@ -104,7 +105,12 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyOps:
+    """backend.Backend on the CPU in float32 (the GPU's reference): no graphs, draws on the host."""
     name = "cpu"
+    graphs = False
+    queues_draws = False
+    max_batch = 1
+    SAMPLED_TOKEN = SAMPLED_TOKEN
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int):
         self.args = args
@@ -135,7 +141,10 @@ class NumpyOps:
     def synchronize() -> None:
         pass
 
-    def begin_step(self, pos0: int, n_tokens: int) -> None:
+    def begin_step(self, step: Step) -> None:
+        step.one()
+
+    def forget_position(self) -> None:
         pass
 
     def begin_layer(self) -> None:
@@ -144,13 +153,8 @@ class NumpyOps:
     def end_step(self) -> None:
         pass
 
-    @staticmethod
-    def decode_layers(h, pos0: int) -> bool:
-        """The layers one by one (the model's loop): no fused whole-step path on the CPU."""
-        return False
-
-    def embed(self, ids: list[int]) -> np.ndarray:
-        return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+    def embed(self, step: Step) -> np.ndarray:
+        return self.weights.embed[np.asarray(step.one().ids, dtype=np.int64)].astype(np.float32)
 
     def add_rmsnorm(self, h, r, w):
         if r is not None:
@@ -163,8 +167,8 @@ class NumpyOps:
     def qkv(self, x, layer: Layer):
         return self.linear(x, layer.wq), self.linear(x, layer.wk), self.linear(x, layer.wv)
 
-    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, pos0: int):
-        a = self.args
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
+        a, pos0 = self.args, step.one().pos0
         T = q.shape[0]
         q = rmsnorm(q.reshape(T, a.num_attention_heads, a.head_dim), layer.q_norm, a.rms_norm_eps)
         k = rmsnorm(k.reshape(T, a.num_key_value_heads, a.head_dim), layer.k_norm, a.rms_norm_eps)
@@ -173,9 +177,9 @@ class NumpyOps:
         self.v_cache[i, pos0:pos0 + T] = v.reshape(T, a.num_key_value_heads, a.head_dim)
         return rope(q, cos, sin)
 
-    def attention(self, q, i: int, pos0: int):
+    def attention(self, q, i: int, step: Step):
         """Causal GQA over the cache. q [T, H, hd] at positions pos0..pos0+T-1 -> [T, H*hd]."""
-        a = self.args
+        a, pos0 = self.args, step.one().pos0
         T, H, hd = q.shape
         n = pos0 + T
         group = H // a.num_key_value_heads
@@ -208,6 +212,38 @@ class NumpyOps:
         return moe_ref.finalize(yp, u2p, w)
 
     sample = staticmethod(sample)
+
+    def sample_launch(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int],
+                      n_valid: int) -> None:
+        """The draw, made now (the host draws): sample_result returns it."""
+        self._drawn = self.sample(logits, p, rng, history, n_valid)
+
+    def sample_result(self) -> int:
+        tok, self._drawn = self._drawn, None
+        return tok
+
+    def cancel_draw(self) -> None:
+        self._drawn = None
+
+    # no graphs: the model runs every step eagerly
+    def decode_step(self, body, step: Step):
+        self.begin_step(step)
+        try:
+            return body()
+        finally:
+            self.end_step()
+
+    @staticmethod
+    def prefill_graph(step: Step, layers):
+        return None
+
+    @staticmethod
+    def warm_prefill_graphs(layers) -> list[int]:
+        return []
+
+    @staticmethod
+    def warm_decode_graphs(body_at, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
+        return []
 
     @staticmethod
     def to_host(x) -> np.ndarray:

@@ -21,7 +21,29 @@ def _has_gpu() -> bool:
         return False
 
 
+# The fast GPU tier, `pytest -m "gpu and not slow"`: every GPU test function runs, a parametrized one on a few of its
+# cases spread over its list (first, middle, last), the end-to-end file on its first case only; the other cases (the
+# exhaustive shape sweeps) carry the `slow` mark. 246 of the 1587 GPU tests.
+FAST_CASES, FAST_CASES_BY_FILE = 3, {"test_gpu_e2e.py": 1}
+
+
+def _mark_slow_sweeps(items) -> None:
+    """The `slow` mark on the GPU cases left out of the fast tier (see FAST_CASES)."""
+    sweeps = {}
+    for it in items:
+        if "gpu" in it.keywords and getattr(it, "callspec", None) is not None:
+            sweeps.setdefault((str(it.path), it.originalname), []).append(it)
+    for (path, _), cases in sweeps.items():
+        keep = min(len(cases), FAST_CASES_BY_FILE.get(Path(path).name, FAST_CASES))
+        picks = {round(i * (len(cases) - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else {0}
+        for i, it in enumerate(cases):
+            if i not in picks:
+                it.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -m deselects by mark)
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_sweeps(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")

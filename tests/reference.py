@@ -5,6 +5,27 @@ import numpy as np
 
 from kuiper_py.sampling import SamplingParams
 
+
+def tune(monkeypatch, **changes):
+    """The CUDA backend's active Settings with these fields changed, for the rest of the test (cuda/settings.py's
+    SETTINGS, which every CupyOps built without settings of its own runs with)."""
+    import dataclasses
+    from kuiper_py.cuda import settings as cfg
+    monkeypatch.setattr(cfg, "SETTINGS", dataclasses.replace(cfg.SETTINGS, **changes))
+
+
+def patch(monkeypatch, name, value):
+    """Rebind `name` for the rest of the test in every kuiper_py module that holds the object ops_cupy exports under
+    it (the CUDA backend's modules import their names from one another; `cp` in every module that has one)."""
+    import sys
+    from kuiper_py import ops_cupy as oc
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("kuiper_py") and m is not None and name in vars(m)]
+    assert mods, f"no kuiper_py module has {name}"
+    old = vars(oc)[name] if name in vars(oc) else vars(mods[0])[name]
+    for mod in mods:
+        if vars(mod)[name] is old or name == "cp":
+            monkeypatch.setattr(mod, name, value)
+
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374, 19846, 13]
 
@@ -168,20 +189,20 @@ def decode_logits(mf, ids, n_prefill, max_context, graphs):
 
 def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
     """{"0": logits, "1": logits} of decoding ids[n_prefill:] after a prefill with flash decoding's clusters'
-    merge off and on (KUIPER_ATTN_CM), the o GEMV's own merge forced to gemv_merge_span at every split count and
+    merge off and on (the attn_cm setting), the o GEMV's own merge forced to gemv_merge_span at every split count and
     a short-context regime of 16 splits (4 keys per split at least, up to 64 keys); skips where the GPU cannot
     merge in clusters."""
     import cupy as cp
     import pytest
     from kuiper_py import ops_cupy as oc
     from kuiper_py.model import Qwen3
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 4)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "64")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)
+    tune(monkeypatch, attn_min_chunk=4)
+    tune(monkeypatch, attn_short=(64,))
+    tune(monkeypatch, gemv_o_merge=True)
+    tune(monkeypatch, gemv_o_merge_min_splits=0)
     got = {}
     for cm in ("0", "1"):
-        monkeypatch.setattr(oc, "ATTN_CM", cm)
+        tune(monkeypatch, attn_cm=cm == "1")
         m = Qwen3(mf, oc.CupyOps, 64)
         m.ops.graphs = graphs
         a = m.ops.args
@@ -228,7 +249,7 @@ def record_calls(monkeypatch, name, note):
     def wrapper(*a, **k):
         seen.append(note(*a, **k))
         return real(*a, **k)
-    monkeypatch.setattr(oc, name, wrapper)
+    patch(monkeypatch, name, wrapper)
     return seen
 
 
@@ -247,10 +268,10 @@ def assert_as_accurate(name, fused, separate, cpu):
     assert rel(fused, separate) < 2 * e_sep
 
 
-def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=None):
+def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=True):
     """ops_cupy.ffn_cluster_plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB)
     instantiation over n_clusters (push: the cluster's exchange by pushes into receive slots, False: through the
-    cluster barrier, None: the default), or a skip where clusters or the driver's occupancy query are missing
+    cluster barrier), or a skip where clusters or the driver's occupancy query are missing
     (before sm_90); its clusters must all be resident."""
     import pytest
     from kuiper_py import ops_cupy as oc
@@ -279,17 +300,18 @@ def pending_row_inputs(rng, D, massive):
 def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
     """Prefills of the given lengths on one GPU model (a reset before each but the last, which continues the
     one before it at its position), every position's logits, with the activations from the ops' arena
-    (ops_cupy._ARENA_MAX_T, the default for these lengths) and from cupy.empty (_ARENA_MAX_T = 0): the
+    (the arena_max_t setting's default for these lengths) and from cupy.empty (arena_max_t 0): the
     same bits. Before each arena prefill its arrays are poisoned (NaN, -1), so a value read before this
     prefill wrote it shows; the arena is inactive between forwards."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
+    from kuiper_py.cuda import memory as mem
     from kuiper_py.model import Qwen3
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 151643, size=n).tolist() for n in lengths]
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(oc, "_ARENA_MAX_T", 512 if on else 0)
+        tune(monkeypatch, arena_max_t=512 if on else 0)
         m = Qwen3(mf, oc.CupyOps, 128)
         out = []
         for j, ids in enumerate(prompts):
@@ -298,7 +320,7 @@ def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
             for _, _, a in m.ops._arena.slots.values():
                 a.fill(-1 if a.dtype.kind == "i" else np.nan)
             out.append(cp.asnumpy(m.prefill(ids, all_logits=True)))
-            assert oc._ARENA is None
+            assert mem._ARENA is None
             assert bool(m.ops._arena.slots) == on
         got[on] = out
     for a, b in zip(got[True], got[False]):
@@ -310,8 +332,8 @@ def prefill_graph_spy(m):
     """A list that records, for each prefill of GPU session m, the bucket its graph ran at (None: eager)."""
     served, orig = [], m.ops.prefill_graph
 
-    def spy(ids, pos0, layers):
-        x = orig(ids, pos0, layers)
+    def spy(step, layers):
+        x = orig(step, layers)
         served.append(None if x is None else x.shape[0])
         return x
     m.ops.prefill_graph = spy
@@ -326,7 +348,7 @@ def forget_zeroed_counters(monkeypatch):
     import cupy as cp
     from kuiper_py import ops_cupy as oc
     for name in ("_GEMM_TICKETS", "_MOE_COUNTER", "_MOE_TILE_COUNTERS"):
-        monkeypatch.setattr(oc, name, {})
+        patch(monkeypatch, name, {})
     blocks = [cp.full((n,), -1, cp.int32) for n in (1, oc.MOE_ROUTE_MAX_TILES, 4096) for _ in range(8)]
     cp.cuda.Device().synchronize()
     del blocks

@@ -11,9 +11,10 @@ import types
 import numpy as np
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
-from reference import cluster_plan_or_skip, dequant_reference, pending_row_inputs, rand_awq_tensors, rel
+from reference import cluster_plan_or_skip, dequant_reference, patch, pending_row_inputs, rand_awq_tensors, rel, tune
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -134,15 +135,14 @@ def test_gemv_massive_activations(source):
     assert np.all(np.isfinite(got)) and rel(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize("moe2,early", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("K,N,E,slots", [(768, 2048, 16, 8), (1536, 4096, 12, 8), (256, 768, 4, 3), (128, 256, 2, 1)])
-def test_gemv_moe_weighted_sum(monkeypatch, moe2, early, K, N, E, slots):
+def test_gemv_moe_weighted_sum(early, K, N, E, slots):
     """The experts' down projection with the routing-weighted sum over the token's slots fused in (the
-    MoE finalize of decode), in two reduction levels (per slot over the K splits, then over the slots)
-    and in one, with the ids read before or after the PDL wait: each slot its own expert (ids drawn, a
+    MoE finalize of decode), in two reduction levels (per slot over the K splits, then over the slots),
+    with the ids read before or after the PDL wait: each slot its own expert (ids drawn, a
     repeat allowed), fresh weights; into out and added into a residual row; repeated launches bitwise
     equal and every arrival counter left zero."""
-    monkeypatch.setattr(oc, "GEMV_MOE2", moe2)
     rng = np.random.default_rng()
     g = 128
     qw, qz, sc = rand_awq_tensors(rng, K, N, g, experts=E)
@@ -393,7 +393,7 @@ def test_gemm_dequant_path(M, K, N):
     oc._dequant_scratch(K * N).fill(np.nan)
     x = rng.standard_normal((M, K)).astype(np.float16)
     out = nan_like((M, N), cp.float16)
-    oc.gemm(cp.asarray(x), m, out, path=None if M >= oc.GEMM_DEQUANT_MIN_M else "dequant")  # None: the dispatch
+    oc.gemm(cp.asarray(x), m, out, path=None if M >= cfg.SETTINGS.gemm_dequant_min_m else "dequant")  # None: the dispatch
     assert rel(cp.asnumpy(out), x.astype(np.float32) @ r.astype(np.float32)) < 1e-2
 
 
@@ -480,7 +480,7 @@ def test_gemm_wgmma(M, tile, producers):
 @pytest.mark.parametrize("bt", [64, 128, 256])
 @pytest.mark.parametrize("M", [1, 17, 300, 1030])
 def test_gemm_rs_prototype(M, bt, split):
-    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs, PERFORMANCE.md changes 164-167) at each width
+    """The register-A wgmma GEMM (gemm_wgmma.cu gemm_w4a16_rs) at each width
     and split on check_wgmma's cases, bt tokens per block (256: blocks of 128 channels, half a column tile, 5
     stages): q|k|v side by side with ragged last token tiles, two launches bitwise equal (split parts are
     added in a fixed order whatever order they finish in), and the lone matrix with 64-row groups and more
@@ -522,7 +522,7 @@ def test_rs_choose(T, N, K):
                for b in (128, 256) for t in range(1, max(1, min(8, nk // 8)) + 1))
 
 
-@pytest.mark.parametrize("M", [80, 144, 200, 256, 300, 512, 700])  # (80-255: change 227's rows)
+@pytest.mark.parametrize("M", [80, 144, 200, 256, 300, 512, 700])  # (80-255: the short prompts rs serves)
 def test_gemm_rs_path(M):
     """gemm()'s "rs" path (gemm_w4a16_rs as rs_choose plans it) on check_wgmma's cases: q|k|v side by side,
     two launches bitwise equal (the repeat through the launch record the first one kept), and the lone matrix
@@ -539,20 +539,20 @@ def test_gemm_rs_path(M):
 
 @pytest.mark.parametrize("M", [257, 300, 320])
 def test_gemm_rs_rows_split(monkeypatch, M):
-    """gemm()'s "rs" path with its rows split in two launches (rs_rows_split, change 206: the first 256 rows by
+    """gemm()'s "rs" path with its rows split in two launches (rs_rows_split: the first 256 rows by
     256-token blocks, the rest by 64-token blocks; the weight bound lowered to 0 so check_wgmma's small matrices
     take it): q|k|v side by side and the lone matrix against the reference, every row written (outputs poisoned),
     two runs bitwise equal, and both launches seen with their row counts."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
-    monkeypatch.setattr(oc, "RS_ROWS_SPLIT_KN", 0)
+    patch(monkeypatch, "RS_ROWS_SPLIT_KN", 0)
     seen = []
     real = oc.gemm_rs
 
     def spy(x, mats, out, bt=None, split=None):
         seen.append((x.shape[0], bt))
         return real(x, mats, out, bt, split)
-    monkeypatch.setattr(oc, "gemm_rs", spy)
+    patch(monkeypatch, "gemm_rs", spy)
 
     def run(x, mats, out):
         return oc.gemm(x, mats, out, path="rs")
@@ -564,7 +564,7 @@ def test_gemm_rs_rows_split(monkeypatch, M):
 
 def test_gemm_path_routes_rs(monkeypatch):
     """gemm_path's choice at the Qwen3-8B and 30B-A3B shapes on Hopper: the fused wgmma kernel for short
-    prompts, rs inside rs_range, dequant + cuBLAS past it; KUIPER_GEMM_RS=0 never rs, =1 always (when the
+    prompts, rs inside rs_range, dequant + cuBLAS past it; GEMM_RS=0 never rs, =1 always (when the
     shapes fit)."""
     if not oc.wgmma_available() or not oc.cublas_ready():
         pytest.skip("needs compute capability 9.0 and cuBLAS")
@@ -577,9 +577,9 @@ def test_gemm_path_routes_rs(monkeypatch):
         return tuple(Mat(K, n) for n in Ns)
     qkv, o, gu, down = mats(4096, 4096, 1024, 1024), mats(4096, 4096), mats(4096, 12288, 12288), mats(12288, 4096)
     qkv30, o30 = mats(2048, 4096, 512, 512), mats(4096, 2048)
-    monkeypatch.setattr(oc, "GEMM_RS", "auto")
-    monkeypatch.setattr(oc, "GEMM_WGMMA", "auto")
-    for m in (qkv, gu, down):  # (change 227: rs from 80 rows for matrices past 4096 x 4096)
+    tune(monkeypatch, gemm_rs="auto")
+    tune(monkeypatch, gemm_wgmma="auto")
+    for m in (qkv, gu, down):  # (rs from 80 rows for matrices past 4096 x 4096)
         assert ([oc.gemm_path(T, m) for T in (64, 79, 80, 128, 256, 512, 768, 2048)] ==
                 ["wgmma", "wgmma", "rs", "rs", "rs", "rs", "dequant", "dequant"])
     assert ([oc.gemm_path(T, o) for T in (128, 143, 144, 256, 512, 768, 2048)] ==
@@ -587,9 +587,9 @@ def test_gemm_path_routes_rs(monkeypatch):
     assert [oc.gemm_path(T, qkv30) for T in (128, 223, 224, 256, 768, 1024)] == ["wgmma", "wgmma", "rs", "rs", "rs",
                                                                                  "dequant"]
     assert [oc.gemm_path(T, o30) for T in (256, 384, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
-    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    tune(monkeypatch, gemm_rs="0")
     assert oc.gemm_path(512, o) == "wgmma" and oc.gemm_path(512, qkv) == "dequant"
-    monkeypatch.setattr(oc, "GEMM_RS", "1")
+    tune(monkeypatch, gemm_rs="1")
     assert oc.gemm_path(4, qkv) == "rs" and oc.gemm_path(4096, down) == "rs"
     assert oc.gemm_path(512, mats(4096, 4096, 384)) == "dequant"  # N % 256: not in the fused kernels' table
 
@@ -615,7 +615,7 @@ cp.cuda.Device().synchronize()
 
 def test_gemm_rs_traps_on_wrong_block():
     """gemm_w4a16_rs launched with fewer threads than its consumer warpgroups fails with a CUDA error (its
-    blockDim trap) instead of hanging on barriers no warp will complete (change 166's first run hung so)."""
+    blockDim trap) instead of hanging on barriers no warp will complete."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
     import subprocess
@@ -677,8 +677,8 @@ def test_gemm_falls_back_to_mma_without_cublas(monkeypatch, capfd):
 
     def no_cublas(*a, **k):
         raise RuntimeError("libcublas.so: cannot open shared object file")
-    monkeypatch.setattr(oc, "_CUBLAS", {})
-    monkeypatch.setattr(oc, "GEMM_WGMMA", "0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
+    patch(monkeypatch, "_CUBLAS", {})
+    tune(monkeypatch, gemm_wgmma="0")  # as off Hopper: the fused wgmma GEMM would take 300 rows
     monkeypatch.setattr(oc.cp, "matmul", no_cublas)
     x = rng.standard_normal((300, 1024)).astype(np.float16)
     out = nan_like((300, 3072), cp.float16)
@@ -709,7 +709,7 @@ def attn_path_or_skip(path: str, hd: int, monkeypatch) -> str:
     if path.startswith("wgmma") and not (hd == 128 and oc.wgmma_available()):
         pytest.skip("flash_attn_wgmma runs at head dim 128 on compute capability 9.0 only")
     if path == "wgmma-nc3":
-        monkeypatch.setattr(oc, "FW_CONFIG", (4, 2, 3))
+        tune(monkeypatch, fw_config=(4, 2, 3))
     return path.split("-")[0]
 
 
@@ -759,7 +759,7 @@ def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, pa
 
 @pytest.mark.parametrize("path", ["mma", "wgmma", "wgmma-nc3"])
 def test_flash_attention_prefill_position_on_device(path, monkeypatch):
-    """A prefill graph's attention (change 207): the position read from device memory and, on the wgmma kernel, K's
+    """A prefill graph's attention: the position read from device memory and, on the wgmma kernel, K's
     and V's maps from a device buffer, both rewritten between launches of the same arguments (as between replays):
     each launch equals, bit for bit, the launch with that position and its own maps as arguments, and float64.
     Every other layer and the rows past each launch's keys hold NaN (a map over the whole cache would let them into
@@ -956,7 +956,7 @@ def test_o_gemv_router_rows(H, KV, hd, D, E, massive, cm):
 @pytest.mark.parametrize("dev_pos", [False, True])
 def test_qk_norm_rope_kv_write(H, KV, hd, T, pos0, dev_pos):
     """q/k norm, RoPE and the cache write against NumPy; dev_pos: the position read from device memory (the decode
-    step's graph, and a prefill graph's since change 207), the argument a wrong -1."""
+    step's graph, and a prefill graph's), the argument a wrong -1."""
     from kuiper_py.config import ModelArgs, rope_tables
     from kuiper_py.ops_numpy import rmsnorm, rope
     rng = np.random.default_rng()
@@ -1142,9 +1142,9 @@ def test_clusters_that_cannot_be_resident_leave_the_merge_to_o(splits, monkeypat
     the merged buffer is left as it was; the partials merged by attn_decode_combine match float64 attention."""
     H, KV, hd, n = 32, 8, 128, 700
     cm_or_skip(splits, oc.decode_heads_per_block(H, KV), hd)
-    monkeypatch.setattr(oc, "_ATTN_CM_FNS", {})
+    patch(monkeypatch, "_ATTN_CM_FNS", {})
     asked = []
-    monkeypatch.setattr(oc, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
+    patch(monkeypatch, "resident_clusters", lambda fn, CL, n, threads, smem=0: asked.append(CL) or 0)
     q, Kc, Vc, merged, part_o, part_ml, parts = flash_decoding_asked_to_merge(H, KV, hd, n, splits)
     assert asked == [splits] and parts.merged is None and bool(cp.isnan(merged).all())
     out = oc.attention_combine(parts, nan_like((1, H * hd), cp.float16))
@@ -1192,7 +1192,7 @@ def test_o_gemv_on_cluster_merge_equals_its_own_merge(H, KV, hd, D, n, monkeypat
     hb = oc.decode_heads_per_block(H, KV)
     splits = 16
     cm_or_skip(splits, hb, hd)
-    monkeypatch.setattr(oc, "GEMV_O_MERGE_MIN_SPLITS", 0)  # gemv_merge_span at 16 splits
+    tune(monkeypatch, gemv_o_merge_min_splits=0)  # gemv_merge_span at 16 splits
     rng = np.random.default_rng()
     Kc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
     Vc = cp.asarray(rng.standard_normal((n, KV, hd)).astype(np.float16))
@@ -1233,8 +1233,8 @@ def test_flash_decoding_split_partials(D, H, KV, hd, hb, pos0, min_chunk, long_p
     in the P V product would miss by ~1e-4."""
     if long_path == "scalar" and pos0 < 1100:
         pytest.skip("short splits: the same path either way")
-    monkeypatch.setattr(oc, "ATTN_MMA_LONG", long_path == "mma")
-    monkeypatch.setattr(oc, "ATTN_MAX_HEADS_PER_BLOCK", hb)
+    tune(monkeypatch, attn_mma_long=long_path == "mma")
+    tune(monkeypatch, attn_max_heads_per_block=hb)
     rng = np.random.default_rng()
     splits, ctx = 16, pos0 + 4
     case = qkv_case(rng, D, H, KV, hd, ctx)
@@ -1489,7 +1489,7 @@ def test_gpu_multi_block_draw_equals_one_block(kw, hist, monkeypatch):
     seed = int(rng.integers(1 << 30))
     draws = {}
     for mb in (False, True):
-        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        tune(monkeypatch, sample_mb=mb)
         draws[mb] = _gpu_sample(x, p, 151669, hist, seed=seed, n=200)
     assert draws[True] == draws[False]
     assert all(0 <= t < 151669 for t in draws[True])
@@ -1510,10 +1510,10 @@ def test_gpu_multi_block_draw_overflow_and_all_nan(monkeypatch):
     seed = int(rng.integers(1 << 30))
     draws = {}
     for mb in (False, True):
-        monkeypatch.setattr(oc, "SAMPLE_MB", mb)
+        tune(monkeypatch, sample_mb=mb)
         draws[mb] = _gpu_sample(x, p, 151669, seed=seed, n=100)
     assert draws[True] == draws[False] and len(set(draws[True])) > 50
-    monkeypatch.setattr(oc, "SAMPLE_MB", True)
+    tune(monkeypatch, sample_mb=True)
     nan = np.full(151936, np.nan, dtype=np.float32)
     for kw in (dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.0, top_k=20, top_p=1.0)):
         with pytest.raises(KuiperError, match="no finite logit"):

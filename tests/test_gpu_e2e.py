@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
+from kuiper_py.cuda import memory as mem
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
 from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
                        assert_prefill_graphs_accurate, cpu_decode,
                        decode_cluster_merge_ab, decode_logits, decode_step_twice, forget_zeroed_counters, greedy_tokens,
-                       prefill_graph_spy, record_calls, rel)
+                       prefill_graph_spy, record_calls, rel, tune)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -32,10 +33,10 @@ def test_prefill_arena_same_bits(model_bin, monkeypatch):
 
 def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, monkeypatch):
     """A forward that fails midway leaves no arena active (later direct kernel calls get fresh arrays), and
-    a prompt past _ARENA_MAX_T gives the arena's arrays back before it runs."""
+    a prompt past the arena_max_t setting gives the arena's arrays back before it runs."""
     m = Qwen3(load(model_bin[0]), oc.CupyOps, 64)
     m.prefill(list(range(1, 9)))
-    assert m.ops._arena.slots and oc._ARENA is None
+    assert m.ops._arena.slots and mem._ARENA is None
 
     def fail(*a, **k):
         raise RuntimeError("injected")
@@ -43,12 +44,12 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
     m.reset()
     with pytest.raises(RuntimeError, match="injected"):
         m.prefill(list(range(1, 9)))
-    assert oc._ARENA is None
+    assert mem._ARENA is None
     monkeypatch.undo()
-    monkeypatch.setattr(oc, "_ARENA_MAX_T", 4)
+    tune(monkeypatch, arena_max_t=4)
     m.reset()
     m.prefill(list(range(1, 9)))
-    assert not m.ops._arena.slots and oc._ARENA is None
+    assert not m.ops._arena.slots and mem._ARENA is None
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_prefill_graphs_match_eager_and_reference(small_bin, monkeypatch):
 
 
 def test_prefill_graphs_serve_continued_prompts(small_bin):
-    """A chat's later turns (pos0 > 0) through the same prefill graphs as fresh prompts (change 207: the position and
+    """A chat's later turns (pos0 > 0) through the same prefill graphs as fresh prompts (the position and
     the attention's cache maps are read on the device): three chats whose turns meet the 48-token bucket at
     positions 0, 9, 20, 33 and 46, each turn's logits as accurate as the eager prefill's, then a greedy continuation
     after two replayed turns (reference.assert_prefill_graphs_accurate)."""
@@ -98,7 +99,7 @@ def test_chat_decode_graphs_captured_at_start_give_the_same_replies(small_bin, m
     same tokens as a chat without the start's captures, and no step captures another graph."""
     from kuiper_py.generate import Chat, Engine
     from kuiper_py.sampling import SamplingParams
-    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    tune(monkeypatch, attn_short=(256,))
     rng = np.random.default_rng()
     words = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour"]
     msgs = [" ".join(rng.choice(words, 8)) for _ in range(5)]
@@ -134,7 +135,7 @@ def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkey
     within 40 tokens, which greedy_lockstep's tests tell apart from errors.)"""
     from kuiper_py.generate import Engine, generate
     from kuiper_py.sampling import SamplingParams
-    monkeypatch.setattr(oc, "ATTN_SHORT", "256")
+    tune(monkeypatch, attn_short=(256,))
     greedy = SamplingParams(temperature=0.0)
     prompt = np.random.default_rng().integers(0, 1000, size=40).tolist()
     eng = Engine.load(small_bin, "cuda", need_tokenizer=False)
@@ -190,7 +191,7 @@ def test_kv_cache_that_cannot_fit_says_how_many_positions_would(tiny_bin):
     per = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
     ops = oc.CupyOps(a, mf.weights, 64, progress=False)
     # earlier tests' unreachable arrays first: CuPy collects them itself when an allocation fails, which would
-    # free memory between this count and the one in the message (364 MiB in the whole file's run, session 82)
+    # free memory between this count and the one in the message (364 MiB in the whole file's run)
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
     free, _ = cp.cuda.runtime.memGetInfo()
@@ -355,16 +356,19 @@ def test_queued_ahead_generation_equals_serial(untied_bin, monkeypatch):
 
 def test_greedy_draw_in_graph_equals_draw_kernel(untied_bin, monkeypatch):
     """Greedy decode's draw inside the decode graph (the lm_head's argmax, advance_position's id) gives
-    the tokens the sampling kernel draws, queued ahead or not, and takes over every decode step's draw."""
+    the tokens the sampling kernel draws (handed a copy of the same logits, which the graph's argmax does not
+    serve), queued ahead or not, and takes over every decode step's draw."""
     from kuiper_py.generate import Engine, generate
     from kuiper_py.sampling import SamplingParams
     prompt = np.random.default_rng().integers(0, 151643, size=20).tolist()
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
     out = {}
     for fused in (False, True):
-        monkeypatch.setattr(oc, "FUSED_ARGMAX", fused)
         eng = Engine.load(untied_bin, "cuda", need_tokenizer=False)
         m = eng.session(64)
+        if not fused:
+            launch = m.ops.sample_launch
+            monkeypatch.setattr(m.ops, "sample_launch", lambda logits, *a: launch(logits.copy(), *a))
         recs = list(generate(eng, prompt, 30, greedy, eos_ids=[], max_context=64))
         out[fused] = [r.token for r in recs]
         assert m.ops.fused_draws == (29 if fused else 0)  # every draw but the prompt's
@@ -372,6 +376,19 @@ def test_greedy_draw_in_graph_equals_draw_kernel(untied_bin, monkeypatch):
             mp.setattr(Qwen3, "can_queue_ahead", property(lambda self: False))
             assert [r.token for r in generate(eng, prompt, 30, greedy, eos_ids=[], max_context=64)] == out[fused]
     assert out[True] == out[False] and len(set(out[True])) > 5
+
+
+def test_decode_plan_describes_the_loaded_backend(untied_bin):
+    """The decode plan (cuda/plan.py) of a loaded backend follows its load-time choices and names every launch of a
+    layer; `describe` is what `kuiper info MODEL --plan` prints."""
+    from kuiper_py.cuda.plan import describe
+    for path in (untied_bin,):
+        m = Qwen3(load(path), oc.CupyOps, 64)
+        p = m.ops.plan
+        assert (p.acc_attn, p.acc_mode, p.attn_splits) == (m.ops.acc_attn, m.ops.acc_mode, m.ops.attn_splits)
+        assert p.dense[0].kernel == "gemv_w4a16 q|k|v" and bool(p.moe_layer) == bool(m.args.num_experts)
+        text = describe(m)
+        assert text.startswith("decode plan on ") and f"{len(p.dense)}. " in text
 
 
 def test_graph_decode_equals_eager_decode(untied_bin):
@@ -392,11 +409,11 @@ def test_short_context_attention_regime_switch(untied_bin, bounds, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=40).tolist()
     mf = load(untied_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 7)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "0")
+    tune(monkeypatch, attn_min_chunk=7)
+    tune(monkeypatch, attn_short=())
     ref = decode_logits(mf, ids, 10, 64, True)
-    monkeypatch.setattr(oc, "ATTN_SHORT", bounds)
     want = tuple(int(b) for b in bounds.split(","))
+    tune(monkeypatch, attn_short=want)
     for graphs in (True, False):
         m = Qwen3(mf, oc.CupyOps, 64)
         assert m.ops.attn_short == want and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
@@ -431,10 +448,10 @@ def test_long_splits_on_tensor_cores_decode(untied_bin, min_chunk, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=3006).tolist()
     mf = load(untied_bin)
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", min_chunk)
+    tune(monkeypatch, attn_min_chunk=min_chunk)
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(oc, "ATTN_MMA_LONG", on)
+        tune(monkeypatch, attn_mma_long=on)
         m = Qwen3(mf, oc.CupyOps, 3100)
         m.prefill(ids[:3000])
         got[on] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[3000:]])
@@ -455,7 +472,7 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     cpu = cpu_decode(mf, ids, 10)
     errs = {}
     for acc in (True, False):
-        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        tune(monkeypatch, gemv_acc=acc)
         assert Qwen3(mf, oc.CupyOps, 8).ops.acc_mode == acc
         for graphs in (True, False):
             errs[acc, graphs] = rel(decode_logits(mf, ids, 10, 64, graphs), cpu)
@@ -463,75 +480,14 @@ def test_accumulating_decode_against_reduction_tails_and_reference(untied_bin, m
     for acc, graphs in errs:
         assert errs[acc, graphs] < 1e-2
         assert errs[True, graphs] < 1.5 * errs[False, graphs]
-    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    tune(monkeypatch, gemv_acc=True)
     ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
     assert int(cp.count_nonzero(ops.d["acc_d"])) == 0
 
 
 # ---------------------------------------------------------------------------------------------
-# The persistent decode kernel (decode_layers.cu): the tiny presets are narrower than its 256-column
-# tiles and take the separate kernels, so these use shapes it serves: "small" (head_dim 64, two
-# query heads per KV head) and two layers of Qwen3-0.6B's shapes (head_dim 128).
-@pytest.fixture(scope="module", params=["small", "0.6b"])
-def dl_bin(request, ckpt_root):
-    from kuiper_py import synth
-    from kuiper_py.export import export
-    d = synth.make_checkpoint(ckpt_root / f"dl-{request.param}", request.param, seed=5, n_shards=1, layers=2
-                              if request.param == "0.6b" else None)
-    out = ckpt_root / f"dl-{request.param}.bin"
-    if not out.exists():
-        export(d, out, progress=False, log=lambda m: None)
-    return out
-
-
-def _dl_decode(mf, ids, n_prefill, graphs, on, monkeypatch, blocks=0):
-    monkeypatch.setattr(oc, "DECODE_LAYERS", on)
-    monkeypatch.setattr(oc, "DL_BLOCKS", blocks)
-    m = Qwen3(mf, oc.CupyOps, 96)
-    assert (m.ops._dl is not None) == on, m.ops.decode_layers_why
-    m.ops.graphs = graphs
-    m.prefill(ids[:n_prefill])
-    if on:  # poison what the kernel must write before it reads: stale values would pass unnoticed
-        for k in ("dl_part", "act", "qrot", "part_o", "part_ml"):
-            m.ops.d[k].fill(np.nan)
-    return np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
-
-
-@pytest.mark.parametrize("blocks,graphs", [(0, True), (0, False), (37, True), (11, True)])
-def test_persistent_decode_kernel_matches_separate_kernels_and_reference(dl_bin, blocks, graphs, monkeypatch):
-    """Blocks: one per SM (the default), 37 (ragged unit ranges, more blocks than some steps' units
-    for "small"), 11 (every block over several tiles)."""
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=40).tolist()  # 30 decode steps: flash-decoding from 1 to 3 splits
-    mf = load(dl_bin)
-    fused = _dl_decode(mf, ids, 10, graphs, True, monkeypatch, blocks)
-    separate = _dl_decode(mf, ids, 10, graphs, False, monkeypatch)
-    assert_as_accurate("persistent", fused, separate, cpu_decode(mf, ids, 10))
-
-
-def test_persistent_decode_kernel_greedy_and_deterministic(dl_bin, monkeypatch):
-    mf = load(dl_bin)
-    monkeypatch.setattr(oc, "DECODE_LAYERS", True)
-    runs = [greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24) for _ in range(2)]
-    cpu = greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
-    assert runs[0] == runs[1] == cpu
-    m = Qwen3(mf, oc.CupyOps, 64)
-    m.prefill(PROMPT)
-    a = cp.asnumpy(m.decode(PROMPT[0])).copy()
-    m.pos -= 1  # the same step again: same position, same cache contents
-    b = cp.asnumpy(m.decode(PROMPT[0])).copy()
-    assert np.array_equal(a, b)  # no atomics in its sums: bitwise the same
-    assert int(m.ops.d["dl_bar"].sum()) == 0  # the grid barrier's counters are left at zero
-
-
-# ---------------------------------------------------------------------------------------------
-# The fused attention half (decode_attn.cu: q|k|v, attention and o of a dense decode layer in one
-# cluster launch) at shapes it serves: two layers of Qwen3-0.6B (2 query heads per KV head: one
-# cluster per KV head) and of a 0.6B-wide model with Qwen3-8B's grouping (4 per KV head: two clusters
-# per KV head, each computing its k and v); one layer of Qwen3-8B against the separate kernels at a
-# long context.
-_G4 = (1024, 3072, 2, 32, 8, 128, True)  # hidden, intermediate, layers, heads, kv heads, head_dim, tied
+# Synthetic files of a preset's shapes with `layers` layers (two of Qwen3-0.6B's for the prefill paths below).
 
 
 def _synth_bin(ckpt_root, name, preset, layers):
@@ -539,9 +495,7 @@ def _synth_bin(ckpt_root, name, preset, layers):
     from kuiper_py.export import export
     out = ckpt_root / f"da-{name}.bin"
     if not out.exists():
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(synth.PRESETS, "g4", _G4)
-            d = synth.make_checkpoint(ckpt_root / f"da-{name}", preset, seed=7, n_shards=1, layers=layers)
+        d = synth.make_checkpoint(ckpt_root / f"da-{name}", preset, seed=7, n_shards=1, layers=layers)
         export(d, out, progress=False, log=lambda m: None)
     return out
 
@@ -555,10 +509,10 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
     mf = load(_synth_bin(ckpt_root, "0.6b", "0.6b", 2))
     ids = np.random.default_rng().integers(0, 151643, size=600).tolist()
     calls = record_calls(monkeypatch, "gemm_rs", lambda *a, **k: a[1])
-    monkeypatch.setattr(oc, "GEMM_RS", "auto")
+    tune(monkeypatch, gemm_rs="auto")
     rs = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
     assert len(calls) == 2 * 4  # q|k|v, o, gate|up, down in each layer
-    monkeypatch.setattr(oc, "GEMM_RS", "0")
+    tune(monkeypatch, gemm_rs="0")
     other = cp.asnumpy(Qwen3(mf, oc.CupyOps, 608).prefill(ids, all_logits=True))
     assert len(calls) == 8
     ref = Qwen3(mf, NumpyOps, 608).prefill(ids, all_logits=True)
@@ -568,8 +522,7 @@ def test_prefill_rs_path_matches_reference(ckpt_root, monkeypatch):
 
 def test_new_prompt_length_plans_each_shape_once_not_each_layer(ckpt_root, monkeypatch):
     """A prompt length the process has not seen (what every turn of a chat meets) plans each projection shape's
-    fused GEMM once and encodes one TMA descriptor per KV cache, however many layers share them (PERFORMANCE.md
-    change 196: plans and descriptors per layer made a new length's host side ~6 ms slower on 30B-A3B). Two
+    fused GEMM once and encodes one TMA descriptor per KV cache, however many layers share them (docs/PERFORMANCE.md: plans and descriptors per layer made a new length's host side ~6 ms slower on 30B-A3B). Two
     layers of Qwen3-0.6B shapes on Hopper; the logits of the new length equal those of a fresh engine's."""
     if not oc.wgmma_available():
         pytest.skip("the fused GEMMs and flash_attn_wgmma need compute capability 9.0")
@@ -611,79 +564,12 @@ def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
                                np.asarray(cp.asnumpy(m.prefill(ids[500:], all_logits=True)))])
     wg = run(oc.CupyOps)
     assert paths == ["wgmma"] * 4
-    monkeypatch.setattr(oc, "ATTN_WGMMA", "0")
+    tune(monkeypatch, attn_wgmma="0")
     mma = run(oc.CupyOps)
     assert paths[4:] == ["mma"] * 4
     ref = run(NumpyOps)
     assert np.isfinite(wg).all()
     assert rel(wg, ref) < 1e-2 and rel(wg, mma) < 1e-2
-
-
-# (preset, query heads per cluster (0: the plan's choice), o's weights copied after q|k|v's): g4 runs
-# two clusters of 2 query heads per KV head, one of 4 with o's weights beside q|k|v's, and one of 4
-# with o's weights over them (the layout Qwen3-8B takes on H100)
-@pytest.fixture(scope="module", params=[("0.6b", 0, False), ("g4", 0, False), ("g4", 4, False), ("g4", 4, True)],
-                ids=["0.6b", "g4-qh2", "g4-qh4", "g4-qh4-late"])
-def da_bin(request, ckpt_root):
-    preset, qh, late = request.param
-    return _synth_bin(ckpt_root, preset, preset, 2), qh, late
-
-
-def _da_settings(monkeypatch, on, qh, late):
-    monkeypatch.setattr(oc, "DECODE_ATTN", on)
-    monkeypatch.setattr(oc, "DA_QH", qh)
-    monkeypatch.setattr(oc, "DA_O_LATE", late)
-
-
-def _da_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96, qh=0, late=False):
-    _da_settings(monkeypatch, on, qh, late)
-    m = Qwen3(mf, oc.CupyOps, ctx)
-    assert (m.ops._da is not None) == on, m.ops.decode_attn_why
-    assert not on or not qh or (m.ops._da["QH"] == qh and m.ops._da["o_late"] == late), m.ops.decode_attn_why
-    m.ops.graphs = graphs
-    m.prefill(ids[:n_prefill])
-    if on:  # poison what the kernel writes before it reads: stale values would pass unnoticed
-        for k in ("da_part_o", "da_part_ml", "qrot", "part_o", "part_ml"):
-            m.ops.d[k].fill(np.nan)
-    return m, np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_fused_attention_half_matches_separate_kernels_and_reference(da_bin, graphs, monkeypatch):
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=50).tolist()  # 40 decode steps: flash decoding over 1 or 2 splits
-    path, qh, late = da_bin
-    mf = load(path)
-    m, fused = _da_decode(mf, ids, 10, graphs, True, monkeypatch, qh=qh, late=late)
-    assert int(cp.count_nonzero(m.ops.d["acc_o"])) == 0  # the last down GEMV leaves it zero for the next step
-    _, separate = _da_decode(mf, ids, 10, graphs, False, monkeypatch)
-    assert_as_accurate("fused", fused, separate, cpu_decode(mf, ids, 10))
-
-
-def test_fused_attention_half_greedy_and_deterministic(da_bin, monkeypatch):
-    path, qh, late = da_bin
-    mf = load(path)
-    _da_settings(monkeypatch, True, qh, late)
-    fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
-    assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
-    ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
-    assert ops._da is not None
-    assert np.array_equal(a, b)  # fixed-point o sums, fixed-order merges: bitwise the same
-
-
-def test_fused_attention_half_8b_long_context(ckpt_root, monkeypatch):
-    """Qwen3-8B's cluster size and every split holding keys (2100 cached positions), against the
-    separate kernels (which the tests above hold to the CPU reference)."""
-    mf = load(_synth_bin(ckpt_root, "8b", "8b", 1))
-    rng = np.random.default_rng()
-    ids = rng.integers(0, 151643, size=2106).tolist()
-    m, fused = _da_decode(mf, ids, 2100, True, True, monkeypatch, ctx=2200)
-    assert 2100 // 32 >= 4 * m.ops._da["CL"]  # every split holds keys
-    print("8B plan:", m.ops.decode_attn_why)
-    _, separate = _da_decode(mf, ids, 2100, True, False, monkeypatch, ctx=2200)
-    assert np.isfinite(fused).all()
-    print(f"8B, one layer, 2100 positions: fused vs separate kernels {rel(fused, separate):.2e}")
-    assert rel(fused, separate) < 1e-2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,7 +589,7 @@ def ffn_bin(request, ckpt_root):
 
 
 def _ffn_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96):
-    monkeypatch.setattr(oc, "DECODE_FFN", "1" if on else "0")
+    tune(monkeypatch, decode_ffn="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, ctx)
     assert (m.ops._ffn is not None) == on, m.ops.decode_ffn_why
     m.ops.graphs = graphs
@@ -735,23 +621,23 @@ def test_one_launch_ffn_global_exchange(ffn_bin, graphs, monkeypatch):
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=30).tolist()
     mf = load(ffn_bin)
-    monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+    tune(monkeypatch, ffn_global="1")
     m, glob = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
     assert m.ops._ffn.get("xslots") is not None, m.ops.decode_ffn_why
     assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
-    monkeypatch.setattr(oc, "FFN_GLOBAL", "0")
+    tune(monkeypatch, ffn_global="0")
     m2, clus = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
     assert m2.ops._ffn.get("xslots") is None
     np.testing.assert_array_equal(glob, clus)
     if graphs:
-        monkeypatch.setattr(oc, "FFN_GLOBAL", "1")
+        tune(monkeypatch, ffn_global="1")
         assert greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24) == \
             greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
 
 
 def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):
     mf = load(ffn_bin)
-    monkeypatch.setattr(oc, "DECODE_FFN", "1")
+    tune(monkeypatch, decode_ffn="1")
     fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
     assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
     ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)

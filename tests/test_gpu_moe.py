@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
 from kuiper_py.loader import AwqStack, load
@@ -19,7 +20,7 @@ from kuiper_py.ops_numpy import NumpyOps, awq_linear, silu
 from reference import (PROMPT, assert_arena_prefills_same_bits, assert_as_accurate, assert_chat_accurate,
                        assert_prefill_graphs_accurate, cluster_plan_or_skip, forget_zeroed_counters,
                        decode_cluster_merge_ab, decode_logits, decode_step_twice, greedy_lockstep, pending_row_inputs,
-                       rand_awq_tensors, record_calls, rel)
+                       rand_awq_tensors, record_calls, rel, tune)
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -192,15 +193,15 @@ def rs_form_or_skip(monkeypatch, form) -> int:
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
     monkeypatch.setitem(oc.MOE_RS_FORMS, form[0], form[1:])
-    monkeypatch.setattr(oc, "MOE_TC", "0")  # (moe_experts' rs path is gemm_moe_rs at every length)
+    tune(monkeypatch, moe_tc="0")  # (moe_experts' rs path is gemm_moe_rs at every length)
     return form[0]
 
 
 @pytest.mark.parametrize("form", oc.MOE_RS_FORMS_ALL, ids=rs_form_ids)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
-    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs, PERFORMANCE.md change 168) in each
-    compiled form (rows per tile, stages, consumer warpgroups: change 176): the expert maps in tiles of those rows,
+    """Prefill's expert half on the Hopper path (gemm_wgmma.cu gemm_moe_rs) in each
+    compiled form (rows per tile, stages, consumer warpgroups): the expert maps in tiles of those rows,
     the rows gathered per expert, the grouped gate|up and down GEMMs, each stage against moe_ref with poisoned
     outputs; then moe_experts whole, on this path and on the mma.sync one, against moe_ref's pipeline. Experts
     with no tokens are part of every case (DEAD)."""
@@ -240,8 +241,7 @@ def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
 @pytest.mark.parametrize("tm", oc.MOE_TC_TILES)
 @pytest.mark.parametrize("T", [1, 7, 300, 2048])
 def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
-    """Prefill's expert half on gemm_moe_tc (the batched GEMV on tensor cores for few rows per expert, PERFORMANCE.md
-    change 199) in tiles of tm rows: gate|up reading the token rows through perm_to_unperm, down on permuted rows,
+    """Prefill's expert half on gemm_moe_tc (the batched GEMV on tensor cores for few rows per expert) in tiles of tm rows: gate|up reading the token rows through perm_to_unperm, down on permuted rows,
     each against moe_ref with poisoned outputs; then moe_experts whole on that path against moe_ref's pipeline.
     Experts with no tokens are part of every case (DEAD); 300 and 2048 tokens give experts of many tiles, whose
     last tile ends inside the expert."""
@@ -257,9 +257,9 @@ def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
     y = oc.gemm_moe_tc(cp.asarray(r.act16), layer["w2_d"], offsets, tiles, tm, out=poisoned((n, D), np.float16))
     assert row_rel(cp.asnumpy(y), r.y) < 5e-3
 
-    monkeypatch.setattr(oc, "MOE_TC", "auto")
-    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)
-    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 1e9 if tm == 16 else 0)
+    tune(monkeypatch, moe_tc="auto")
+    tune(monkeypatch, moe_tc_max_mean=1e9)
+    tune(monkeypatch, moe_tc_t16_max=1e9 if tm == 16 else 0)
     assert oc.moe_experts_tile(layer["w13_d"], layer["w2_d"], n, rs=True) == (True, tm)
     calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **kw: a[4])
     got = oc.moe_experts(cp.asarray(r.x), layer["w13_d"], layer["w2_d"], ids_d, cp.asarray(r.w), rs=True)
@@ -278,14 +278,14 @@ def test_gemm_moe_tc_at_235b_shapes(tm):
 
 
 def test_moe_rs_path_taken_where_it_fits(layer, monkeypatch):
-    """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless KUIPER_MOE_RS=0;
+    """moe_rs_path: the 30B-A3B-shaped stacks take gemm_moe_rs on compute capability 9.0 unless MOE_RS=0;
     tiny-moe's hidden size of 128 (no whole 256-column tile) never does; moe_rs_tile by the mean rows."""
     assert oc.moe_rs_path(layer["w13_d"], layer["w2_d"]) == oc.wgmma_available()
-    monkeypatch.setattr(oc, "MOE_RS", "0")
+    tune(monkeypatch, moe_rs="0")
     assert not oc.moe_rs_path(layer["w13_d"], layer["w2_d"])
     assert not oc.moe_rs_fits(128, 128, 128) and oc.moe_rs_fits(2048, 768, 128) and not oc.moe_rs_fits(2048, 832, 128)
     assert oc.moe_rs_fits(2048, 768, 64) and not oc.moe_rs_fits(2048, 768, 192)  # groups 64 << n only
-    monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 64)
+    tune(monkeypatch, moe_rs_bt128_from=64)
     assert oc.moe_rs_tile(64 * E - 1, E) == 64 and oc.moe_rs_tile(64 * E, E) == 128
 
 
@@ -397,9 +397,9 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     products), the ids the exact logits' top-k (experts whose exact logits lie within that bound may trade
     places: assert_same_topk), the weights the softmax of the kernel's own logits over its picks. Outputs
     poisoned; 33 experts and D = 96 leave a partial expert group and an odd chunk count."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if path == "cuda" else "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 1 << 30 if path.startswith("mma16") else 0)
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "3" if path.endswith("s") else "1")  # (3: uneven chunk ranges)
+    tune(monkeypatch, moe_router="cuda" if path == "cuda" else "mma")
+    tune(monkeypatch, moe_route_wide_t=1 << 30 if path.startswith("mma16") else 0)
+    tune(monkeypatch, moe_route_splits="3" if path.endswith("s") else "1")  # (3: uneven chunk ranges)
     rng = np.random.default_rng()
     x = rng.standard_normal((T, dim)).astype(np.float16)
     router = (rng.standard_normal((n_exp, dim)) / math.sqrt(dim)).astype(np.float16)
@@ -412,7 +412,7 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
     split = "_split" if path.endswith("s") and oc.moe_route_splits(T, dim, warps, ng) > 1 else ""
     launches = ([f"moe_route_mma{split}<{ng}, {8 // ng}>"] if path.startswith("mma8") else
                 [f"moe_route_mma{split}<{ng}, {16 // ng}>"] if path.startswith("mma16") else
-                ["moe_topk"] if T >= oc.MOE_ROUTER_GEMM_MIN_T else ["moe_router_logits", "moe_topk"])
+                ["moe_topk"] if T >= cfg.SETTINGS.moe_router_gemm_min_t else ["moe_router_logits", "moe_topk"])
     for norm_topk in (True, False):
         lg, ids, w = poisoned((T, n_exp), np.float32), poisoned((T, k), np.int32), poisoned((T, k), np.float32)
         del calls[:]
@@ -433,13 +433,13 @@ def test_moe_route_logits_and_picks(n_exp, k, dim, T, path, monkeypatch):
 def test_moe_route_mma_form_by_token_count(monkeypatch):
     """moe_route takes moe_route_mma's 16-warp form up to moe_route_wide_t() tokens (unset: 16 per SM) and its 8-warp
     form above."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
+    tune(monkeypatch, moe_router="mma")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     router = cp.asarray((np.random.default_rng().standard_normal((128, 64)) / 8).astype(np.float16))
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
+    tune(monkeypatch, moe_route_wide_t=None)
     wide = oc.moe_route_wide_t()
     assert wide == 16 * oc.sm_count()
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "1")
+    tune(monkeypatch, moe_route_splits="1")
     for T, name in ((wide, "moe_route_mma<4, 4>"), (wide + 1, "moe_route_mma<4, 2>")):
         del calls[:]
         oc.moe_route(cp.ones((T, 64), cp.float16), router, 8, True)
@@ -452,7 +452,7 @@ def test_moe_route_mma_picks_as_a_stable_sort_with_many_ties(n_exp, k, wide_t, m
     """moe_route_mma's top-k (8- and 16-warp forms) on exactly representable logits with many ties
     (tied_logits: each logit a multiple of 0.5, made as x . router with x a one-hot row and the router holding
     the logits): the ids of NumPy's stable sort (ties to the lower id), as moe_topk gives them."""
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", wide_t)
+    tune(monkeypatch, moe_route_wide_t=wide_t)
     rng = np.random.default_rng()
     T, dim = 64, 128
     lg = tied_logits(rng, T, n_exp, k)
@@ -477,10 +477,10 @@ def test_moe_route_builds_the_expert_maps(n_exp, k, T, form, monkeypatch):
     poisoned; two launches in a row with fresh inputs (the arrival counter must be left at zero by the first);
     the launches are the routing's alone where the maps ride in it. 4100 tokens leave warps whose slot range ends
     inside a batch of loads; routers with low rows leave experts without tokens."""
-    monkeypatch.setattr(oc, "MOE_ROUTER", "cuda" if form == "cuda" else "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", 0 if form == "mma8" else 1 << 30)
-    monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", form != "separate")
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "4" if form == "mma16s" else "1")
+    tune(monkeypatch, moe_router="cuda" if form == "cuda" else "mma")
+    tune(monkeypatch, moe_route_wide_t=0 if form == "mma8" else 1 << 30)
+    tune(monkeypatch, moe_route_maps=form != "separate")
+    tune(monkeypatch, moe_route_splits="4" if form == "mma16s" else "1")
     calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
     rng = np.random.default_rng()
     dim = 512 if form == "mma16s" else 128  # (split: 16 chunks of D, 4 per split over 4 or 2 K parts)
@@ -539,7 +539,7 @@ def test_moe_finalize_weighted_sum(T, dim, k):
 @pytest.mark.parametrize("T,dim,k", [(1, D, K_TOP), (7, 136, 3), (300, 4096, 8), (33, 2048, 32), (5, 2056, 1)])
 def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
     """add_rmsnorm with a MoE prefill's expert rows (the routing-weighted sum in the same kernel,
-    MOE_FUSE_FINALIZE): the new residual and x bitwise equal to moe_finalize then add_rmsnorm from the same
+    as the MoE prefill runs it): the new residual and x bitwise equal to moe_finalize then add_rmsnorm from the same
     residual, and x within fp16 rounding of NumPy's RMSNorm of h + the float64 weighted sum. x poisoned."""
     from kuiper_py.ops_numpy import rmsnorm
     rng = np.random.default_rng()
@@ -560,29 +560,9 @@ def test_add_rmsnorm_sums_expert_rows_as_moe_finalize(T, dim, k):
     assert rel(cp.asnumpy(x_fused), rmsnorm(h_ref, cp.asnumpy(nw), 1e-6)) < 2e-3
 
 
-def test_moe_prefill_finalize_in_add_rmsnorm_same_bits(moe_bin, monkeypatch):
-    """A whole MoE prefill (every position's logits) with the experts' weighted sum in the next add_rmsnorm
-    (MOE_FUSE_FINALIZE, the default) and with the moe_finalize kernel: the same bits; one moe_finalize
-    launch per MoE layer without the fusion and none with it."""
-    mf = load(moe_bin)
-    ids = np.random.default_rng().integers(0, 151643, size=37).tolist()
-    got, launches = {}, {}
-    calls = record_calls(monkeypatch, "kernel", lambda family, name: name)
-    for fuse in (True, False):
-        monkeypatch.setattr(oc, "MOE_FUSE_FINALIZE", fuse)
-        m = Qwen3(mf, oc.CupyOps, 64)
-        del calls[:]
-        got[fuse] = cp.asnumpy(m.prefill(ids, all_logits=True))
-        launches[fuse] = calls.count("moe_finalize")
-    n_moe = sum(1 for L in mf.weights.layers if L.router is not None)
-    assert n_moe > 0 and launches == {True: 0, False: n_moe}
-    assert np.isfinite(got[True]).all()
-    np.testing.assert_array_equal(got[True], got[False])
-
-
 def test_moe_prefill_arena_same_bits(moe_bin, monkeypatch):
     """Short prefills with their activations from the ops' arena, reused from prefill to prefill, against
-    cupy.empty's (ops_cupy._ARENA_MAX_T): the same bits at every position (reference.py)."""
+    cupy.empty's (the arena_max_t setting): the same bits at every position (reference.py)."""
     assert_arena_prefills_same_bits(load(moe_bin), monkeypatch)
 
 
@@ -687,6 +667,14 @@ def moe_bin(request, tmp_path_factory):
     return root / "m.bin"
 
 
+def test_decode_plan_of_a_moe_model(moe_bin):
+    """A MoE model's decode plan has a MoE layer's launches, the one-launch MoE half where the backend took it."""
+    m = Qwen3(load(moe_bin), oc.CupyOps, 64)
+    p = m.ops.plan
+    assert p.moe_layer and (p.moe_layer[-1].kernel == "moe_ffn_decode") == (m.ops._moe is not None)
+    assert "MoE layer:" in p.describe()
+
+
 def test_moe_model_prefill_routing_and_greedy_match_cpu(moe_bin):
     mf = load(moe_bin)
     cpu = Qwen3(mf, NumpyOps, len(PROMPT) + 40)
@@ -719,7 +707,7 @@ def test_moe_prefill_graphs_match_eager_and_reference(tmp_path, monkeypatch, pro
     head dim of 128 (so that k and v are 256 wide and every dense projection takes the fused GEMMs; narrower ones go
     through cuBLAS, where a capture is refused): the padding's rows are routed and computed too, and leave the
     prompt's rows and continuation as accurate as the eager prefill's; fresh prompts, and chats whose later turns
-    replay the graph at pos0 > 0 (change 207)."""
+    replay the graph at pos0 > 0."""
     if not oc.wgmma_available():
         pytest.skip("before sm_90 the prefill projections go through cuBLAS: no prefill graph")
     monkeypatch.setitem(synth.MOE_PRESETS, "pg-moe", (256, 512, 2, 4, 2, 128, True, 16, 4, 256, ()))
@@ -752,7 +740,7 @@ def test_moe_prefill_graph_refused_where_cublas_serves(moe_bin):
 def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     """A whole small-moe prefill (hidden and expert intermediate 256: the grouped expert GEMMs on gemm_moe_rs, and
     on gemm_moe_tc with its bound raised) against the CPU engine at every position, and against the same prefill on
-    the mma.sync grouped GEMMs (KUIPER_MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
+    the mma.sync grouped GEMMs (MOE_RS=0). A token whose experts differ from the CPU's in some layer (a near tie that fp16
     activations may flip) legitimately differs: at least 95% of the 300 must route the same, and those are
     compared (1e-2, as the tiny models' prefill test). Rows are checked one by one in the stage tests above:
     here the largest row's error is set by the draw (0.0085 and 0.056 in two draws on this path, 0.0077 on
@@ -770,11 +758,11 @@ def test_moe_prefill_rs_path_matches_cpu_and_mma_path(tmp_path, monkeypatch):
     got, both = {}, np.ones(len(ids), bool)
     calls = record_calls(monkeypatch, "gemm_moe_rs", lambda *a, **k: ("rs", a[4]))
     tc_calls = record_calls(monkeypatch, "gemm_moe_tc", lambda *a, **k: ("tc", a[4]))
-    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 1e9)  # ("tc": gemm_moe_tc at 75 rows per expert, in 32-row tiles)
-    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 0)
+    tune(monkeypatch, moe_tc_max_mean=1e9)  # ("tc": gemm_moe_tc at 75 rows per expert, in 32-row tiles)
+    tune(monkeypatch, moe_tc_t16_max=0)
     for rs, tc in (("auto", "0"), ("auto", "auto"), ("0", "0")):
-        monkeypatch.setattr(oc, "MOE_RS", rs)
-        monkeypatch.setattr(oc, "MOE_TC", tc)
+        tune(monkeypatch, moe_rs=rs)
+        tune(monkeypatch, moe_tc=tc)
         gpu = Qwen3(mf, oc.CupyOps, 320)
         gpu.ops.routing_log = []
         got[rs + tc] = cp.asnumpy(gpu.prefill(ids, all_logits=True))
@@ -846,12 +834,12 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
     """MoE models decode in accumulating mode (q|k|v finished by flash decoding, o's sums added to the
     residual by the router kernel, the experts' [gate | up] sums finished by the expert down GEMV, its
     weighted sum added by the next layer's q|k|v GEMV): against the last-block reductions
-    (KUIPER_GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
+    (GEMV_ACC=0) and the CPU engine, eager decode, compared up to the first token whose experts
     differ from the CPU's in some layer (a near-tied router; three draws at most); graph replay equal to
     eager; one step repeated from the same cache bitwise equal, the accumulators left zero."""
     mf = load(moe_bin)
     for acc in (True, False):
-        monkeypatch.setattr(oc, "GEMV_ACC", acc)
+        tune(monkeypatch, gemv_acc=acc)
         ops = Qwen3(mf, oc.CupyOps, 8).ops
         assert ops.acc_attn == ops.acc_moe == acc and not ops.acc_mode
     compared = 0
@@ -860,7 +848,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
         ref, cpu_log = _cpu_decode_routed(mf, ids, 10)
         got, first = {}, 30
         for acc in (True, False):
-            monkeypatch.setattr(oc, "GEMV_ACC", acc)
+            tune(monkeypatch, gemv_acc=acc)
             m = Qwen3(mf, oc.CupyOps, 64)
             m.ops.graphs = False
             m.prefill(ids[:10])
@@ -877,7 +865,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
             compared = first
             break
     assert compared >= 10
-    monkeypatch.setattr(oc, "GEMV_ACC", True)
+    tune(monkeypatch, gemv_acc=True)
     ops, a, b = decode_step_twice(mf, ids, 10, 64)
     assert np.array_equal(a, b)
     assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0
@@ -886,7 +874,7 @@ def test_moe_accumulating_decode(moe_bin, monkeypatch):
 # The one-launch MoE FFN half end to end, at shapes it serves: a 1024-wide model (clusters of 4, 32
 # experts, 4 per token) and a 2048-wide one (clusters of 8, as Qwen3-30B-A3B) whose middle layer is a
 # dense MLP (mlp_only_layers), against the separate routing kernel and expert GEMVs
-# (KUIPER_DECODE_MOE=0) and the CPU engine. Layout: hidden, dense intermediate, layers, heads, kv heads,
+# (DECODE_MOE=0) and the CPU engine. Layout: hidden, dense intermediate, layers, heads, kv heads,
 # head_dim, tied, experts, top-k, expert intermediate, mlp_only_layers.
 _FUSED_MOE = {"m1k": (1024, 1024, 2, 8, 2, 128, True, 32, 4, 256, ()),
               "m2k-mixed": (2048, 2048, 3, 16, 4, 128, True, 16, 4, 512, (1,))}
@@ -905,7 +893,7 @@ def fused_moe_bin(request, tmp_path_factory):
 def _fused_moe_decode(mf, ids, n_prefill, graphs, on, monkeypatch):
     """Logits of decoding ids[n_prefill:] after a prefill with the one-launch MoE FFN on or off, and the
     routing log of the decode steps (eager only: [step * MoE layers + layer] -> ids [1, k])."""
-    monkeypatch.setattr(oc, "DECODE_MOE", "1" if on else "0")
+    tune(monkeypatch, decode_moe="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, 64)
     assert (m.ops._moe is not None) == on, m.ops.decode_moe_why
     m.ops.graphs = graphs
@@ -950,43 +938,6 @@ def test_one_launch_moe_on_cluster_merged_attention_same_bits(fused_moe_bin, mon
     assert np.isfinite(got["1"]).all()
 
 
-def test_moe_prefetch_next_qkv_same_bits(fused_moe_bin, monkeypatch):
-    """moe_ffn_decode starting the next layer's q|k|v weights towards L2 (KUIPER_MOE_PREFETCH 1: before
-    its PDL wait, 2: after it) changes no bit of the decoded logits (graph replay), and each MoE layer
-    but the last has a table whose chunks (16-byte multiples, at most MOE_PREFETCH_KB each) cover
-    exactly the next layer's q, k and v qweight, qzeros and scales (to a 16-byte multiple)."""
-    mf = load(fused_moe_bin)
-    ids = np.random.default_rng().integers(0, 151643, size=16).tolist()
-    outs = {}
-    for mode in ("0", "1", "2"):
-        monkeypatch.setattr(oc, "MOE_PREFETCH", mode)
-        m, outs[mode], _ = _fused_moe_decode(mf, ids, 8, True, True, monkeypatch)
-        pf, Ls = m.ops._moe_pf, m.ops.weights.layers
-        if mode == "0":
-            assert pf == {}
-            continue
-        assert len(pf) == sum(L.router is not None for L in Ls[:-1]) > 0
-        for L, nxt in zip(Ls, Ls[1:]):
-            if L.router is None:
-                continue
-            tab, n, after = pf[id(L)]
-            t = cp.asnumpy(tab).astype(np.int64)
-            assert t.shape == (n, 2) and after == (mode == "2")
-            assert (t[:, 1] > 0).all() and (t[:, 1] % 16 == 0).all() and (t[:, 1] <= oc.MOE_PREFETCH_KB << 10).all()
-            want = sorted((a.data.ptr, a.data.ptr + a.nbytes // 16 * 16)
-                          for lin in (nxt.wq, nxt.wk, nxt.wv) for a in (lin.qweight, lin.qzeros, lin.scales))
-            got = sorted((int(p), int(p + b)) for p, b in t)
-            merged = []
-            for lo, hi in got:  # chunks of one array are adjacent: merge them back into its range
-                if merged and lo == merged[-1][1] and not any(lo == w[0] for w in want):
-                    merged[-1] = (merged[-1][0], hi)
-                else:
-                    merged.append((lo, hi))
-            assert merged == want
-    np.testing.assert_array_equal(outs["1"], outs["0"])
-    np.testing.assert_array_equal(outs["2"], outs["0"])
-
-
 def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
     """Greedy tokens (eager decode, the GPU fed the CPU engine's tokens) equal to the CPU's up to the first
     decode step whose experts differ from the CPU's in some layer (after a near-tied router both
@@ -996,7 +947,7 @@ def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
     top-2 gap under the step's largest GPU - CPU logit difference. One step repeated from the same cache
     bitwise equal, the accumulators left zero."""
     mf = load(fused_moe_bin)
-    monkeypatch.setattr(oc, "DECODE_MOE", "1")
+    tune(monkeypatch, decode_moe="1")
     for _ in range(3):
         prompt = np.random.default_rng().integers(0, 151643, size=8).tolist()
         cpu, gpu = Qwen3(mf, NumpyOps, len(prompt) + 24), Qwen3(mf, oc.CupyOps, len(prompt) + 24)

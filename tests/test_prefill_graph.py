@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kuiper_py import ops_cupy as oc
+from kuiper_py.cuda.runtime import build as kb
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
@@ -39,7 +40,7 @@ def test_decode_regimes_are_those_the_steps_meet():
 
 
 def test_rs_rows_split_rule():
-    """gemm()'s rs rows split (change 206) applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
+    """gemm()'s rs rows split applies from 257 to 320 rows, to matrices of at least 3 x 4096 x 4096
     weights only (Qwen3-8B gate|up and down, not q|k|v or o), with 256 rows in its first launch."""
     gu, down, qkv, o = (4096, 24576), (12288, 4096), (4096, 6144), (4096, 4096)
     assert [oc.rs_rows_split(T, *gu) for T in (2, 256, 257, 300, 320, 321, 352, 512)] == [0, 0, 256, 256, 256, 0, 0, 0]
@@ -49,11 +50,12 @@ def test_rs_rows_split_rule():
 
 class PaddedNumpyOps(NumpyOps):
     """The reference ops serving prefill_graph as the CUDA backend does: the layers run on the prompt padded with
-    id 0 to prefill_bucket(T) positions, at the cache's start or after earlier turns (change 207), where the padded
+    id 0 to prefill_bucket(T) positions, at the cache's start or after earlier turns, where the padded
     end fits in the cache."""
     served = 0
 
-    def prefill_graph(self, ids, pos0, layers):
+    def prefill_graph(self, step, layers):
+        ids, pos0 = step.one().ids, step.one().pos0
         B = oc.prefill_bucket(len(ids))
         if pos0 + B > self.k_cache.shape[1]:
             return None
@@ -147,10 +149,10 @@ class _FakeCupy:
 
 def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
     fake = _FakeCupy(delays, broken)
-    monkeypatch.setattr(oc, "cp", fake)
+    monkeypatch.setattr(kb, "cp", fake)
     for name, value in (("_MODULES", {}), ("_FNS", {}), ("_BUILDING", {}), ("_BUILD_NOTICED", [False]),
-                        ("_BUILD_NOTICE_S", notice_s), ("PRECOMPILE", True)):
-        monkeypatch.setattr(oc, name, value)
+                        ("_BUILD_NOTICE_S", notice_s)):
+        monkeypatch.setattr(kb, name, value)
     return fake
 
 
@@ -177,7 +179,7 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     """precompile() starts every family's build at once in worker threads: four 0.5 s builds are all done within
     well under their 2 s in a row, a family _compiled asks for while its build runs is waited for rather than built
     again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
-    family's. With KUIPER_PRECOMPILE=0 (PRECOMPILE False) nothing starts and _compiled builds on first use."""
+    family's."""
     import time
     fams = ["norm", "rope", "lmh", "gemm"]  # (one module each)
     fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)
@@ -188,12 +190,6 @@ def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     assert time.perf_counter() - t0 < 1.5
     assert got == [(oc._FILES[f][0], oc._FILES[f][1][0]) for f in fams]
     assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
-    fake = _fake_builds(monkeypatch, {}, notice_s=60)
-    monkeypatch.setattr(oc, "PRECOMPILE", False)
-    oc.precompile(fams, 0)
-    assert oc._BUILDING == {} and fake.builds == {}
-    oc._compiled("norm", "add_rmsnorm")
-    assert fake.builds == {"norm.cu": 1}
 
 
 def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):
@@ -206,8 +202,8 @@ def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):
     fams = ["norm", "rope", "lmh"]
     for cap, cpus, fast in ((1, 8, False), (3, 3, True)):
         fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.3 for f in fams}, notice_s=60)
-        monkeypatch.setattr(oc, "BUILD_THREADS", cap)
-        monkeypatch.setattr(oc, "_usable_cpus", lambda: cpus)
+        monkeypatch.setattr(kb, "BUILD_THREADS", cap)
+        monkeypatch.setattr(kb, "_usable_cpus", lambda: cpus)
         t0 = time.perf_counter()
         oc.precompile(fams, 0)
         for f in fams:
@@ -223,7 +219,7 @@ def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
     from kuiper_py.errors import KuiperError
     fake = _fake_builds(monkeypatch, {}, broken=("rope.cu",), notice_s=60)
     oc.precompile(["norm", "rope"], 0)
-    oc._BUILDING["rope"].exception()  # (its worker has finished, with the error)
+    kb._BUILDING["rope"].exception()  # (its worker has finished, with the error)
     assert oc._compiled("norm", "add_rmsnorm") == ("norm.cu", "add_rmsnorm")
     with pytest.raises(KuiperError, match="kernel compilation failed for rope.cu"):
         oc._compiled("rope", "advance_position")

@@ -4,14 +4,16 @@ import math
 
 import pytest
 
+from kuiper_py.cuda import settings as cfg
 import kuiper_py.ops_cupy as oc
+from reference import patch, tune
 
 
 @pytest.fixture
 def sms(monkeypatch):
     def set_count(n, name="mocked GPU"):
-        monkeypatch.setattr(oc, "sm_count", lambda: n)
-        monkeypatch.setattr(oc, "device_name", lambda: name)
+        patch(monkeypatch, "sm_count", lambda: n)
+        patch(monkeypatch, "device_name", lambda: name)
     return set_count
 
 
@@ -29,13 +31,13 @@ def test_gemv_split_covers_k_in_whole_steps(sms, n_sm, K, N):
 
 def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
     sms(132)
-    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles), PERFORMANCE.md change 83;
-    # with gemv_merge_span's merge the bound covers every split count of a 40960-position cache (change 121)
+    # Qwen3-8B's o projection (K = 32 heads x 128, N = 4096: 16 column tiles);
+    # with gemv_merge_span's merge the bound covers every split count of a 40960-position cache
     coarse, fine = oc.o_split(4096, 16, 33), oc.o_split(4096, 16, 65)
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS, merge=True) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_MERGE_COARSE_SPLITS + 1, merge=True) == fine
     assert fine == oc.gemv_split(4096, 16)
-    if oc.GEMV_O_BLOCKS_PER_SM == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
+    if cfg.SETTINGS.gemv_o_blocks_per_sm == 3 and oc.gemv_blocks_per_sm(4096, 16) == 4:
         assert coarse == (16, 256) and fine == (32, 128)
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS) == coarse
     assert oc.o_split(4096, 16, oc.GEMV_O_COARSE_SPLITS + 1) == fine
@@ -46,7 +48,7 @@ def test_o_split_coarse_only_up_to_its_attention_split_bound(sms):
 
 
 # Qwen3 dense FFN shapes (hidden D, intermediate I) and their splits on 132 SMs at 4 and 3 blocks per SM
-# (PERFORMANCE.md Next levers 0000 / change 84): (gate/up at 4, at 3), (down at 4, at 3)
+# (gate/up at 4, at 3), (down at 4, at 3)
 FFN_SPLITS = {(2560, 9728): ((7, 384), (5, 512), (38, 256), (38, 256)),
               (4096, 12288): ((6, 768), (4, 1024), (32, 384), (24, 512)),
               (5120, 17408): ((4, 1280), (3, 1792), (23, 768), (20, 896)),
@@ -56,7 +58,7 @@ FFN_SPLITS = {(2560, 9728): ((7, 384), (5, 512), (38, 256), (38, 256)),
 @pytest.mark.parametrize("D,I", list(FFN_SPLITS))
 def test_lower_target_keeps_the_split_floor(sms, monkeypatch, D, I):
     sms(132)
-    monkeypatch.setattr(oc, "GEMV_MIN_SPLITS", 3)
+    tune(monkeypatch, gemv_min_splits=3)
     gu, dn = 2 * math.ceil(I / oc.GEMV_COLS), math.ceil(D / oc.GEMV_COLS)
     assert (oc.gemv_split(D, gu, 4.0), oc.gemv_split(D, gu, 3.0), oc.gemv_split(I, dn, 4.0),
             oc.gemv_split(I, dn, 3.0)) == FFN_SPLITS[(D, I)]
@@ -70,8 +72,8 @@ def test_lower_target_keeps_the_split_floor(sms, monkeypatch, D, I):
                                         ("NVIDIA A100-SXM4-80GB", False)])
 def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name, tuned):
     sms(132, name)
-    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", None)  # no KUIPER_GEMV_BLOCKS_PER_SM
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}, "gemv_blocks_per_sm": {
+    tune(monkeypatch, gemv_blocks_per_sm=None)  # the table decides
+    tune(monkeypatch, device_tables={"H200": {"ffn_off": {(4096, 12288)}, "gemv_blocks_per_sm": {
         (4096, 24576): 3.0, (12288, 4096): 3.0}}})
     # Qwen3-8B's gate|up (K 4096, 2 x 48 tiles) and down (K 12288, 16 tiles) take the GPU's entry ...
     for K, tiles, at3 in ((4096, 96, (4, 1024)), (12288, 16, (24, 512))):
@@ -82,13 +84,13 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
     for K, tiles in ((4096, 24), (4096, 16), (5120, 136), (17408, 20)):
         assert oc.gemv_blocks_per_sm(K, tiles) == 4.0
     # the environment's value overrides the table
-    monkeypatch.setattr(oc, "GEMV_BLOCKS_PER_SM", 4.0)
+    tune(monkeypatch, gemv_blocks_per_sm=4.0)
     assert oc.gemv_blocks_per_sm(4096, 96) == 4.0 and oc.gemv_split(4096, 96) == (6, 768)
 
 
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
-    for key, t in oc.DEVICE_TUNING.items():
+    for key, t in cfg.SETTINGS.device_tables.items():
         assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge", "attn_cm"} and key
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
@@ -101,7 +103,7 @@ def test_device_tuning_table_is_well_formed():
         assert all(H % KV == 0 and hd in (64, 128) for D, H, KV, hd in t.get("o_merge", ()))
         # the clusters' merge serves only the short-context graph (its splits capped at ATTN_CM_MAX)
         assert all(shape in t.get("attn_short", {}) for shape in t.get("attn_cm", ()))
-        # a second short bound paid only with the clusters' merge (change 158: +1.1% without it)
+        # a second short bound paid only with the clusters' merge (+1.1% without it)
         assert all(shape in t.get("attn_cm", ()) for shape, keys in t.get("attn_short", {}).items()
                    if not isinstance(keys, int) and len(keys) > 1)
 
@@ -109,24 +111,21 @@ def test_device_tuning_table_is_well_formed():
 def test_attn_short_regime_follows_the_table_and_the_override(sms, monkeypatch):
     from types import SimpleNamespace
     a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"attn_short": {(4096, 32, 8, 128): 1024}}})
-    monkeypatch.setattr(oc, "ATTN_SHORT", None)
+    tune(monkeypatch, device_tables={"H100": {"attn_short": {(4096, 32, 8, 128): 1024}}})
+    tune(monkeypatch, attn_short=None)
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_short(a8b) == (1024,)
     sms(132, "NVIDIA H200")
     assert oc.attn_short(a8b) == ()
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"attn_short": {(4096, 32, 8, 128): (512, 1024)}}})
+    tune(monkeypatch, device_tables={"H200": {"attn_short": {(4096, 32, 8, 128): (512, 1024)}}})
     assert oc.attn_short(a8b) == (512, 1024)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "300")  # KUIPER_ATTN_SHORT wins everywhere
+    tune(monkeypatch, attn_short=(300,))  # the setting wins everywhere
     assert oc.attn_short(a8b) == (300,)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "1024, 300,300")  # any order, repeats once
+    tune(monkeypatch, attn_short=(1024, 300, 300))  # any order, repeats once
     assert oc.attn_short(a8b) == (300, 1024)
-    monkeypatch.setattr(oc, "ATTN_SHORT", "0")
+    tune(monkeypatch, attn_short=())
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_short(a8b) == ()
-    monkeypatch.setattr(oc, "ATTN_SHORT", "512;1024")
-    with pytest.raises(oc.KuiperError, match="KUIPER_ATTN_SHORT"):
-        oc.attn_short(a8b)
 
 
 @pytest.mark.parametrize("cm", [False, True])
@@ -151,43 +150,43 @@ def test_attn_min_chunk_follows_the_table(sms, monkeypatch):
     from types import SimpleNamespace
     a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
     a30 = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H100": {"attn_min_chunk": {(4096, 32, 8, 128): 64}}})
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 0)
+    tune(monkeypatch, device_tables={"H100": {"attn_min_chunk": {(4096, 32, 8, 128): 64}}})
+    tune(monkeypatch, attn_min_chunk=0)
     sms(132, "NVIDIA H100 80GB HBM3")
     assert oc.attn_min_chunk(a8b) == 64 and oc.attn_min_chunk(a30) == oc.DECODE_MIN_CHUNK == 32
     sms(132, "NVIDIA H200")
     assert oc.attn_min_chunk(a8b) == 32
-    monkeypatch.setattr(oc, "ATTN_MIN_CHUNK", 48)  # KUIPER_ATTN_MIN_CHUNK wins everywhere
+    tune(monkeypatch, attn_min_chunk=48)  # the setting wins everywhere
     assert oc.attn_min_chunk(a8b) == oc.attn_min_chunk(a30) == 48
 
 
 def test_ffn_off_entry_turns_off_only_the_cluster_launch(sms, monkeypatch):
-    """DEVICE_TUNING's ffn_off drops the one-launch FFN's cluster launch under KUIPER_DECODE_FFN=auto (the
+    """DEVICE_TUNING's ffn_off drops the one-launch FFN's cluster launch under DECODE_FFN=auto (the
     separate GEMVs instead), but the form without a cluster launch (ffn_global_plan) is taken first where it
-    applies; KUIPER_DECODE_FFN=1 keeps the cluster launch."""
+    applies; DECODE_FFN=1 keeps the cluster launch."""
     from types import SimpleNamespace
     sms(132, "NVIDIA H200")
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {"H200": {"ffn_off": {(4096, 12288)}}})
-    monkeypatch.setattr(oc, "pdl_enabled", lambda: True)
-    monkeypatch.setattr(oc, "_cu_occupancy_clusters", lambda: object())
+    tune(monkeypatch, device_tables={"H200": {"ffn_off": {(4096, 12288)}}})
+    patch(monkeypatch, "pdl_enabled", lambda: True)
+    patch(monkeypatch, "_cu_occupancy_clusters", lambda: object())
     cluster = {"CL": 8, "TB": 2, "kind": "cluster"}
-    monkeypatch.setattr(oc, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
+    patch(monkeypatch, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
     glob = {"applies": False}
 
     def global_plan(plan, n, at_cap_only=False):
         return (dict(plan, kind="global"), "global") if glob["applies"] else (None, "not at the cap")
-    monkeypatch.setattr(oc, "ffn_global_plan", global_plan)
+    patch(monkeypatch, "ffn_global_plan", global_plan)
     a8b = SimpleNamespace(hidden_size=4096, intermediate_size=12288, group_size=128)
     a14 = SimpleNamespace(hidden_size=5120, intermediate_size=17408, group_size=128)
-    monkeypatch.setattr(oc, "DECODE_FFN", "auto")
+    tune(monkeypatch, decode_ffn="auto")
     plan, why = oc.decode_ffn_plan(a8b)
     assert plan is None and "H200" in why
     assert oc.decode_ffn_plan(a14)[0]["kind"] == "cluster"  # a shape the table does not name
     glob["applies"] = True
     assert oc.decode_ffn_plan(a8b)[0]["kind"] == "global"
-    monkeypatch.setattr(oc, "FFN_GLOBAL", "0")
+    tune(monkeypatch, ffn_global="0")
     assert oc.decode_ffn_plan(a8b)[0] is None
-    monkeypatch.setattr(oc, "DECODE_FFN", "1")
+    tune(monkeypatch, decode_ffn="1")
     assert oc.decode_ffn_plan(a8b)[0]["kind"] == "cluster"
 
 
@@ -223,33 +222,33 @@ def test_draw_plan_blocks_and_candidate_room(monkeypatch):
     for n in (16385, 50000, 151669, 262144, 4194304):
         G, cap = oc.draw_plan(n, greedy)
         assert (G - 1) * oc.SMP_CHUNK < n <= G * oc.SMP_CHUNK and G * cap <= oc.SMP_CAND and cap <= oc.SMP_THREADS
-    monkeypatch.setattr(oc, "SAMPLE_MB", False)
+    tune(monkeypatch, sample_mb=False)
     assert oc.draw_plan(151669, greedy) is None
 
 
 # the on/off choices per attention shape (_shape_switch): the listed GPU, one that lists nothing for the shape
 @pytest.mark.parametrize("choice,override,listed,other", [
-    ("o_merge", "GEMV_O_MERGE", "NVIDIA H100 80GB HBM3", "NVIDIA H200"),
-    ("attn_cm", "ATTN_CM", "NVIDIA H200", "NVIDIA H100 80GB HBM3")])
+    ("o_merge", "gemv_o_merge", "NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+    ("attn_cm", "attn_cm", "NVIDIA H200", "NVIDIA H100 80GB HBM3")])
 def test_shape_choice_follows_the_table_and_the_override(sms, monkeypatch, choice, override, listed, other):
     from types import SimpleNamespace
     a8b = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
     a14b = SimpleNamespace(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128)
     on = getattr(oc, choice)
-    monkeypatch.setattr(oc, "DEVICE_TUNING", {listed.split()[1]: {choice: {(4096, 32, 8, 128)}}})
-    monkeypatch.setattr(oc, override, None)
+    tune(monkeypatch, device_tables={listed.split()[1]: {choice: {(4096, 32, 8, 128)}}})
+    tune(monkeypatch, **{override: None})
     sms(132, listed)
     assert on(a8b) and not on(a14b)
     sms(132, other)
     assert not on(a8b)
-    monkeypatch.setattr(oc, override, "1")  # the environment's value wins everywhere
+    tune(monkeypatch, **{override: True})  # the setting wins everywhere
     assert on(a8b) and on(a14b)
-    monkeypatch.setattr(oc, override, "0")
+    tune(monkeypatch, **{override: False})
     sms(132, listed)
     assert not on(a8b)
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "1")  # KUIPER_GEMV_O_MERGE wins everywhere
+    tune(monkeypatch, gemv_o_merge=True)  # the setting wins everywhere
     assert oc.o_merge(a8b) and oc.o_merge(a14b)
-    monkeypatch.setattr(oc, "GEMV_O_MERGE", "0")
+    tune(monkeypatch, gemv_o_merge=False)
     sms(132, "NVIDIA H100 80GB HBM3")
     assert not oc.o_merge(a8b)
 
@@ -268,11 +267,11 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
             asked.append(1)
             return static
 
-    monkeypatch.setattr(oc, "_RMMA_FITS", {})
-    monkeypatch.setattr(oc, "MOE_ROUTE_WIDE_T", None)
-    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
-    monkeypatch.setattr(oc, "smem_optin", lambda: 227 * 1024)
-    monkeypatch.setattr(oc, "_compiled", lambda family, name: Fn())
+    patch(monkeypatch, "_RMMA_FITS", {})
+    tune(monkeypatch, moe_route_wide_t=None)
+    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "smem_optin", lambda: 227 * 1024)
+    patch(monkeypatch, "_compiled", lambda family, name: Fn())
     wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4, 2>", 8)
     for _ in range(3):
         assert oc.moe_rmma_form(128, 128) == wide
@@ -332,9 +331,9 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
                          np.ones((K // 128, N), np.float16), 128)
     layers = [(lin(2048, 4096), lin(2048, 512), lin(2048, 512)) for _ in range(2)]
     launches, builds = [], []
-    monkeypatch.setattr(oc, "_dev_id", lambda: 0)
-    monkeypatch.setattr(oc, "tma_map_2d", lambda a, rows, cols: ("map", rows))
-    monkeypatch.setattr(oc, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
+    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "tma_map_2d", lambda a, rows, cols: ("map", rows))
+    patch(monkeypatch, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
     x, out = np.zeros((100, 2048), np.float16), np.zeros((100, 5120), np.float16)
     cache = {}
 
@@ -364,19 +363,19 @@ def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused, splits)
     T, D, E, k, tile = 40, 512, 128, 8, 128  # (D: 16 chunks, 4 per split over 4 K parts)
     launches, maps_calls = [], []
     counter, tile_counters = np.zeros(1, np.int32), np.zeros(oc.MOE_ROUTE_MAX_TILES, np.int32)
-    monkeypatch.setattr(oc, "cp", np)
-    monkeypatch.setattr(oc, "MOE_ROUTER", "mma")
-    monkeypatch.setattr(oc, "MOE_ROUTE_MAPS", fused)
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", str(splits))
-    monkeypatch.setattr(oc, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
-    monkeypatch.setattr(oc, "_compiled", lambda family, name: name)
+    patch(monkeypatch, "cp", np)
+    tune(monkeypatch, moe_router="mma")
+    tune(monkeypatch, moe_route_maps=fused)
+    tune(monkeypatch, moe_route_splits=str(splits))
+    patch(monkeypatch, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
+    patch(monkeypatch, "_compiled", lambda family, name: name)
     allowed = []
-    monkeypatch.setattr(oc, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
-    monkeypatch.setattr(oc, "moe_route_counter", lambda: counter)
-    monkeypatch.setattr(oc, "moe_route_tile_counters", lambda: tile_counters)
-    monkeypatch.setattr(oc, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
+    patch(monkeypatch, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
+    patch(monkeypatch, "moe_route_counter", lambda: counter)
+    patch(monkeypatch, "moe_route_tile_counters", lambda: tile_counters)
+    patch(monkeypatch, "kernel", lambda family, name: lambda grid, block, args, shared_mem=0: launches.append(
         (name, grid, block, args, shared_mem)))
-    monkeypatch.setattr(oc, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
+    patch(monkeypatch, "moe_maps", lambda ids, n_experts, out=None, tile_m=64: maps_calls.append(
         (ids, n_experts, out, tile_m)))
     x, router = np.zeros((T, D), np.float16), np.zeros((E, D), np.float16)
     lg, ids, w = np.zeros((T, E), np.float32), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
@@ -411,14 +410,14 @@ def test_moe_route_splits_fill_one_wave(sms, monkeypatch, T, warps, ng, want):
     """moe_route_splits: the 16-token tiles times their K splits stay one wave (one 16-warp block or two 8-warp blocks
     per SM of 132), at most MOE_ROUTE_SPLIT_MAX (8), every warp of a split at least one 32-wide chunk of D (2048)."""
     sms(132)
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "auto")
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLIT_MAX", 8)
+    tune(monkeypatch, moe_route_splits="auto")
+    tune(monkeypatch, moe_route_split_max=8)
     got = oc.moe_route_splits(T, 2048, warps, ng)
     assert got == want
     tiles = -(-T // 16)
     assert got == 1 or tiles * got <= 132 * (1 if warps == 16 else 2)
     assert (2048 // 32) // (warps // ng) >= got
-    monkeypatch.setattr(oc, "MOE_ROUTE_SPLITS", "3")
+    tune(monkeypatch, moe_route_splits="3")
     assert oc.moe_route_splits(T, 2048, warps, ng) == 3
     assert oc.moe_route_splits(T, 96, warps, ng) == 1  # 3 chunks of D, 4 K parts: no split has a chunk per warp
     assert oc.moe_route_splits(1, 2048, warps, ng) == 1  # one token never splits
@@ -436,13 +435,13 @@ def test_moe_experts_tile_takes_tc_below_the_mean(monkeypatch, inter, group, fit
     E, D = 128, 2048
     w13 = AwqStack(np.empty((E, 0, 2 * inter // 8), np.int32), None, np.empty((E, 0, 2 * inter), np.float16), group)
     w2 = AwqStack(np.empty((E, inter, 0), np.int32), None, np.empty((E, 0, D), np.float16), group)
-    monkeypatch.setattr(oc, "MOE_TC", "auto")
-    monkeypatch.setattr(oc, "MOE_TC_MAX_MEAN", 48)
-    monkeypatch.setattr(oc, "MOE_TC_T16_MAX", 10)
-    monkeypatch.setattr(oc, "MOE_RS_BT128_FROM", 60)
+    tune(monkeypatch, moe_tc="auto")
+    tune(monkeypatch, moe_tc_max_mean=48)
+    tune(monkeypatch, moe_tc_t16_max=10)
+    tune(monkeypatch, moe_rs_bt128_from=60)
     for n, tc in ((8, 16), (10 * E, 16), (10 * E + 1, 32), (48 * E, 32), (48 * E + 1, None), (60 * E, None)):
         want = tc if fits and tc else oc.moe_rs_tile(n, E)
         assert oc.moe_experts_tile(w13, w2, n, rs=True) == (True, want), n
         assert oc.moe_experts_tile(w13, w2, n, rs=False) == (False, oc.GEMM_BM)
-    monkeypatch.setattr(oc, "MOE_TC", "0")
+    tune(monkeypatch, moe_tc="0")
     assert oc.moe_experts_tile(w13, w2, 8, rs=True) == (True, 64)

@@ -5,7 +5,7 @@ ratio to a same-run device copy (MoE: only the selected experts' bytes count); p
 fresh KV cache and activations (set_context: the first prompt of a session, and the memory figure) and warm
 (profile_prefill's fresh_walls: after a warm-up prefill, 8 lengths just under the prompt's that the process has not
 run, as a chat's next turn meets them), both eager, and graph (a fresh prompt whose length bucket the process has met
-before replays its prefill graph, change 205; up to 512 tokens); the same through Hugging Face transformers in FP16
+before replays its prefill graph; up to 512 tokens); the same through Hugging Face transformers in FP16
 (sdpa, same dequantized weights); peak GPU memory of both.
 
     python tools/bench_e2e.py MODEL.bin [--ctx 512,8192,32768] [--prompts 128,512,2048,8192] [--no-hf] [--json F]
@@ -21,12 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
-from devcopy import copy_bandwidth  # noqa: E402
 from profile_prefill import fresh_walls, prefill_wall  # noqa: E402
 from kuiper_py import format as fmt  # noqa: E402
 from kuiper_py.generate import Engine  # noqa: E402
 from kuiper_py import ops_cupy as oc  # noqa: E402
-from kuiper_py.ops_cupy import gpu_name  # noqa: E402
+from kuiper_py.ops_cupy import copy_bandwidth, gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -161,7 +160,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         # warm: a kept session at 8 lengths just under p that this process has not run, as a chat's next turn meets
         # them (tok/s: each prefill's own tokens over its time)
         warm = [n / s for n, s in zip(range(p - 8, p), fresh_walls(eng, ids, p - 8, p))]
-        # graph: a fresh prompt of a length bucket met before replays its prefill graph (change 205); the first
+        # graph: a fresh prompt of a length bucket met before replays its prefill graph; the first
         # prefill of the bucket ran eagerly, the second captured it; None where no graph serves p tokens
         m = eng.session(p)
         m.ops.prefill_graphs = True

@@ -9,39 +9,34 @@ reduction tail, gate/up and down as the one-launch FFN kernel), each launched ba
 (PDL, first weights ahead of the wait); and, for each byte count, a read-only kernel in the same dependent
 chain (wait for the previous launch, then stream the bytes): what a kernel of that size can reach at all.
 
-    python tools/bench_kernels.py [--json OUT.json]
+    python tools/bench_kernels.py [--json OUT.json] [--only gemv|gemm] [--rows 128,256] [--shapes 2048x5120,4096x2048]
 
-KUIPER_BENCH_GEMV_ONLY=1 / KUIPER_BENCH_GEMM_ONLY=1 run one of the two tables; KUIPER_BENCH_M=128,256 times the
-prefill GEMMs at those rows only, KUIPER_BENCH_SHAPES=2048x5120,4096x2048 at those K x N shapes only (A/B runs).
+--only runs one of the two tables; --rows times the prefill GEMMs at those rows only, --shapes at those K x N shapes.
 """
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import click
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
-from devcopy import copy_bandwidth  # noqa: E402
 from kuiper_py.config import ModelArgs  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, decode_ffn, decode_ffn_plan,  # noqa: E402
-                                gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir, launch_ex, lm_head,
-                                moe_gate_up_views, pdl_enabled, sm_count, wgmma_available, wgmma_fits)
+from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, copy_bandwidth,  # noqa: E402
+                                decode_ffn, decode_ffn_plan, gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir,
+                                launch_ex, lm_head, moe_gate_up_views, pdl_enabled, sm_count, wgmma_available, wgmma_fits)
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}
 PRE = {"qkv 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096), "gate 4096->12288": (4096, 12288),
        "gate|up 4096->24576": (4096, 24576),
        "down 12288->4096": (12288, 4096)}
-if os.environ.get("KUIPER_BENCH_SHAPES"):  # "KxN,KxN": the prefill table at those shapes instead (A/B runs)
-    PRE = {f"{k}->{n}": (int(k), int(n))
-           for k, n in (v.split("x") for v in os.environ["KUIPER_BENCH_SHAPES"].split(","))}
-BENCH_M = tuple(int(v) for v in os.environ.get("KUIPER_BENCH_M", "4,16,128,256,512,2048").split(","))
+BENCH_M = (4, 16, 128, 256, 512, 2048)
 
 
 def time_ms(fn, iters=50, reps=5):
@@ -162,13 +157,14 @@ def rand_awq(K, N):
     return AwqLinear(qw, qz, sc, 128)
 
 
-def main():
+def main(only: str | None, rows: tuple[int, ...], shapes: dict | None):
     out = {"gpu": gpu_name(), "decode": [], "prefill": []}
+    pre = shapes or PRE
     l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
     copy_res = copy_bandwidth()
     copy_bw = copy_res["best"]  # GB/s, read + write
     out["copy_GBps"], out["copy_detail_GBps"] = copy_bw, copy_res
-    if os.environ.get("KUIPER_BENCH_GEMM_ONLY") != "1":  # KUIPER_BENCH_GEMM_ONLY=1: the prefill table alone
+    if only != "gemm":
         partial = cp.empty((1 << 23,), cp.float32)
         for name, mats in DEC.items():
             per = sum(awq_bytes(K, N) for K, N in mats)
@@ -255,15 +251,13 @@ def main():
         for name, nbytes in {r["shape"]: r["weight_bytes"] for r in out["decode"]}.items():
             us, cfg = read_chain_us(nbytes, max(2, math.ceil(6 * l2 / nbytes)))
             out["decode"].append(decode_row(name, f"read-only ({read_chain_label(*cfg)})", us, nbytes, copy_bw))
-    if os.environ.get("KUIPER_BENCH_GEMV_ONLY") == "1":
-        PRE.clear()
-    for name, (K, N) in PRE.items():
+    for name, (K, N) in (pre.items() if only != "gemv" else ()):
         # weights rotated over > 6x L2 on both sides, as for the GEMV: each layer's weights come from DRAM
         nq, nf = max(2, math.ceil(6 * l2 / (K * N // 2))), max(2, math.ceil(6 * l2 / (K * N * 2)))
         ms = [rand_awq(K, N) for _ in range(nq)]
         Wf = [(cp.random.standard_normal((K, N), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(nf)]
         t_dq = time_ms(lambda i: awq_dequant(ms[i % nq]), iters=20)  # the dequant path's first half alone
-        for M in BENCH_M:
+        for M in rows:
             a = cp.random.standard_normal((M, K), dtype=cp.float32).astype(cp.float16)
             c = cp.empty((M, N), cp.float16)
             t_mma = time_ms(lambda i: gemm(a, ms[i % nq], c, path="mma"), iters=20)
@@ -295,9 +289,20 @@ def main():
         wg, rs = (f"{r[k]:.1f}" if r[k] else "-" for k in ("wgmma_TFLOPs", "rs_TFLOPs"))
         print(f"| {r['shape']} | {r['M']} | {r['path']} | {r['mma_TFLOPs']:.1f} | {wg} | {rs} | {r['dequant_cublas_TFLOPs']:.1f} | "
               f"{r['cublas_TFLOPs']:.1f} | {r['ratio']:.2f} | {r['dequant_us']:.1f} ({r['dequant_GBps']:.0f}) |")
-    if len(sys.argv) > 2 and sys.argv[1] == "--json":
-        Path(sys.argv[2]).write_text(json.dumps(out, indent=1))
+    return out
+
+
+@click.command()
+@click.option("--json", "json_out", default=None, help="write the tables as JSON here too")
+@click.option("--only", type=click.Choice(["gemv", "gemm"]), default=None, help="run one of the two tables")
+@click.option("--rows", default=",".join(map(str, BENCH_M)), help="prefill GEMM rows (M), comma-separated")
+@click.option("--shapes", default=None, help="prefill GEMM shapes KxN,KxN instead of the Qwen3-8B ones")
+def cli(json_out, only, rows, shapes):
+    shapes = {f"{k}->{n}": (int(k), int(n)) for k, n in (v.split("x") for v in shapes.split(","))} if shapes else None
+    out = main(only, tuple(int(v) for v in rows.split(",")), shapes)
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, ".")
+from kuiper_py.backend import Step  # noqa: E402
 from kuiper_py.loader import load  # noqa: E402
 from kuiper_py.ops_cupy import CupyOps, cp  # noqa: E402
 from kuiper_py.ops_numpy import NumpyOps  # noqa: E402
@@ -22,7 +23,8 @@ if T < 2:  # a one-token step defers and fuses ops across calls (ops_cupy _Norme
     sys.exit("diag_layers.py compares prefill ops: T must be at least 2")
 ids = np.random.default_rng(0).integers(0, 151643, T).tolist()
 c, g = NumpyOps(mf.args, mf.weights, T + 4), CupyOps(mf.args, mf.weights, T + 4, progress=False)
-hc, hg = c.embed(ids), g.embed(ids)
+step = Step.single(ids, 0)
+hc, hg = c.embed(step), g.embed(step)
 rc = rg = None
 for i, (lc, lg) in enumerate(zip(c.weights.layers, g.weights.layers)):
     hc, xc = c.add_rmsnorm(hc, rc, lc.attn_norm)
@@ -30,8 +32,8 @@ for i, (lc, lg) in enumerate(zip(c.weights.layers, g.weights.layers)):
     qc, kc, vc = c.qkv(xc, lc)
     qg, kg, vg = g.qkv(xg, lg)
     print(f"L{i} h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} q {rel(qg, qc):.2e} k {rel(kg, kc):.2e} v {rel(vg, vc):.2e}")
-    qrc, qrg = c.qk_norm_rope_store(qc, kc, vc, lc, i, 0), g.qk_norm_rope_store(qg, kg, vg, lg, i, 0)
-    ac, ag = c.attention(qrc, i, 0), g.attention(qrg, i, 0)
+    qrc, qrg = c.qk_norm_rope_store(qc, kc, vc, lc, i, step), g.qk_norm_rope_store(qg, kg, vg, lg, i, step)
+    ac, ag = c.attention(qrc, i, step), g.attention(qrg, i, step)
     rc, rg = c.linear(ac, lc.wo), g.linear(ag, lg.wo)
     print(f"   qrot {rel(qrg, qrc):.2e} attn {rel(ag, ac):.2e} o {rel(rg, rc):.2e}")
     hc, xc = c.add_rmsnorm(hc, rc, lc.ffn_norm)

@@ -1,7 +1,7 @@
 """Every GPU-marked test, sharded over the GPUs of one machine: one pytest process per GPU (CUDA_VISIBLE_DEVICES),
-all under one time limit. The suite no longer fits one device call on one GPU (1223 tests in session 63, about
+all under one time limit. The suite no longer fits one device call on one GPU (1223 tests, about
 45 GPU-minutes on the H100), and several processes on one GPU stall each other: the decode kernels that spin on
-cluster or global exchanges, time-sliced against another context, ran for minutes (PERFORMANCE.md session 58).
+cluster or global exchanges, time-sliced against another context, ran for minutes.
 
 The collected tests (the end-to-end files first) are dealt round-robin, so each shard gets a share of the slow
 ones, and each log ends with its 15 slowest tests. Each process runs under `timeout -s INT`, so a shard stopped by
@@ -60,12 +60,14 @@ def outcomes(log: str) -> dict[str, str]:
 @click.option("--gpus", type=int, default=0, help="shards, one per GPU (default: every GPU nvidia-smi lists)")
 @click.option("--limit", type=int, default=540, help="seconds each shard may run")
 @click.option("--marker", default="gpu", help="pytest -m expression selecting the tests")
+@click.option("--fast", is_flag=True, help='the fast tier only: -m "gpu and not slow" (tests/conftest.py)')
 @click.option("--only", "only", type=click.Path(exists=True, dir_okay=False), default=None,
               help="run only the test ids listed in this file (one per line), e.g. an earlier run's --left")
 @click.option("--left", default=None, help="write the ids no shard reached here (default LOG_DIR/left.txt)")
 @click.option("--log-dir", default=os.environ.get("OUT", "gpu_suite_logs"), help="per-shard logs (default $OUT)")
-def main(files, gpus, limit, marker, only, left, log_dir):
+def main(files, gpus, limit, marker, fast, only, left, log_dir):
     files = files or FILES
+    marker = "gpu and not slow" if fast else marker
     n = gpus or gpu_count()
     if n < 1:
         raise click.ClickException("no GPU found (nvidia-smi -L); --gpus N sets the shard count")

@@ -4,11 +4,11 @@
 host's side: the wall time of the prefill against the time the host takes to enqueue it while the GPU is held busy
 by a spinning kernel, and the GPU time of the queued work. Where the enqueue time comes near the GPU time, the
 prefill is host-bound. With --fresh LO:HI, also the wall time of prefills at lengths LO..HI-1, each run once, none
-seen before in the process: what a chat's turns meet, where a per-length cache of the host side (change 195, not kept)
+seen before in the process: what a chat's turns meet, where a per-length cache of the host side (not kept)
 had made repeated lengths faster and new ones slower. Prefills run eagerly unless --graphs lets the repeated ones
-replay prefill graphs (change 205). With --turns AFTER, instead: a chat's next turn, each prompt length prefilled
+replay prefill graphs. With --turns AFTER, instead: a chat's next turn, each prompt length prefilled
 after AFTER to AFTER + 80 cached positions (a different count each round), through the prefill graphs and eagerly in
-alternating order, wall and GPU time (change 207). Table last, JSON with --json.
+alternating order, wall and GPU time. Table last, JSON with --json.
 
     python tools/profile_prefill.py MODEL.bin [--prompts 512,2048] [--reps 5] [--fresh 100:140] [--graphs] [--json F]
     python tools/profile_prefill.py MODEL.bin --prompts 20,100,300 --turns 200 [--reps 7]
@@ -40,7 +40,7 @@ def _spinner():
 def queued(fn, cycles: int) -> tuple[float, float]:
     """(enqueue, gpu) seconds of fn()'s launches queued behind a kernel spinning `cycles` clocks (8e8: ~0.4 s), so
     none waits for the GPU: enqueue = the host's time to queue them, gpu = their GPU time from the spinner's end
-    (CUDA events on the current stream). ab_prefill and probe_moe_route time their launches through it too."""
+    (CUDA events on the current stream). """
     s = cp.cuda.get_current_stream()
     a, b = cp.cuda.Event(), cp.cuda.Event()
     _spinner()((1,), (1,), (np.int64(cycles),))

@@ -8,12 +8,11 @@ graph. Then, per round, three times over: the session is rewound to the prompt's
 position reset, --replays graph launches are queued back to back between two events, and the round keeps
 the fastest of the three. Each replay advances the device position, so a timing steps through keys ctx to
 ctx + replays - 1 in the graph captured at ctx (keep that range inside one graph regime: flash decoding's
-short-context graph serves up to 1024 keys on the GPUs in DEVICE_TUNING). No host work sits between
+short-context graph serves up to 1024 keys on the GPUs the per-GPU table lists). No host work sits between
 replays (no sampling, no token read back), so the figure is the GPU's step alone; `tools/bench_e2e.py`
 times the loop kuiper generate runs.
 
-A/B comparisons run one process per arm (compile-time settings such as KUIPER_DIAG_DEFINES take effect
-per process), alternating, on the same machine: the spread between a process's rounds is the noise floor.
+A/B comparisons (two trees) run one process per arm, alternating, on the same machine: the spread between a process's rounds is the noise floor.
 --cap sets the KV cache's positions (default max(2200, ctx + replays + 100)): the cache's capacity sets flash
 decoding's split count and with it which o merge the graph takes (gemv_merge_span past 16 splits), so
 figures compare only at the same --cap.
@@ -48,7 +47,7 @@ def main(model, ctx, cap, rounds, replays, label, save_logits, json_out):
     cap = cap or max(2200, ctx + replays + 100)
     if cap < ctx + replays + 2:  # each replay advances the device position and writes its K/V row
         raise SystemExit(f"--cap {cap} is under the {ctx}-token prompt + {replays} replays + 2 steps the timing writes")
-    m = Engine.load(model, "cuda", need_tokenizer=False).session(cap)  # as bench_e2e and timeline_decode load
+    m = Engine.load(model, "cuda", need_tokenizer=False).session(cap)  # as bench_e2e loads
     if not m.ops.graphs:
         raise SystemExit("the step timer replays the decode graph: unset KUIPER_CUDA_GRAPHS=0")
     rng = np.random.default_rng(0)

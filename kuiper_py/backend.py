@@ -1,0 +1,98 @@
+"""The interface between the Qwen3 forward (model.py) and a backend that runs it (ops_numpy.NumpyOps on the CPU,
+cuda.backend.CupyOps on a GPU): what one step carries, and the methods the forward and the generation loop call.
+
+A step carries B >= 1 sequences, each with its own new tokens, its position (tokens already cached) and its KV-cache
+slot, so a server that batches requests, or a verify step of speculative decoding per sequence, is one Step of
+several Seqs. Today's kernels run one sequence a step: both backends take `step.one()`, which refuses B > 1."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+from .loader import AwqLinear, Layer, Weights
+from .sampling import SamplingParams
+
+SAMPLED_TOKEN = -1  # a token id meaning "the id the backend's last draw produced" (read on the device)
+
+
+@dataclass(frozen=True)
+class Seq:
+    """One sequence's part of a step: its new token ids, the positions already in its cache, its cache slot."""
+    ids: tuple[int, ...]
+    pos0: int
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one forward runs: B >= 1 sequences (prefill or decode), each at its own position and slot."""
+    seqs: tuple[Seq, ...]
+
+    @classmethod
+    def single(cls, ids, pos0: int, slot: int = 0) -> Step:
+        """A step of one sequence."""
+        return cls((Seq(tuple(ids), pos0, slot),))
+
+    @property
+    def batch(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.seqs)
+
+    def one(self) -> Seq:
+        """The step's only sequence: for kernels that run one sequence (in slot 0) a step."""
+        if len(self.seqs) != 1 or self.seqs[0].slot != 0:
+            raise NotImplementedError(f"a step of {len(self.seqs)} sequences (slots "
+                                      f"{[s.slot for s in self.seqs]}): this backend runs one sequence a step")
+        return self.seqs[0]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The methods model.Qwen3 and generate.py call; a backend declares what it can do through its attributes rather
+    than by which methods it has."""
+    name: str  # "cpu", "cuda"
+    args: Any  # config.ModelArgs
+    weights: Weights
+    graphs: bool  # steps run as captured graphs (decode_step, prefill_graph, the warm_* methods do something)
+    queues_draws: bool  # draws on the device, so a step can be queued before the host reads the last token
+    max_batch: int  # the most sequences a Step may carry
+    SAMPLED_TOKEN: int
+
+    # the cache and a step's frame
+    def alloc_cache(self, max_context: int) -> None: ...
+    def begin_step(self, step: Step) -> None: ...
+    def begin_layer(self) -> None: ...
+    def end_step(self) -> None: ...
+    def forget_position(self) -> None: ...
+    def synchronize(self) -> None: ...
+
+    # the forward's ops (x, h, q... are the backend's arrays)
+    def embed(self, step: Step) -> Any: ...
+    def add_rmsnorm(self, h, r, w) -> tuple[Any, Any]: ...
+    def qkv(self, x, layer: Layer) -> tuple[Any, Any, Any]: ...
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step) -> Any: ...
+    def attention(self, q, i: int, step: Step) -> Any: ...
+    def linear(self, x, lin: AwqLinear) -> Any: ...
+    def gate_up_silu(self, x, layer: Layer) -> Any: ...
+    def moe(self, x, layer: Layer) -> Any: ...
+    def logits(self, x, all_positions: bool = False) -> Any: ...
+
+    # graphs (no-ops where `graphs` is False)
+    def decode_step(self, body: Callable[[], Any], step: Step) -> Any: ...
+    def prefill_graph(self, step: Step, layers: Callable[[list[int]], Any]) -> Any | None: ...
+    def warm_prefill_graphs(self, layers: Callable[[list[int]], Any]) -> list[int]: ...
+    def warm_decode_graphs(self, body_at: Callable[[int], Any], n_valid: int,
+                           keys: tuple[int, int] | None = None) -> list[int]: ...
+
+    # draws
+    def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int: ...
+    def sample_launch(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int],
+                      n_valid: int) -> None: ...
+    def sample_result(self) -> int: ...
+    def cancel_draw(self) -> None: ...
+    def to_host(self, x) -> np.ndarray: ...

@@ -1,0 +1,547 @@
+"""The CUDA backend (CupyOps): the same ops as ops_numpy, as cupy.RawModule kernels from kernels_cu/; the op families
+are in cuda/ops, device queries, launches, the kernel registry and its builds in cuda/runtime, the tuning in
+cuda/settings.py.
+
+Activations are fp16 with an fp32 residual stream; weights stay AWQ-packed (4-bit) on the GPU.
+Their qweight is rearranged once at load into the tiled layout of common.cuh (tile_qweight): the
+same words, ordered so the decode GEMV reads whole contiguous spans. Decode (T = 1) runs on
+preallocated buffers and allocates nothing per token.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..config import ModelArgs, rope_tables
+from .. import env
+from . import memory as mem
+from . import settings as cfg
+from .settings import Settings, use_settings
+from .runtime.device import sm_count
+from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
+from .memory import _Arena, _BumpArena, _PBUF_POS, _i
+from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, SUPPORTED_HEAD_DIMS, attn_cm, attn_min_chunk, attn_short,
+                       decode_acc_layout, gemv, gemv_counters, gemv_partial_size, gemv_split, o_merge, o_split)
+from .ops.gemm import cublas_ready, gemm, swiglu_prefill
+from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill, decode_heads_per_block
+from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
+from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
+                      moe_route, moe_route_decode)
+from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
+from ..backend import SAMPLED_TOKEN, Step
+from ..errors import KuiperError, ResourceError
+from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
+from .draws import DeviceDraws
+from .plan import DecodePlan, build as build_plan
+from .graphs import CudaGraphs
+from .weights import WeightUpload
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - CPU-only installs
+    cp = None
+
+
+# Decode has no add+RMSNorm kernels: the o / down / MoE projection adds its output into the fp32 residual stream in
+# its epilogue, and the next GEMV computes rmsnorm(h) * w in its prologue; q/k RMSNorm, RoPE and the KV-cache write
+# are the q|k|v GEMV's epilogue, flash decoding's merge the o GEMV's prologue. MoE prefill's finalize (the
+# routing-weighted sum of each token's expert rows) is in the next add_rmsnorm (the [T, D] sum is neither written nor
+# read back). Decode's GEMVs run in accumulating mode where their splits fit (no split-K reduction tail: the residual
+# add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel,
+# the MoE layers' expert GEMVs too); gemv_acc False (tests) takes the reduction tails that wider shapes take.
+
+
+class _QkvInput:
+    """Decode's QKV projection not yet launched (ops.qkv's q): qk_norm_rope_store launches it with the
+    norm, RoPE and cache write in its epilogue."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class _Deferred:
+    """A decode projection not yet launched: add_rmsnorm launches it with the residual add fused
+    (run(h)), or in accumulating mode (run_acc(h), h the residual row it will be added to; it returns
+    the int64 accumulator the next GEMV finishes); any other consumer gets its fp16 output (run(None))."""
+
+    def __init__(self, run, run_acc=None):
+        self.run, self.run_acc = run, run_acc
+
+
+def _acc_only(what: str):
+    """A _Deferred's run for a launch that exists in accumulating mode only (a fused half)."""
+    def run(h):
+        raise AssertionError(f"{what} runs in accumulating mode only")
+    return run
+
+
+class _Normed:
+    """Decode's x = rmsnorm(h) * w not yet computed: a GEMV computes it in its prologue; any other
+    consumer gets it from the add_rmsnorm kernel (CupyOps._x). pend: a projection's output still to
+    be added to h (accumulating mode), the sum going to hout."""
+
+    def __init__(self, h, w, pend=None, hout=None):
+        self.h, self.w, self.shape, self.pend, self.hout = h, w, h.shape, pend, hout
+
+
+class _ExpertRows:
+    """A MoE prefill's output not yet summed: the expert rows y [T*k, D] (permuted), u2p and the routing weights
+    [T, k]; the next add_rmsnorm, the layer output's one consumer, sums them as it adds them to h
+    (in the next add_rmsnorm)."""
+
+    def __init__(self, y, u2p, weights):
+        self.y, self.u2p, self.weights = y, u2p, weights
+
+
+class _QkvAcc:
+    """Decode's q|k|v sums in accumulating mode: the attention kernel finishes them (norm, RoPE, cache)."""
+
+    def __init__(self, q, layer):
+        self.q, self.layer, self.shape = q, layer, q.shape
+
+
+class _SwigluAcc:
+    """Decode's gate/up sums in accumulating mode (int64 [2, I]): the down GEMV applies SwiGLU."""
+
+    def __init__(self, acc):
+        self.acc, self.shape = acc, (1, acc.size // 2)
+
+
+class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
+    """backend.Backend on one GPU (graphs: set per instance, KUIPER_CUDA_GRAPHS)."""
+    name = "cuda"
+    queues_draws = True
+    max_batch = 1
+
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
+                 settings: Settings | None = None):
+        """settings: the tuning this backend runs with (cuda/settings.py; None: the active one, by default its
+        defaults), made the process's active tuning."""
+        if settings is not None:
+            use_settings(settings)
+        self.settings = cfg.SETTINGS
+        self.args = a = args
+        if a.num_experts:
+            if a.num_experts > MOE_MAX_EXPERTS or not 0 < a.num_experts_per_tok <= min(MOE_MAX_TOPK, a.num_experts):
+                raise KuiperError(f"{a.num_experts} experts with {a.num_experts_per_tok} per token: the GPU MoE "
+                                  f"kernels support up to {MOE_MAX_EXPERTS} experts and {MOE_MAX_TOPK} per token")
+            if a.moe_intermediate_size % 64:
+                raise KuiperError(f"moe_intermediate_size={a.moe_intermediate_size} is not a multiple of 64, which "
+                                  f"the grouped expert GEMM needs")
+        self.routing_log = None  # a list: record each MoE layer's expert ids, prefill and eager decode (tests)
+        if a.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise KuiperError(f"head_dim {a.head_dim} is not supported on the GPU (supported: {SUPPORTED_HEAD_DIMS})")
+        for n, what in ((a.hidden_size, "hidden_size"), (a.intermediate_size, "intermediate_size"),
+                        (a.q_dim, "heads*head_dim"), (a.kv_dim, "kv_heads*head_dim")):
+            if n % 32:
+                raise KuiperError(f"{what}={n} is not a multiple of 32, which the GPU kernels need")
+        if a.group_size % 32:
+            raise KuiperError(f"AWQ group size {a.group_size} is not a multiple of 32 (GPU kernels)")
+        if a.hidden_size > 8192:
+            raise KuiperError(f"hidden_size {a.hidden_size} > 8192 is not supported by the lm_head kernel")
+        self.dev = cp.cuda.Device()
+        families, groups = model_families(a, int(self.dev.compute_capability)), model_groups(a)
+        # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
+        precompile(families, self.dev.id, groups)
+        self.n_sm = sm_count()
+        self.attn_min_chunk = attn_min_chunk(a)
+        self.attn_short = attn_short(a)
+        self.o_merge = o_merge(a)
+        self.attn_cm = attn_cm(a)
+        self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
+        self.graphs = env.cuda_graphs()
+        self._graph = None
+        self._dev_pos = None
+        self._arena = _Arena()  # short prefills' activations (arena_max_t)
+        # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
+        # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
+        # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
+        # graphs read (_pbuf: K's and V's maps, the position, the ids; _PBUF_*); prefill_graphs False runs every
+        # prefill eagerly (tests)
+        self._pgraphs: dict[int, tuple] = {}
+        self._pseen: set[int] = set()
+        self._pnever: set[int] = set()
+        self._parena = _BumpArena()
+        self._pbuf = self._graph_ids = self._graph_pos = None
+        self.prefill_graphs = self.graphs and cfg.SETTINGS.prefill_graph_max_t > 1
+        # a blocking stream: ordered with the default stream that eager kernels use, and capturable
+        self._stream = cp.cuda.Stream(non_blocking=False)
+        try:
+            self.weights = self._upload(weights, progress)
+            self._alloc_decode()
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
+        gemv_counters()  # allocated (zeroed) before any graph capture
+        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its accumulator
+        o_clears = o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
+        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and o_clears else
+                                          (None, "needs accumulating mode and the o GEMV's merge prologue"))
+        # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
+        # cleared by the o GEMV before it
+        self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
+                                          (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
+                                                 "prologue"))
+        self._router_o = self._router_o_rows() if self._moe is not None else {}
+        self.alloc_cache(max_context)
+        # every family this model uses built (or precompile's builds waited for) before anything is timed; only
+        # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
+        for key in (k for fam in families for k in _module_keys(fam, groups)):
+            _module(key)
+        cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
+
+    @property
+    def plan(self) -> DecodePlan:
+        """The decode schedule this backend runs (cuda/plan.py), made on first use after each alloc_cache."""
+        if self._plan is None:
+            self._plan = build_plan(self)
+        return self._plan
+
+    def alloc_cache(self, max_context: int) -> None:
+        """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
+        self._plan = None  # (the split counts follow the cache's capacity)
+        a = self.args
+        L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+        self.k_cache = self.v_cache = None
+        self._arena.clear()
+        # the prefill graphs hold the old cache's addresses: they, their activations and the buckets met go
+        # before the pool gives its free blocks back
+        self._pgraphs, self._pseen, self._parena = {}, set(), _BumpArena()
+        cp.get_default_memory_pool().free_all_blocks()
+        try:
+            self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+            self.v_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
+        except cp.cuda.memory.OutOfMemoryError:
+            self.k_cache = self.v_cache = None
+            per = kv_bytes_per_position(a)
+            free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+            raise ResourceError(f"out of GPU memory: the KV cache needs {per * max_context / 2**20:.0f} MiB for "
+                                f"--max-context {max_context}; {free / 2**20:.0f} MiB are free, at most "
+                                f"{free // per} positions: try a smaller --max-context") from None
+        cos, sin = rope_tables(a, max_context)
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
+        # at least two blocks per SM over all groups; for a larger cache about attn_keys_per_split
+        # keys per split when full, capped at 3 blocks per SM (8 with the scalar loop). The kernel leaves splits
+        # idle while the context is short (attention.cu decode_chunk).
+        H = a.num_attention_heads
+        groups = H // decode_heads_per_block(H, a.num_key_value_heads)
+        self.attn_splits = max(1, math.ceil(cfg.SETTINGS.attn_per_sm * self.n_sm / groups),
+                               min(math.ceil(max_context / cfg.SETTINGS.attn_keys_per_split),
+                                   (3 if cfg.SETTINGS.attn_mma_long else 8) * self.n_sm // groups))
+        self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
+        self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
+        self.max_context = max_context
+        self._graph, self._graphs = None, {}  # they hold the old cache's addresses
+
+    @staticmethod
+    def synchronize() -> None:
+        cp.cuda.get_current_stream().synchronize()
+
+    def _alloc_decode(self):
+        a = self.args
+        D, I, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
+        E, k, mI = a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size
+        s_max = max(gemv_partial_size(D, [qd, kvd, kvd]), gemv_partial_size(qd, [D]),
+                    gemv_partial_size(D, [I, I]), gemv_partial_size(I, [D]))
+        if E:  # the expert GEMVs: k slots each
+            s_max = max(s_max, gemv_partial_size(D, [mI, mI], k), gemv_partial_size(mI, [D], k))
+        self.d = {
+            "ids": cp.zeros((1,), cp.int32), "h": cp.empty((1, D), cp.float32), "x": cp.empty((1, D), cp.float16),
+            "partial": cp.empty((s_max,), cp.float32),
+            "qrot": cp.empty((1, a.num_attention_heads, a.head_dim), cp.float16),
+            "attn": cp.empty((1, qd), cp.float16), "proj": cp.empty((1, D), cp.float16),
+            "act": cp.empty((1, I), cp.float16), "logits": cp.empty((a.vocab_size,), cp.float32),
+            "token": cp.zeros((1,), cp.int32), "step": cp.zeros((1,), cp.uint64), "pos": cp.zeros((1,), cp.int32),
+            "hist": cp.zeros((1024,), cp.int32),
+        }
+        # accumulating mode: accumulators [o | gate, up | down | q, k, v], zero between steps; the second
+        # residual row the adds alternate with; the scaled norms' per-split sums of squares. acc_attn:
+        # the attention half of every layer (q|k|v finished by flash decoding, o by the next norm's
+        # consumer: a GEMV, or the MoE router); acc_mode: the dense FFN too (its down GEMV's sums go to
+        # the next layer's q|k|v GEMV)
+        def fits(*shapes):
+            return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
+        self.acc_attn = cfg.SETTINGS.gemv_acc and fits((D, qd))
+        self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
+        self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
+        if self.acc_attn:
+            G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
+            # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
+            # half's, added by the o GEMV) are cleared with o by the next q|k|v GEMV
+            size, parts = decode_acc_layout(D, G, E, qd + 2 * kvd)
+            acc = cp.zeros((size,), cp.int64)
+            self.d.update({name: acc[sl] for name, sl in parts.items()})
+            self.d.update(h2=cp.empty((1, D), cp.float32),
+                          ss_attn=cp.empty((4096,), cp.float32), ss_ffn=cp.empty((4096,), cp.float32))
+            self._ss_n = {}  # the scaled GEMVs' split counts, for their consumers
+        if E:
+            self.d.update(moe_logits=cp.empty((1, E), cp.float32), moe_ids=cp.zeros((1, k), cp.int32),
+                          moe_w=cp.empty((1, k), cp.float32), moe_act=cp.empty((k, mI), cp.float16),
+                          moe_counter=cp.zeros((1,), cp.int32))
+        self._sampled = None  # host copy of the last sampled id, whose device copy is d["token"]
+        self._init_draw()
+
+
+    # ------------------------------------------------------------------ the ops interface
+    def embed(self, step: Step):
+        ids = step.one().ids
+        T, D = len(ids), self.args.hidden_size
+        if T == 1:
+            on_dev = ids[0] == SAMPLED_TOKEN or (self._sampled is not None and ids[0] == self._sampled)
+            dev_ids = self.d["token"] if on_dev else None
+            if dev_ids is None:
+                dev_ids = self.d["ids"]
+                dev_ids[0] = ids[0]
+            h = self.d["h"]
+        else:  # (a prefill graph's capture reads the ids from the buffer each replay fills)
+            dev_ids = self._graph_ids if self._graph_ids is not None else cp.asarray(np.asarray(ids, dtype=np.int32))
+            assert dev_ids.size == T
+            h = cp.empty((T, D), cp.float32)
+        table = self.weights.embed
+        if isinstance(table, np.ndarray):  # pinned host memory: its address is valid on the device
+            table = np.uint64(table.ctypes.data)
+        kernel("norm", "embed_gather")((T,), (256,), (dev_ids, table, h, _i(D)))
+        return h
+
+    def add_rmsnorm(self, h, r, w):
+        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_attn:
+            # the projection adds into an accumulator; the consumer adds it to h, writing the other row
+            hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
+            return hout, _Normed(h, w, r.run_acc(h), hout)
+        if isinstance(r, _Deferred):
+            r.run(h)  # h += r in the projection's epilogue
+            r = None
+        if h.shape[0] == 1 and r is None:
+            return h, _Normed(h, w)
+        if isinstance(r, _ExpertRows):
+            return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
+        out = self.d["x"] if h.shape[0] == 1 else None
+        return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
+
+    def _x(self, x):
+        """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel
+        without the add, a _Deferred projection launched with its plain fp16 output."""
+        if isinstance(x, _Normed):
+            out = add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"], pend=x.pend)
+            if x.pend is not None:  # h += the pending output was done in place: the caller holds hout
+                x.hout[...] = x.h
+            return out
+        if isinstance(x, _SwigluAcc):
+            raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
+        if isinstance(x, _Deferred):
+            return x.run(None)
+        if isinstance(x, _AttnParts):
+            return x.merged if x.merged is not None else attention_combine(x, self.d["attn"])
+        return x
+
+    def _gemv_in(self, x) -> dict:
+        """gemv()'s input arguments for x: the array, or the fused RMSNorm prologue of a _Normed."""
+        if isinstance(x, _Normed):
+            return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps), "pend": x.pend, "hout": x.hout}
+        if isinstance(x, _SwigluAcc):
+            return {"x": None, "pend": x.acc}
+        return {"x": x}
+
+    def qkv(self, x, layer: Layer):
+        a = self.args
+        if x.shape[0] == 1:  # launched by qk_norm_rope_store, with the norm and RoPE in its epilogue
+            return _QkvInput(x), None, None
+        y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
+        qd, kvd = a.q_dim, a.kv_dim
+        return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
+
+    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
+        pos0 = step.one().pos0
+        a = self.args
+        if isinstance(q, _QkvInput) and self.acc_attn:
+            # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
+            # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
+            # written after this kernel has finished)
+            self._ss_n["attn"] = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None,
+                                      partial=self.d["partial"], acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"],
+                                      ss_out=self.d["ss_attn"], **self._gemv_in(q.x))
+            return _QkvAcc(self.d["qrot"], layer)
+        if isinstance(q, _QkvInput):
+            rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
+                        kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=self.d["pos"],
+                        eps=a.rms_norm_eps)
+            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="qkv_rope", out=None, partial=self.d["partial"],
+                 rope=rope, **self._gemv_in(q.x))
+            return self.d["qrot"]
+        one = q.shape[0] == 1
+        return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
+                                  self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
+                                  self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
+
+    def attention(self, q, i: int, step: Step):
+        pos0 = step.one().pos0
+        KV = self.args.num_key_value_heads
+        if q.shape[0] == 1:
+            fin = None
+            if isinstance(q, _QkvAcc):
+                fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
+                           sin=self.sin, eps=self.args.rms_norm_eps,
+                           ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
+                q = q.q
+            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
+                                     self.d["part_o"], self.d["part_ml"], None,
+                                     self.d["pos"] if self.graphs else None, finish=fin,
+                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
+                                     max_keys=self._attn_regime(pos0 + 1),
+                                     merged=self.d["attn"] if self.attn_cm else None)
+            if isinstance(parts, _AttnParts):
+                parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
+            return parts
+        if self._graph_pos is not None:  # a prefill graph's capture: the position and maps read on the device
+            return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i, pos_dev=self._graph_pos,
+                                     kvmaps=self._pbuf[:_PBUF_POS])
+        return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
+
+    # ------------------------------------------------------------------ decode as one CUDA graph
+    def begin_step(self, step: Step) -> None:
+        s = step.one()
+        self._begin(s.pos0, len(s.ids))
+
+    def _begin(self, pos0: int, n_tokens: int) -> None:
+        """Single-token steps read their position from device memory (so a graph can replay them). A
+        forward of 2..arena_max_t tokens takes its activations from this ops' arena until end_step; a
+        longer one gives the arena's arrays back to the pool first (its own are larger)."""
+        self._argmax_ready = False
+        if n_tokens == 1 and self._dev_pos != pos0:
+            self.d["pos"].fill(pos0)
+            self._dev_pos = pos0
+        if 1 < n_tokens <= cfg.SETTINGS.arena_max_t:
+            mem._ARENA = self._arena
+        elif n_tokens > 1:
+            self._arena.clear()
+
+    def begin_layer(self) -> None:
+        """The model's loop starts a decoder layer (the arena's slots alternate by layer)."""
+        if mem._ARENA is not None:
+            mem._ARENA.begin_layer()
+
+    def end_step(self) -> None:
+        mem._ARENA = None
+
+
+
+
+    SAMPLED_TOKEN = SAMPLED_TOKEN
+
+    def forget_position(self) -> None:
+        """A queued step was discarded: the device's position no longer matches the host's."""
+        self._dev_pos = None
+
+    def linear(self, x, lin: AwqLinear):
+        d = self.d
+        if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
+            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits, x.o_merge)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+                def o_acc(h):
+                    # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
+                    # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
+                    rows = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
+                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
+                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None,
+                         router=(*rows, h, d["acc_z"]) if rows is not None else None)
+                    return d["acc_o"]
+                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
+        if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
+            assert lin is x.layer.w2
+
+            def ffn_half(h):
+                return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
+            return _Deferred(_acc_only("the one-launch FFN half"), ffn_half)
+        if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
+            ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
+
+            def down_acc(h):
+                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss, zero=None)
+                return d["acc_d"]
+            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
+                                            ss_in=ss), down_acc)
+        x = self._x(x)
+        if x.shape[0] == 1:
+            if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
+                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h))
+            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
+        return gemm(x, lin)
+
+    def gate_up_silu(self, x, layer: Layer):
+        if x.shape[0] == 1:
+            if self._ffn is not None and isinstance(x, _Normed):
+                return _FfnIn(x, layer)  # launched by the down projection (linear)
+            if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
+                # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
+                # next written by the down GEMV and the next layer's q|k|v GEMV)
+                self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None,
+                                         partial=self.d["partial"], acc_out=self.d["acc_gu"],
+                                         zero=self.d["acc_d_qkv"], ss_out=self.d["ss_ffn"], **self._gemv_in(x))
+                return _SwigluAcc(self.d["acc_gu"])
+            # (accumulating attention half: clears the q|k|v accumulator, last read by this layer's attention)
+            return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
+                        zero=self.d["acc_d_qkv"] if self.acc_attn else None, **self._gemv_in(x))
+        return swiglu_prefill(x, layer.w1, layer.w3)
+
+    def moe(self, x, layer: Layer):
+        """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
+        a, d = self.args, self.d
+        k = a.num_experts_per_tok
+        if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
+            # logits from this layer's o GEMV, its router rows)
+            def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
+                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
+                if self.routing_log is not None and not self.graphs:  # eager decode only
+                    self.routing_log.append(cp.asnumpy(d["moe_ids"]))
+                return d["acc_d"]
+            return _Deferred(_acc_only("the one-launch MoE FFN half"), moe_half)
+        if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
+            # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
+            ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
+                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"], x.pend, x.hout)
+            x = d["x"]
+        else:
+            x = self._x(x)
+            ids = w = None
+        if x.shape[0] == 1:
+            if ids is None:
+                ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+            if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
+                self.routing_log.append(cp.asnumpy(ids))
+            # the expert gate/up GEMV clears the down and q|k|v accumulators (last read by this layer's
+            # q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
+            zero = d["acc_d_qkv"] if self.acc_attn else None
+
+            def run(h):
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
+                                  d["proj"], resid=h, zero=zero)
+
+            def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
+                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
+                                  zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
+            return _Deferred(run, run_acc if self.acc_moe else None)
+        w13, w2 = layer.experts_w13, layer.experts_w2
+        rs, bt = moe_experts_tile(w13, w2, x.shape[0] * k)
+        maps = moe_maps_arrays(x.shape[0] * k, w13.E)  # built with the picks (moe_route_mma's last block)
+        ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, maps=(bt, *maps))
+        if self.routing_log is not None:
+            self.routing_log.append(cp.asnumpy(ids))
+        # the weighted sum in the next add_rmsnorm
+        return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
+
+    def logits(self, x, all_positions: bool = False):
+        V = self.args.vocab_size
+        x = self._x(x)
+        if not all_positions:  # (while a decode graph is captured, greedy's argmax rides along: decode_step)
+            n = self._capture_argmax
+            return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"],
+                           self.d["argmax"] if n else None, n or 0)
+        out = cp.empty((x.shape[0], V), cp.float32)
+        for r in range(x.shape[0]):
+            lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
+        return out
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return cp.asnumpy(x)

@@ -1,0 +1,1 @@
+"""The CUDA backend's op families, one module each."""

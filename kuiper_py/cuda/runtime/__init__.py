@@ -1,0 +1,1 @@
+"""The CUDA runtime layer: device queries, launches, the kernel registry and its builds."""
