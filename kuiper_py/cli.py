@@ -170,7 +170,8 @@ def _count(n: int) -> str:
 @click.argument("model", type=click.Path())
 @click.option("--verify", is_flag=True, help="Recompute and check the whole file's SHA-256 checksum.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every raw field) to stdout.")
-def info_cmd(model: str, verify: bool, as_json: bool) -> None:
+@click.option("--plan", is_flag=True, help="Load the model on this machine's GPU and print its decode launch plan.")
+def info_cmd(model: str, verify: bool, as_json: bool, plan: bool) -> None:
     """Show an ak48 file's model: size, parameters, quantization, context, experts, checksums."""
     from . import format as fmt
     from .loader import device_bytes, kv_bytes_per_position, load
@@ -209,6 +210,17 @@ def info_cmd(model: str, verify: bool, as_json: bool) -> None:
             click.echo(f"{k:13s} {v}")
     if ok is False:
         raise KuiperError("checksum mismatch: the file is damaged")
+    if plan:
+        _print_plan(model)
+
+
+def _print_plan(model: str) -> None:
+    """The decode plan of the GPU at hand (which launches a layer makes, what they accumulate, the attention
+    regimes): the model is loaded on the GPU with a short KV cache."""
+    from .cuda.plan import describe
+    from .generate import Engine
+    eng = Engine.load(model, "cuda", need_tokenizer=False)
+    click.echo(describe(eng.session(min(4096, eng.file.args.max_position_embeddings))))
 
 
 def _info_lines(d: dict, h) -> list[tuple[str, str]]:

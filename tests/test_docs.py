@@ -56,12 +56,12 @@ def _has_option(text: str, flag: str) -> bool:
 
 
 def test_every_setting_the_package_mentions_is_documented():
-    missing = _mentioned((ROOT / "kuiper_py").glob("*.py")) - _table_rows()
+    missing = _mentioned((ROOT / "kuiper_py").rglob("*.py")) - _table_rows()
     assert not missing, f"add rows to docs/RUNTIME.md for {sorted(missing)}"
 
 
 def test_every_documented_setting_is_still_in_the_sources():
-    sources = [*(ROOT / "kuiper_py").glob("*.py"), *(ROOT / "kernels_cu").glob("*.cu*")]
+    sources = [*(ROOT / "kuiper_py").rglob("*.py"), *(ROOT / "kernels_cu").glob("*.cu*")]
     stale = _table_rows() - _mentioned(sources)
     assert not stale, f"docs/RUNTIME.md documents settings no source mentions: {sorted(stale)}"
 

@@ -4,6 +4,7 @@ CUDA backend's draw interface. The GPU runs the same checks in test_gpu_e2e."""
 import numpy as np
 import pytest
 
+from kuiper_py.backend import Step
 from kuiper_py.generate import Engine, generate
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
@@ -16,8 +17,7 @@ PROMPT = [785, 6722, 315, 9625, 374, 11, 323]
 class QueuedOps(NumpyOps):
     """NumpyOps with CupyOps's draw interface: sample_launch keeps the id where only the next step
     (token SAMPLED_TOKEN) reads it until sample_result hands it to the host."""
-    graphs = True
-    SAMPLED_TOKEN = -1
+    graphs = queues_draws = True
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -35,16 +35,18 @@ class QueuedOps(NumpyOps):
     def cancel_draw(self):
         self.queued = False
 
-    def decode_step(self, body, token, pos0):
-        if token is None:
+    def decode_step(self, body, step):
+        token = step.one().ids[0]
+        if token == self.SAMPLED_TOKEN:
             assert self.device_token is not None
             self.ahead_steps += 1
         else:
             self.device_token = token
-        return body()
+        return super().decode_step(body, step)
 
-    def embed(self, ids):
-        return super().embed([self.device_token] if ids == [self.SAMPLED_TOKEN] else ids)
+    def embed(self, step):
+        s = step.one()
+        return super().embed(Step.single([self.device_token], s.pos0) if s.ids == (self.SAMPLED_TOKEN,) else step)
 
     def forget_position(self):
         self.forgotten += 1
