@@ -102,7 +102,7 @@ def test_debug_after_the_subcommand(tiny_bin, tmp_path):
     r = run_cli("generate", "-m", tmp_path / "nope.bin", "-p", "x", "--debug")
     assert r.returncode == 2 and "No such option" not in r.stderr
     assert "Traceback" in r.stderr  # --debug took effect
-    assert r.stderr.strip().splitlines()[-1].startswith("kuiper: error: cannot open model")
+    assert r.stderr.strip().splitlines()[-1].startswith("kuiper: error: ") and "nope.bin: no such model file" in r.stderr
     r = run_cli("info", tiny_bin, "--debug", "--json")
     assert r.returncode == 0, r.stderr
 
