@@ -291,6 +291,20 @@ def test_client_disconnect_cancels_its_generation(server, client):
     assert _counter(server, "kuiper_generation_tokens_total") - before < 400
 
 
+def test_a_non_streamed_client_that_leaves_cancels_its_generation(server, client):
+    """The client gives up (a read timeout) while tokens keep coming: the job stops, it does not run to max_tokens."""
+    before = _counter(server, "kuiper_generation_tokens_total")
+    cancelled = _counter(server, "kuiper_requests_cancelled_total")
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "temperature": 0.7, "seed": 2,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/chat/completions", json=body, timeout=1.0)
+    r = client.completions.create(model="tiny", prompt="after", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert _counter(server, "kuiper_requests_cancelled_total") == cancelled + 1
+    assert _counter(server, "kuiper_generation_tokens_total") - before < 400
+
+
 def test_four_concurrent_clients_each_get_what_they_get_alone(client):
     prompts = [f"Story number {i} begins" for i in range(4)]
 

@@ -40,6 +40,25 @@ class ApiError(Exception):
         return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
+class _CountRequests:
+    """Counts each answer by endpoint and status. A plain ASGI wrapper: unlike @app.middleware("http") it passes
+    `receive` through untouched, so request.is_disconnected() sees a client that left."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ENDPOINTS else "other"  # (bounded label values)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(path, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counted)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """The first problem pydantic found, as 'field.path: what is wrong'."""
     err = (exc.errors() or [{}])[0]
@@ -54,12 +73,7 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
     app = FastAPI(title="kuiper", docs_url=None, redoc_url=None, openapi_url=None)
     m = worker.metrics
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        resp = await call_next(request)
-        path = request.url.path if request.url.path in ENDPOINTS else "other"  # (bounded label values)
-        m.requests.labels(path, str(resp.status_code)).inc()
-        return resp
+    app.add_middleware(_CountRequests, counter=m.requests)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError):
@@ -247,14 +261,20 @@ def _job(worker: EngineWorker, req, ids: list[int], max_tokens: int, logprobs: i
 
 
 async def _records(job: Job, request: Request | None = None):
-    """The job's records as they come; a client that leaves (checked while waiting) cancels the job."""
+    """The job's records as they come; a client that leaves (checked every half second, whether tokens flow or
+    not) cancels the job."""
+    next_check = time.monotonic() + 0.5
     try:
         while True:
             try:
                 item = await asyncio.wait_for(job.queue.get(), 0.5)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                item = _WAITING
+            if request is not None and time.monotonic() >= next_check:
+                if await request.is_disconnected():
                     return
+                next_check = time.monotonic() + 0.5
+            if item is _WAITING:
                 continue
             if item is None:
                 return
@@ -263,6 +283,9 @@ async def _records(job: Job, request: Request | None = None):
             yield item
     finally:
         job.cancelled.set()  # (a no-op once the job ended; else it stops at the next token)
+
+
+_WAITING = object()  # (no record within the wait)
 
 
 # ---- responses --------------------------------------------------------------------------------------------------
