@@ -253,6 +253,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a lone \\ud800 surrogate"}]}', 400),
+    ("/v1/completions", b'{"prompt": "\\udcff"}', 400),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": [151936]}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),

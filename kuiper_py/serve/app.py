@@ -79,6 +79,10 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
     async def api_error(_: Request, exc: ApiError):
         return exc.response()
 
+    @app.exception_handler(KuiperError)
+    async def user_error(_: Request, exc: KuiperError):  # (what the request's content made the engine refuse)
+        return ApiError(400, str(exc)).response()
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError):
         return ApiError(400, *_validation_message(exc)).response()
