@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from conftest import run_cli
 from kuiper_py import hub
 from kuiper_py.errors import KuiperError
 from kuiper_py.export import export
@@ -114,3 +115,49 @@ def test_exported_hub_model_serves_when_the_hub_cache_is_gone(hf_cache, tmp_path
     with pytest.raises(KuiperError, match="cannot be downloaded"):
         hub.resolve_model("Qwen/Tiny-AWQ@ffffffffffffffffffffffffffffffffffffffff", log=_quiet)
 
+
+
+def test_commands_take_a_hub_id_or_a_directory_for_m(hf_cache, tiny_dir, tiny_bin):
+    """`generate -m Qwen/Tiny-AWQ` (and a Hugging Face directory) export once into KUIPER_CACHE, with the export
+    said on stderr, then run as the file would; a second run uses the cached file. `chat` and `bench` go the same
+    way (Engine.load)."""
+    env = {"HF_HUB_CACHE": os.environ["HF_HUB_CACHE"], "HF_HUB_OFFLINE": "1", "KUIPER_CACHE": os.environ["KUIPER_CACHE"]}
+    gen = ("generate", "--device", "cpu", "--temp", "0", "-n", 4, "-p", "Hello")
+    want = run_cli(*gen, "-m", tiny_bin)
+    assert want.returncode == 0, want.stderr
+    for arg in ("Qwen/Tiny-AWQ", str(tiny_dir)):
+        first = run_cli(*gen, "-m", arg, env=env)
+        assert first.returncode == 0 and first.stdout == want.stdout, first.stderr
+        assert "exporting" in first.stderr
+        again = run_cli(*gen, "-m", arg, env=env)
+        assert again.returncode == 0 and again.stdout == want.stdout and "exporting" not in again.stderr
+    bad = run_cli(*gen, "-m", "Qwen/Not-There", env=env)
+    errs = [ln for ln in bad.stderr.splitlines() if ln.startswith("kuiper: error")]
+    assert bad.returncode == 2 and len(errs) == 1 and "Qwen/Not-There" in errs[0], bad.stderr
+
+
+def test_serve_takes_a_hub_id_and_serves_it_under_that_name(hf_cache):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import ROOT
+    p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "serve", "-m", "Qwen/Tiny-AWQ", "--device", "cpu",
+                          "--port", "0", "--max-context", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        lines = []
+        while not any("ready on" in ln for ln in lines):
+            lines.append(p.stderr.readline())
+            assert lines[-1], "".join(lines)
+        assert any("exporting Qwen/Tiny-AWQ" in ln for ln in lines)
+        url = re.search(r"http://127\.0\.0\.1:\d+", lines[-1]).group(0)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["Qwen/Tiny-AWQ"]
+        r = httpx.post(url + "/v1/completions", json={"model": "Qwen/Tiny-AWQ", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
