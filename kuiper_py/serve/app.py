@@ -139,6 +139,9 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
             raise ApiError(400, "messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if req.tool_choice not in (None, "auto", "none"):  # (forcing a call needs constrained decoding)
+            raise ApiError(400, f"tool_choice {req.tool_choice!r} is not supported: only 'auto' and 'none' (the "
+                                f"model decides whether to call a tool)", "tool_choice")
         tools_on = bool(req.tools) and req.tool_choice != "none"
         ids, prompt_text = _chat_ids(worker, req, tools_on)
         max_tokens = _max_tokens(worker, len(ids), req.max_completion_tokens or req.max_tokens)
