@@ -116,6 +116,27 @@ def test_exported_hub_model_serves_when_the_hub_cache_is_gone(hf_cache, tmp_path
         hub.resolve_model("Qwen/Tiny-AWQ@ffffffffffffffffffffffffffffffffffffffff", log=_quiet)
 
 
+def test_an_export_of_the_hubs_current_commit_is_used_without_a_download(hf_cache, monkeypatch):
+    """Online, with the Hugging Face cache emptied after the export: the hub's commit for the id is asked (a small
+    request) and the file exported from it used; the checkpoint is not downloaded again. A newer commit is."""
+    import huggingface_hub
+    from types import SimpleNamespace
+    b = hub.resolve_model("Qwen/Tiny-AWQ", progress=False, log=_quiet)
+    shutil.rmtree(hf_cache / "models--Qwen--Tiny-AWQ")
+    downloads, head = [], {"sha": COMMIT}
+
+    def fake_download(repo, revision=None, local_files_only=False, **kw):
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        downloads.append((repo, revision))
+        raise OSError("network download (stubbed)")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda self, repo, revision=None, **kw: SimpleNamespace(sha=head["sha"]))
+    assert hub.resolve_model("Qwen/Tiny-AWQ", log=_quiet) == b and downloads == []
+    head["sha"] = "f" * 40  # the hub moved on: that commit is fetched (here the stub fails, and the old file serves)
+    assert hub.resolve_model("Qwen/Tiny-AWQ", log=_quiet) == b and downloads == [("Qwen/Tiny-AWQ", None)]
+
 
 def test_commands_take_a_hub_id_or_a_directory_for_m(hf_cache, tiny_dir, tiny_bin):
     """`generate -m Qwen/Tiny-AWQ` (and a Hugging Face directory) export once into KUIPER_CACHE, with the export
