@@ -276,6 +276,13 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, path, body, status
     assert httpx.get(server + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+def test_a_number_that_is_not_finite_is_a_400_naming_its_field(server, field):
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "%s": 1e999}' % field.encode()
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def _counter(server, name):
     m = re.search(rf"^{name} (\S+)$", httpx.get(server + "/metrics").text, flags=re.M)
     return float(m.group(1))
