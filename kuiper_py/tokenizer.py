@@ -30,8 +30,8 @@ class ChatTokenizer:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise KuiperError(f"the text is not valid Unicode: it holds the unpaired surrogate {e.object[e.start]!r} "
-                                  f"(a byte that is not UTF-8?)") from None
+                raise KuiperError(f"the text is not valid Unicode: it holds the unpaired surrogate "
+                                  f"{e.object[e.start]!r} (a byte that is not UTF-8?)") from None
             raise
 
     def decode(self, ids: list[int]) -> str:
