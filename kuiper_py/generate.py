@@ -60,6 +60,11 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, device: str | None = "auto", tokenizer_dir=None,
              need_tokenizer: bool = True) -> "Engine":
+        """The engine for an ak48 file; a hub id is exported once into the kuiper cache and that file loaded
+        (hub.resolve_model), so every command's -m takes one."""
+        from . import hub
+        if hub.is_hub_id(str(path)):
+            path = hub.resolve_model(str(path))
         t0 = time.perf_counter()
         mf = loader.load(path, tokenizer_dir)
         tok = ChatTokenizer(mf.trailer) if need_tokenizer else None

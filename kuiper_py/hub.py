@@ -33,17 +33,38 @@ def cache_root() -> Path:
     return Path(os.environ.get("KUIPER_CACHE") or Path.home() / ".cache" / "kuiper")
 
 
+def _local_snapshot(arg: str) -> Path | None:
+    """The hub id's snapshot directory in the Hugging Face cache, or None (no network)."""
+    from huggingface_hub import snapshot_download
+
+    repo, rev = _split(arg)
+    try:
+        return Path(snapshot_download(repo, revision=rev, local_files_only=True, allow_patterns=PATTERNS))
+    except Exception:  # not cached (LocalEntryNotFoundError and kin)
+        return None
+
+
+def _hub_commit(arg: str) -> str | None:
+    """The commit the hub names for the id's revision (one small request), or None when it cannot be asked."""
+    from huggingface_hub import HfApi
+
+    repo, rev = _split(arg)
+    try:
+        return HfApi().model_info(repo, revision=rev).sha
+    except Exception:  # offline, unknown id, no access: the download says why, or an earlier export serves
+        return None
+
+
 def snapshot(arg: str, progress: bool = True, log=None) -> Path:
     """The local snapshot directory of a hub id: from the Hugging Face cache if it is there (no network), else
     downloaded (config, tokenizer and safetensors files only) with a progress bar on stderr."""
     from huggingface_hub import snapshot_download
 
     log = log or (lambda m: print(m, file=sys.stderr))
+    local = _local_snapshot(arg)
+    if local is not None:
+        return local
     repo, rev = _split(arg)
-    try:
-        return Path(snapshot_download(repo, revision=rev, local_files_only=True, allow_patterns=PATTERNS))
-    except Exception:  # not cached (LocalEntryNotFoundError and kin): try the network
-        pass
     log(f"{arg} is not in the Hugging Face cache: downloading it from the hub")
     try:
         if not progress:
@@ -73,15 +94,22 @@ def cached_path(arg: str, progress: bool = True, log=None) -> tuple[Path, Path]:
         return cache_root() / "dirs" / f"{name}-{_dir_key(d)}.bin", d
     repo, rev = _split(arg)
     folder = cache_root() / "hub" / repo.replace("/", "--")
-    try:
-        src = snapshot(arg, progress, log)
-    except KuiperError:
-        # neither the Hugging Face cache nor the network has it: a file exported earlier still serves
-        done = sorted((p for p in folder.glob("*.bin") if rev in (None, p.stem)), key=lambda p: p.stat().st_mtime)
-        if not done:
-            raise
-        (log or (lambda m: print(m, file=sys.stderr)))(f"{arg} is unreachable: using {done[-1]}, exported earlier")
-        return done[-1], done[-1]
+    src = _local_snapshot(arg)
+    if src is None:
+        sha = _hub_commit(arg)  # (a file exported from the hub's current commit needs no download)
+        if sha and (folder / f"{sha}.bin").is_file():
+            return folder / f"{sha}.bin", folder / f"{sha}.bin"
+        try:
+            src = snapshot(arg, progress, log)
+        except KuiperError:
+            # neither the Hugging Face cache nor the network has it: a file exported earlier still serves
+            done = sorted((p for p in folder.glob("*.bin") if rev in (None, p.stem)),
+                          key=lambda p: p.stat().st_mtime)
+            if not done:
+                raise
+            (log or (lambda m: print(m, file=sys.stderr)))(f"{arg} is unreachable: using {done[-1]}, exported "
+                                                           f"earlier")
+            return done[-1], done[-1]
     return folder / f"{src.name}.bin", src  # src.name: the snapshot's commit
 
 

@@ -22,7 +22,17 @@ class ChatTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Token ids of text; text that is not Unicode (a lone surrogate: JSON's \\ud800, a non-UTF-8 argv byte)
+        is the caller's error."""
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise KuiperError(f"the text is not valid Unicode: it holds the unpaired surrogate "
+                                  f"{e.object[e.start]!r} (a byte that is not UTF-8?)") from None
+            raise
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

@@ -150,6 +150,16 @@ def test_cli_chat_errors_are_one_line(tiny_bin):
     assert len(r.stdout.splitlines()) == 1  # the turn before the bad line was answered
 
 
+def test_cli_generate_prompt_not_utf8_is_one_line(tiny_bin):
+    """A prompt argument with a byte that is not UTF-8 (Python holds it as a lone surrogate) is the user's error."""
+    r = subprocess.run([sys.executable, "-m", "kuiper_py", "generate", "-m", str(tiny_bin), "--device", "cpu",
+                        "-n", "2", "-p", b"ab\xffcd"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    errs = [ln for ln in r.stderr.splitlines() if ln.startswith("kuiper: error")]
+    assert r.returncode == 2 and len(errs) == 1 and "Unicode" in errs[0] and "internal" not in errs[0], r.stderr
+    assert r.stdout == ""
+
+
 def test_chat_after_its_engine_served_another_prompt(tiny_bin):
     """generate() on the chat's engine resets the model's cache under the chat: the chat's next turn prefills its
     whole conversation again, even where the other prompt left the cache as many positions as the chat had."""

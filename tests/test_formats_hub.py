@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from conftest import run_cli
 from kuiper_py import hub
 from kuiper_py.errors import KuiperError
 from kuiper_py.export import export
@@ -114,3 +115,69 @@ def test_exported_hub_model_serves_when_the_hub_cache_is_gone(hf_cache, tmp_path
     with pytest.raises(KuiperError, match="cannot be downloaded"):
         hub.resolve_model("Qwen/Tiny-AWQ@ffffffffffffffffffffffffffffffffffffffff", log=_quiet)
 
+
+def test_an_export_of_the_hubs_current_commit_is_used_without_a_download(hf_cache, monkeypatch):
+    """Online, with the Hugging Face cache emptied after the export: the hub's commit for the id is asked (a small
+    request) and the file exported from it used; the checkpoint is not downloaded again. A newer commit is."""
+    import huggingface_hub
+    from types import SimpleNamespace
+    b = hub.resolve_model("Qwen/Tiny-AWQ", progress=False, log=_quiet)
+    shutil.rmtree(hf_cache / "models--Qwen--Tiny-AWQ")
+    downloads, head = [], {"sha": COMMIT}
+
+    def fake_download(repo, revision=None, local_files_only=False, **kw):
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        downloads.append((repo, revision))
+        raise OSError("network download (stubbed)")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda self, repo, revision=None, **kw: SimpleNamespace(sha=head["sha"]))
+    assert hub.resolve_model("Qwen/Tiny-AWQ", log=_quiet) == b and downloads == []
+    head["sha"] = "f" * 40  # the hub moved on: that commit is fetched (here the stub fails, and the old file serves)
+    assert hub.resolve_model("Qwen/Tiny-AWQ", log=_quiet) == b and downloads == [("Qwen/Tiny-AWQ", None)]
+
+
+def test_commands_take_a_hub_id_for_m(hf_cache, tiny_bin):
+    """`generate -m Qwen/Tiny-AWQ` exports once into KUIPER_CACHE, with the export said on stderr, then runs as the
+    file would; a second run uses the cached file. `chat` and `bench` go the same way (Engine.load)."""
+    env = {k: os.environ[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "KUIPER_CACHE")}
+    gen = ("generate", "--device", "cpu", "--temp", "0", "-n", 4, "-p", "Hello")
+    want = run_cli(*gen, "-m", tiny_bin)
+    assert want.returncode == 0, want.stderr
+    first = run_cli(*gen, "-m", "Qwen/Tiny-AWQ", env=env)
+    assert first.returncode == 0 and first.stdout == want.stdout, first.stderr
+    assert "exporting" in first.stderr
+    for arg in ("Qwen/Tiny-AWQ", f"Qwen/Tiny-AWQ@{COMMIT}"):  # (the same commit: the same file, no export)
+        again = run_cli(*gen, "-m", arg, env=env)
+        assert again.returncode == 0 and again.stdout == want.stdout and "exporting" not in again.stderr
+    bad = run_cli(*gen, "-m", "Qwen/Not-There", env=env)
+    errs = [ln for ln in bad.stderr.splitlines() if ln.startswith("kuiper: error")]
+    assert bad.returncode == 2 and len(errs) == 1 and "Qwen/Not-There" in errs[0], bad.stderr
+
+
+def test_serve_takes_a_hub_id_and_serves_it_under_that_name(hf_cache):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import ROOT
+    p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "serve", "-m", "Qwen/Tiny-AWQ", "--device", "cpu",
+                          "--port", "0", "--max-context", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        lines = []
+        while not any("ready on" in ln for ln in lines):
+            lines.append(p.stderr.readline())
+            assert lines[-1], "".join(lines)
+        assert any("exporting Qwen/Tiny-AWQ" in ln for ln in lines)
+        url = re.search(r"http://127\.0\.0\.1:\d+", lines[-1]).group(0)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["Qwen/Tiny-AWQ"]
+        r = httpx.post(url + "/v1/completions", json={"model": "Qwen/Tiny-AWQ", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0

@@ -307,6 +307,8 @@ def _set(name, fn):
     ("compressed-tensors", None, lambda q: q.update(ignore=["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]),
      r"ignore entry 're:\.\*self_attn\.\*' leaves model.layers.0.self_attn.q_proj unquantized"),
     ("compressed-tensors", None, lambda q: q.update(ignore=["lm_head"]), "does not cover model.layers.0.mlp.gate"),
+    ("compressed-tensors", None, lambda q: q["config_groups"]["group_0"]["weights"].update(group_size="64"),
+     r"group_size='64' is not supported"),
 ])
 def test_bad_inputs_are_refused(small, copy_ckpt, tmp_path, quant, tensors, config, msg):
     d = copy_ckpt(small[quant])

@@ -253,6 +253,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a lone \\ud800 surrogate"}]}', 400),
+    ("/v1/completions", b'{"prompt": "\\udcff"}', 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": [151936]}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
@@ -269,6 +274,13 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, path, body, status
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and "Traceback" not in r.text
     assert httpx.get(server + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+def test_a_number_that_is_not_finite_is_a_400_naming_its_field(server, field):
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "%s": 1e999}' % field.encode()
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def _counter(server, name):
@@ -288,6 +300,20 @@ def test_client_disconnect_cancels_its_generation(server, client):
     r = client.completions.create(model="tiny", prompt="after", max_tokens=2)
     assert r.usage.completion_tokens == 2 and time.time() - t0 < 60
     assert _counter(server, "kuiper_requests_cancelled_total") >= 1
+    assert _counter(server, "kuiper_generation_tokens_total") - before < 400
+
+
+def test_a_non_streamed_client_that_leaves_cancels_its_generation(server, client):
+    """The client gives up (a read timeout) while tokens keep coming: the job stops, it does not run to max_tokens."""
+    before = _counter(server, "kuiper_generation_tokens_total")
+    cancelled = _counter(server, "kuiper_requests_cancelled_total")
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "temperature": 0.7, "seed": 2,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/chat/completions", json=body, timeout=1.0)
+    r = client.completions.create(model="tiny", prompt="after", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert _counter(server, "kuiper_requests_cancelled_total") == cancelled + 1
     assert _counter(server, "kuiper_generation_tokens_total") - before < 400
 
 

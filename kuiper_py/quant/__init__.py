@@ -34,7 +34,7 @@ def check(cfg: dict) -> int:
     """The checkpoint's group size, after its format's checks of the quantization_config."""
     g = _module(cfg).check(cfg)
     if g not in (32, 64, 128):
-        raise KuiperError(f"group_size={g} is not supported (supported: 32, 64, 128)")
+        raise KuiperError(f"group_size={g!r} is not supported (supported: 32, 64, 128)")  # (a string shows quoted)
     return g
 
 

@@ -33,11 +33,44 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers, self.code = status, message, param, headers, code
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else \
             "service_unavailable" if self.status == 503 else "server_error"
-        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status}
-        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code or self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def of(cls, e: Exception) -> "ApiError":
+        """What a request that failed with e answers (as a response, or as a stream's last event)."""
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, ShuttingDown):
+            return cls(503, "the server is shutting down")
+        if isinstance(e, KuiperError):  # (what the request's content made the engine refuse)
+            return cls(400, str(e))
+        return cls(500, f"internal error: {type(e).__name__}: {e}")
+
+
+class _CountRequests:
+    """Counts each answer by endpoint and status. A plain ASGI wrapper: unlike @app.middleware("http") it passes
+    `receive` through untouched, so request.is_disconnected() sees a client that left."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ENDPOINTS else "other"  # (bounded label values)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(path, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counted)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -54,16 +87,13 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
     app = FastAPI(title="kuiper", docs_url=None, redoc_url=None, openapi_url=None)
     m = worker.metrics
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        resp = await call_next(request)
-        path = request.url.path if request.url.path in ENDPOINTS else "other"  # (bounded label values)
-        m.requests.labels(path, str(resp.status_code)).inc()
-        return resp
+    app.add_middleware(_CountRequests, counter=m.requests)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError):
-        return exc.response()
+    async def answer(_: Request, exc: Exception):
+        return ApiError.of(exc).response()
+
+    for kind in (ApiError, KuiperError, ShuttingDown, Exception):
+        app.add_exception_handler(kind, answer)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError):
@@ -72,10 +102,6 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception):
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     @app.get("/health")
     async def health():
@@ -113,6 +139,9 @@ def create_app(worker: EngineWorker, served_name: str) -> FastAPI:
             raise ApiError(400, "messages must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if req.tool_choice not in (None, "auto", "none"):  # (forcing a call needs constrained decoding)
+            raise ApiError(400, f"tool_choice {req.tool_choice!r} is not supported: only 'auto' and 'none' (the "
+                                f"model decides whether to call a tool)", "tool_choice")
         tools_on = bool(req.tools) and req.tool_choice != "none"
         ids, prompt_text = _chat_ids(worker, req, tools_on)
         max_tokens = _max_tokens(worker, len(ids), req.max_completion_tokens or req.max_tokens)
@@ -247,14 +276,20 @@ def _job(worker: EngineWorker, req, ids: list[int], max_tokens: int, logprobs: i
 
 
 async def _records(job: Job, request: Request | None = None):
-    """The job's records as they come; a client that leaves (checked while waiting) cancels the job."""
+    """The job's records as they come; a client that leaves (checked every half second, whether tokens flow or
+    not) cancels the job."""
+    next_check = time.monotonic() + 0.5
     try:
         while True:
             try:
                 item = await asyncio.wait_for(job.queue.get(), 0.5)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                item = _WAITING
+            if request is not None and time.monotonic() >= next_check:
+                if await request.is_disconnected():
                     return
+                next_check = time.monotonic() + 0.5
+            if item is _WAITING:
                 continue
             if item is None:
                 return
@@ -263,6 +298,9 @@ async def _records(job: Job, request: Request | None = None):
             yield item
     finally:
         job.cancelled.set()  # (a no-op once the job ended; else it stops at the next token)
+
+
+_WAITING = object()  # (no record within the wait)
 
 
 # ---- responses --------------------------------------------------------------------------------------------------
@@ -318,35 +356,22 @@ def _chat_logprob(worker: EngineWorker, r) -> dict:
     return {**entry(r.token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
 
 
-def _stream_error(e: Exception) -> dict:
-    if isinstance(e, ShuttingDown):
-        err = ApiError(503, "the server is shutting down")
-    elif isinstance(e, KuiperError):
-        err = ApiError(400, str(e))
-    else:
-        err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
-    return json.loads(err.response().body)
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _chat_whole(worker: EngineWorker, job: Job, out: _Output, name: str, request: Request):
-    pieces, lps, last = [], [], None
-    try:
-        async for r in _records(job, request):
-            last = r
-            pieces.append(r.text)
-            if r.logprob is not None and r.token is not None:
-                lps.append(_chat_logprob(worker, r))
-    except ShuttingDown:
-        raise ApiError(503, "the server is shutting down") from None
-    except KuiperError as e:
-        raise ApiError(400, str(e)) from None
-    if last is None:
+async def _collect(job: Job, request: Request) -> tuple[str, list, object]:
+    """A non-streamed request's (text, records with logprobs, last record); a job's error is raised as is."""
+    recs = [r async for r in _records(job, request)]
+    if not recs:
         raise ApiError(503, "the request was cancelled")
-    d = out.delta("".join(pieces), final=True)
+    return "".join(r.text for r in recs), [r for r in recs if r.logprob is not None and r.token is not None], recs[-1]
+
+
+async def _chat_whole(worker: EngineWorker, job: Job, out: _Output, name: str, request: Request):
+    text, recs, last = await _collect(job, request)
+    lps = [_chat_logprob(worker, r) for r in recs]
+    d = out.delta(text, final=True)
     msg = {"role": "assistant", "content": d.get("content") if (d.get("content") or not d.get("tool_calls")) else None,
            "reasoning_content": d.get("reasoning_content"), "tool_calls": d.get("tool_calls", [])}
     if msg["content"] is None and not msg["tool_calls"]:
@@ -385,7 +410,7 @@ async def _chat_stream(worker: EngineWorker, job: Job, out: _Output, name: str, 
         if usage:
             yield _sse({**head, "choices": [], "usage": _usage(job, last)})
     except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
-        yield _sse(_stream_error(e))
+        yield _sse(ApiError.of(e).body())
     yield "data: [DONE]\n\n"
 
 
@@ -405,22 +430,10 @@ def _completion_logprobs(worker: EngineWorker, records, text_start: int = 0) -> 
 
 
 async def _completion_whole(worker: EngineWorker, job: Job, name: str, request: Request):
-    pieces, recs, last = [], [], None
-    try:
-        async for r in _records(job, request):
-            last = r
-            pieces.append(r.text)
-            if r.logprob is not None and r.token is not None:
-                recs.append(r)
-    except ShuttingDown:
-        raise ApiError(503, "the server is shutting down") from None
-    except KuiperError as e:
-        raise ApiError(400, str(e)) from None
-    if last is None:
-        raise ApiError(503, "the request was cancelled")
+    text, recs, last = await _collect(job, request)
     lp = _completion_logprobs(worker, recs) if job.logprobs is not None else None
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": name, "choices": [{"index": 0, "text": "".join(pieces), "logprobs": lp,
+            "model": name, "choices": [{"index": 0, "text": text, "logprobs": lp,
                                         "finish_reason": _finish_reason(last)}],
             "usage": _usage(job, last)}
 
@@ -447,5 +460,5 @@ async def _completion_stream(worker: EngineWorker, job: Job, name: str, req: Com
         if usage:
             yield _sse({**head, "choices": [], "usage": _usage(job, last)})
     except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
-        yield _sse(_stream_error(e))
+        yield _sse(ApiError.of(e).body())
     yield "data: [DONE]\n\n"

@@ -44,7 +44,8 @@ def _log_config(verbose: bool) -> dict:
 
 
 @click.command("serve")
-@click.option("-m", "--model", required=True, type=click.Path(), help="ak48 .bin file, Hugging Face directory or hub id.")
+@click.option("-m", "--model", required=True, type=click.Path(),
+              help="ak48 .bin file, Hugging Face directory or hub id (exported once into the kuiper cache).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 picks a free one).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -52,7 +53,8 @@ def _log_config(verbose: bool) -> dict:
               help="KV cache positions: prompt and completion together (default: the model's maximum).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for the engine; more get 503 with Retry-After.")
-@click.option("--served-model-name", default=None, help="The model name the API shows (default: the file's stem).")
+@click.option("--served-model-name", default=None,
+              help="The model name the API shows (default: the hub id, else the file's or directory's name).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
@@ -65,19 +67,18 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
         raise KuiperError(f"--port {port} must be in 0..65535")
-    from ..hub import resolve_model
-    model = str(resolve_model(model))
-    if not Path(model).is_file():
-        raise KuiperError(f"--model {model}: no such file")
     import uvicorn
+
+    from ..hub import is_hub_id, resolve_model
 
     from .app import create_app
     from .engine_worker import EngineWorker
     from .metrics import Metrics
 
+    path = resolve_model(model)  # (before listening: an export's progress and errors come first)
     sock = _listen(host, port)
-    name = served_model_name or Path(model).stem
-    worker = EngineWorker(model, device, max_context, max_queue, Metrics(), tokenizer_dir)
+    name = served_model_name or (model if is_hub_id(model) else Path(model).stem)  # (as vLLM: the hub id)
+    worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir)
     app = create_app(worker, name)
     config = uvicorn.Config(app, log_config=_log_config(verbose), timeout_graceful_shutdown=30,
                             timeout_keep_alive=5)

@@ -70,13 +70,13 @@ class _Sampling(_Body):
     """Fields both endpoints take; None means the checkpoint's generation_config (as `kuiper generate`)."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, lt=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1)
