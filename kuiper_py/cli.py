@@ -524,6 +524,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         raise KuiperError("--system and --think/--no-think need the chat template; drop --raw")
     overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    _check_ctx(ctx_size, None)  # (its lower bound before a hub model is fetched; the upper once the file is read)
     model = _resolve(model)
     header = _model_header(model)
     _check_ctx(ctx_size, header)
@@ -664,6 +665,7 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     _check_max_tokens(max_tokens)
     overrides = _sampling(dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    _check_ctx(ctx_size, None)
     model = _resolve(model)
     _check_ctx(ctx_size, _model_header(model))
     from .generate import Chat, Engine, log
