@@ -481,6 +481,51 @@ def _timings(r) -> dict:
             "gen_tok_s": round(r.decode_steps / max(r.gen_seconds, 1e-9), 2)}
 
 
+def _speculative_options(f):
+    for opt in reversed([
+        click.option("--draft", type=str, default=None,
+                     help="Speculative decoding with this smaller model (ak48 file, HF directory or hub id) of the "
+                          "same tokenizer."),
+        click.option("--lookup", type=int, default=None,
+                     help="Speculative decoding by prompt lookup: guess the continuation of the latest earlier "
+                          "occurrence of the last N tokens."),
+        click.option("--draft-tokens", type=int, default=None,
+                     help="Tokens guessed per verify step with --draft or --lookup (default 4)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _check_speculative(draft: str | None, lookup: int | None, k: int | None) -> str | None:
+    """The speculative flags checked before loading; the draft resolved to a file."""
+    if draft is not None and lookup is not None:
+        raise KuiperError("give one of --draft and --lookup")
+    if lookup is not None and lookup < 1:
+        raise KuiperError(f"--lookup {lookup} must be >= 1 (tokens matched)")
+    if k is not None and k < 1:
+        raise KuiperError(f"--draft-tokens {k} must be >= 1")
+    if k is not None and draft is None and lookup is None:
+        raise KuiperError("--draft-tokens needs --draft or --lookup")
+    return None if draft is None else _resolve(draft)
+
+
+def _proposer(eng, draft: str | None, lookup: int | None, device: str, tokenizer_dir):
+    """The speculative proposer of the flags (None: plain decoding); a draft loads on the target's device."""
+    from . import speculative
+    if lookup is not None:
+        return speculative.Lookup(lookup)
+    if draft is None:
+        return None
+    from .generate import Engine
+    return speculative.Draft(Engine.load(draft, eng.device, tokenizer_dir, need_tokenizer=False), eng)
+
+
+def _speculative_line(s: dict, tok_s: float) -> str:
+    return (f"speculative: {s['verify_steps']} verify steps, {s['accepted']} of {s['proposed']} guesses accepted "
+            f"({100 * s['acceptance_rate']:.0f}%), mean accepted length {s['mean_accepted_length']:.2f}, "
+            f"{tok_s:.1f} tok/s")
+
+
 def _ctx_option(help_text: str):
     return click.option("-c", "--ctx-size", "--max-context", "ctx_size", type=int, default=None, help=help_text)
 
@@ -499,12 +544,13 @@ def _ctx_option(help_text: str):
 @_ctx_option("KV cache positions (default: prompt + max tokens, at most the model's context length).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="Also log the model, sampling and prompt size before generating.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line on stderr.")
 def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-                 repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, as_json,
-                 verbose, quiet):
+                 repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, draft,
+                 lookup, draft_tokens, as_json, verbose, quiet):
     """Generate text from a prompt, streaming it to stdout; a statistics line follows on stderr (-q: none)."""
     _set_threads(threads)
     _check_max_tokens(max_tokens)
@@ -516,10 +562,12 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     header = _model_header(model)
     _check_ctx(ctx_size, header)
     text = _read_prompt(prompt, prompt_file)
+    draft = _check_speculative(draft, lookup, draft_tokens)
     from .generate import Engine, generate, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     tok, params = eng.tokenizer, _params(eng, overrides)
+    proposer = _proposer(eng, draft, lookup, device, tokenizer_dir)
     if raw:
         prompt_text = text
     else:
@@ -537,7 +585,14 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
-    records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
+    spec_stats = None
+    if proposer is None:
+        records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
+    else:
+        from . import speculative
+        spec_stats = speculative.Stats()
+        records = speculative.generate(eng, proposer, ids, max_tokens, params, draft_tokens or speculative.DEFAULT_K,
+                                       list(stop), ctx_size, stats=spec_stats)
     last, pieces, interrupted = _echo_records(records, as_json, f"prefill of {len(ids)} tokens:")
     if not as_json:
         sys.stdout.write("\n")
@@ -552,6 +607,10 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; "
             f"raise {_typed(*CTX_FLAGS)})")
     stats = _generate_stats(eng, last)
+    if spec_stats is not None:
+        stats["speculative"] = spec_stats.as_dict()
+        if verbose:
+            log(_speculative_line(stats["speculative"], stats["gen_tok_s"]))
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
@@ -580,6 +639,8 @@ def _stats_line(stats: dict, reason: str, seed: int) -> str:
             f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
             f"seed {seed} | peak host {stats['peak_host_mib']:.0f} MiB"
             + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
+            + (f" | accepted {stats['speculative']['accepted']} of {stats['speculative']['proposed']} guesses, "
+               f"{stats['speculative']['mean_accepted_length']:.2f} tokens per step" if "speculative" in stats else "")
             + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk "
                f"cache)" if build >= 1.0 else ""))
 
