@@ -189,7 +189,7 @@ def generate(engine: Engine, proposer, prompt_ids: list[int], max_tokens: int, p
         raise KuiperError(f"prompt of {len(prompt_ids)} tokens does not fit a context of {ctx} "
                           f"(--max-context; the model's maximum is {args.max_position_embeddings})")
     model = engine.session(ctx)
-    if isinstance(proposer, Draft):
+    if hasattr(proposer, "start"):  # (a proposer with a cache of its own sizes it to the target's)
         proposer.start(ctx)
     return _stream(engine, model, proposer, prompt_ids, max_tokens, params, k, stop, eos_ids, stats or Stats())
 

@@ -275,3 +275,23 @@ def test_cli_chat_with_lookup_equals_plain(files):
     strip = [({k: v for k, v in json.loads(line).items() if k != "timings"}) for line in want.stdout.splitlines()]
     mine = [({k: v for k, v in json.loads(line).items() if k != "timings"}) for line in got.stdout.splitlines()]
     assert mine == strip and len(mine) == 2
+
+
+def test_bench_tool_runs_on_the_cpu(files, tmp_path):
+    """tools/bench_speculative.py end to end on tiny files: every figure present, the always-agree proposal and
+    forced rate 1 accept every guess, rate 0 none."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_speculative.py"), "--target", files["dense"],
+                        "--draft", files["other"], "--device", "cpu", "-n", "10", "--reps", "2", "--rates", "0,1",
+                        "--json", out], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert all(f"verify_k{k}_ratio" in res["steps"] for k in (1, 2, 4, 8))
+    t = res["throughput"]
+    assert t["always_agree"]["acceptance_rate"] == 1.0 and t["always_agree"]["proposed"] > 0
+    rates = {row["forced_rate"]: row["acceptance_rate"] for row in t["draft_forced"]}
+    assert rates == {0.0: 0.0, 1.0: 1.0}
+    assert "always-agree" in r.stdout
