@@ -1,4 +1,4 @@
-"""Speculative decoding (kuiper_py.speculative, generate/chat --draft/--lookup) on the CPU: greedy output equals plain
+"""Speculative decoding (kuiper_py.speculative, generate --draft/--lookup) on the CPU: greedy output equals plain
 greedy decoding token for token, and at temperature 1 the output is distributed as plain sampling's (chi-squared)."""
 import json
 import shutil
@@ -264,17 +264,6 @@ def test_cli_draft_with_another_tokenizer_is_one_error_line(files, tiny_dir, tmp
     r = run_cli("generate", "-m", files["dense"], "-p", "hi", "-n", "4", "--device", "cpu", "--draft", other)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("kuiper: error: --draft") and "tokenizer" in r.stderr
-
-
-def test_cli_chat_with_lookup_equals_plain(files):
-    msgs = "say one two one two\nand again\n"
-    base = ["chat", "-m", files["dense"], "-n", "16", "--temp", "0", "--device", "cpu", "--json"]
-    want = run_cli(*base, input=msgs)
-    got = run_cli(*base, "--lookup", "2", input=msgs)
-    assert want.returncode == got.returncode == 0, got.stderr
-    strip = [({k: v for k, v in json.loads(line).items() if k != "timings"}) for line in want.stdout.splitlines()]
-    mine = [({k: v for k, v in json.loads(line).items() if k != "timings"}) for line in got.stdout.splitlines()]
-    assert mine == strip and len(mine) == 2
 
 
 def test_bench_tool_runs_on_the_cpu(files, tmp_path):
