@@ -473,9 +473,11 @@ def _echo_records(records, as_json: bool, label: str = "prefill") -> tuple:
     return last, pieces, False
 
 
-def _timings(r) -> dict:
-    """A generation's last record's prompt and generation figures, as the --json records give them."""
-    return {"prompt_s": round(r.prompt_seconds, 4),
+def _timings(r, chat=None) -> dict:
+    """A generation's last record's prompt and generation figures, as the --json records give them (a speculative
+    chat's: with its last reply's guesses)."""
+    spec = {"speculative": chat.stats.as_dict()} if hasattr(chat, "stats") else {}
+    return {**spec, "prompt_s": round(r.prompt_seconds, 4),
             "prompt_tok_s": round(r.prompt_tokens / max(r.prompt_seconds, 1e-9), 2),
             "generated_tokens": r.gen_tokens, "gen_s": round(r.gen_seconds, 4),
             "gen_tok_s": round(r.decode_steps / max(r.gen_seconds, 1e-9), 2)}
@@ -520,10 +522,9 @@ def _proposer(eng, draft: str | None, lookup: int | None, device: str, tokenizer
     return speculative.Draft(Engine.load(draft, eng.device, tokenizer_dir, need_tokenizer=False), eng)
 
 
-def _speculative_line(s: dict, tok_s: float) -> str:
+def _speculative_line(s: dict) -> str:
     return (f"speculative: {s['verify_steps']} verify steps, {s['accepted']} of {s['proposed']} guesses accepted "
-            f"({100 * s['acceptance_rate']:.0f}%), mean accepted length {s['mean_accepted_length']:.2f}, "
-            f"{tok_s:.1f} tok/s")
+            f"({100 * s['acceptance_rate']:.0f}%), mean accepted length {s['mean_accepted_length']:.2f}")
 
 
 def _ctx_option(help_text: str):
@@ -610,7 +611,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if spec_stats is not None:
         stats["speculative"] = spec_stats.as_dict()
         if verbose:
-            log(_speculative_line(stats["speculative"], stats["gen_tok_s"]))
+            log(f"{_speculative_line(stats['speculative'])}, {stats['gen_tok_s']:.1f} tok/s")
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
@@ -701,11 +702,12 @@ class _ChatTotals:
 @_ctx_option(f"KV cache positions for the whole conversation (default {CHAT_CONTEXT}, or the model's maximum).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per reply instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="A line of statistics per reply on stderr.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line at the end of the chat.")
 def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, threads, stop, think,
-             system, device, ctx_size, tokenizer_dir, as_json, verbose, quiet):
+             system, device, ctx_size, tokenizer_dir, draft, lookup, draft_tokens, as_json, verbose, quiet):
     """Chat on one KV cache: each line of stdin is a user message (a line ending in a backslash continues on
     the next), and each turn prefills only the tokens the cache does not already hold. /reset starts over;
     /exit or the end of input quits. Replies go to stdout, everything else to stderr."""
@@ -715,14 +717,20 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
     model = _resolve(model)
     _check_ctx(ctx_size, _model_header(model))
+    draft = _check_speculative(draft, lookup, draft_tokens)
     from .generate import Chat, Engine, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     params = _params(eng, overrides)
+    proposer = _proposer(eng, draft, lookup, device, tokenizer_dir)
     ctx = ctx_size or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
     eng.tokenizer.apply_chat_template([{"role": "user", "content": ""}])  # (no chat template: the error comes now)
     t0 = time.perf_counter()
-    chat = Chat(eng, ctx, system, think)
+    if proposer is None:
+        chat = Chat(eng, ctx, system, think)
+    else:
+        from .speculative import DEFAULT_K, SpeculativeChat
+        chat = SpeculativeChat(eng, ctx, proposer, draft_tokens or DEFAULT_K, system=system, enable_thinking=think)
     if verbose and chat.warmed:
         log(f"captured the prefill graphs of {len(chat.warmed)} prompt lengths up to {max(chat.warmed)} tokens in "
             f"{time.perf_counter() - t0:.2f} s")
@@ -735,7 +743,7 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
         _chat_loop(chat, tty, max_tokens, params, list(stop), as_json, verbose, totals)
     finally:
         if not quiet and totals.replies:
-            log(totals.line())
+            log(totals.line() + (" | " + _speculative_line(chat.total.as_dict()) if proposer is not None else ""))
 
 
 def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_json: bool, verbose: bool,
@@ -771,7 +779,7 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
                 "text": "".join(pieces), "tokens": last.tokens,
                 "finish_reason": "interrupted" if interrupted else last.finish_reason,
                 "prompt_tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
-                "dropped_exchanges": chat.dropped, "seed": params.seed, "timings": _timings(last)},
+                "dropped_exchanges": chat.dropped, "seed": params.seed, "timings": _timings(last, chat)},
                 ensure_ascii=False))
         elif not as_json:
             sys.stdout.write("\n")
@@ -783,7 +791,8 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
         if last is not None and verbose:
             reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
             log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
-                f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}")
+                f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}"
+                + (f" | {_speculative_line(chat.stats.as_dict())}" if hasattr(chat, "stats") else ""))
         if interrupted and not tty:
             sys.exit(130)
 

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import KuiperError
-from .generate import Engine, Record, _covering, _held_back, common_prefix
+from .generate import Chat, Engine, Record, _check_request, _covering, _held_back, common_prefix
 from .model import Qwen3
 from .sampling import SamplingParams, apply_openai_penalties, apply_repetition_penalty, filter_logits
 from .tokenizer import StreamDecoder
@@ -84,7 +84,9 @@ class Draft:
         self.cached: list[int] = []  # the ids the draft's cache holds at positions 0 .. model.pos - 1
 
     def start(self, max_context: int) -> None:
-        self.model, self.cached = self.engine.session(max_context), []
+        """A cache of the target's size; one already that size keeps what it holds (a chat's earlier turns)."""
+        if self.model is None or self.model.max_context != max_context:
+            self.model, self.cached = self.engine.session(max_context), []
 
     def propose(self, seq: list[int], k: int, params, n_valid: int, rng,
                 n_prompt: int = 0) -> tuple[list[int], list[np.ndarray]]:
@@ -179,7 +181,6 @@ def generate(engine: Engine, proposer, prompt_ids: list[int], max_tokens: int, p
              k: int = DEFAULT_K, stop: list[str] | None = None, max_context: int | None = None,
              eos_ids: list[int] | None = None, stats: Stats | None = None) -> Iterator[Record]:
     """generate.generate()'s records, drawn speculatively; `stats` (given) is filled as it goes."""
-    from .generate import _check_request
     args = engine.file.args
     _check_request(engine, prompt_ids, max_tokens)
     if k < 1:
@@ -191,7 +192,7 @@ def generate(engine: Engine, proposer, prompt_ids: list[int], max_tokens: int, p
     model = engine.session(ctx)
     if hasattr(proposer, "start"):  # (a proposer with a cache of its own sizes it to the target's)
         proposer.start(ctx)
-    return _stream(engine, model, proposer, prompt_ids, max_tokens, params, k, stop, eos_ids, stats or Stats())
+    return stream(engine, model, proposer, prompt_ids, 0, max_tokens, params, k, stop, eos_ids, stats or Stats())
 
 
 class _Emitter:
@@ -232,25 +233,26 @@ class _Emitter:
         return tok, text, None, None
 
 
-def _stream(engine, model: Qwen3, proposer, prompt_ids, max_tokens, params, k, stop, eos_ids,
-            stats: Stats) -> Iterator[Record]:
-    """The loop: the prompt is prefilled and the first token drawn from its logits; then each verify step runs the
-    pending token (drawn, not yet in the cache) and the guesses, keeps what verify() yields and rewinds the cache
-    to the pending token and the accepted guesses."""
+def stream(engine, model: Qwen3, proposer, prompt_ids, cached: int, max_tokens, params, k, stop, eos_ids,
+           stats: Stats) -> Iterator[Record]:
+    """The loop over a model whose cache holds prompt_ids[:cached]: the rest of the prompt is prefilled and the first
+    token drawn from its logits; then each verify step runs the pending token (drawn, not yet in the cache) and the
+    guesses, keeps what verify() yields and rewinds the cache to the pending token and the accepted guesses."""
+    assert model.pos == cached < len(prompt_ids)
     rng = np.random.default_rng(params.seed)
     n_valid = engine.n_valid_tokens
     em = _Emitter(engine, prompt_ids, max_tokens, stop, eos_ids)
     seq = list(prompt_ids)
     t0 = time.perf_counter()
-    logits = model.prefill(prompt_ids)
+    logits = model.prefill(prompt_ids[cached:])
     model.ops.synchronize()
     t_prompt = time.perf_counter() - t0
     t1 = time.perf_counter()
 
     def rec(tok, text, reason=None, tokens=None):
         n = len(em.out)
-        return Record(tok, text, reason, len(prompt_ids), t_prompt, n, time.perf_counter() - t1, max(n - 1, 0),
-                      list(em.out) if tokens is None else tokens)
+        return Record(tok, text, reason, len(prompt_ids) - cached, t_prompt, n, time.perf_counter() - t1,
+                      max(n - 1, 0), list(em.out) if tokens is None else tokens, cached)
 
     if max_tokens == 0:
         yield rec(None, "", "length")
@@ -278,3 +280,54 @@ def _stream(engine, model: Qwen3, proposer, prompt_ids, max_tokens, params, k, s
             stats.accepted += len(drawn) - 1
     finally:
         model.rewind(min(model.pos, len(seq) - 1))  # (the cache keeps a prefix of prompt + reply, no rejected guess)
+
+
+class SpeculativeChat(Chat):
+    """generate.Chat whose replies are drawn speculatively; `stats` counts the last reply's guesses, `total` the
+    conversation's."""
+
+    def __init__(self, engine: Engine, max_context: int, proposer, k: int = DEFAULT_K, **kw):
+        super().__init__(engine, max_context, **kw)
+        self.proposer, self.k = proposer, k
+        self.stats, self.total = Stats(), Stats()
+
+    def turn(self, text: str, max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
+             eos_ids: list[int] | None = None) -> Iterator[Record]:
+        """Chat.turn's steps (the same context fitting and prefix reuse), the reply drawn by stream()."""
+        self.dropped = 0
+        if self.engine.sessions != self._session:
+            self.model, self.cached = self.engine.session(self.max_context), []
+            self._session = self.engine.sessions
+        ctx = self.max_context
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = self.render(msgs)
+        dropped, room = 0, min(max_tokens, ctx // 2)
+        while len(ids) + room > ctx and len(msgs) > 2:
+            msgs, dropped = msgs[2:], dropped + 1
+            ids = self.render(msgs)
+        if len(ids) > ctx:
+            raise KuiperError(f"this message makes a prompt of {len(ids)} tokens, more than the context of {ctx} "
+                              f"(--max-context)")
+        _check_request(self.engine, ids, max_tokens)
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)
+        self.model.rewind(keep)
+        self.cached = ids[:keep]
+        if hasattr(self.proposer, "start"):
+            self.proposer.start(ctx)
+        self.stats = Stats()
+        pieces, out, finished = [], [], False
+        try:
+            for r in stream(self.engine, self.model, self.proposer, ids, keep, max_tokens, params, self.k, stop,
+                            eos_ids, self.stats):
+                pieces.append(r.text)
+                out = r.tokens
+                yield r
+            finished = True
+        finally:
+            self.cached = (ids + out)[:self.model.pos]
+            for f in ("proposed", "accepted", "steps"):
+                setattr(self.total, f, getattr(self.total, f) + getattr(self.stats, f))
+            reply = "".join(pieces)
+            if finished or reply:
+                self.messages = msgs + [{"role": "assistant", "content": reply}]
+                self.dropped = dropped

@@ -284,3 +284,25 @@ def test_bench_tool_runs_on_the_cpu(files, tmp_path):
     rates = {row["forced_rate"]: row["acceptance_rate"] for row in t["draft_forced"]}
     assert rates == {0.0: 0.0, 1.0: 1.0}
     assert "always-agree" in r.stdout
+
+
+@pytest.mark.parametrize("extra", [["--lookup", "2"], ["--draft", "DENSE", "--draft-tokens", "8"]])
+def test_cli_chat_speculative_equals_plain(files, extra):
+    """Three turns on one cache (the later ones reuse the earlier turns' prefix, a stop string ends one): the
+    replies and their tokens equal plain chat's; each reply reports its guesses."""
+    extra = [files["dense"] if a == "DENSE" else a for a in extra]
+    msgs = "say one two one two\nand again\nonce more\n"
+    base = ["chat", "-m", files["dense"], "-n", "20", "--temp", "0", "--device", "cpu", "--json", "--stop", "ab",
+            "--seed", "1"]
+    want = run_cli(*base, input=msgs)
+    got = run_cli(*base, *extra, "-v", input=msgs)
+    assert want.returncode == got.returncode == 0, got.stderr
+    plain = [json.loads(line) for line in want.stdout.splitlines()]
+    mine = [json.loads(line) for line in got.stdout.splitlines()]
+    # (not compared: how much of each prompt the cache held; a speculative reply's last token is not fed back)
+    skip = ("timings", "prompt_tokens", "cached_tokens")
+    assert len(mine) == 3 and [{k: v for k, v in d.items() if k not in skip} for d in mine] == \
+        [{k: v for k, v in d.items() if k not in skip} for d in plain]
+    assert mine[1]["cached_tokens"] > 0
+    assert all(d["timings"]["speculative"]["verify_steps"] > 0 for d in mine)
+    assert got.stderr.count("guesses accepted") == 4  # (a line per reply and the chat's total)
