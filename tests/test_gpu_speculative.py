@@ -7,6 +7,7 @@ import pytest
 
 from kuiper_py import speculative as spec
 from kuiper_py import synth
+from kuiper_py.export import export
 from kuiper_py.generate import Engine, generate
 from kuiper_py.sampling import SamplingParams
 
@@ -21,8 +22,9 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_spec")
     out = {}
     for name, preset, seed in (("dense", "small", 21), ("moe", "small-moe", 22), ("other", "small", 23)):
-        out[name] = d / f"{name}.bin"
-        synth.write_synthetic_file(out[name], preset, seed=seed)
+        out[name] = d / f"{name}.bin"  # (quantized random float weights: a varied greedy path, not one id repeated)
+        export(synth.make_checkpoint(d / name, preset, seed=seed, n_shards=1), out[name], progress=False,
+               log=lambda m: None)
     return out
 
 

@@ -24,8 +24,9 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("spec")
     out = {}
     for name, preset, seed in (("dense", "tiny", 11), ("moe", "tiny-moe", 12), ("other", "tiny", 13)):
-        out[name] = d / f"{name}.bin"
-        synth.write_synthetic_file(out[name], preset, seed=seed)
+        out[name] = d / f"{name}.bin"  # (quantized random float weights: a varied greedy path, not one id repeated)
+        export(synth.make_checkpoint(d / name, preset, seed=seed, n_shards=1), out[name], progress=False,
+               log=lambda m: None)
     return out
 
 
@@ -48,8 +49,6 @@ def _prompt(eng, text="one two three one two three one two"):
 def _proposer(kind, engines, target):
     if kind == "lookup":
         return spec.Lookup(2)
-    if kind == "lookup1":
-        return spec.Lookup(1)
     return spec.Draft(engines["other" if kind == "draft" else "self_" + target], engines[target])
 
 
@@ -74,12 +73,24 @@ def test_greedy_equals_plain(engines, target, kind, k):
 
 
 @pytest.mark.parametrize("target", ["dense", "moe"])
+def test_greedy_with_penalties_equals_plain(engines, target):
+    """The penalties see each verified position's own history (the accepted guesses before it)."""
+    eng = engines[target]
+    ids = _prompt(eng)
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=16, presence_penalty=0.5,
+                            frequency_penalty=0.3)
+    want = _records(generate(eng, ids, 40, params))
+    for kind in ("self", "lookup"):
+        assert _records(spec.generate(eng, _proposer(kind, engines, target), ids, 40, params, k=4)) == want
+
+
+@pytest.mark.parametrize("target", ["dense", "moe"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_at_the_context_limit(engines, target, k):
     """The last steps before --max-context shrink K: the same tokens and the 'context' finish as plain decoding."""
     eng = engines[target]
     ids = _prompt(eng)
-    for extra in (1, 2, 5, 9):
+    for extra in (1, 2, 9):
         ctx = len(ids) + extra
         want = _records(generate(eng, ids, 50, GREEDY, max_context=ctx))
         assert want[0][-1][2] == "context"
@@ -124,6 +135,8 @@ def test_lookup_proposes_the_latest_continuation():
 
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson's goodness of fit of counts to probabilities (cells of expected count < 5 merged)."""
+    if counts[probs == 0].any():  # (an outcome of probability zero)
+        return 0.0
     n = counts.sum()
     exp = probs * n
     small = exp < 5
@@ -133,6 +146,8 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     obs, exp = obs[keep], exp[keep]
     stat = float(((obs - exp) ** 2 / exp).sum())
     df = len(obs) - 1
+    if df == 0:
+        return 1.0
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
@@ -143,7 +158,7 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_distribution_is_what_the_plain_sampler_draws(params):
     """distribution() against sampling.sample()'s empirical frequencies on fresh random logits."""
     rng = np.random.default_rng()
-    logits = (rng.standard_normal(40) * 2).astype(np.float32)
+    logits = rng.standard_normal(40).astype(np.float32)
     hist = rng.integers(0, 40, 10).tolist()
     p = spec.distribution(logits, params, hist, [], 40)
     n = 20000
@@ -188,26 +203,14 @@ def _exact_joint(eng, ids, params, depth):
     return out
 
 
-def _prompt_holding_its_draws(eng, ids, params):
-    """ids extended until every token the first draw can give occurs in it (prompt lookup of 1 then guesses)."""
-    for _ in range(6):
-        model = eng.session(len(ids) + 1)
-        p = spec.distribution(model.prefill(ids), params, ids, [], eng.n_valid_tokens)
-        missing = [int(t) for t in np.flatnonzero(p) if t not in ids]
-        if not missing:
-            break
-        ids = ids + missing
-    return ids
-
-
-@pytest.mark.parametrize("kind", ["draft", "self", "lookup1", "replay"])
+@pytest.mark.parametrize("kind", ["draft", "self", "replay"])
 def test_sampled_output_matches_the_targets_distribution(engines, kind):
     """Temperature 1 with top-k 3: the first three tokens of many seeded speculative runs against the target's
-    exact joint probabilities (27 cells)."""
+    exact joint probabilities (27 cells). A sampled draft (q of its own), the target as its own draft (q = p) and
+    a fixed guess (q one-hot, as prompt lookup proposes: the replayed greedy path, corrupted 30% of the time)."""
     eng = engines["dense"]
     ids = _prompt(eng, "a b a b a b a")
     params = SamplingParams(temperature=1.0, top_k=3, top_p=1.0)
-    ids = _prompt_holding_its_draws(eng, ids, params)
     exact = _exact_joint(eng, ids, params, 3)
     _, cont = _records(generate(eng, ids, 3, GREEDY))
     keys = list(exact)
