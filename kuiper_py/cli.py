@@ -500,31 +500,9 @@ def _speculative_options(f):
 
 def _check_speculative(draft: str | None, lookup: int | None, k: int | None) -> str | None:
     """The speculative flags checked before loading; the draft resolved to a file."""
-    if draft is not None and lookup is not None:
-        raise KuiperError("give one of --draft and --lookup")
-    if lookup is not None and lookup < 1:
-        raise KuiperError(f"--lookup {lookup} must be >= 1 (tokens matched)")
-    if k is not None and k < 1:
-        raise KuiperError(f"--draft-tokens {k} must be >= 1")
-    if k is not None and draft is None and lookup is None:
-        raise KuiperError("--draft-tokens needs --draft or --lookup")
+    from .speculative import check_flags
+    check_flags(draft, lookup, k)
     return None if draft is None else _resolve(draft)
-
-
-def _proposer(eng, draft: str | None, lookup: int | None, device: str, tokenizer_dir):
-    """The speculative proposer of the flags (None: plain decoding); a draft loads on the target's device."""
-    from . import speculative
-    if lookup is not None:
-        return speculative.Lookup(lookup)
-    if draft is None:
-        return None
-    from .generate import Engine
-    return speculative.Draft(Engine.load(draft, eng.device, tokenizer_dir, need_tokenizer=False), eng)
-
-
-def _speculative_line(s: dict) -> str:
-    return (f"speculative: {s['verify_steps']} verify steps, {s['accepted']} of {s['proposed']} guesses accepted "
-            f"({100 * s['acceptance_rate']:.0f}%), mean accepted length {s['mean_accepted_length']:.2f}")
 
 
 def _ctx_option(help_text: str):
@@ -564,11 +542,12 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     _check_ctx(ctx_size, header)
     text = _read_prompt(prompt, prompt_file)
     draft = _check_speculative(draft, lookup, draft_tokens)
+    from . import speculative
     from .generate import Engine, generate, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     tok, params = eng.tokenizer, _params(eng, overrides)
-    proposer = _proposer(eng, draft, lookup, device, tokenizer_dir)
+    proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     if raw:
         prompt_text = text
     else:
@@ -590,7 +569,6 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if proposer is None:
         records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
     else:
-        from . import speculative
         spec_stats = speculative.Stats()
         records = speculative.generate(eng, proposer, ids, max_tokens, params, draft_tokens or speculative.DEFAULT_K,
                                        list(stop), ctx_size, stats=spec_stats)
@@ -611,7 +589,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if spec_stats is not None:
         stats["speculative"] = spec_stats.as_dict()
         if verbose:
-            log(f"{_speculative_line(stats['speculative'])}, {stats['gen_tok_s']:.1f} tok/s")
+            log(f"{speculative.summary(stats['speculative'])}, {stats['gen_tok_s']:.1f} tok/s")
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
@@ -718,19 +696,20 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     model = _resolve(model)
     _check_ctx(ctx_size, _model_header(model))
     draft = _check_speculative(draft, lookup, draft_tokens)
+    from . import speculative
     from .generate import Chat, Engine, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     params = _params(eng, overrides)
-    proposer = _proposer(eng, draft, lookup, device, tokenizer_dir)
+    proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     ctx = ctx_size or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
     eng.tokenizer.apply_chat_template([{"role": "user", "content": ""}])  # (no chat template: the error comes now)
     t0 = time.perf_counter()
     if proposer is None:
         chat = Chat(eng, ctx, system, think)
     else:
-        from .speculative import DEFAULT_K, SpeculativeChat
-        chat = SpeculativeChat(eng, ctx, proposer, draft_tokens or DEFAULT_K, system=system, enable_thinking=think)
+        chat = speculative.SpeculativeChat(eng, ctx, proposer, draft_tokens or speculative.DEFAULT_K, system=system,
+                                           enable_thinking=think)
     if verbose and chat.warmed:
         log(f"captured the prefill graphs of {len(chat.warmed)} prompt lengths up to {max(chat.warmed)} tokens in "
             f"{time.perf_counter() - t0:.2f} s")
@@ -743,12 +722,13 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
         _chat_loop(chat, tty, max_tokens, params, list(stop), as_json, verbose, totals)
     finally:
         if not quiet and totals.replies:
-            log(totals.line() + (" | " + _speculative_line(chat.total.as_dict()) if proposer is not None else ""))
+            log(totals.line() + (" | " + speculative.summary(chat.total.as_dict()) if proposer is not None else ""))
 
 
 def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_json: bool, verbose: bool,
                totals: _ChatTotals) -> None:
     from .generate import log
+    from .speculative import summary
     ctx, ctx_flag = chat.max_context, _typed(*CTX_FLAGS)
     while True:
         text = _read_turn(tty)
@@ -792,7 +772,7 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
             reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
             log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
                 f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}"
-                + (f" | {_speculative_line(chat.stats.as_dict())}" if hasattr(chat, "stats") else ""))
+                + (f" | {summary(chat.stats.as_dict())}" if hasattr(chat, "stats") else ""))
         if interrupted and not tty:
             sys.exit(130)
 

@@ -134,6 +134,33 @@ def check_vocabulary(draft: Engine, target: Engine) -> None:
                           f"from the model's ({b.vocab_size} ids); a draft must share the model's tokenizer")
 
 
+def check_flags(draft: str | None, lookup: int | None, k: int | None) -> None:
+    """--draft, --lookup and --draft-tokens as the command line gives them, checked before any loading."""
+    if draft is not None and lookup is not None:
+        raise KuiperError("give one of --draft and --lookup")
+    if lookup is not None and lookup < 1:
+        raise KuiperError(f"--lookup {lookup} must be >= 1 (tokens matched)")
+    if k is not None and k < 1:
+        raise KuiperError(f"--draft-tokens {k} must be >= 1")
+    if k is not None and draft is None and lookup is None:
+        raise KuiperError("--draft-tokens needs --draft or --lookup")
+
+
+def proposer(engine: Engine, draft: str | None, lookup: int | None, tokenizer_dir=None):
+    """The proposer those flags ask for (None: plain decoding); a draft loads on the target's device."""
+    if lookup is not None:
+        return Lookup(lookup)
+    if draft is None:
+        return None
+    return Draft(Engine.load(draft, engine.device, tokenizer_dir, need_tokenizer=False), engine)
+
+
+def summary(s: dict) -> str:
+    """Stats.as_dict() as the -v and statistics lines give it."""
+    return (f"speculative: {s['verify_steps']} verify steps, {s['accepted']} of {s['proposed']} guesses accepted "
+            f"({100 * s['acceptance_rate']:.0f}%), mean accepted length {s['mean_accepted_length']:.2f}")
+
+
 @dataclass
 class Stats:
     """What -v and --json report: guesses proposed and accepted, verify steps."""
