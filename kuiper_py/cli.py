@@ -485,12 +485,36 @@ def _echo_records(records, as_json: bool, label: str = "prefill") -> tuple:
     return last, pieces, False
 
 
-def _timings(r) -> dict:
-    """A generation's last record's prompt and generation figures, as the --json records give them."""
-    return {"prompt_s": round(r.prompt_seconds, 4),
+def _timings(r, chat=None) -> dict:
+    """A generation's last record's prompt and generation figures, as the --json records give them (a speculative
+    chat's: with its last reply's guesses)."""
+    spec = {"speculative": chat.stats.as_dict()} if hasattr(chat, "stats") else {}
+    return {**spec, "prompt_s": round(r.prompt_seconds, 4),
             "prompt_tok_s": round(r.prompt_tokens / max(r.prompt_seconds, 1e-9), 2),
             "generated_tokens": r.gen_tokens, "gen_s": round(r.gen_seconds, 4),
             "gen_tok_s": round(r.decode_steps / max(r.gen_seconds, 1e-9), 2)}
+
+
+def _speculative_options(f):
+    for opt in reversed([
+        click.option("--draft", type=str, default=None,
+                     help="Speculative decoding with this smaller model (ak48 file, HF directory or hub id) of the "
+                          "same tokenizer."),
+        click.option("--lookup", type=int, default=None,
+                     help="Speculative decoding by prompt lookup: guess the continuation of the latest earlier "
+                          "occurrence of the last N tokens."),
+        click.option("--draft-tokens", type=int, default=None,
+                     help="Tokens guessed per verify step with --draft or --lookup (default 4)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _check_speculative(draft: str | None, lookup: int | None, k: int | None) -> str | None:
+    """The speculative flags checked before loading; the draft resolved to a file."""
+    from .speculative import check_flags
+    check_flags(draft, lookup, k)
+    return None if draft is None else _resolve(draft)
 
 
 def _ctx_option(help_text: str):
@@ -511,12 +535,13 @@ def _ctx_option(help_text: str):
 @_ctx_option("KV cache positions (default: prompt + max tokens, at most the model's context length).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="Also log the model, sampling and prompt size before generating.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line on stderr.")
 def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
-                 repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, as_json,
-                 verbose, quiet):
+                 repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, draft,
+                 lookup, draft_tokens, as_json, verbose, quiet):
     """Generate text from a prompt, streaming it to stdout; a statistics line follows on stderr (-q: none)."""
     _set_threads(threads)
     _check_max_tokens(max_tokens)
@@ -529,10 +554,13 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     header = _model_header(model)
     _check_ctx(ctx_size, header)
     text = _read_prompt(prompt, prompt_file)
+    draft = _check_speculative(draft, lookup, draft_tokens)
+    from . import speculative
     from .generate import Engine, generate, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     tok, params = eng.tokenizer, _params(eng, overrides)
+    proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     if raw:
         prompt_text = text
     else:
@@ -550,7 +578,13 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
-    records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
+    spec_stats = None
+    if proposer is None:
+        records = generate(eng, ids, max_tokens, params, list(stop), ctx_size)
+    else:
+        spec_stats = speculative.Stats()
+        records = speculative.generate(eng, proposer, ids, max_tokens, params, draft_tokens or speculative.DEFAULT_K,
+                                       list(stop), ctx_size, stats=spec_stats)
     last, pieces, interrupted = _echo_records(records, as_json, f"prefill of {len(ids)} tokens:")
     if not as_json:
         sys.stdout.write("\n")
@@ -565,6 +599,10 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
         log(f"notice: generation stopped at the context limit ({eng.model.max_context} positions; "
             f"raise {_typed(*CTX_FLAGS)})")
     stats = _generate_stats(eng, last)
+    if spec_stats is not None:
+        stats["speculative"] = spec_stats.as_dict()
+        if verbose:
+            log(f"{speculative.summary(stats['speculative'])}, {stats['gen_tok_s']:.1f} tok/s")
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": last.tokens, "finish_reason": reason,
                                "prompt_tokens": last.prompt_tokens, "seed": params.seed, "timings": stats},
@@ -593,6 +631,8 @@ def _stats_line(stats: dict, reason: str, seed: int) -> str:
             f"generated {stats['generated_tokens']} tokens, {stats['gen_tok_s']:.1f} tok/s | finish: {reason} | "
             f"seed {seed} | peak host {stats['peak_host_mib']:.0f} MiB"
             + (f" | GPU {stats['gpu_mib']:.0f} MiB" if "gpu_mib" in stats else "")
+            + (f" | accepted {stats['speculative']['accepted']} of {stats['speculative']['proposed']} guesses, "
+               f"{stats['speculative']['mean_accepted_length']:.2f} tokens per step" if "speculative" in stats else "")
             + (f" | {build:.1f} s waiting for kernel builds (a first run compiles them; later runs load CuPy's disk "
                f"cache)" if build >= 1.0 else ""))
 
@@ -653,11 +693,12 @@ class _ChatTotals:
 @_ctx_option(f"KV cache positions for the whole conversation (default {CHAT_CONTEXT}, or the model's maximum).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per reply instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="A line of statistics per reply on stderr.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line at the end of the chat.")
 def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, threads, stop, think,
-             system, device, ctx_size, tokenizer_dir, as_json, verbose, quiet):
+             system, device, ctx_size, tokenizer_dir, draft, lookup, draft_tokens, as_json, verbose, quiet):
     """Chat on one KV cache: each line of stdin is a user message (a line ending in a backslash continues on
     the next), and each turn prefills only the tokens the cache does not already hold. /reset starts over;
     /exit or the end of input quits. Replies go to stdout, everything else to stderr."""
@@ -668,14 +709,21 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     _check_ctx(ctx_size, None)
     model = _resolve(model)
     _check_ctx(ctx_size, _model_header(model))
+    draft = _check_speculative(draft, lookup, draft_tokens)
+    from . import speculative
     from .generate import Chat, Engine, log
 
     eng = Engine.load(model, device, tokenizer_dir)
     params = _params(eng, overrides)
+    proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     ctx = ctx_size or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
     eng.tokenizer.apply_chat_template([{"role": "user", "content": ""}])  # (no chat template: the error comes now)
     t0 = time.perf_counter()
-    chat = Chat(eng, ctx, system, think)
+    if proposer is None:
+        chat = Chat(eng, ctx, system, think)
+    else:
+        chat = speculative.SpeculativeChat(eng, ctx, proposer, draft_tokens or speculative.DEFAULT_K, system=system,
+                                           enable_thinking=think)
     if verbose and chat.warmed:
         log(f"captured the prefill graphs of {len(chat.warmed)} prompt lengths up to {max(chat.warmed)} tokens in "
             f"{time.perf_counter() - t0:.2f} s")
@@ -688,12 +736,13 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
         _chat_loop(chat, tty, max_tokens, params, list(stop), as_json, verbose, totals)
     finally:
         if not quiet and totals.replies:
-            log(totals.line())
+            log(totals.line() + (" | " + speculative.summary(chat.total.as_dict()) if proposer is not None else ""))
 
 
 def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_json: bool, verbose: bool,
                totals: _ChatTotals) -> None:
     from .generate import log
+    from .speculative import summary
     ctx, ctx_flag = chat.max_context, _typed(*CTX_FLAGS)
     while True:
         text = _read_turn(tty)
@@ -724,7 +773,7 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
                 "text": "".join(pieces), "tokens": last.tokens,
                 "finish_reason": "interrupted" if interrupted else last.finish_reason,
                 "prompt_tokens": last.prompt_tokens, "cached_tokens": last.cached_tokens,
-                "dropped_exchanges": chat.dropped, "seed": params.seed, "timings": _timings(last)},
+                "dropped_exchanges": chat.dropped, "seed": params.seed, "timings": _timings(last, chat)},
                 ensure_ascii=False))
         elif not as_json:
             sys.stdout.write("\n")
@@ -736,7 +785,8 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
         if last is not None and verbose:
             reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
             log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
-                f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}")
+                f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}"
+                + (f" | {summary(chat.stats.as_dict())}" if hasattr(chat, "stats") else ""))
         if interrupted and not tty:
             sys.exit(130)
 
