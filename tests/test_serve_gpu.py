@@ -31,13 +31,32 @@ def _chat(client, text, **kw):
                                           extra_body=NO_THINK, **kw)
 
 
+# the GPU engine's logits tolerance: the device's argmax (fused into the lm_head) and the host's argmax of the copied
+# logits may part at a near tie, as the GPU tests' greedy comparisons allow
+TIE = 1e-2
+
+
+def _same_greedy_up_to_a_tie(entries, want: str) -> None:
+    """The host draw's tokens spell want's text, or part from it only where its chosen token and the runner-up
+    (want's token) were within TIE of each other."""
+    got = ""
+    for e in entries:
+        if not want.startswith(got + e.token):
+            top = sorted(e.top_logprobs, key=lambda t: -t.logprob)
+            assert len(top) == 2 and want[len(got):].startswith(top[1].token), (got, e)
+            assert top[0].logprob - top[1].logprob < TIE, (got, e)
+            return
+        got += e.token
+    assert got == want
+
+
 def test_gpu_server_equals_generate_across_draw_paths(gpu_server, tiny_bin):
     want = _cli(tiny_bin, "-p", "Tell me about Mars.", "--no-think", "--temp", "0", "-n", 16)
     first = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0)
     assert first.choices[0].message.content == want["text"]
     # the host draw (logprobs and penalties) between two device draws, the second reusing the whole prompt
     lp = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
-    assert lp.choices[0].message.content == want["text"]
+    _same_greedy_up_to_a_tie(lp.choices[0].logprobs.content, want["text"])
     assert all(e.logprob == max(t.logprob for t in e.top_logprobs) for e in lp.choices[0].logprobs.content)
     _chat(gpu_server, "Tell me about Mars.", max_tokens=8, temperature=0, frequency_penalty=1.5)
     again = _chat(gpu_server, "Tell me about Mars.", max_tokens=16, temperature=0)
