@@ -351,7 +351,7 @@ class Chat:
         self.cached = ids[:keep]
         pieces, out, finished = [], [], False
         try:
-            for r in _stream(self.engine, self.model, ids, keep, max_tokens, params, stop, eos_ids):
+            for r in self._reply(ids, keep, max_tokens, params, stop, eos_ids):
                 pieces.append(r.text)
                 out = r.tokens
                 yield r
@@ -363,6 +363,11 @@ class Chat:
             if finished or reply:  # (a turn stopped before any of its reply is forgotten)
                 self.messages = msgs + [{"role": "assistant", "content": reply}]
                 self.dropped = dropped
+
+
+    def _reply(self, ids: list[int], keep: int, max_tokens: int, params: SamplingParams, stop, eos_ids):
+        """The reply's records after `keep` cached tokens of the prompt ids (a subclass may draw them otherwise)."""
+        return _stream(self.engine, self.model, ids, keep, max_tokens, params, stop, eos_ids)
 
 
 class PrefixCache:

@@ -318,43 +318,14 @@ class SpeculativeChat(Chat):
         self.proposer, self.k = proposer, k
         self.stats, self.total = Stats(), Stats()
 
-    def turn(self, text: str, max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
-             eos_ids: list[int] | None = None) -> Iterator[Record]:
-        """Chat.turn's steps (the same context fitting and prefix reuse), the reply drawn by stream()."""
-        self.dropped = 0
-        if self.engine.sessions != self._session:
-            self.model, self.cached = self.engine.session(self.max_context), []
-            self._session = self.engine.sessions
-        ctx = self.max_context
-        msgs = self.messages + [{"role": "user", "content": text}]
-        ids = self.render(msgs)
-        dropped, room = 0, min(max_tokens, ctx // 2)
-        while len(ids) + room > ctx and len(msgs) > 2:
-            msgs, dropped = msgs[2:], dropped + 1
-            ids = self.render(msgs)
-        if len(ids) > ctx:
-            raise KuiperError(f"this message makes a prompt of {len(ids)} tokens, more than the context of {ctx} "
-                              f"(--max-context)")
-        _check_request(self.engine, ids, max_tokens)
-        keep = min(common_prefix(self.cached, ids), len(ids) - 1)
-        self.model.rewind(keep)
-        self.cached = ids[:keep]
+    def _reply(self, ids: list[int], keep: int, max_tokens: int, params: SamplingParams, stop, eos_ids):
+        """Chat.turn's reply drawn by stream(); the reply's guesses are counted in `stats` and added to `total`."""
         if hasattr(self.proposer, "start"):
-            self.proposer.start(ctx)
+            self.proposer.start(self.max_context)
         self.stats = Stats()
-        pieces, out, finished = [], [], False
         try:
-            for r in stream(self.engine, self.model, self.proposer, ids, keep, max_tokens, params, self.k, stop,
-                            eos_ids, self.stats):
-                pieces.append(r.text)
-                out = r.tokens
-                yield r
-            finished = True
+            yield from stream(self.engine, self.model, self.proposer, ids, keep, max_tokens, params, self.k, stop,
+                              eos_ids, self.stats)
         finally:
-            self.cached = (ids + out)[:self.model.pos]
             for f in ("proposed", "accepted", "steps"):
                 setattr(self.total, f, getattr(self.total, f) + getattr(self.stats, f))
-            reply = "".join(pieces)
-            if finished or reply:
-                self.messages = msgs + [{"role": "assistant", "content": reply}]
-                self.dropped = dropped
