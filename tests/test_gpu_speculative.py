@@ -2,14 +2,13 @@
 equals plain greedy decoding on dense and MoE synthetic files, for K = 1, 4, 8 and at the context limit. The verify
 step is a prefill (GEMM) where plain decoding runs GEMV steps: fp16 sums in another order may flip a near tie, so a
 divergence must be one (the CPU engine's float32 logits of the two tokens within TIE of each other)."""
-import numpy as np
 import pytest
 
 from kuiper_py import speculative as spec
-from kuiper_py import synth
-from kuiper_py.export import export
 from kuiper_py.generate import Engine, generate
 from kuiper_py.sampling import SamplingParams
+
+from test_speculative import spec_files
 
 pytestmark = pytest.mark.gpu
 
@@ -19,13 +18,8 @@ TIE = 2e-2  # logits of two tokens closer than this are a tie the fp16 paths may
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_spec")
-    out = {}
-    for name, preset, seed in (("dense", "small", 21), ("moe", "small-moe", 22), ("other", "small", 23)):
-        out[name] = d / f"{name}.bin"  # (quantized random float weights: a varied greedy path, not one id repeated)
-        export(synth.make_checkpoint(d / name, preset, seed=seed, n_shards=1), out[name], progress=False,
-               log=lambda m: None)
-    return out
+    return spec_files(tmp_path_factory.mktemp("gpu_spec"), (("dense", "small", 21), ("moe", "small-moe", 22),
+                                                            ("other", "small", 23)))
 
 
 @pytest.fixture(scope="module")

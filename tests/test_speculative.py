@@ -2,7 +2,6 @@
 greedy decoding token for token, and at temperature 1 the output is distributed as plain sampling's (chi-squared)."""
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +18,21 @@ from conftest import run_cli
 ALPHA = 1e-3  # the chi-squared tests' significance
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec")
+def spec_files(d, files) -> dict:
+    """{name: exported ak48 path} for (name, preset, seed) triples: quantized random float weights (a varied greedy
+    path, not one id repeated)."""
     out = {}
-    for name, preset, seed in (("dense", "tiny", 11), ("moe", "tiny-moe", 12), ("other", "tiny", 13)):
-        out[name] = d / f"{name}.bin"  # (quantized random float weights: a varied greedy path, not one id repeated)
+    for name, preset, seed in files:
+        out[name] = d / f"{name}.bin"
         export(synth.make_checkpoint(d / name, preset, seed=seed, n_shards=1), out[name], progress=False,
                log=lambda m: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return spec_files(tmp_path_factory.mktemp("spec"), (("dense", "tiny", 11), ("moe", "tiny-moe", 12),
+                                                        ("other", "tiny", 13)))
 
 
 @pytest.fixture(scope="module")
