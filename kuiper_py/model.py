@@ -66,9 +66,9 @@ class Qwen3:
         try:
             # a backend may replay a short prompt's layers as one captured graph (CUDA: padded to a bucket of
             # lengths; x's first T rows are the prompt's)
-            x = None if all_logits or T == 1 else \
+            x = None if T == 1 else \
                 self.ops.prefill_graph(step, lambda padded: self._layers(Step.single(padded, pos0)))
-            out = self._body(step, all_logits) if x is None else self.ops.logits(x[:T])
+            out = self._body(step, all_logits) if x is None else self.ops.logits(x[:T], all_logits)
         finally:
             self.ops.end_step()
         self.pos += T

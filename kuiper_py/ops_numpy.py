@@ -246,6 +246,10 @@ class NumpyOps:
         return []
 
     @staticmethod
+    def argmax_rows(logits, n_valid: int) -> np.ndarray:
+        return np.argmax(logits[:, :n_valid], axis=1)
+
+    @staticmethod
     def to_host(x) -> np.ndarray:
         return x
 

@@ -179,13 +179,25 @@ class Stats:
                 "mean_accepted_length": round(self.mean_accepted, 3)}
 
 
-def verify(rows: np.ndarray, guesses: list[int], qs, params: SamplingParams, history: list[int],
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalty: a row's draw is its argmax, which the backend finds without copying the row out."""
+    return p.temperature == 0.0 and p.repeat_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+
+
+def verify(rows, guesses: list[int], qs, params: SamplingParams, history: list[int],
            generated: list[int], n_valid: int, rng) -> list[int]:
     """The tokens a verify step yields: the accepted guesses, then the target's own token (a rejection's
-    resample, or the bonus token after K accepted). rows[i]: the target's logits after guesses[:i]."""
+    resample, or the bonus token after K accepted). rows[i]: the target's logits after guesses[:i] (for
+    plain_greedy params, the ids of their argmaxes)."""
     out: list[int] = []
     for i, d in enumerate(guesses + [None]):
         h, g = history + out, generated + out
+        if plain_greedy(params):
+            best = int(rows[i])
+            out.append(best)
+            if best != d:
+                return out
+            continue
         if params.temperature == 0.0:
             best = int(np.argmax(penalized(rows[i], params, h, g, n_valid)))
             out.append(best)
@@ -284,7 +296,9 @@ def stream(engine, model: Qwen3, proposer, prompt_ids, cached: int, max_tokens, 
     if max_tokens == 0:
         yield rec(None, "", "length")
         return
-    drawn = verify(model.ops.to_host(logits)[None], [], None, params, seq, [], n_valid, rng)
+    first = model.ops.to_host(logits)[None]
+    drawn = verify(np.argmax(first[:, :n_valid], axis=1) if plain_greedy(params) else first, [], None, params, seq, [],
+                   n_valid, rng)
     try:
         while True:
             for j, tok in enumerate(drawn):
@@ -300,7 +314,8 @@ def stream(engine, model: Qwen3, proposer, prompt_ids, cached: int, max_tokens, 
             room = min(k, model.max_context - pos0 - 1, max_tokens - len(em.out) - 1)
             guesses, qs = proposer.propose(seq, room, params, n_valid, rng, len(prompt_ids)) if room > 0 else ([], None)
             guesses = guesses[:max(room, 0)]
-            rows = model.ops.to_host(model.prefill([seq[-1]] + guesses, all_logits=True))
+            logits = model.prefill([seq[-1]] + guesses, all_logits=True)
+            rows = model.ops.argmax_rows(logits, n_valid) if plain_greedy(params) else model.ops.to_host(logits)
             drawn = verify(rows, guesses, qs or None, params, seq, em.out, n_valid, rng)
             stats.steps += 1
             stats.proposed += len(guesses)

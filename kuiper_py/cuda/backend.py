@@ -29,6 +29,7 @@ from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_f
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
                       moe_route, moe_route_decode)
 from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
+from .ops.rows import ROWS_MAX, rows_lm_head
 from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
 from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
@@ -538,9 +539,14 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
             return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"],
                            self.d["argmax"] if n else None, n or 0)
         out = cp.empty((x.shape[0], V), cp.float32)
-        for r in range(x.shape[0]):
-            lm_head(cp.ascontiguousarray(x[r]), self.weights.lm_head, out[r])
+        x = cp.ascontiguousarray(x)
+        for r in range(0, x.shape[0], ROWS_MAX):  # (each launch reads the head once for up to ROWS_MAX rows)
+            rows_lm_head(x[r:r + ROWS_MAX], self.weights.lm_head, out[r:r + ROWS_MAX])
         return out
+
+    @staticmethod
+    def argmax_rows(logits, n_valid: int) -> np.ndarray:
+        return cp.argmax(logits[:, :n_valid], axis=1).get()
 
     @staticmethod
     def to_host(x) -> np.ndarray:

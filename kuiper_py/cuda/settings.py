@@ -137,6 +137,8 @@ class Settings:
     # rows, "0") and one tile for every shape (None: the wave rule); the register-operand GEMM ("auto", "1", "0");
     # its two-launch bound; the wave tail's K splits
     gemm_dequant_min_m: int = 2
+    # prefills of 2 to this many rows (a speculative verify step, a short prompt) take gemv_rows.cu (0: never)
+    rows_max_m: int = 16
     gemm_wgmma: str = "auto"
     gemm_wgmma_min_m: int = 1
     gemm_wgmma_tile: tuple[int, int] | None = None

@@ -12,6 +12,7 @@ from ...loader import AwqLinear
 from .. import settings as cfg
 from ..memory import _BUF_GEN, _CAPTURING, _NULL, _NotCapturable, _device_zeros, _empty, _i
 from .gemv import GEMV_COLS, _mat_slots
+from .rows import ROWS_MAX, rows_fit, rows_gemm
 from ..runtime.build import kernel
 from ..runtime.device import _dev_id, sm_count
 from ..runtime.launch import _cu_launch_ex, _cu_tmap_encode, _remember, allow_dynamic_smem, launch_ex, tma_map_2d
@@ -212,12 +213,15 @@ _GEMM_PATHS: dict[tuple, str] = {}
 
 
 def gemm_path(T: int, mats) -> str:
-    """The prefill path gemm() takes for T rows of the matrices mats: "rs" or "wgmma" (the two fused
-    Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
+    """The prefill path gemm() takes for T rows of the matrices mats: "rows" (2 to rows_max_m rows: gemv_rows.cu),
+    "rs" or "wgmma" (the two fused Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
     sig, st = _mats_rec(mats)[0], cfg.SETTINGS
-    key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, cublas_ready(), _dev_id())
+    key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m,
+           cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
+    if path is None and 1 < T <= min(st.rows_max_m, ROWS_MAX) and rows_fit(mats):
+        path = _remember(_GEMM_PATHS, key, "rows")
     if path is None:
         K, N = sig[0][0][0], sum(n for _, n in sig[0])
         hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
@@ -423,6 +427,8 @@ def gemm(x, m, out=None, path: str | None = None):
     T = x.shape[0]
     out = _empty((T, N), cp.float16) if out is None else out
     path = path or gemm_path(T, mats)
+    if path == "rows":
+        return rows_gemm(x, mats, out)
     if path == "wgmma":
         return gemm_wgmma(x, mats, out)
     if path == "rs":
@@ -458,12 +464,12 @@ def gemm(x, m, out=None, path: str | None = None):
 
 
 def swiglu_prefill(x, w1: AwqLinear, w3: AwqLinear, out=None):
-    """silu(x W1) * (x W3) for x [T, K] fp16 -> [T, I] fp16. On the fused wgmma and rs paths gate and up are
+    """silu(x W1) * (x W3) for x [T, K] fp16 -> [T, I] fp16. On the fused wgmma, rs and rows paths gate and up are
     one launch ([T, 2I], as q|k|v are); the dequant path multiplies them one at a time (its scratch
     holds one matrix)."""
     T, I = x.shape[0], w1.N
     path = gemm_path(T, (w1, w3))
-    if path in ("wgmma", "rs"):
+    if path in ("wgmma", "rs", "rows"):
         y = gemm(x, (w1, w3), path=path)
         g, u, ld = y, y[:, I:], 2 * I
     else:

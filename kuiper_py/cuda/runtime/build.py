@@ -263,7 +263,7 @@ def model_families(a: ModelArgs, cc: int) -> list[str]:
     # gemm 1.2, gemm90 0.8, the rest 0.1-0.2)
     fams = ["attn"] + ["ffn"] * hopper + ["gemv"] + ["gemm90rs"] * sm90a + ["attncm"] * hopper + ["moe"] * moe
     fams += ["smp"] + ["attn90"] * sm90a + ["moetc"] * (hopper and moe) + ["gemm"] + ["gemm90"] * sm90a
-    return fams + ["norm", "rope", "lmh"]
+    return fams + ["norm", "rope", "lmh", "rows"]
 
 
 def _compiled(family: str, name: str):

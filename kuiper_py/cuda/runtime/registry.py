@@ -144,6 +144,8 @@ _FILES = {
     "norm": ("norm.cu", ["embed_gather", "add_rmsnorm"]),
     "rope": ("rope.cu", ["qk_norm_rope_store<64>", "qk_norm_rope_store<128>", "advance_position"]),
     "lmh": ("lm_head.cu", ["lm_head_gemv"]),
+    # a few token rows at once: a verify step, short prompts (W4A16 and the lm_head on mma.sync)
+    "rows": ("gemv_rows.cu", ["gemv_rows", "lm_head_rows<1>", "lm_head_rows<2>"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
 }
 

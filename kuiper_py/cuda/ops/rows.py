@@ -1,0 +1,79 @@
+"""A few token rows at once (gemv_rows.cu): the W4A16 projections and the fp16 lm_head for M = 2..16 rows, each
+weight read once for all rows on tensor cores. A speculative verify step (K + 1 tokens) and small batches take
+these instead of the prefill GEMMs, whose tiles leave most SMs idle at so few rows."""
+from __future__ import annotations
+
+import math
+
+from ..memory import _empty, _i
+from ..runtime.build import kernel
+from ..runtime.device import _dev_id, sm_count
+from .gemv import _mat_slots
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - CPU-only installs
+    cp = None
+
+ROWS_MAX = 16  # gemv_rows.cu RW_MAX_M: the MMA's m
+ROWS_SPAN = 512  # gemv_rows.cu RW_SPAN: the most rows of K one block takes
+ROWS_BLOCKS_PER_SM = 4  # blocks the split count aims at per SM (102 registers: 2 resident, so two waves)
+
+
+def rows_fit(mats) -> bool:
+    """gemv_rows.cu's shape table: up to 3 matrices with one K and group size, K % 32, N % 8, group % 16."""
+    m0 = mats[0]
+    return (len(mats) <= 3 and m0.K % 32 == 0 and m0.group_size % 16 == 0
+            and all(m.K == m0.K and m.group_size == m0.group_size and m.N % 8 == 0 for m in mats))
+
+
+def rows_split(K: int, tiles: int) -> tuple[int, int]:
+    """(splits, rows per split) of K over a launch of `tiles` column tiles: about ROWS_BLOCKS_PER_SM blocks per SM,
+    at least 4 k16 steps per warp (128 rows), at most ROWS_SPAN rows (the block's x in shared memory)."""
+    S = max(math.ceil(K / ROWS_SPAN), min(math.ceil(ROWS_BLOCKS_PER_SM * sm_count() / tiles), K // 128), 1)
+    rph = math.ceil(K / S / 32) * 32
+    return math.ceil(K / rph), rph
+
+
+_SCRATCH: dict[int, list] = {}
+
+
+def _scratch(n_partial: int, n_tiles: int):
+    """(partials, counters) of the split launches, per device, grown as needed; the counters zero between launches
+    (the last block of each tile clears its own). Every use is ordered on one stream, so reuse is safe."""
+    dev = _dev_id()
+    rec = _SCRATCH.get(dev)
+    if rec is None or rec[0].size < n_partial or rec[1].size < n_tiles:
+        rec = _SCRATCH[dev] = [cp.empty((max(n_partial, 1 << 20),), cp.float32),
+                               cp.zeros((max(n_tiles, 4096),), cp.uint32)]
+    return rec
+
+
+def rows_gemm(x, mats, out=None):
+    """x [M, K] fp16 (2 <= M <= ROWS_MAX, rows contiguous) times 1-3 device AwqLinears with one K, side by side ->
+    out [M, sum of N] fp16."""
+    mats = mats if isinstance(mats, tuple) else (mats,)
+    M, K = x.shape
+    assert 1 <= M <= ROWS_MAX and rows_fit(mats) and K == mats[0].K and x.flags.c_contiguous
+    Ntot = sum(m.N for m in mats)
+    out = _empty((M, Ntot), cp.float16) if out is None else out
+    assert out.shape == (M, Ntot) and out.flags.c_contiguous
+    tiles = sum(math.ceil(m.N / 256) for m in mats)
+    S, rph = rows_split(K, tiles)
+    part, counters = _scratch(S * M * Ntot if S > 1 else 0, tiles)
+    kernel("rows", "gemv_rows")((tiles, S), (256,), (x, _i(M), _i(K), _i(mats[0].group_size), *_mat_slots(mats),
+                                                      out, _i(Ntot), part, counters, _i(S), _i(rph)))
+    return out
+
+
+def rows_lm_head(x, W, out=None):
+    """x [M, D] fp16 (M <= ROWS_MAX, rows contiguous), W [V, D] fp16 -> out [M, V] fp32."""
+    M, D = x.shape
+    V = W.shape[0]
+    assert 1 <= M <= ROWS_MAX and D % 32 == 0 and W.shape[1] == D and x.flags.c_contiguous
+    out = cp.empty((M, V), cp.float32) if out is None else out
+    nt = 1 if M <= 8 else 2
+    kernel("rows", f"lm_head_rows<{nt}>")((math.ceil(V / 128),), (256,), (x, _i(M), W, out, _i(V), _i(D)))
+    return out
+
+
