@@ -589,8 +589,10 @@ def test_gemm_path_routes_rs(monkeypatch):
     assert [oc.gemm_path(T, o30) for T in (256, 384, 768, 1024)] == ["wgmma", "rs", "rs", "dequant"]
     tune(monkeypatch, gemm_rs="0")
     assert oc.gemm_path(512, o) == "wgmma" and oc.gemm_path(512, qkv) == "dequant"
-    tune(monkeypatch, gemm_rs="1")
-    assert oc.gemm_path(4, qkv) == "rs" and oc.gemm_path(4096, down) == "rs"
+    tune(monkeypatch, gemm_rs="1")  # (2 to rows_max_m rows take gemv_rows first, unless rows_max_m is 0)
+    assert oc.gemm_path(16, qkv) == "rows" and oc.gemm_path(17, qkv) == "rs" and oc.gemm_path(4096, down) == "rs"
+    tune(monkeypatch, rows_max_m=0)
+    assert oc.gemm_path(4, qkv) == "rs"
     assert oc.gemm_path(512, mats(4096, 4096, 384)) == "dequant"  # N % 256: not in the fused kernels' table
 
 

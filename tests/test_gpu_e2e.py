@@ -211,7 +211,7 @@ def test_prefill_graph_refused_where_cublas_serves(model_bin):
 
 
 def test_prefill_graph_lifecycle(small_bin):
-    """When a prefill graph serves and when it is dropped: for a continued prompt too, not for all_logits, a padded end
+    """When a prefill graph serves and when it is dropped: for a continued prompt and for all_logits too, a padded end
     past the cache (at the start or after earlier turns) or after a new cache (which also forgets the buckets met);
     captured again after a module buffer it
     holds is replaced, and after the shared activations grow (which drops every graph captured before). A graph
@@ -233,8 +233,8 @@ def test_prefill_graph_lifecycle(small_bin):
     g32 = m.ops._pgraphs[32][0]
     m.prefill(rng.integers(0, 151643, 20).tolist())  # continues at position 30: the same graph
     assert served == [None, 32, 32] and m.ops._pgraphs[32][0] is g32
-    fresh(25, all_logits=True)  # (prefill_graph is not asked)
-    assert served == [None, 32, 32]
+    fresh(25, all_logits=True)  # (a verify step's form: the same graph, every row's logits after it)
+    assert served == [None, 32, 32, 32]
     oc._BUF_GEN[0] += 1  # as _gemm_split_buffers replacing its partial sums
     fresh(31)
     assert served[-1] == 32 and m.ops._pgraphs[32][0] is not g32

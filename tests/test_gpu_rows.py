@@ -37,7 +37,7 @@ def test_rows_gemm(M, K, Ns, g):
     again = cp.full_like(out, np.nan)
     rows.rows_gemm(cp.asarray(x), mats, again)
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(again))
-    assert int(cp.count_nonzero(rows._scratch(0, 0)[1])) == 0
+    assert int(cp.count_nonzero(rows.rows_scratch()[1])) == 0
 
 
 @pytest.mark.parametrize("M", [2, 9, 16])

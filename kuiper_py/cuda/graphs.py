@@ -13,6 +13,7 @@ from .memory import _ArenaFull, _BUF_GEN, _CAPTURING, _NotCapturable, _PBUF_IDS,
 from .ops.gemm import _gemm_split_buffers
 from .ops.gemv import decode_regime, decode_regimes, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
+from .ops.rows import rows_scratch
 from .runtime.build import kernel
 from .runtime.launch import tma_map_cache
 from .runtime.registry import ATTN_CM_MAX
@@ -189,7 +190,7 @@ class CudaGraphs:
             self._pbuf = cp.zeros((_PBUF_IDS + 4 * cfg.SETTINGS.prefill_graph_max_t,), cp.uint8)
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
         # captured, not run, and a capture that is retried or refused would leave them holding garbage
-        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0)
+        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
         pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
         for _ in range(64):
             keep, full, gen, refused = [], None, _BUF_GEN[0], False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..memory import _empty, _i
+from ..memory import _BUF_GEN, _empty, _i
 from ..runtime.build import kernel
 from ..runtime.device import _dev_id, sm_count
 from .gemv import _mat_slots
@@ -36,16 +36,22 @@ def rows_split(K: int, tiles: int) -> tuple[int, int]:
 
 
 _SCRATCH: dict[int, list] = {}
+ROWS_MAX_TILES = 4096  # column tiles of one launch: the arrival counters' length
 
 
-def _scratch(n_partial: int, n_tiles: int):
-    """(partials, counters) of the split launches, per device, grown as needed; the counters zero between launches
-    (the last block of each tile clears its own). Every use is ordered on one stream, so reuse is safe."""
+def rows_scratch(n_partial: int = 0):
+    """(partials, counters) of the split launches, per device. The counters are made once, zeroed, and stay zero
+    between launches (the last block of each tile clears its own): made before any graph capture (graphs.py), since
+    a captured cp.zeros does not run. The partials grow as needed, which drops the graphs that hold the old ones
+    (_BUF_GEN). Every use is ordered on one stream, so reuse is safe."""
     dev = _dev_id()
     rec = _SCRATCH.get(dev)
-    if rec is None or rec[0].size < n_partial or rec[1].size < n_tiles:
-        rec = _SCRATCH[dev] = [cp.empty((max(n_partial, 1 << 20),), cp.float32),
-                               cp.zeros((max(n_tiles, 4096),), cp.uint32)]
+    if rec is None:
+        rec = _SCRATCH[dev] = [cp.empty((4 << 20,), cp.float32), cp.zeros((ROWS_MAX_TILES,), cp.uint32)]
+    if rec[0].size < n_partial:
+        _BUF_GEN[0] += 1
+        rec[0] = None
+        rec[0] = cp.empty((n_partial,), cp.float32)
     return rec
 
 
@@ -59,8 +65,9 @@ def rows_gemm(x, mats, out=None):
     out = _empty((M, Ntot), cp.float16) if out is None else out
     assert out.shape == (M, Ntot) and out.flags.c_contiguous
     tiles = sum(math.ceil(m.N / 256) for m in mats)
+    assert tiles <= ROWS_MAX_TILES
     S, rph = rows_split(K, tiles)
-    part, counters = _scratch(S * M * Ntot if S > 1 else 0, tiles)
+    part, counters = rows_scratch(S * M * Ntot if S > 1 else 0)
     kernel("rows", "gemv_rows")((tiles, S), (256,), (x, _i(M), _i(K), _i(mats[0].group_size), *_mat_slots(mats),
                                                       out, _i(Ntot), part, counters, _i(S), _i(rph)))
     return out
