@@ -414,7 +414,8 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if verbose:
         a = eng.file.args
         moe = f", {a.num_experts} experts, {a.num_experts_per_tok} per token" if a.num_experts else ""
-        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
+        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}"
+            + (f", --tp {eng.tp}" if eng.tp > 1 else ""))
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
     spec_stats = None

@@ -122,11 +122,12 @@ class NumpyOps:
         self.expert_range = expert_range
         self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
         dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
+        ranks = 1 if comm is None else comm.size  # (a group's ranks share the host: each keeps its part of the budget)
         dense_f32 = sum(lin.K * lin.N * 4 for lin in dense)
-        self._keep_dequant = dense_f32 <= _DEQ_KEEP_BYTES
+        self._keep_dequant = dense_f32 * ranks <= _DEQ_KEEP_BYTES
         # the float32 lm_head is kept where it fits what the linears leave of the budget (or _LM_KEEP_BYTES)
-        self._keep_lm = weights.lm_head.size * 4 <= max(_LM_KEEP_BYTES,
-                                                        _DEQ_KEEP_BYTES - (dense_f32 if self._keep_dequant else 0))
+        self._keep_lm = weights.lm_head.size * 4 * ranks <= max(
+            _LM_KEEP_BYTES, _DEQ_KEEP_BYTES - (dense_f32 * ranks if self._keep_dequant else 0))
         self.alloc_cache(max_context)
 
     def alloc_cache(self, max_context: int) -> None:

@@ -120,9 +120,13 @@ class LocalGroup:
                    for r in range(1, self.size)]
         for t in threads:
             t.start()
-        body(0)  # rank 0 on the caller's thread
-        for t in threads:
-            t.join()
+        try:
+            body(0)  # rank 0 on the caller's thread
+            for t in threads:
+                t.join()
+        except BaseException:  # (Ctrl-C while joining: the other ranks stop at their next collective)
+            self._barrier.abort()
+            raise
         first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
                      next((e for e in errors if e is not None), None))
         if first is not None:
