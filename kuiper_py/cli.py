@@ -349,10 +349,8 @@ def _check_speculative(draft: str | None, lookup: int | None, k: int | None) -> 
 
 
 def _tp_option(f):
-    return click.option("--tp", type=int, default=1, show_default=True,
-                        help="Tensor-parallel ranks (1, 2, 4 or 8; MoE experts spread over them). On the CPU the "
-                             "ranks are threads of this one process: the sharding's test path, not a speed-up; "
-                             "the GPU runs --tp 1 only for now.")(f)
+    from .parallel import TP_HELP
+    return click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)(f)
 
 
 def _ctx_option(help_text: str):

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import KuiperError
+from ..parallel import TP_HELP
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -57,10 +58,7 @@ def _log_config(verbose: bool) -> dict:
               help="The model name the API shows (default: the hub id, else the file's or directory's name).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
-@click.option("--tp", type=int, default=1, show_default=True,
-              help="Tensor-parallel ranks (1, 2, 4 or 8; MoE experts spread over them). On the CPU the ranks are "
-                   "threads of this one process: the sharding's test path, not a speed-up; the GPU runs --tp 1 "
-                   "only for now.")
+@click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
 def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
