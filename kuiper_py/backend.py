@@ -97,3 +97,18 @@ class Backend(Protocol):
     def cancel_draw(self) -> None: ...
     def to_host(self, x) -> np.ndarray: ...
     def argmax_rows(self, logits, n_valid: int) -> np.ndarray: ...  # each row's argmax over ids < n_valid (host ints)
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """What a backend adds to run as one rank of a tensor-parallel group (parallel/, docs/PARALLEL.md); optional:
+    model.Qwen3 treats a backend without all_reduce as a group of one.
+
+    Such a backend is built on its rank's shards (parallel.shard.RankFile: its heads, MLP columns, experts and
+    vocabulary rows) and a parallel.comm.Communicator. The forward calls all_reduce on the output of the o projection
+    and of the MLP or MoE block (row-parallel: each rank holds a partial sum); logits() returns the whole vocabulary's
+    row on every rank (the lm_head is vocabulary-parallel, the backend gathers or reduces it), so draws and callers
+    see what one rank would."""
+
+    def all_reduce(self, x) -> Any:
+        """The element-wise sum of x over the group's ranks; x itself (no copy, no arithmetic) in a group of one."""

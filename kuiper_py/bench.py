@@ -26,9 +26,9 @@ def _run_once(eng: Engine, prompt: list[int], n_gen: int) -> tuple[float, int]:
     return last.gen_seconds, last.decode_steps
 
 
-def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str) -> Engine:
-    """The engine, with a cache sized for the longest test."""
-    eng = Engine.load(model, device, need_tokenizer=False)
+def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str, tp: int = 1) -> Engine:
+    """The engine (tp ranks), with a cache sized for the longest test."""
+    eng = Engine.load(model, device, need_tokenizer=False, tp=tp)
     eng.session(max([p for p in n_prompt if p > 0] + [n + 1 for n in n_gen if n > 0] + [1]))
     log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device} (map, upload, kernels)")
     return eng

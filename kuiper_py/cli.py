@@ -348,6 +348,11 @@ def _check_speculative(draft: str | None, lookup: int | None, k: int | None) -> 
     return None if draft is None else _resolve(draft)
 
 
+def _tp_option(f):
+    from .parallel import TP_HELP
+    return click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)(f)
+
+
 def _ctx_option(help_text: str):
     return click.option("-c", "--ctx-size", "--max-context", "ctx_size", type=int, default=None, help=help_text)
 
@@ -367,12 +372,13 @@ def _ctx_option(help_text: str):
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
 @_speculative_options
+@_tp_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="Also log the model, sampling and prompt size before generating.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line on stderr.")
 def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min_p, repeat_penalty,
                  repeat_last_n, seed, threads, stop, raw, think, system, device, ctx_size, tokenizer_dir, draft,
-                 lookup, draft_tokens, as_json, verbose, quiet):
+                 lookup, draft_tokens, tp, as_json, verbose, quiet):
     """Generate text from a prompt, streaming it to stdout; a statistics line follows on stderr (-q: none)."""
     _set_threads(threads)
     _check_max_tokens(max_tokens)
@@ -389,7 +395,7 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     from . import speculative
     from .generate import Engine, generate, log
 
-    eng = Engine.load(model, device, tokenizer_dir)
+    eng = Engine.load(model, device, tokenizer_dir, tp=tp)
     tok, params = eng.tokenizer, _params(eng, overrides)
     proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     if raw:
@@ -406,7 +412,8 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
     if verbose:
         a = eng.file.args
         moe = f", {a.num_experts} experts, {a.num_experts_per_tok} per token" if a.num_experts else ""
-        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}")
+        log(f"model: {eng.file.path} ({a.num_hidden_layers} layers, dim {a.hidden_size}{moe}), device {eng.device}"
+            + (f", --tp {eng.tp}" if eng.tp > 1 else ""))
         log(f"sampling: {params}")
         log(f"prompt: {len(ids)} tokens")
     spec_stats = None
@@ -525,11 +532,12 @@ class _ChatTotals:
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
 @_speculative_options
+@_tp_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per reply instead of streaming text.")
 @click.option("-v", "--verbose", is_flag=True, help="A line of statistics per reply on stderr.")
 @click.option("-q", "--quiet", is_flag=True, help="No statistics line at the end of the chat.")
 def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, threads, stop, think,
-             system, device, ctx_size, tokenizer_dir, draft, lookup, draft_tokens, as_json, verbose, quiet):
+             system, device, ctx_size, tokenizer_dir, draft, lookup, draft_tokens, tp, as_json, verbose, quiet):
     """Chat on one KV cache: each line of stdin is a user message (a line ending in a backslash continues on
     the next), and each turn prefills only the tokens the cache does not already hold. /reset starts over;
     /exit or the end of input quits. Replies go to stdout, everything else to stderr."""
@@ -544,7 +552,7 @@ def chat_cmd(model, max_tokens, temp, top_k, top_p, min_p, repeat_penalty, repea
     from . import speculative
     from .generate import Chat, Engine, log
 
-    eng = Engine.load(model, device, tokenizer_dir)
+    eng = Engine.load(model, device, tokenizer_dir, tp=tp)
     params = _params(eng, overrides)
     proposer = speculative.proposer(eng, draft, lookup, tokenizer_dir)
     ctx = ctx_size or min(CHAT_CONTEXT, eng.file.args.max_position_embeddings)
@@ -658,7 +666,8 @@ def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
               show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads of the CPU engine's BLAS.")
-def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads):
+@_tp_option
+def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp):
     """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench. Each row is printed when its
     test finishes (Ctrl-C keeps the finished ones); a terminal sees each repetition's progress on stderr."""
     _set_threads(threads)
@@ -667,7 +676,7 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads):
     model = _resolve(model)
     _check_bench_sizes(n_prompt, n_gen, _model_header(model))
     from .bench import bench_rows, load_engine, render_end, render_row
-    eng = load_engine(model, n_prompt, n_gen, device)
+    eng = load_engine(model, n_prompt, n_gen, device, tp)
     tty = sys.stderr.isatty()
 
     def progress(test: str, rep: int, of: int) -> None:

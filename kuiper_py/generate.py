@@ -56,12 +56,13 @@ class Engine:
     model: Qwen3 | None = None
     load_seconds: float = 0.0
     sessions: int = 0  # session() calls: a Chat notices that its cache was reset under it
+    tp: int = 1  # tensor-parallel ranks (parallel/): on the CPU, threads of this process
 
     @classmethod
     def load(cls, path: str | Path, device: str | None = "auto", tokenizer_dir=None,
-             need_tokenizer: bool = True) -> "Engine":
+             need_tokenizer: bool = True, tp: int = 1) -> "Engine":
         """The engine for an ak48 file; a hub id is exported once into the kuiper cache and that file loaded
-        (hub.resolve_model), so every command's -m takes one."""
+        (hub.resolve_model), so every command's -m takes one. tp > 1 splits the model over tp ranks (parallel/)."""
         from . import hub
         if hub.is_hub_id(str(path)):
             path = hub.resolve_model(str(path))
@@ -78,7 +79,10 @@ class Engine:
             bad = [i for i in mf.args.eos_token_ids if not 0 <= i < tok.vocab_size]
             if bad:
                 raise KuiperError(f"end-of-sequence ids {bad} are outside the tokenizer's {tok.vocab_size} tokens")
-        eng = cls(mf, pick_device(device), tok)
+        eng = cls(mf, pick_device(device), tok, tp=tp)
+        if tp != 1:
+            from .parallel.group import check_request
+            check_request(mf, tp, eng.device)
         eng.load_seconds = time.perf_counter() - t0
         return eng
 
@@ -86,7 +90,11 @@ class Engine:
         """A model with a KV cache of max_context positions (reused when big enough)."""
         if self.model is None:
             t0 = time.perf_counter()
-            self.model = Qwen3(self.file, ops_class(self.device), max_context)
+            if self.tp > 1:
+                from .parallel.group import ParallelModel
+                self.model = ParallelModel(self.file, ops_class(self.device), self.tp, max_context)
+            else:
+                self.model = Qwen3(self.file, ops_class(self.device), max_context)
             self.load_seconds += time.perf_counter() - t0
         self.model.set_context(max_context)
         self.sessions += 1

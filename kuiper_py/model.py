@@ -12,6 +12,10 @@ from .backend import Backend, Step
 from .errors import KuiperError
 
 
+def _same(x):
+    return x
+
+
 class Qwen3:
     def __init__(self, model_file, ops_cls, max_context: int, **ops_kwargs):
         self.args = model_file.args
@@ -42,6 +46,7 @@ class Qwen3:
     def _layers(self, step: Step):
         """Every layer and the final norm: x [T, D], the lm_head's input."""
         ops, w = self.ops, self.ops.weights
+        reduce = getattr(ops, "all_reduce", _same)  # backend.Collectives (tensor parallel); optional
         h = ops.embed(step)  # [T, D]
         r = None
         for i, layer in enumerate(w.layers):
@@ -49,12 +54,13 @@ class Qwen3:
             h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
             q, k, v = ops.qkv(x, layer)
             q = ops.qk_norm_rope_store(q, k, v, layer, i, step)
-            r = ops.linear(ops.attention(q, i, step), layer.wo)
+            r = reduce(ops.linear(ops.attention(q, i, step), layer.wo))
             h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
             if layer.router is not None:
                 r = ops.moe(x, layer)
             else:
                 r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
+            r = reduce(r)
         return ops.add_rmsnorm(h, r, w.final_norm)[1]
 
     def _forward(self, ids: list[int], all_logits: bool = False):

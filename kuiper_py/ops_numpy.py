@@ -112,16 +112,22 @@ class NumpyOps:
     max_batch = 1
     SAMPLED_TOKEN = SAMPLED_TOKEN
 
-    def __init__(self, args: ModelArgs, weights: Weights, max_context: int):
+    def __init__(self, args: ModelArgs, weights: Weights, max_context: int, comm=None,
+                 expert_range: tuple[int, int] | None = None):
+        """One rank of a tensor-parallel group where comm (parallel.comm.Communicator) is given: args and weights
+        are then the rank's (parallel.shard.RankFile), expert_range the MoE experts it holds (start, stop)."""
         self.args = args
         self.weights = weights
+        self.comm = comm
+        self.expert_range = expert_range
         self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
         dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
+        ranks = 1 if comm is None else comm.size  # (a group's ranks share the host: each keeps its part of the budget)
         dense_f32 = sum(lin.K * lin.N * 4 for lin in dense)
-        self._keep_dequant = dense_f32 <= _DEQ_KEEP_BYTES
+        self._keep_dequant = dense_f32 * ranks <= _DEQ_KEEP_BYTES
         # the float32 lm_head is kept where it fits what the linears leave of the budget (or _LM_KEEP_BYTES)
-        self._keep_lm = weights.lm_head.size * 4 <= max(_LM_KEEP_BYTES,
-                                                        _DEQ_KEEP_BYTES - (dense_f32 if self._keep_dequant else 0))
+        self._keep_lm = weights.lm_head.size * 4 * ranks <= max(
+            _LM_KEEP_BYTES, _DEQ_KEEP_BYTES - (dense_f32 * ranks if self._keep_dequant else 0))
         self.alloc_cache(max_context)
 
     def alloc_cache(self, max_context: int) -> None:
@@ -160,6 +166,10 @@ class NumpyOps:
         if r is not None:
             h = h + r
         return h, rmsnorm(h, w, self.args.rms_norm_eps)
+
+    def all_reduce(self, x):
+        """backend.Collectives: the sum of the ranks' partial results; x itself without a communicator."""
+        return x if self.comm is None else self.comm.all_reduce_sum(x)
 
     def linear(self, x, lin: AwqLinear):
         return awq_linear(x, lin, kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant))
@@ -205,7 +215,12 @@ class NumpyOps:
         a = self.args
         ids, w = moe_ref.route(x, layer.router, a.num_experts_per_tok, a.norm_topk_prob)
         self.routing_log.append(ids)
-        _, offsets, p2u, u2p = moe_ref.expert_maps(ids, a.num_experts)
+        n = a.num_experts
+        if self.expert_range is not None:  # other ranks' experts: a spare id past this rank's, weighted 0
+            e0, e1 = self.expert_range
+            mine = (ids >= e0) & (ids < e1)
+            ids, w, n = np.where(mine, ids - e0, e1 - e0).astype(np.int32), np.where(mine, w, 0), e1 - e0 + 1
+        _, offsets, p2u, u2p = moe_ref.expert_maps(ids, n)
         xp = moe_ref.gather(x, p2u, a.num_experts_per_tok)
         act = moe_ref.grouped_gemm1_swiglu(xp, offsets, layer.experts_w13)
         yp = moe_ref.grouped_gemm2(act, offsets, layer.experts_w2)
@@ -260,4 +275,6 @@ class NumpyOps:
         blocks = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
         for r0, Wf in kept_blocks(self.weights, "_lm_f32_blocks", blocks, self._keep_lm):
             out[:, r0:r0 + Wf.shape[0]] = x @ Wf.T
+        if self.comm is not None:  # vocabulary-parallel lm_head: every rank gets the whole row
+            out = self.comm.all_gather(out, axis=-1)
         return out if all_positions else out[0]

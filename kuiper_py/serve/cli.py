@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import KuiperError
+from ..parallel import TP_HELP
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -57,8 +58,9 @@ def _log_config(verbose: bool) -> dict:
               help="The model name the API shows (default: the hub id, else the file's or directory's name).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
-def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, verbose):
+def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
     Requests run one at a time on one engine thread, queued; SIGINT/SIGTERM stop it cleanly (exit 0)."""
     if max_context is not None and max_context <= 0:
@@ -76,9 +78,14 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     from .metrics import Metrics
 
     path = resolve_model(model)  # (before listening: an export's progress and errors come first)
+    if tp != 1:  # (a --tp the model's shapes refuse, before listening too)
+        from ..loader import load
+        from ..parallel.shard import check_tp
+        mf = load(path)
+        check_tp(mf.args, mf.weights, tp)
     sock = _listen(host, port)
     name = served_model_name or (model if is_hub_id(model) else Path(model).stem)  # (as vLLM: the hub id)
-    worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir)
+    worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir, tp=tp)
     app = create_app(worker, name)
     config = uvicorn.Config(app, log_config=_log_config(verbose), timeout_graceful_shutdown=30,
                             timeout_keep_alive=5)

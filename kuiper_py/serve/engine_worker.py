@@ -43,8 +43,8 @@ class Job:
 
 class EngineWorker:
     def __init__(self, model: str, device: str, max_context: int | None, max_queue: int, metrics: Metrics,
-                 tokenizer_dir: str | None = None, warm: bool = True):
-        self.model_path, self.device, self.want_context = model, device, max_context
+                 tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1):
+        self.model_path, self.device, self.want_context, self.tp = model, device, max_context, tp
         self.tokenizer_dir, self.warm, self.metrics = tokenizer_dir, warm, metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.engine: Engine | None = None
@@ -89,7 +89,7 @@ class EngineWorker:
 
     def _load(self) -> None:
         """The engine, its context (the model's maximum or --max-context) and the warmed cache."""
-        eng = Engine.load(self.model_path, self.device, self.tokenizer_dir)
+        eng = Engine.load(self.model_path, self.device, self.tokenizer_dir, tp=self.tp)
         ctx = self.want_context or eng.file.args.max_position_embeddings
         if not 0 < ctx <= eng.file.args.max_position_embeddings:
             raise KuiperError(f"--max-context {ctx} must be in 1..{eng.file.args.max_position_embeddings}")
