@@ -65,7 +65,8 @@ def forms(a: ModelArgs, settings: Settings, gpu: Gpu) -> Forms:
     def fits(*shapes):
         return all(gemv_split(K, math.ceil(N / GEMV_COLS), f=f)[1] <= GEMV_ATT_ROWS for K, N in shapes)
     acc_attn = settings.gemv_acc and fits((D, qd))
-    return Forms(acc_attn, acc_attn and not E and fits((D, 2 * I), (I, D)), acc_attn and bool(E) and mI <= GEMV_ATT_ROWS,
+    return Forms(acc_attn, acc_attn and not E and fits((D, 2 * I), (I, D)),
+                 acc_attn and bool(E) and mI <= GEMV_ATT_ROWS,
                  o_split(qd, math.ceil(D / GEMV_COLS), f=f)[1] <= GEMV_ATT_ROWS)
 
 
