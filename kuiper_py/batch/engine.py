@@ -52,14 +52,11 @@ class Handle:
     pending: str = ""
     emitted: int = 0
     decoded: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)  # the drawn tokens (the records' `tokens`, as generate()'s share one)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.drawn
 
     def take(self) -> list[Record]:
         """The records made since the last take()."""
@@ -149,7 +146,7 @@ class BatchEngine:
     def _draw(self, h: Handle, x: np.ndarray) -> None:
         """The request's next token from its last row's logits, with its own rng, then its record."""
         r = h.request
-        tok = sample(x, r.params, r.rng, r.tokens, self.engine.n_valid_tokens, generated=r.drawn)
+        tok = sample(x, r.params, r.rng, r.tokens, self.engine.n_valid_tokens, generated=h.out)
         lp = None if h.logprobs is None else token_logprobs(x, tok, h.logprobs, self.engine.n_valid_tokens)
         now = time.perf_counter()
         if h.t_first is None:
@@ -158,20 +155,21 @@ class BatchEngine:
         if tok in h.eos:
             return self._finish(h, self._rec(h, None, h.pending + (dec.flush() if dec else ""), "stop", lp=lp))
         r.tokens.append(tok)
+        h.out.append(tok)
         h.pending += dec.push(tok) if dec else ""
         text = h.pending
         if h.stop:
             h.decoded.append(h.emitted + len(h.pending))
             hit = min((h.pending.find(s) for s in h.stop if s in h.pending), default=-1)
             if hit >= 0:
-                cut = r.drawn[:_covering(h.decoded, h.emitted + hit)]
+                cut = h.out[:_covering(h.decoded, h.emitted + hit)]
                 return self._finish(h, self._rec(h, tok, h.pending[:hit], "stop", cut, lp))
             keep = _held_back(h.pending, h.stop)
             text = h.pending[:len(h.pending) - keep]
             h.emitted += len(text)
         h.pending = h.pending[len(text):]
         tail = lambda: text + h.pending + (dec.flush() if dec else "")  # noqa: E731 - the text a last record ends with
-        if len(r.drawn) >= r.max_tokens:
+        if len(h.out) >= r.max_tokens:
             return self._finish(h, self._rec(h, tok, tail(), "length", lp=lp))
         if r.computed >= self.max_context:  # (the drawn token has no position left to take)
             return self._finish(h, self._rec(h, tok, tail(), "context", lp=lp))
@@ -180,8 +178,8 @@ class BatchEngine:
     def _rec(self, h: Handle, tok, text: str, reason=None, tokens=None, lp=None) -> Record:
         r, now = h.request, time.perf_counter()
         return Record(tok, text, reason, len(r.prompt) - r.cached_tokens, (h.t_first or now) - (h.t_admit or now),
-                      len(r.drawn), now - (h.t_first or now), r.computed - len(r.prompt),
-                      list(r.drawn) if tokens is None else tokens, r.cached_tokens, 0.0, lp)
+                      len(h.out), now - (h.t_first or now), r.computed - len(r.prompt),
+                      h.out if tokens is None else tokens, r.cached_tokens, 0.0, lp)
 
     def _finish(self, h: Handle, last: Record) -> None:
         h.records.append(last)
