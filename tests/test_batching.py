@@ -14,7 +14,10 @@ from conftest import run_cli
 from kuiper_py.batch import BatchConfig, BatchEngine
 from kuiper_py.cli import main
 from kuiper_py.errors import KuiperError
+from kuiper_py.backend import Seq, Step
 from kuiper_py.generate import Engine, generate
+from kuiper_py.loader import load
+from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
 from kuiper_py.sampling import SamplingParams
 
@@ -60,6 +63,36 @@ def _spy_steps(be, monkeypatch):
         return inner(step, all_logits)
     monkeypatch.setattr(be.model, "forward_step", spy)
     return seen
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_paged_step_gives_each_sequence_the_logits_it_has_alone(tiny_bin, invariant):
+    """Qwen3.forward_step over NumpyOps' block pool: two sequences at their own positions, their blocks scattered
+    through the pool, each row's logits as the contiguous single-sequence cache gives them (exactly where the
+    backend is batch invariant; within float32 rounding otherwise)."""
+    mf = load(tiny_bin)
+    rng = np.random.default_rng()
+    a, b = _prompts(rng, [11, 6])
+    ref = []
+    for p in (a, b):
+        m = Qwen3(mf, NumpyOps, 32)
+        m.ops.batch_invariant = invariant
+        ref.append(m.prefill(p, all_logits=True))
+    m = Qwen3(mf, NumpyOps, 1)
+    m.ops.batch_invariant = invariant
+    m.ops.alloc_blocks(12, 4, 32)
+    ta, tb = (9, 2, 5), (7, 0)
+    m.forward_step(Step((Seq(tuple(a[:5]), 0, 0, ta),)))  # a's first 5 positions, then the rest beside b
+    both = m.forward_step(Step((Seq(tuple(a[5:]), 5, 0, ta), Seq(tuple(b), 0, 1, tb))), all_logits=True)
+    last = m.forward_step(Step((Seq((a[-1],), 11, 0, ta), Seq((b[-1],), 6, 1, tb))))
+    assert both.shape == (6 + 6, mf.args.vocab_size) and last.shape == (2, mf.args.vocab_size)
+    # (otherwise a step's GEMM shapes round the sums differently: float32 error against the logits' scale)
+    check = np.testing.assert_array_equal if invariant else \
+        (lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max()))
+    check(both[:6], ref[0][5:])
+    check(both[6:], ref[1])
+    with pytest.raises(NotImplementedError):
+        m.forward_step(Step((Seq((1,), 0), Seq((2,), 0, 1))))  # (no block tables: the contiguous cache holds one)
 
 
 def test_greedy_tokens_of_a_batch_equal_each_request_alone(engines, monkeypatch):
