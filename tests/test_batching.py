@@ -292,3 +292,40 @@ def test_bench_batch_refuses_a_backend_that_runs_one_sequence(tiny_bin, monkeypa
     assert e.value.code != 0 and out == ""
     lines = [ln for ln in err.splitlines() if ln.startswith("kuiper: error")]
     assert len(lines) == 1 and "max_batch 1" in lines[0] and "Traceback" not in err
+
+
+def test_the_server_worker_steps_concurrent_jobs_together(tiny_bin, engines):
+    """EngineWorker(max_seqs=4) on the CPU: six jobs at once run through the BatchEngine, four at a time; each
+    gets the records it gets alone, a cancelled one ends early, and every block comes back."""
+    import threading
+
+    from kuiper_py.serve.engine_worker import EngineWorker, Job
+    from kuiper_py.serve.metrics import Metrics
+
+    w = EngineWorker(str(tiny_bin), "cpu", 64, 8, Metrics(), max_seqs=4)
+    w.start()
+    try:
+        assert w.ready.wait(120) and w.error is None and w.batch is not None and w.cache is None
+        w.batch.model.ops.batch_invariant = True
+        rng = np.random.default_rng()
+        prompts = _prompts(rng, [3, 9, 17, 5, 12, 7])
+        got = [[] for _ in prompts]
+        ended = [threading.Event() for _ in prompts]
+
+        def emit(i):
+            return lambda item: ended[i].set() if item is None else got[i].append(item)
+        jobs = [Job(p, 8, GREEDY, emit(i), eos_ids=[]) for i, p in enumerate(prompts)]
+        jobs.append(Job(prompts[0], 40, GREEDY, lambda item: None, eos_ids=[]))
+        jobs[-1].cancelled.set()  # (cancelled before it ran: it ends without records)
+        for j in jobs:
+            w.submit(j)
+        assert all(e.wait(120) for e in ended)
+        for p, g in zip(prompts, got):
+            assert _key(g) == _key(_alone(engines["exact"], p, 8, GREEDY, eos_ids=[]))
+        assert w.batch.pool.n_free == w.batch.pool.n_blocks and not w.active
+        assert w.batch.steps < 6 * 8 // 2  # (stepped together: one at a time takes 6 x 8 steps)
+        text = w.metrics.render().decode()
+        assert "kuiper_generation_tokens_total 48.0" in text and "kuiper_num_requests_running 0.0" in text
+    finally:
+        w.stop()
+    assert EngineWorker(str(tiny_bin), "cpu", 64, 8, Metrics()).max_seqs == 1  # (one job at a time by default)
