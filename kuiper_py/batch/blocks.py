@@ -50,7 +50,7 @@ class BlockPool:
         self.n_blocks, self.block_size, self.prefix_caching = n_blocks, block_size, prefix_caching
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))  # (a stack: block 0 is handed out first)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, least recently released first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, least recently released 1st
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.stats = PoolStats()
