@@ -114,6 +114,26 @@ def test_greedy_tokens_of_a_batch_equal_each_request_alone(engines, monkeypatch)
     be.pool.check()
 
 
+def test_a_long_prompt_joins_a_chunk_a_step_without_stalling_the_decoding_streams(engines, monkeypatch):
+    """Two streams decode while a 60-token prompt arrives: every step carries both streams' next tokens beside one
+    chunk of at most 8 prompt tokens, within the step's budget of 12 tokens."""
+    eng = engines["fast"]
+    rng = np.random.default_rng()
+    be = BatchEngine(eng, BatchConfig(max_context=96, block_size=4, chunk_size=8, step_tokens=12, n_blocks=80))
+    streams = [be.submit(p, GREEDY, 20, eos_ids=[]) for p in _prompts(rng, [3, 5])]
+    be.step()
+    assert all(len(h.take()) == 1 for h in streams)  # (both prompts fit the first step: each drew a token)
+    steps = _spy_steps(be, monkeypatch)
+    long = be.submit(_prompts(rng, [60])[0], GREEDY, 3, eos_ids=[])
+    while long.t_first is None:
+        be.step()
+    assert len(steps) == 60 // 8 + 1
+    for s in steps:
+        assert [n for n, _ in s[:2]] == [1, 1] and len(s) == 3 and s[2][0] <= 8 and sum(n for n, _ in s) <= 12
+    assert [s[2][1] for s in steps] == list(range(0, 60, 8))  # (the prompt's chunks, in order)
+    assert all(len(h.take()) == len(steps) for h in streams)  # (a token for each stream every step)
+
+
 def test_the_default_cpu_steps_agree_up_to_a_near_tie(engines):
     """Without batch invariance a step's GEMMs round a row's sums by the step's shape: tokens equal those of the
     request alone, or part at a step where alone's two likeliest tokens were within 1e-3 and the batch took the
