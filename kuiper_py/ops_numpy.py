@@ -132,6 +132,8 @@ class NumpyOps:
         self.args = args
         self.weights = weights
         self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
+        self.k_blocks = self.v_blocks = None  # the paged pool's storage (alloc_blocks)
+        self._step: Step | None = None  # the step running (its sequences' rows, for logits)
         dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
         dense_f32 = sum(lin.K * lin.N * 4 for lin in dense)
         self._keep_dequant = dense_f32 <= _DEQ_KEEP_BYTES
@@ -184,7 +186,7 @@ class NumpyOps:
         """A step of one sequence in the contiguous cache, or of up to max_batch with block tables."""
         if any(s.block_table is None for s in step.seqs):
             step.one()
-        elif step.batch > self.max_batch or getattr(self, "k_blocks", None) is None:
+        elif step.batch > self.max_batch or self.k_blocks is None:
             raise NotImplementedError(f"a paged step of {step.batch} sequences needs alloc_blocks() and at most "
                                       f"{self.max_batch} sequences")
         self._step = step
@@ -209,8 +211,6 @@ class NumpyOps:
 
     def linear(self, x, lin: AwqLinear):
         blocks = kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant)
-        if self.batch_invariant and x.shape[0] > 1 and not isinstance(blocks, list):
-            blocks = list(blocks)
         return awq_linear(x, lin, blocks, per_row=self.batch_invariant)
 
     def qkv(self, x, layer: Layer):
@@ -347,7 +347,7 @@ class NumpyOps:
     def logits(self, x, all_positions: bool = False) -> np.ndarray:
         """float32 logits of the last row [V] (of each sequence's last row [B, V] in a paged step), or of every
         row [T, V] with all_positions."""
-        step = getattr(self, "_step", None)
+        step = self._step
         paged = step is not None and step.seqs[0].block_table is not None and x.shape[0] == step.n_tokens
         if not all_positions:
             x = x[[r1 - 1 for _, _, r1 in self._rows(step)]] if paged else x[-1:]
