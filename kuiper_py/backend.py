@@ -3,7 +3,9 @@ cuda.backend.CupyOps on a GPU): what one step carries, and the methods the forwa
 
 A step carries B >= 1 sequences, each with its own new tokens, its position (tokens already cached) and its KV-cache
 slot, so a server that batches requests, or a verify step of speculative decoding per sequence, is one Step of
-several Seqs. Today's kernels run one sequence a step: both backends take `step.one()`, which refuses B > 1."""
+several Seqs. A backend whose max_batch is 1 (CUDA today) takes `step.one()`, which refuses B > 1; one that runs
+more (the NumPy backend) is a PagedBackend: each Seq then carries its block table into a pool of KV blocks
+(kuiper_py.batch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +21,12 @@ SAMPLED_TOKEN = -1  # a token id meaning "the id the backend's last draw produce
 
 @dataclass(frozen=True)
 class Seq:
-    """One sequence's part of a step: its new token ids, the positions already in its cache, its cache slot."""
+    """One sequence's part of a step: its new token ids, the positions already in its cache, its cache slot; on a
+    paged cache, its block table (position p lives at offset p % block_size of block block_table[p // block_size])."""
     ids: tuple[int, ...]
     pos0: int
     slot: int = 0
+    block_table: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,3 +116,12 @@ class Collectives(Protocol):
 
     def all_reduce(self, x) -> Any:
         """The element-wise sum of x over the group's ranks; x itself (no copy, no arithmetic) in a group of one."""
+
+
+@runtime_checkable
+class PagedBackend(Backend, Protocol):
+    """A backend that runs Steps of several sequences (max_batch > 1) over a pool of KV blocks; its logits() gives
+    each sequence's last-token row [B, V] for such a step."""
+
+    def kv_pool_blocks(self, block_size: int, utilization: float) -> int: ...
+    def alloc_blocks(self, n_blocks: int, block_size: int, max_context: int) -> None: ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
 from datetime import datetime, timezone
 from typing import Callable, Iterator
 
@@ -57,6 +58,57 @@ def bench_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], r
         row = _row(eng, model, p, n, name, samples)
         log(f"{name}: {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} tok/s")
         yield row
+
+
+def batch_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], batches: list[int], reps: int,
+               progress: Callable[[str, int, int], None] | None = None) -> Iterator[dict]:
+    """llama-batched-bench's rows through the batch engine: `ppP @ bB`, B prompts of P tokens prefilled together,
+    and `tgN @ bB`, B sequences decoding N tokens together (after a 1-token prompt each), aggregate tok/s over all
+    sequences; each row's n_seq is B. A backend that runs one sequence a step is refused here, before any row."""
+    from .batch import BatchConfig, BatchEngine
+    p_max, n_max, b_max = max(n_prompt + [1]), max(n_gen + [0]), max(batches)
+    ctx = max(p_max, n_max + 1)
+    be = BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=b_max, chunk_size=p_max, step_tokens=b_max * p_max,
+                                      n_blocks=b_max * -(-ctx // 16), prefix_caching=False))
+    return _batch_rows(be, model, n_prompt, n_gen, batches, reps, progress)
+
+
+def _batch_rows(be, model: str, n_prompt: list[int], n_gen: list[int], batches: list[int], reps: int,
+                progress) -> Iterator[dict]:
+    eng = be.engine
+    rng = np.random.default_rng(0)
+    V = min(eng.file.args.vocab_size, 151643)
+    tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
+    for p, n in tests:
+        for b in batches:
+            name = (f"pp{p}" if n == 0 else f"tg{n}") + f" @ b{b}"
+            samples = []
+            for rep in range(reps + 1):  # (the first run warms up and is dropped)
+                if progress:
+                    progress(name, rep, reps)
+                secs = _run_batch(be, [rng.integers(0, V, size=p).tolist() for _ in range(b)], n)
+                if rep:
+                    samples.append((secs, b * (p if n == 0 else n)))
+            row = dict(_row(eng, model, p, n, name, samples), n_seq=b)
+            log(f"{name}: {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} tok/s")
+            yield row
+
+
+def _run_batch(be, prompts: list[list[int]], n_gen: int) -> float:
+    """Seconds of the timed part: the prompts' prefill (n_gen 0), or the n_gen decode steps after it."""
+    eng = be.engine
+    t0 = time.perf_counter()
+    handles = [be.submit(pr, GREEDY, n_gen + 1 if n_gen else 1, eos_ids=[]) for pr in prompts]
+    while any(h.t_first is None for h in handles):
+        be.step()
+    eng.model.ops.synchronize()
+    if n_gen:
+        t0 = time.perf_counter()
+        be.run_until_done()
+        eng.model.ops.synchronize()
+    else:
+        be.run_until_done()
+    return time.perf_counter() - t0
 
 
 def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]]) -> dict:

@@ -667,7 +667,9 @@ def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="CPU threads of the CPU engine's BLAS.")
 @_tp_option
-def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp):
+@click.option("--batch", "batches", default=None, callback=lambda c, p, v: None if v is None else _int_list(c, p, v),
+              help="Sequences run together (comma list, e.g. 1,16,64): rows 'tgN @ bB' of aggregate tok/s.")
+def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp, batches):
     """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench. Each row is printed when its
     test finishes (Ctrl-C keeps the finished ones); a terminal sees each repetition's progress on stderr."""
     _set_threads(threads)
@@ -675,7 +677,9 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp)
         raise KuiperError(f"{_typed('-r', '--repetitions')} {repetitions} must be >= 1")
     model = _resolve(model)
     _check_bench_sizes(n_prompt, n_gen, _model_header(model))
-    from .bench import bench_rows, load_engine, render_end, render_row
+    if batches is not None and min(batches) < 1:
+        raise KuiperError(f"--batch {','.join(map(str, batches))} must list sequence counts >= 1")
+    from .bench import batch_rows, bench_rows, load_engine, render_end, render_row
     eng = load_engine(model, n_prompt, n_gen, device, tp)
     tty = sys.stderr.isatty()
 
@@ -684,9 +688,12 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp)
             sys.stderr.write(f"\r\033[K{test}: " + (f"repetition {rep}/{of}" if rep else "warm-up"))
             sys.stderr.flush()
 
+    rows = bench_rows(eng, model, n_prompt, n_gen, repetitions, progress) if batches is None else \
+        batch_rows(eng, model, n_prompt, n_gen, batches, repetitions, progress)
+
     done = 0
     try:
-        for row in bench_rows(eng, model, n_prompt, n_gen, repetitions, progress):
+        for row in rows:
             if tty:
                 sys.stderr.write("\r\033[K")
             click.echo(render_row(row, out_fmt, done), nl=out_fmt != "json")

@@ -80,6 +80,16 @@ class Qwen3:
         self.pos += T
         return out
 
+    def forward_step(self, step: Step, all_logits: bool = False):
+        """One Step of B >= 1 sequences over a paged backend's KV blocks (each Seq with its position and block
+        table; the batch scheduler holds them, not self.pos): logits [B, V] of each sequence's last token, or
+        [T, V] of every token with all_logits."""
+        self.ops.begin_step(step)
+        try:
+            return self._body(step, all_logits)
+        finally:
+            self.ops.end_step()
+
     def warm_prefill_graphs(self) -> list[int]:
         """Have a backend that replays short prefills as graphs (CUDA) capture every length bucket's now, for a
         session that will meet many prompt lengths (a chat's turns); the buckets captured, [] where none are."""

@@ -15,7 +15,7 @@ from . import awq
 from .config import ModelArgs, rope_tables
 from .errors import ResourceError
 from .loader import AwqLinear, Layer, Weights
-from .backend import SAMPLED_TOKEN, Step
+from .backend import SAMPLED_TOKEN, Seq, Step
 from .sampling import SamplingParams, sample
 
 _BLOCK_BYTES = 4 << 20  # float32 bytes of a linear's dequantized rows per block (dequant_blocks), whole groups
@@ -26,11 +26,8 @@ _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
 _LM_KEEP_BYTES = 1 << 30
 
 
-def _deq_keep_budget() -> int:
-    """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
-    the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
-    fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
-    each token (5.6 against 0.25 tok/s on the 2-core CI host); 1.7B's 6.9 GB rarely do."""
+def _available_bytes() -> int:
+    """The host memory available now (MemAvailable; 0 where it cannot be read)."""
     avail = 0
     try:
         with open("/proc/meminfo") as f:
@@ -42,7 +39,15 @@ def _deq_keep_budget() -> int:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             avail = 0
-    return max(256 << 20, min(8 << 30, avail // 4))
+    return avail
+
+
+def _deq_keep_budget() -> int:
+    """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
+    the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
+    fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
+    each token (5.6 against 0.25 tok/s on the 2-core CI host); 1.7B's 6.9 GB rarely do."""
+    return max(256 << 20, min(8 << 30, _available_bytes() // 4))
 
 
 # a file whose dense AWQ linears all dequantize to at most this keeps each one's float32 blocks after its first use
@@ -83,12 +88,17 @@ def kept_blocks(owner, name: str, blocks, keep: bool):
     return blocks if got is None else got
 
 
-def awq_linear(x: np.ndarray, lin: AwqLinear, blocks=None) -> np.ndarray:
-    """x [T, K] float32 @ dequant(W) [K, N] -> [T, N] float32; blocks: dequant_blocks(lin) kept from before."""
+def awq_linear(x: np.ndarray, lin: AwqLinear, blocks=None, per_row: bool = False) -> np.ndarray:
+    """x [T, K] float32 @ dequant(W) [K, N] -> [T, N] float32; blocks: dequant_blocks(lin) kept from before.
+    per_row: each row its own product (a row's sums then do not depend on the other rows, as a BLAS GEMM's do)."""
     T = x.shape[0]
     out = np.zeros((T, lin.N), dtype=np.float32)
     for k0, W in dequant_blocks(lin) if blocks is None else blocks:
-        out += x[:, k0:k0 + W.shape[0]] @ W
+        if per_row:
+            for t in range(T):
+                out[t:t + 1] += x[t:t + 1, k0:k0 + W.shape[0]] @ W
+        else:
+            out += x[:, k0:k0 + W.shape[0]] @ W
     return out.reshape(T, -1, 8)[:, :, awq.LOGICAL_FROM_STORED].reshape(T, lin.N)
 
 
@@ -105,12 +115,18 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyOps:
-    """backend.Backend on the CPU in float32 (the GPU's reference): no graphs, draws on the host."""
+    """backend.PagedBackend on the CPU in float32 (the GPU's reference): no graphs, draws on the host. A step of one
+    sequence without a block table uses the contiguous cache (alloc_cache); a step of several runs over the pool of
+    KV blocks (alloc_blocks), each sequence through its block table.
+
+    batch_invariant: every row's linears, attention and logits computed on their own, so a sequence's numbers do
+    not depend on which others share its step or how its prompt was cut into chunks (slower: one GEMV per row)."""
     name = "cpu"
     graphs = False
     queues_draws = False
-    max_batch = 1
+    max_batch = 256
     SAMPLED_TOKEN = SAMPLED_TOKEN
+    batch_invariant = False
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, comm=None,
                  expert_range: tuple[int, int] | None = None):
@@ -121,6 +137,8 @@ class NumpyOps:
         self.comm = comm
         self.expert_range = expert_range
         self.routing_log: list[np.ndarray] = []  # [T, k] expert ids per MoE layer call, for tests
+        self.k_blocks = self.v_blocks = None  # the paged pool's storage (alloc_blocks)
+        self._step: Step | None = None  # the step running (its sequences' rows, for logits)
         dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
         ranks = 1 if comm is None else comm.size  # (a group's ranks share the host: each keeps its part of the budget)
         dense_f32 = sum(lin.K * lin.N * 4 for lin in dense)
@@ -143,12 +161,41 @@ class NumpyOps:
                                 f"{max_context}; try a smaller --max-context") from None
         self.cos, self.sin = rope_tables(a, max_context)
 
+    def block_bytes(self, block_size: int) -> int:
+        a = self.args
+        return 2 * 4 * a.num_hidden_layers * block_size * a.kv_dim
+
+    def kv_pool_blocks(self, block_size: int, utilization: float) -> int:
+        """Blocks that `utilization` of the host memory available now holds."""
+        return int(_available_bytes() * utilization) // self.block_bytes(block_size)
+
+    def alloc_blocks(self, n_blocks: int, block_size: int, max_context: int) -> None:
+        """The pool's storage: keys and values [layers, n_blocks, block_size, KV, head_dim], and RoPE tables for
+        positions up to max_context."""
+        a = self.args
+        shape = (a.num_hidden_layers, n_blocks, block_size, a.num_key_value_heads, a.head_dim)
+        self.k_blocks = self.v_blocks = None
+        try:
+            self.k_blocks = np.zeros(shape, dtype=np.float32)
+            self.v_blocks = np.zeros(shape, dtype=np.float32)
+        except MemoryError:
+            raise ResourceError(f"out of host memory: {n_blocks} KV blocks need "
+                                f"{n_blocks * self.block_bytes(block_size) / 2**20:.0f} MiB") from None
+        self.block_size = block_size
+        self.pool_cos, self.pool_sin = rope_tables(a, max_context)
+
     @staticmethod
     def synchronize() -> None:
         pass
 
     def begin_step(self, step: Step) -> None:
-        step.one()
+        """A step of one sequence in the contiguous cache, or of up to max_batch with block tables."""
+        if any(s.block_table is None for s in step.seqs):
+            step.one()
+        elif step.batch > self.max_batch or self.k_blocks is None:
+            raise NotImplementedError(f"a paged step of {step.batch} sequences needs alloc_blocks() and at most "
+                                      f"{self.max_batch} sequences")
+        self._step = step
 
     def forget_position(self) -> None:
         pass
@@ -160,7 +207,8 @@ class NumpyOps:
         pass
 
     def embed(self, step: Step) -> np.ndarray:
-        return self.weights.embed[np.asarray(step.one().ids, dtype=np.int64)].astype(np.float32)
+        ids = [t for s in step.seqs for t in s.ids]
+        return self.weights.embed[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 
     def add_rmsnorm(self, h, r, w):
         if r is not None:
@@ -172,29 +220,74 @@ class NumpyOps:
         return x if self.comm is None else self.comm.all_reduce_sum(x)
 
     def linear(self, x, lin: AwqLinear):
-        return awq_linear(x, lin, kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant))
+        blocks = kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant)
+        return awq_linear(x, lin, blocks, per_row=self.batch_invariant)
 
     def qkv(self, x, layer: Layer):
         return self.linear(x, layer.wq), self.linear(x, layer.wk), self.linear(x, layer.wv)
 
+    @staticmethod
+    def _rows(step: Step):
+        """(seq, first row, last row + 1) of each sequence's rows in the step's [T, ...] arrays."""
+        r = 0
+        for seq in step.seqs:
+            yield seq, r, r + len(seq.ids)
+            r += len(seq.ids)
+
+    def _store(self, i: int, seq: Seq, k, v) -> None:
+        """A sequence's new keys and values into its cache: contiguous, or through its block table."""
+        p = np.arange(seq.pos0, seq.pos0 + len(seq.ids))
+        if seq.block_table is None:
+            self.k_cache[i, p] = k
+            self.v_cache[i, p] = v
+        else:
+            blk, off = np.asarray(seq.block_table)[p // self.block_size], p % self.block_size
+            self.k_blocks[i, blk, off] = k
+            self.v_blocks[i, blk, off] = v
+
+    def _keys(self, i: int, seq: Seq, n: int):
+        """A sequence's first n cached keys and values [n, KV, hd]."""
+        if seq.block_table is None:
+            return self.k_cache[i, :n], self.v_cache[i, :n]
+        a, bs = self.args, self.block_size
+        blk = np.asarray(seq.block_table[:-(-n // bs)])
+        shape = (-1, a.num_key_value_heads, a.head_dim)
+        return self.k_blocks[i, blk].reshape(shape)[:n], self.v_blocks[i, blk].reshape(shape)[:n]
+
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
-        a, pos0 = self.args, step.one().pos0
+        a = self.args
         T = q.shape[0]
         q = rmsnorm(q.reshape(T, a.num_attention_heads, a.head_dim), layer.q_norm, a.rms_norm_eps)
         k = rmsnorm(k.reshape(T, a.num_key_value_heads, a.head_dim), layer.k_norm, a.rms_norm_eps)
-        cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
-        self.k_cache[i, pos0:pos0 + T] = rope(k, cos, sin)
-        self.v_cache[i, pos0:pos0 + T] = v.reshape(T, a.num_key_value_heads, a.head_dim)
-        return rope(q, cos, sin)
+        v = v.reshape(T, a.num_key_value_heads, a.head_dim)
+        out = np.empty_like(q)
+        for seq, r0, r1 in self._rows(step):
+            cos, sin = (self.cos, self.sin) if seq.block_table is None else (self.pool_cos, self.pool_sin)
+            cos, sin = cos[seq.pos0:seq.pos0 + r1 - r0], sin[seq.pos0:seq.pos0 + r1 - r0]
+            self._store(i, seq, rope(k[r0:r1], cos, sin), v[r0:r1])
+            out[r0:r1] = rope(q[r0:r1], cos, sin)
+        return out
 
     def attention(self, q, i: int, step: Step):
-        """Causal GQA over the cache. q [T, H, hd] at positions pos0..pos0+T-1 -> [T, H*hd]."""
-        a, pos0 = self.args, step.one().pos0
+        """Causal GQA over each sequence's cache. q [T, H, hd], a sequence's rows at its positions pos0.. ->
+        [T, H*hd]."""
         T, H, hd = q.shape
-        n = pos0 + T
-        group = H // a.num_key_value_heads
-        K = self.k_cache[i, :n]  # [n, KV, hd]
-        V = self.v_cache[i, :n]
+        out = np.empty((T, H * hd), dtype=np.float32)
+        for seq, r0, r1 in self._rows(step):
+            K, V = self._keys(i, seq, seq.pos0 + r1 - r0)
+            if self.batch_invariant:  # each row over exactly the keys it sees
+                for t in range(r0, r1):
+                    n = seq.pos0 + t - r0 + 1
+                    out[t] = self._attend(q[t:t + 1], K[:n], V[:n], n - 1)
+            else:
+                out[r0:r1] = self._attend(q[r0:r1], K, V, seq.pos0)
+        return out
+
+    def _attend(self, q, K, V, pos0: int):
+        """q [T, H, hd] at positions pos0.. over keys and values [n, KV, hd] -> [T, H*hd]."""
+        T, H, hd = q.shape
+        n = K.shape[0]
+        group = H // self.args.num_key_value_heads
         Kh = np.repeat(K, group, axis=1).transpose(1, 2, 0)  # [H, hd, n]
         Vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)  # [H, n, hd]
         s = np.matmul(q.transpose(1, 0, 2), Kh) / np.sqrt(hd)  # [H, T, n]
@@ -213,6 +306,8 @@ class NumpyOps:
         from . import moe_ref  # moe_ref builds on this module's awq_linear and silu
 
         a = self.args
+        if self.batch_invariant and x.shape[0] > 1:  # (a row's experts' GEMMs then do not see the other rows)
+            return np.concatenate([self.moe(x[t:t + 1], layer) for t in range(x.shape[0])])
         ids, w = moe_ref.route(x, layer.router, a.num_experts_per_tok, a.norm_topk_prob)
         self.routing_log.append(ids)
         n = a.num_experts
@@ -269,12 +364,21 @@ class NumpyOps:
         return x
 
     def logits(self, x, all_positions: bool = False) -> np.ndarray:
-        x = x if all_positions else x[-1:]
+        """float32 logits of the last row [V] (of each sequence's last row [B, V] in a paged step), or of every
+        row [T, V] with all_positions."""
+        step = self._step
+        paged = step is not None and step.seqs[0].block_table is not None and x.shape[0] == step.n_tokens
+        if not all_positions:
+            x = x[[r1 - 1 for _, _, r1 in self._rows(step)]] if paged else x[-1:]
         W = self.weights.lm_head  # [V, D] fp16, converted _LM_BLOCK rows at a time
         out = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
         blocks = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
         for r0, Wf in kept_blocks(self.weights, "_lm_f32_blocks", blocks, self._keep_lm):
-            out[:, r0:r0 + Wf.shape[0]] = x @ Wf.T
+            if self.batch_invariant:
+                for t in range(x.shape[0]):
+                    out[t, r0:r0 + Wf.shape[0]] = x[t] @ Wf.T
+            else:
+                out[:, r0:r0 + Wf.shape[0]] = x @ Wf.T
         if self.comm is not None:  # vocabulary-parallel lm_head: every rank gets the whole row
             out = self.comm.all_gather(out, axis=-1)
-        return out if all_positions else out[0]
+        return out if all_positions or paged else out[0]

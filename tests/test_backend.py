@@ -2,7 +2,7 @@
 (CPU; the CUDA backend's class is checked without a GPU)."""
 import pytest
 
-from kuiper_py.backend import SAMPLED_TOKEN, Backend, Seq, Step
+from kuiper_py.backend import SAMPLED_TOKEN, Backend, PagedBackend, Seq, Step
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps
@@ -26,8 +26,8 @@ def test_a_step_carries_each_sequences_tokens_position_and_slot():
 def test_the_cpu_backend_is_a_backend(tiny_bin):
     mf = load(tiny_bin)
     ops = NumpyOps(mf.args, mf.weights, 16)
-    assert isinstance(ops, Backend)
-    assert not ops.graphs and not ops.queues_draws and ops.max_batch == 1 and ops.SAMPLED_TOKEN == SAMPLED_TOKEN
+    assert isinstance(ops, Backend) and isinstance(ops, PagedBackend)
+    assert not ops.graphs and not ops.queues_draws and ops.max_batch > 1 and ops.SAMPLED_TOKEN == SAMPLED_TOKEN
     assert ops.prefill_graph(Step.single([1, 2], 0), lambda ids: None) is None
     assert ops.warm_prefill_graphs(lambda ids: None) == [] and ops.warm_decode_graphs(lambda pos0: None, 10) == []
 
@@ -40,7 +40,8 @@ def test_the_cuda_backend_declares_every_member():
 
 
 def test_a_cpu_model_takes_a_step_of_two_sequences_as_an_error(tiny_bin):
-    """The forward hands the backend Steps; a backend whose kernels run one sequence refuses more than one."""
+    """The forward hands the backend Steps; several sequences need block tables into a paged pool (the contiguous
+    cache holds one)."""
     mf = load(tiny_bin)
     m = Qwen3(mf, NumpyOps, 16)
     with pytest.raises(NotImplementedError):

@@ -1,8 +1,10 @@
 """The one thread that owns the model: it loads it, then takes jobs from a bounded queue one at a time and hands
 each one's records back through the job's emit callback (the HTTP layer turns that into an asyncio queue).
 
-A job is one sequence: a scheduler that batches sequences (continuous batching) would take several jobs from
-the same queue and step them together; the HTTP side stays as it is."""
+A job is one sequence. With max_seqs > 1 on a backend that runs several sequences a step (max_batch > 1), the
+thread takes up to max_seqs jobs from the queue and steps them together through a batch.BatchEngine (continuous
+batching, paged KV cache, prefix caching); otherwise it runs one job at a time on a PrefixCache. The HTTP side is
+the same for both."""
 from __future__ import annotations
 
 import queue
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import KuiperError
-from ..generate import Engine, PrefixCache
+from ..generate import Engine, PrefixCache, ops_class
 from ..sampling import SamplingParams
 from .metrics import Metrics
 
@@ -43,8 +45,11 @@ class Job:
 
 class EngineWorker:
     def __init__(self, model: str, device: str, max_context: int | None, max_queue: int, metrics: Metrics,
-                 tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1):
+                 tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1, max_seqs: int = 1):
         self.model_path, self.device, self.want_context, self.tp = model, device, max_context, tp
+        self.max_seqs = max_seqs
+        self.batch = None  # the BatchEngine, where batching is on (max_seqs > 1 and the backend runs several)
+        self.active: list[_Live] = []  # (batching) the jobs being stepped
         self.tokenizer_dir, self.warm, self.metrics = tokenizer_dir, warm, metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.engine: Engine | None = None
@@ -78,9 +83,9 @@ class EngineWorker:
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and end the thread."""
         self.drain()
-        job = self.current
-        if job is not None:
-            job.cancelled.set()
+        for job in [self.current, *(live.job for live in list(self.active))]:
+            if job is not None:
+                job.cancelled.set()
         try:
             self.jobs.put(None, timeout=timeout)
         except queue.Full:
@@ -93,7 +98,11 @@ class EngineWorker:
         ctx = self.want_context or eng.file.args.max_position_embeddings
         if not 0 < ctx <= eng.file.args.max_position_embeddings:
             raise KuiperError(f"--max-context {ctx} must be in 1..{eng.file.args.max_position_embeddings}")
-        self.cache = PrefixCache(eng, ctx, warm=self.warm)
+        if self.max_seqs > 1 and ops_class(eng.device).max_batch > 1:
+            from ..batch import BatchConfig, BatchEngine
+            self.batch = BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=self.max_seqs))
+        else:
+            self.cache = PrefixCache(eng, ctx, warm=self.warm)
         self.engine, self.max_context = eng, ctx
 
     def _main(self) -> None:
@@ -104,6 +113,8 @@ class EngineWorker:
             self.on_failure()
             return
         self.ready.set()
+        if self.batch is not None:
+            return self._batch_loop()
         while True:
             job = self.jobs.get()
             self.metrics.waiting.set(self.jobs.qsize())
@@ -155,6 +166,89 @@ class EngineWorker:
                 m.generation_tokens.inc(last.gen_tokens)
                 m.e2e.observe(time.perf_counter() - job.arrived)
             _safe(job.emit, None)
+
+    def _batch_loop(self) -> None:
+        """Continuous batching: jobs join between steps (up to max_seqs at once), each step's records go to their
+        jobs, and a cancelled job leaves at the next step."""
+        while True:
+            if not self._take_jobs():
+                return
+            for live in self.active:
+                if live.job.cancelled.is_set() and not live.handle.cancelled:
+                    self.metrics.cancelled.inc()
+                    live.handle.cancel()
+            try:
+                self.batch.step()
+            except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
+                print(f"kuiper serve: step failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                traceback.print_exc(file=sys.stderr)
+                for live in self.active:
+                    live.handle.cancel()
+                    _safe(live.job.emit, e)
+                self.batch.step()  # (the cancelled requests leave, their blocks back in the pool)
+            for live in list(self.active):
+                self._deliver(live)
+
+    def _take_jobs(self) -> bool:
+        """Move queued jobs into the batch (waiting for one when none runs); False once the queue says stop."""
+        while len(self.active) < self.max_seqs:
+            try:
+                job = self.jobs.get(block=not self.active)
+            except queue.Empty:
+                return True
+            self.metrics.waiting.set(self.jobs.qsize())
+            if job is None:
+                for live in self.active:
+                    live.job.cancelled.set()
+                    _safe(live.job.emit, None)
+                return False
+            if job.cancelled.is_set():
+                if not self.accepting:
+                    _safe(job.emit, ShuttingDown())
+                _safe(job.emit, None)
+                continue
+            try:
+                h = self.batch.submit(job.ids, job.params, job.max_tokens, job.stop, job.eos_ids, job.logprobs)
+            except KuiperError as e:
+                _safe(job.emit, e)
+                _safe(job.emit, None)
+                continue
+            self.metrics.running.inc()
+            self.active.append(_Live(job, h))
+        return True
+
+    def _deliver(self, live: "_Live") -> None:
+        """A job's new records to its emit callback (metrics as _run counts them), and its end once finished."""
+        m, job = self.metrics, live.job
+        for r in live.handle.take():
+            now = time.perf_counter()
+            if r.token is not None or r.finish_reason:
+                if live.last_t is None:
+                    m.ttft.observe(now - job.arrived)
+                elif r.token is not None:
+                    m.tpot.observe(now - live.last_t)
+                live.last_t = now
+            live.last = r
+            if not job.cancelled.is_set() and not _safe(job.emit, r):
+                job.cancelled.set()
+        if live.handle.done:
+            self.active.remove(live)
+            m.running.dec()
+            if live.last is not None:
+                m.prompt_tokens.inc(len(job.ids))
+                m.cached_tokens.inc(live.last.cached_tokens)
+                m.generation_tokens.inc(live.last.gen_tokens)
+                m.e2e.observe(time.perf_counter() - job.arrived)
+            _safe(job.emit, None)
+
+
+@dataclass
+class _Live:
+    """A job in the batch: its BatchEngine handle, and when its last record came (for the token latencies)."""
+    job: Job
+    handle: object
+    last_t: float | None = None
+    last: object = None
 
 
 def _safe(emit: Callable[[object], None], item) -> bool:
