@@ -24,15 +24,14 @@
 
 typedef unsigned int u32;
 
-// Release: every write this block made before the __syncthreads() that precedes this call (bar.sync orders the
-// other threads' writes before this thread's release, and release is cumulative) is visible, at system scope, to
-// any thread whose acquire reads this value.
+// Release: the block's peer stores, each drained by its thread's __threadfence_system() and ordered before this
+// store by the __syncthreads() in between, are visible at system scope to any thread whose acquire reads the value.
 __device__ __forceinline__ void flag_release(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Acquire: the writes that preceded the peer's release of the value read here are visible to this thread, and
-// through the __syncthreads() after the wait, to the whole block's later loads.
+// Acquire: the stores that preceded a peer's release of the value read here are visible to this thread and, through
+// the __syncthreads() after the wait, to the block's later loads (which read L2, __ldcg, never a stale L1 line).
 __device__ __forceinline__ u32 flag_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -87,6 +86,9 @@ __device__ __forceinline__ void allreduce_body(const uint4* __restrict__ in, uin
         for (int p = 0; p < n_ranks; p++)
             reinterpret_cast<uint4*>(peers[p])[half + (long long)rank * cap_vec + i] = v;
     }
+    // each thread's own peer stores drained before the barrier (the release below then need not rely on the
+    // hardware carrying other warps' in-flight NVLink stores through bar.sync)
+    __threadfence_system();
     __syncthreads();
     if (threadIdx.x < n_ranks)
         flag_release(reinterpret_cast<u32*>(peers[n_ranks + threadIdx.x]) + b * n_ranks + rank, e);
@@ -99,9 +101,9 @@ __device__ __forceinline__ void allreduce_body(const uint4* __restrict__ in, uin
     const uint4* mine = reinterpret_cast<const uint4*>(peers[rank]) + half;
     for (int i = b * blockDim.x + threadIdx.x; i < n_vec; i += stride) {
         float acc[Vec<T>::L], x[Vec<T>::L];
-        Vec<T>::load(mine[i], acc);
+        Vec<T>::load(__ldcg(mine + i), acc);  // L2, never a line L1 kept from an earlier epoch
         for (int p = 1; p < n_ranks; p++) {
-            Vec<T>::load(mine[(long long)p * cap_vec + i], x);
+            Vec<T>::load(__ldcg(mine + (long long)p * cap_vec + i), x);
             for (int l = 0; l < Vec<T>::L; l++) acc[l] += x[l];
         }
         out[i] = Vec<T>::store(acc);
