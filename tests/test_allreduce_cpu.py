@@ -97,3 +97,9 @@ def test_reference_sum_is_rank_order_float32_rounded_once(dtype):
     # rank order matters in float32: a rotated order gives other bits somewhere (inputs spanning magnitudes)
     xs = [rng.standard_normal(4096).astype(np.float32) * s for s in (1e8, 1.0, -1e8, 1e-3)]
     assert not np.array_equal(ar.reference_sum(xs), ar.reference_sum(xs[1:] + xs[:1]))
+
+
+@pytest.mark.skipif(ar.cp is not None, reason="CuPy is installed")
+def test_without_cupy_the_group_says_so():
+    with pytest.raises(KuiperError, match="needs CuPy"):
+        ar.OneShotAllReduce([0, 1])

@@ -136,8 +136,8 @@ class OneShotAllReduce:
             with cp.cuda.Device(d):
                 self._bufs.append(cp.zeros(buffer_bytes(self.n, self.cap_vec) // 4, dtype=cp.uint32))
                 self._flags.append(cp.zeros(self.blocks * self.n, dtype=cp.uint32))
-                # one counter per block; the simulated launch's rank y takes row y of rank 0's [N, blocks]
-                self._epochs.append(cp.zeros((self.n if simulated else 1, self.blocks), dtype=cp.uint32))
+                if not (simulated and self._epochs):  # one counter per block; simulated: rank y's are row y
+                    self._epochs.append(cp.zeros((self.n if simulated else 1, self.blocks), dtype=cp.uint32))
         table = np.array([b.data.ptr for b in self._bufs] + [f.data.ptr for f in self._flags], dtype=np.uint64)
         for d in self.devices:
             with cp.cuda.Device(d):
@@ -158,8 +158,9 @@ class OneShotAllReduce:
         return self._fns[key]
 
     def _args(self, x, out, rank: int, n_vec: int, stride: int):
-        return (x, out, np.int64(stride), self._peers[rank], self._epochs[rank], np.int32(n_vec),
-                np.int32(self.cap_vec), np.int32(self.n), np.int32(rank))
+        epochs = self._epochs[0 if self.simulated else rank]
+        return (x, out, np.int64(stride), self._peers[rank], epochs, np.int32(n_vec), np.int32(self.cap_vec),
+                np.int32(self.n), np.int32(rank))
 
     def all_reduce(self, xs, outs=None, streams=None):
         """Multi-GPU: xs[r] on devices[r] (same shape and dtype, contiguous); returns outs[r] = the rank-order sum,
@@ -172,13 +173,17 @@ class OneShotAllReduce:
         if any(x.shape != xs[0].shape or x.dtype != xs[0].dtype or not x.flags.c_contiguous for x in xs):
             raise ValueError("the ranks' inputs must be contiguous arrays of one shape and dtype")
         result = []
-        for r, (d, x) in enumerate(zip(self.devices, xs)):
-            with cp.cuda.Device(d):
+        for r, (d, x) in enumerate(zip(self.devices, xs)):  # every check before any launch: a rank launched alone
+            with cp.cuda.Device(d):                          # would wait for its peers' flags forever
                 out = cp.empty_like(x) if outs is None else _checked_out(outs[r], x)
+                if x.device.id != d or out.device.id != d:
+                    raise ValueError(f"rank {r}'s input and output must be on GPU {d}")
                 n_vec = check_message(x.nbytes, x.dtype, self.cap_vec, (x.data.ptr, out.data.ptr))
+                result.append(out)
+        for r, (d, x, out) in enumerate(zip(self.devices, xs, result)):
+            with cp.cuda.Device(d):
                 with streams[r] if streams is not None else cp.cuda.get_current_stream():
                     self._fn(d, x.dtype)((self.blocks, 1), (THREADS,), self._args(x, out, r, n_vec, 0))
-                result.append(out)
         return result
 
     def _simulated(self, x, out, streams):
