@@ -66,7 +66,11 @@ class Ranks:
             with cp.cuda.Device(d):
                 e1.record(s)
         self.sync()
-        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in ev) * 1e3 / calls
+        ms = []
+        for d, (e0, e1) in zip(self.devices, ev):
+            with cp.cuda.Device(d):
+                ms.append(cp.cuda.get_elapsed_time(e0, e1))
+        return max(ms) * 1e3 / calls
 
     def graphed_us(self, call, per_graph: int, replays: int) -> float:
         """Capture per_graph calls into one graph per GPU, replay them: GPU microseconds per call."""
@@ -151,8 +155,9 @@ def _table(rows) -> str:
 @click.option("--iters", type=int, default=200, help="eager calls timed per size and form")
 @click.option("--graph-calls", type=int, default=100, help="calls captured in each GPU's graph")
 @click.option("--replays", type=int, default=20, help="graph replays timed")
+@click.option("--blocks", type=int, default=None, help="the one-shot kernel's blocks per GPU (default: its own)")
 @click.option("--json", "json_out", default=None, help="write the figures as JSON here too")
-def main(gpus, sizes, iters, graph_calls, replays, json_out):
+def main(gpus, sizes, iters, graph_calls, replays, blocks, json_out):
     visible = _gpu_count()
     if visible < 2:
         _die(f"bench_allreduce needs two or more GPUs; {visible} visible")
@@ -168,7 +173,7 @@ def main(gpus, sizes, iters, graph_calls, replays, json_out):
     sizes_b = [int(float(s) * 1024) for s in sizes.split(",")]
     devices = list(range(n))
     comms = kn.NcclCommunicator.in_process(devices)
-    oneshot = ar.OneShotAllReduce(devices, max_bytes=max(sizes_b))
+    oneshot = ar.OneShotAllReduce(devices, max_bytes=max(sizes_b), blocks=blocks or ar.DEFAULT_BLOCKS)
     rows = []
     try:
         for nbytes in sizes_b:
@@ -185,8 +190,9 @@ def main(gpus, sizes, iters, graph_calls, replays, json_out):
             if row.get(f"{f}_graph_error"):
                 click.echo(f"{row['bytes']} B {f} graph: {row[f + '_graph_error']}", err=True)
     if json_out:
-        Path(json_out).write_text(json.dumps({"gpus": n, "gpu": gpu, "dtype": "float16", "iters": iters,
-                                              "graph_calls": graph_calls, "replays": replays, "rows": rows}, indent=1))
+        meta = {"gpus": n, "gpu": gpu, "dtype": "float16", "iters": iters, "graph_calls": graph_calls,
+                "replays": replays, "oneshot_blocks": oneshot.blocks}
+        Path(json_out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
