@@ -143,6 +143,7 @@ _FILES = {
     # a few token rows at once: a verify step, short prompts (W4A16 and the lm_head on mma.sync)
     "rows": ("gemv_rows.cu", ["gemv_rows", "lm_head_rows<1>", "lm_head_rows<2>"]),
     "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
+    "ar": ("allreduce.cu", ["allreduce_oneshot<__half>", "allreduce_oneshot<float>"]),  # --tp's one-shot all-reduce
 }
 
 
