@@ -18,11 +18,14 @@ import openai
 import pytest
 
 from conftest import run_cli
+from kuiper_py import speculative
 from kuiper_py.export import export
+from kuiper_py.generate import Engine, PrefixCache
+from kuiper_py.sampling import SamplingParams
 from test_serve import NO_THINK, start_server
 from test_speculative import spec_files
 
-CTX = 256
+CTX = 128
 MODES = ("lookup", "draft")
 
 
@@ -143,8 +146,9 @@ def test_the_context_limit_and_prefix_reuse(plain, spec):
     """A reply that fills the context to its last position, then a conversation that continues a reply: the cached
     prefix is reused as by the plain server and the replies stay the same."""
     spec = spec[1]
-    prompt = "x y z x y z x y z"
+    prompt = "x y z " * 30
     n = _completion(plain, prompt=prompt, max_tokens=1)[2].prompt_tokens
+    assert 20 <= CTX - n <= 60
     req = dict(prompt=prompt, max_tokens=CTX - n, temperature=0)
     _same(_completion(spec, **req), _completion(plain, **req))
     msgs = [{"role": "user", "content": "Name three rivers and say something about each."}]
@@ -234,3 +238,22 @@ def test_flag_errors_and_a_draft_of_another_vocabulary_are_one_line(files, tiny_
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("kuiper: error: --draft") and "tokenizer" in last
+
+
+def test_a_reply_cut_short_inside_a_step_leaves_the_cache_a_prefix_of_it(files):
+    """speculative.run_cached (the engine worker's path) closed between two tokens of one verify step: the shared
+    cache holds only tokens drawn, so a request that continues them reuses them and replies as a fresh cache does."""
+    eng = Engine.load(files["target"], "cpu")
+    cache, draft = PrefixCache(eng, CTX, warm=False), speculative.Draft(Engine.load(files["draft"], "cpu"), eng)
+    draft.start(CTX)
+    greedy = SamplingParams(temperature=0.0)
+    ids = eng.tokenizer.encode("hi hi hi")
+    it = speculative.run_cached(cache, draft, ids, 40, greedy, 4)
+    drawn = [next(it).token for _ in range(4)]  # (the first token, then 3 of the first step's 5)
+    it.close()
+    assert cache.cached == (ids + drawn)[:cache.model.pos] and len(cache.cached) == cache.model.pos
+    more = ids + drawn + eng.tokenizer.encode(" and")
+    got = list(speculative.run_cached(cache, draft, more, 10, greedy, 4))
+    assert got[-1].cached_tokens == len(ids + drawn) - 1
+    want = list(PrefixCache(Engine.load(files["target"], "cpu"), CTX, warm=False).run(more, 10, greedy))
+    assert [r.token for r in got] == [r.token for r in want]
