@@ -214,7 +214,7 @@ def test_metrics_count_the_guesses(spec):
     after = [_counter(spec, n) for n in names]
     assert [b - a for a, b in zip(before, after)] == [s["verify_steps"], s["proposed"], s["accepted"]]
     assert s["proposed"] > 0 and 0 <= s["accepted"] <= s["proposed"]
-    assert s["verify_steps"] + s["accepted"] == r[2].completion_tokens - 1  # (the first token, then accepted + 1 a step)
+    assert s["verify_steps"] + s["accepted"] == r[2].completion_tokens - 1  # (the first token; a step: accepted + 1)
     if mode == "draft":  # (the twin's guesses are the target's)
         assert s["accepted"] > s["proposed"] // 2 and s["verify_steps"] < r[2].completion_tokens // 2
 

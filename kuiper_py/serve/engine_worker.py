@@ -13,10 +13,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .. import speculative
 from ..errors import KuiperError
 from ..generate import Engine, PrefixCache
 from ..sampling import SamplingParams
-from .. import speculative
 from .metrics import Metrics
 
 
