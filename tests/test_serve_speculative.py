@@ -257,3 +257,29 @@ def test_a_reply_cut_short_inside_a_step_leaves_the_cache_a_prefix_of_it(files):
     assert got[-1].cached_tokens == len(ids + drawn) - 1
     want = list(PrefixCache(Engine.load(files["target"], "cpu"), CTX, warm=False).run(more, 10, greedy))
     assert [r.token for r in got] == [r.token for r in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_server_equals_generate(files, mode):
+    """--device cuda (device machine only): the draft loads and warms its graphs on the GPU; a fresh server's first
+    greedy reply is `kuiper generate`'s with the same flags (the same verify steps on the same kernels), counted
+    alike; seeded sampling gives a valid reply."""
+    extra = ["--lookup", "1"] if mode == "lookup" else ["--draft", str(files["draft"])]
+    r = run_cli("generate", "-m", files["target"], "--device", "cuda", "--json", "-p", "hi hi hi", "--raw", "--temp",
+                "0", "-n", 40, *extra)
+    assert r.returncode == 0, r.stderr
+    want = json.loads(r.stdout)
+    p, url = start_server(files["target"], "--max-context", CTX, "--device", "cuda", "--served-model-name", "tiny",
+                          *extra)
+    try:
+        c = _client(url)
+        got = c.completions.create(model="tiny", prompt="hi hi hi", max_tokens=40, temperature=0)
+        assert got.choices[0].text == want["text"] and got.usage.completion_tokens == len(want["tokens"])
+        s = got.model_extra["kuiper"]["speculative"]
+        assert s["verify_steps"] >= 1 and (mode == "lookup" or s["accepted"] > 0)
+        a = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0.8, seed=4)
+        assert a.choices[0].finish_reason in ("stop", "length") and 1 <= a.usage.completion_tokens <= 20
+        assert _counter(url, "kuiper_spec_decode_num_drafts_total") >= s["verify_steps"]
+    finally:
+        _stop(p)
