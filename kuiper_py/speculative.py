@@ -344,3 +344,28 @@ class SpeculativeChat(Chat):
         finally:
             for f in ("proposed", "accepted", "steps"):
                 setattr(self.total, f, getattr(self.total, f) + getattr(self.stats, f))
+
+
+def run_cached(cache, proposer, ids: list[int], max_tokens: int, params: SamplingParams, k: int = DEFAULT_K,
+               stop: list[str] | None = None, eos_ids: list[int] | None = None,
+               stats: Stats | None = None) -> Iterator[Record]:
+    """generate.PrefixCache.run()'s records drawn speculatively (`kuiper serve --draft/--lookup`): the prompt's
+    prefix the shared cache holds is reused, and the cache is left holding a prefix of prompt + reply, also when the
+    iterator is closed early."""
+    _check_request(cache.engine, ids, max_tokens)
+    if len(ids) > cache.max_context:
+        raise KuiperError(f"prompt of {len(ids)} tokens does not fit the context of {cache.max_context}")
+    keep = min(common_prefix(cache.cached, ids), len(ids) - 1)  # (at least one token gives the logits)
+    cache.model.rewind(keep)
+    cache.cached = ids[:keep]
+    drawn: list[int] = []
+    records = stream(cache.engine, cache.model, proposer, ids, keep, max_tokens, params, k, stop, eos_ids,
+                     stats if stats is not None else Stats())
+    try:
+        for r in records:
+            if r.token is not None:
+                drawn.append(r.token)
+            yield r
+    finally:
+        records.close()  # (first: stream() rewinds the cache past the guesses of a step cut short)
+        cache.cached = (ids + drawn)[:cache.model.pos]

@@ -346,6 +346,11 @@ def _usage(job: Job, r) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _extension(job: Job) -> dict:
+    """kuiper's own response field, which the openai client keeps as an extra: a speculative reply's guesses."""
+    return {} if job.spec_stats is None else {"kuiper": {"speculative": job.spec_stats.as_dict()}}
+
+
 def _chat_logprob(worker: EngineWorker, r) -> dict:
     tok = worker.engine.tokenizer
 
@@ -379,7 +384,7 @@ async def _chat_whole(worker: EngineWorker, job: Job, out: _Output, name: str, r
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": name, "choices": [{"index": 0, "message": msg, "finish_reason": _finish_reason(last, out),
                                         "logprobs": {"content": lps} if job.logprobs is not None else None}],
-            "usage": _usage(job, last)}
+            "usage": _usage(job, last), **_extension(job)}
 
 
 async def _chat_stream(worker: EngineWorker, job: Job, out: _Output, name: str, req: ChatRequest):
@@ -408,7 +413,7 @@ async def _chat_stream(worker: EngineWorker, job: Job, out: _Output, name: str, 
             return
         yield chunk({}, _finish_reason(last, out), lps)
         if usage:
-            yield _sse({**head, "choices": [], "usage": _usage(job, last)})
+            yield _sse({**head, "choices": [], "usage": _usage(job, last), **_extension(job)})
     except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
         yield _sse(ApiError.of(e).body())
     yield "data: [DONE]\n\n"
@@ -435,7 +440,7 @@ async def _completion_whole(worker: EngineWorker, job: Job, name: str, request: 
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": name, "choices": [{"index": 0, "text": text, "logprobs": lp,
                                         "finish_reason": _finish_reason(last)}],
-            "usage": _usage(job, last)}
+            "usage": _usage(job, last), **_extension(job)}
 
 
 async def _completion_stream(worker: EngineWorker, job: Job, name: str, req: CompletionRequest):
@@ -458,7 +463,7 @@ async def _completion_stream(worker: EngineWorker, job: Job, name: str, req: Com
         yield _sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None,
                                          "finish_reason": _finish_reason(last)}]})
         if usage:
-            yield _sse({**head, "choices": [], "usage": _usage(job, last)})
+            yield _sse({**head, "choices": [], "usage": _usage(job, last), **_extension(job)})
     except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream, as vLLM's does
         yield _sse(ApiError.of(e).body())
     yield "data: [DONE]\n\n"

@@ -58,13 +58,32 @@ def _log_config(verbose: bool) -> dict:
               help="The model name the API shows (default: the hub id, else the file's or directory's name).")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(), default=None,
               help="Hugging Face directory with tokenizer.json (for plain v5 files).")
+@click.option("--draft", type=str, default=None,
+              help="Speculative decoding with this smaller model (ak48 file, HF directory or hub id) of the same "
+                   "tokenizer, loaded once on the model's device.")
+@click.option("--lookup", type=int, default=None,
+              help="Speculative decoding by prompt lookup: guess the continuation of the latest earlier occurrence "
+                   "of the last N tokens.")
+@click.option("--draft-tokens", type=int, default=None,
+              help="Tokens guessed per verify step with --draft or --lookup (default 4).")
+@click.option("--max-num-seqs", type=int, default=1, show_default=True,
+              help="Requests stepped together (continuous batching, docs/BATCHING.md; needs a backend that runs "
+                   "several sequences a step: the CPU one today).")
 @click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
-def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, tp, verbose):
+def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, draft, lookup,
+          draft_tokens, max_num_seqs, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
-    Requests run one at a time on one engine thread, queued; SIGINT/SIGTERM stop it cleanly (exit 0)."""
+    Requests run one at a time on one engine thread, queued; SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
+    or --lookup each reply is decoded speculatively (requests asking for logprobs are decoded plainly)."""
+    from ..cli import _check_speculative  # (here: kuiper_py.cli imports this module)
+    draft = _check_speculative(draft, lookup, draft_tokens)
     if max_context is not None and max_context <= 0:
         raise KuiperError(f"--max-context {max_context} must be positive")
+    if max_num_seqs < 1:
+        raise KuiperError(f"--max-num-seqs {max_num_seqs} must be >= 1")
+    if max_num_seqs > 1 and (draft is not None or lookup is not None):
+        raise KuiperError("--max-num-seqs > 1 and speculative decoding (--draft/--lookup) cannot be combined yet")
     if max_queue < 1:
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
@@ -85,7 +104,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         check_tp(mf.args, mf.weights, tp)
     sock = _listen(host, port)
     name = served_model_name or (model if is_hub_id(model) else Path(model).stem)  # (as vLLM: the hub id)
-    worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir, tp=tp)
+    worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir, tp=tp,
+                          max_seqs=max_num_seqs, draft=draft, lookup=lookup, draft_tokens=draft_tokens)
     app = create_app(worker, name)
     config = uvicorn.Config(app, log_config=_log_config(verbose), timeout_graceful_shutdown=30,
                             timeout_keep_alive=5)
@@ -125,6 +145,8 @@ def _announce_ready(worker, host: str, port: int) -> None:
 
     def wait():
         worker.ready.wait()
+        spec = "" if worker.proposer is None else f", speculative: {worker.draft_tokens} guesses per step by " + (
+            f"prompt lookup of {worker.lookup} tokens" if worker.lookup else f"the draft {Path(worker.draft).name}")
         click.echo(f"kuiper serve: ready on http://{host}:{port} ({worker.engine.device}, context "
-                   f"{worker.max_context} tokens)", err=True)
+                   f"{worker.max_context} tokens{spec})", err=True)
     threading.Thread(target=wait, daemon=True).start()

@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .. import speculative
 from ..errors import KuiperError
 from ..generate import Engine, PrefixCache, ops_class
 from ..sampling import SamplingParams
@@ -41,15 +42,19 @@ class Job:
     queue: object = None  # where the HTTP side reads emit's items (an asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    spec_stats: speculative.Stats | None = None  # (set when the job is drawn speculatively) its guesses counted
 
 
 class EngineWorker:
     def __init__(self, model: str, device: str, max_context: int | None, max_queue: int, metrics: Metrics,
-                 tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1, max_seqs: int = 1):
+                 tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1, max_seqs: int = 1,
+                 draft: str | None = None, lookup: int | None = None, draft_tokens: int | None = None):
         self.model_path, self.device, self.want_context, self.tp = model, device, max_context, tp
         self.max_seqs = max_seqs
         self.batch = None  # the BatchEngine, where batching is on (max_seqs > 1 and the backend runs several)
         self.active: list[_Live] = []  # (batching) the jobs being stepped
+        self.draft, self.lookup, self.draft_tokens = draft, lookup, draft_tokens or speculative.DEFAULT_K
+        self.proposer = None  # (--draft or --lookup) what guesses each request's tokens
         self.tokenizer_dir, self.warm, self.metrics = tokenizer_dir, warm, metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.engine: Engine | None = None
@@ -104,6 +109,29 @@ class EngineWorker:
         else:
             self.cache = PrefixCache(eng, ctx, warm=self.warm)
         self.engine, self.max_context = eng, ctx
+        self.proposer = self._load_proposer(eng, ctx)
+
+    def _load_proposer(self, eng: Engine, ctx: int):
+        """--draft or --lookup's proposer (None: plain decoding); a draft is loaded on the model's device, its
+        vocabulary checked, its cache sized to the context and (CUDA) its graphs captured."""
+        p = speculative.proposer(eng, self.draft, self.lookup, self.tokenizer_dir)
+        if isinstance(p, speculative.Draft):
+            p.start(ctx)
+            if self.warm:
+                p.model.warm_prefill_graphs()
+                p.model.warm_decode_graphs(eng.n_valid_tokens)
+        return p
+
+    def _records(self, job: Job):
+        """The job's records: drawn speculatively when the server proposes and the request needs nothing that
+        speculative decoding lacks (logprobs: those requests are decoded plainly)."""
+        if self.proposer is None or job.logprobs is not None:
+            if self.proposer is not None:
+                self.metrics.spec_fallbacks.inc()
+            return self.cache.run(job.ids, job.max_tokens, job.params, job.stop, job.eos_ids, job.logprobs)
+        job.spec_stats = speculative.Stats()
+        return speculative.run_cached(self.cache, self.proposer, job.ids, job.max_tokens, job.params,
+                                      self.draft_tokens, job.stop, job.eos_ids, job.spec_stats)
 
     def _main(self) -> None:
         try:
@@ -136,7 +164,7 @@ class EngineWorker:
         m = self.metrics
         m.running.inc()
         last_t, last = None, None
-        it = self.cache.run(job.ids, job.max_tokens, job.params, job.stop, job.eos_ids, job.logprobs)
+        it = self._records(job)
         try:
             for r in it:
                 now = time.perf_counter()
@@ -165,6 +193,8 @@ class EngineWorker:
                 m.cached_tokens.inc(last.cached_tokens)
                 m.generation_tokens.inc(last.gen_tokens)
                 m.e2e.observe(time.perf_counter() - job.arrived)
+            if job.spec_stats is not None:
+                m.count_speculative(job.spec_stats)
             _safe(job.emit, None)
 
     def _batch_loop(self) -> None:

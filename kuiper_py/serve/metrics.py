@@ -31,6 +31,22 @@ class Metrics:
         self.running = Gauge("kuiper_num_requests_running", "Requests the engine is generating", registry=r)
         self.cancelled = Counter("kuiper_requests_cancelled", "Generations cut short by a client that left",
                                  registry=r)
+        # speculative decoding (--draft, --lookup), as vLLM's spec_decode counters
+        self.spec_drafts = Counter("kuiper_spec_decode_num_drafts", "Verify steps of speculative decoding",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("kuiper_spec_decode_num_draft_tokens", "Tokens proposed (guessed)",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("kuiper_spec_decode_num_accepted_tokens",
+                                            "Proposed tokens the model accepted", registry=r)
+        self.spec_fallbacks = Counter("kuiper_spec_decode_plain_requests",
+                                      "Requests decoded plainly on a speculative server (they asked for logprobs)",
+                                      registry=r)
+
+    def count_speculative(self, stats) -> None:
+        """A finished request's speculative.Stats added to the counters."""
+        self.spec_drafts.inc(stats.steps)
+        self.spec_draft_tokens.inc(stats.proposed)
+        self.spec_accepted_tokens.inc(stats.accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
