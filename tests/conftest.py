@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from kuiper_py import synth
-from kuiper_py.export import export
+# On a small host (CI's 2 cores) one BLAS / OpenMP thread per process, set before NumPy and torch load and inherited by
+# the CLI and server subprocesses: the test models are tiny, and a thread per core in each of the test process and its
+# subprocesses oversubscribes the host, where OpenBLAS's spinning threads made each lm_head product ~5x slower. A value
+# already in the environment (or -t/--threads in a CLI test) wins.
+if (os.cpu_count() or 1) <= 4:
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+from kuiper_py import synth  # noqa: E402 (after the thread settings)
+from kuiper_py.export import export  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
