@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic checkpoints (built once per session) and their exported ak48 files."""
+"""Shared fixtures: synthetic checkpoints (built once per session: tiny_dir, untied_dir, moe_dir) and their exported ak48
+files (tiny_bin, untied_bin, moe_bin). Tests read them; a test that damages one works on copy_ckpt's copy."""
 import os
 import shutil
 import subprocess
@@ -78,6 +79,12 @@ def untied_dir(ckpt_root):
 
 
 @pytest.fixture(scope="session")
+def moe_dir(ckpt_root):
+    """Qwen3-MoE (tiny-moe: every layer sparse, 8 experts, 2 per token), 2 shards."""
+    return synth.make_checkpoint(ckpt_root / "moe", "tiny-moe", seed=11, n_shards=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_bin(tiny_dir, ckpt_root):
     out = ckpt_root / "tiny.bin"
     export(tiny_dir, out, progress=False, log=lambda m: None)
@@ -88,6 +95,13 @@ def tiny_bin(tiny_dir, ckpt_root):
 def untied_bin(untied_dir, ckpt_root):
     out = ckpt_root / "untied.bin"
     export(untied_dir, out, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_bin(moe_dir, ckpt_root):
+    out = ckpt_root / "moe.bin"
+    export(moe_dir, out, progress=False, log=lambda m: None)
     return out
 
 

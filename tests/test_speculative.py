@@ -30,9 +30,9 @@ def spec_files(d, files) -> dict:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return spec_files(tmp_path_factory.mktemp("spec"), (("dense", "tiny", 11), ("moe", "tiny-moe", 12),
-                                                        ("other", "tiny", 13)))
+def files(tiny_bin, moe_bin, untied_bin):
+    """The session's files: a dense and an MoE target, and a random draft of another shape (tiny-untied)."""
+    return {"dense": tiny_bin, "moe": moe_bin, "other": untied_bin}
 
 
 @pytest.fixture(scope="module")
