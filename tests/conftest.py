@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic checkpoints (built once per session) and their exported ak48 files."""
+"""Shared fixtures: synthetic checkpoints (built once per session: tiny_dir, untied_dir, moe_dir) and their exported ak48
+files (tiny_bin, untied_bin, moe_bin). Tests read them; a test that damages one works on copy_ckpt's copy."""
 import os
 import shutil
 import subprocess
@@ -7,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kuiper_py import synth
-from kuiper_py.export import export
+# On a small host (CI's 2 cores) one BLAS / OpenMP thread per process, set before NumPy and torch load and inherited by
+# the CLI and server subprocesses: the test models are tiny, and a thread per core in each of the test process and its
+# subprocesses oversubscribes the host, where OpenBLAS's spinning threads made each lm_head product ~5x slower. A value
+# already in the environment (or -t/--threads in a CLI test) wins.
+if (os.cpu_count() or 1) <= 4:
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+from kuiper_py import synth  # noqa: E402 (after the thread settings)
+from kuiper_py.export import export  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,6 +79,12 @@ def untied_dir(ckpt_root):
 
 
 @pytest.fixture(scope="session")
+def moe_dir(ckpt_root):
+    """Qwen3-MoE (tiny-moe: every layer sparse, 8 experts, 2 per token), 2 shards."""
+    return synth.make_checkpoint(ckpt_root / "moe", "tiny-moe", seed=11, n_shards=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_bin(tiny_dir, ckpt_root):
     out = ckpt_root / "tiny.bin"
     export(tiny_dir, out, progress=False, log=lambda m: None)
@@ -80,6 +95,13 @@ def tiny_bin(tiny_dir, ckpt_root):
 def untied_bin(untied_dir, ckpt_root):
     out = ckpt_root / "untied.bin"
     export(untied_dir, out, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_bin(moe_dir, ckpt_root):
+    out = ckpt_root / "moe.bin"
+    export(moe_dir, out, progress=False, log=lambda m: None)
     return out
 
 

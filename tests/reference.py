@@ -1,9 +1,19 @@
 """Independent references for the tests: AWQ unpacking written differently, and the HF oracle."""
+import functools
 import json
 
 import numpy as np
 
 from kuiper_py.sampling import SamplingParams
+
+
+@functools.lru_cache(maxsize=None)
+def reference_engine(path):
+    """A CPU Engine for the model file at path, loaded once per test process (its tokenizer takes ~0.4 s to parse):
+    for references only, never the engine a test checks. generate() starts each request of it at position 0, so its
+    output is a fresh session's."""
+    from kuiper_py.generate import Engine
+    return Engine.load(path, "cpu")
 
 
 def tune(monkeypatch, **changes):

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, run_cli
 from kuiper_py.generate import Chat, Engine, common_prefix, generate
 from kuiper_py.sampling import SamplingParams
+from reference import reference_engine
 
 GREEDY = SamplingParams(temperature=0.0)
 WORDS = ["sea", "stone", "river", "cloud", "lamp", "garden", "winter", "bridge", "violin", "harbour", "maple"]
@@ -33,8 +34,7 @@ def _spy_prefills(chat):
 
 def _fresh_reply(binf, ids, n):
     """What a new CPU session replies to the whole rendered conversation: (tokens, text)."""
-    eng = Engine.load(binf, "cpu")
-    recs = list(generate(eng, ids, n, GREEDY, max_context=len(ids) + n))
+    recs = list(generate(reference_engine(binf), ids, n, GREEDY, max_context=len(ids) + n))
     return recs[-1].tokens, "".join(r.text for r in recs)
 
 
@@ -235,11 +235,11 @@ def test_prefix_cache_serves_unrelated_requests_as_fresh_generations(tiny_bin):
     c = [40, 1079, 264]  # unrelated
     for ids, cached in ((b, len(a) + 3), (c, 0), (c + [13], 3), (c[:2], 1)):
         got = list(pc.run(ids, 5, p))
-        fresh = list(generate(Engine.load(tiny_bin, "cpu"), ids, 5, p))
+        fresh = list(generate(reference_engine(tiny_bin), ids, 5, p))
         assert [r.token for r in got] == [r.token for r in fresh] and got[-1].text == fresh[-1].text
         assert got[-1].cached_tokens == cached and got[-1].prompt_tokens == len(ids) - cached
     it = pc.run(a, 20, p)  # a consumer that leaves early leaves the cache consistent
     next(it), next(it)
     it.close()
     got = list(pc.run(a + [11], 4, p))
-    assert [r.token for r in got] == [r.token for r in generate(Engine.load(tiny_bin, "cpu"), a + [11], 4, p)]
+    assert [r.token for r in got] == [r.token for r in generate(reference_engine(tiny_bin), a + [11], 4, p)]

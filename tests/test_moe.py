@@ -20,6 +20,8 @@ PROMPT = [785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 374]
 
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])
 def moe(request, tmp_path_factory):
+    if request.param == "tiny-moe":  # (the session's, shared with other files)
+        return request.getfixturevalue("moe_dir"), request.getfixturevalue("moe_bin")
     root = tmp_path_factory.mktemp(request.param)
     d = synth.make_checkpoint(root / "ck", request.param, seed=11, n_shards=2, tokenizer=False)
     export(d, root / "m.bin", progress=False, log=lambda m: None)

@@ -30,9 +30,9 @@ def spec_files(d, files) -> dict:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return spec_files(tmp_path_factory.mktemp("spec"), (("dense", "tiny", 11), ("moe", "tiny-moe", 12),
-                                                        ("other", "tiny", 13)))
+def files(tiny_bin, moe_bin, untied_bin):
+    """The session's files: a dense and an MoE target, and a random draft of another shape (tiny-untied)."""
+    return {"dense": tiny_bin, "moe": moe_bin, "other": untied_bin}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,20 @@ def engines(files):
 def _records(recs):
     recs = list(recs)
     return [(r.token, r.text, r.finish_reason) for r in recs], recs[-1].tokens
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    """plain(target, ids, n, params, **options): plain generate()'s records on engines[target], each request decoded
+    once per module (the greedy tests ask for the same reference at every K)."""
+    memo = {}
+
+    def get(target, ids, n, params, **kw):
+        key = (target, tuple(ids), n, repr(params), repr(sorted(kw.items())))
+        if key not in memo:
+            memo[key] = _records(generate(engines[target], ids, n, params, **kw))
+        return memo[key]
+    return get
 
 
 def _prompt(eng, text="one two three one two three one two"):
@@ -63,12 +77,12 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.mark.parametrize("target", ["dense", "moe"])
 @pytest.mark.parametrize("kind", ["draft", "self", "lookup"])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_equals_plain(engines, target, kind, k):
+def test_greedy_equals_plain(engines, plain, target, kind, k):
     """A random draft (rejections), the target itself as draft (acceptances) and prompt lookup: the records equal
     plain greedy decoding's."""
     eng = engines[target]
     ids = _prompt(eng)
-    want = _records(generate(eng, ids, 40, GREEDY))
+    want = plain(target, ids, 40, GREEDY)
     stats = spec.Stats()
     got = _records(spec.generate(eng, _proposer(kind, engines, target), ids, 40, GREEDY, k=k, stats=stats))
     assert got == want
@@ -91,13 +105,13 @@ def test_greedy_with_penalties_equals_plain(engines, target):
 
 @pytest.mark.parametrize("target", ["dense", "moe"])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_at_the_context_limit(engines, target, k):
+def test_greedy_at_the_context_limit(engines, plain, target, k):
     """The last steps before --max-context shrink K: the same tokens and the 'context' finish as plain decoding."""
     eng = engines[target]
     ids = _prompt(eng)
     for extra in (1, 2, 9):
         ctx = len(ids) + extra
-        want = _records(generate(eng, ids, 50, GREEDY, max_context=ctx))
+        want = plain(target, ids, 50, GREEDY, max_context=ctx)
         assert want[0][-1][2] == "context"
         for kind in ("self", "lookup"):
             got = _records(spec.generate(eng, _proposer(kind, engines, target), ids, 50, GREEDY, k=k, max_context=ctx))
@@ -105,15 +119,15 @@ def test_greedy_at_the_context_limit(engines, target, k):
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_with_stop_strings_and_eos(engines, k):
+def test_greedy_with_stop_strings_and_eos(engines, plain, k):
     eng = engines["dense"]
     ids = _prompt(eng)
-    plain, toks = _records(generate(eng, ids, 30, GREEDY))
-    text = "".join(t for _, t, _ in plain)
+    recs, toks = plain("dense", ids, 30, GREEDY)
+    text = "".join(t for _, t, _ in recs)
     stop = text[len(text) // 2:len(text) // 2 + 3]
     eos = [toks[len(toks) // 2]]
     for kw in (dict(stop=[stop]), dict(eos_ids=eos), dict(stop=["\x00never"], eos_ids=eos)):
-        want = _records(generate(eng, ids, 30, GREEDY, **kw))
+        want = plain("dense", ids, 30, GREEDY, **kw)
         assert want[0][-1][2] == "stop"
         for kind in ("self", "lookup", "draft"):
             assert _records(spec.generate(eng, _proposer(kind, engines, "dense"), ids, 30, GREEDY, k=k, **kw)) == want
