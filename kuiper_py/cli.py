@@ -679,6 +679,8 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp,
     _check_bench_sizes(n_prompt, n_gen, _model_header(model))
     if batches is not None and min(batches) < 1:
         raise KuiperError(f"--batch {','.join(map(str, batches))} must list sequence counts >= 1")
+    if batches is not None and max(batches) > 1 and tp > 1:
+        raise KuiperError(f"--batch above 1 and --tp {tp} cannot be combined yet")
     from .bench import batch_rows, bench_rows, load_engine, render_end, render_row
     eng = load_engine(model, n_prompt, n_gen, device, tp)
     tty = sys.stderr.isatty()

@@ -231,3 +231,19 @@ def test_an_error_in_one_rank_ends_every_rank():
     with pytest.raises(KuiperError, match="rank 2 failed"):
         g.run(body)
     assert g.run(lambda r: g.comm(r).all_reduce_sum(np.ones(2, np.float32)).tolist()) == [[3.0, 3.0]] * 3
+
+
+def test_combinations_not_served_yet_are_refused_in_one_line(files):
+    """--tp above 1 with batching (bench --batch, serve --max-num-seqs), batching with speculation, a GPU --tp and
+    batching on a backend that runs one sequence a step: each one line before anything loads or listens."""
+    _, path = files["dense"]
+    one_error_line(run_cli("bench", "-m", path, "--device", "cpu", "-p", "4", "-n", "2", "--batch", "2", "--tp", "2"),
+                   "--batch", "--tp 2")
+    one_error_line(run_cli("serve", "-m", path, "--device", "cpu", "--port", "0", "--max-num-seqs", "2", "--tp", "2"),
+                   "--max-num-seqs", "--tp 2")
+    one_error_line(run_cli("serve", "-m", path, "--device", "cpu", "--port", "0", "--max-num-seqs", "2",
+                           "--lookup", "2"), "--max-num-seqs", "speculative")
+    r = run_cli("serve", "-m", path, "--device", "cuda", "--port", "0", "--tp", "2")
+    one_error_line(r, "--tp 2")
+    r = run_cli("serve", "-m", path, "--device", "cuda", "--port", "0", "--max-num-seqs", "2")
+    one_error_line(r)

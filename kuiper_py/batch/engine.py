@@ -73,6 +73,8 @@ class BatchEngine:
         cfg = config or BatchConfig()
         args = engine.file.args
         self.engine, self.cfg = engine, cfg
+        if engine.tp > 1:
+            raise KuiperError(f"batching several sequences and --tp {engine.tp} cannot be combined yet")
         self.max_context = cfg.max_context or args.max_position_embeddings
         if not 0 < self.max_context <= args.max_position_embeddings:
             raise KuiperError(f"--max-context {self.max_context} must be in 1..{args.max_position_embeddings}")

@@ -67,6 +67,18 @@ def group():
         nccl.groupEnd()
 
 
+def _on_device(method):
+    """Run a collective with its communicator's GPU current: in one process driving several GPUs, rank r's buffers
+    must be made on rank r's device, whichever device the caller left current."""
+    import functools
+
+    @functools.wraps(method)
+    def run(self, *a, **k):
+        with self.device:
+            return method(self, *a, **k)
+    return run
+
+
 class NcclCommunicator:
     """comm.Communicator of one GPU rank (rank r uses device r unless told otherwise)."""
 
@@ -94,6 +106,7 @@ class NcclCommunicator:
     def _stream_ptr(self) -> int:
         return (self.stream or cp.cuda.get_current_stream()).ptr
 
+    @_on_device
     def all_reduce_sum(self, x):
         x = cp.ascontiguousarray(x)
         out = cp.empty_like(x)
@@ -101,6 +114,7 @@ class NcclCommunicator:
                              self._stream_ptr())
         return out
 
+    @_on_device
     def all_gather(self, x, axis: int = -1):
         """Every rank's x (the same shape on each) concatenated along axis in rank order."""
         x = cp.ascontiguousarray(x)
@@ -108,6 +122,7 @@ class NcclCommunicator:
         self._comm.allGather(x.data.ptr, buf.data.ptr, x.size, _datatype(x.dtype), self._stream_ptr())
         return cp.concatenate(list(buf), axis=axis)
 
+    @_on_device
     def argmax(self, local, offset: int) -> int:
         """Each rank's best (value, id) gathered as float64 pairs (ids exact), the best of them on the device; ties go
         to the lower id."""
@@ -117,6 +132,7 @@ class NcclCommunicator:
         best = pairs[:, 0] == pairs[:, 0].max()
         return int(cp.where(best, pairs[:, 1], cp.inf).min())
 
+    @_on_device
     def barrier(self) -> None:
         self.all_reduce_sum(cp.zeros(1, dtype=cp.float32))
         (self.stream or cp.cuda.get_current_stream()).synchronize()

@@ -74,7 +74,8 @@ def _log_config(verbose: bool) -> dict:
 def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, draft, lookup,
           draft_tokens, max_num_seqs, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
-    Requests run one at a time on one engine thread, queued; SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
+    Requests run on one engine thread, queued: one at a time, or up to --max-num-seqs stepped together on a backend
+    that runs several sequences a step (the CPU one today); SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
     or --lookup each reply is decoded speculatively (requests asking for logprobs are decoded plainly)."""
     from ..cli import _check_speculative  # (here: kuiper_py.cli imports this module)
     draft = _check_speculative(draft, lookup, draft_tokens)
@@ -84,6 +85,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError(f"--max-num-seqs {max_num_seqs} must be >= 1")
     if max_num_seqs > 1 and (draft is not None or lookup is not None):
         raise KuiperError("--max-num-seqs > 1 and speculative decoding (--draft/--lookup) cannot be combined yet")
+    if max_num_seqs > 1 and tp > 1:
+        raise KuiperError(f"--max-num-seqs > 1 and --tp {tp} cannot be combined yet")
     if max_queue < 1:
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
@@ -97,11 +100,15 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     from .metrics import Metrics
 
     path = resolve_model(model)  # (before listening: an export's progress and errors come first)
-    if tp != 1:  # (a --tp the model's shapes refuse, before listening too)
+    from ..generate import ops_class, pick_device
+    dev = pick_device(device)  # (before listening too: what this device cannot run)
+    if max_num_seqs > 1 and ops_class(dev).max_batch < 2:
+        raise KuiperError(f"--max-num-seqs {max_num_seqs}: the {dev} backend runs one sequence a step (batching "
+                          f"runs on the CPU backend today)")
+    if tp != 1:  # (a --tp the model's shapes or the device refuse)
         from ..loader import load
-        from ..parallel.shard import check_tp
-        mf = load(path)
-        check_tp(mf.args, mf.weights, tp)
+        from ..parallel.group import check_request
+        check_request(load(path), tp, dev)
     sock = _listen(host, port)
     name = served_model_name or (model if is_hub_id(model) else Path(model).stem)  # (as vLLM: the hub id)
     worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir, tp=tp,

@@ -214,6 +214,7 @@ class EngineWorker:
                 traceback.print_exc(file=sys.stderr)
                 for live in self.active:
                     live.handle.cancel()
+                    live.handle.take()  # (records drawn before the failure are not sent after the error)
                     _safe(live.job.emit, e)
                 self.batch.step()  # (the cancelled requests leave, their blocks back in the pool)
             for live in list(self.active):
@@ -230,7 +231,9 @@ class EngineWorker:
             if job is None:
                 for live in self.active:
                     live.job.cancelled.set()
+                    _safe(live.job.emit, ShuttingDown())
                     _safe(live.job.emit, None)
+                    self.metrics.running.dec()
                 return False
             if job.cancelled.is_set():
                 if not self.accepting:
