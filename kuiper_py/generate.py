@@ -396,6 +396,14 @@ class PrefixCache:
             eos_ids: list[int] | None = None, logprobs: int | None = None) -> Iterator[Record]:
         """generate()'s records for prompt ids on the shared cache; closing the iterator early (a cancelled
         request) leaves the cache consistent. Record.cached_tokens tells how much of the prompt was reused."""
+        return self.serve(ids, max_tokens, lambda keep: _stream(self.engine, self.model, ids, keep, max_tokens, params,
+                                                                stop, eos_ids, logprobs=logprobs))
+
+    def serve(self, ids: list[int], max_tokens: int, records_from) -> Iterator[Record]:
+        """The records records_from(keep) yields for prompt ids, keep being the prefix of ids the cache already holds
+        (model.pos == keep when it is called): run()'s loop, and speculative.run_cached's. Closed early, the inner
+        records are closed first (their cleanup may take back a step queued ahead, or a verify step's guesses), then
+        the cache is recorded as holding what the model holds."""
         _check_request(self.engine, ids, max_tokens)
         if len(ids) > self.max_context:
             raise KuiperError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_context}")
@@ -403,12 +411,13 @@ class PrefixCache:
         self.model.rewind(keep)
         self.cached = ids[:keep]
         drawn: list[int] = []
+        records = records_from(keep)
         try:
-            for r in _stream(self.engine, self.model, ids, keep, max_tokens, params, stop, eos_ids,
-                             logprobs=logprobs):
+            for r in records:
                 if r.token is not None:
                     drawn.append(r.token)
                 yield r
         finally:
+            records.close()
             # the prompt, then the reply's tokens that were fed back (not its last)
             self.cached = (ids + drawn)[:self.model.pos]

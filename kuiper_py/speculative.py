@@ -296,9 +296,8 @@ def stream(engine, model: Qwen3, proposer, prompt_ids, cached: int, max_tokens, 
     if max_tokens == 0:
         yield rec(None, "", "length")
         return
-    first = model.ops.to_host(logits)[None]
-    drawn = verify(np.argmax(first[:, :n_valid], axis=1) if plain_greedy(params) else first, [], None, params, seq, [],
-                   n_valid, rng)
+    first = model.ops.argmax_rows(logits[None], n_valid) if plain_greedy(params) else model.ops.to_host(logits)[None]
+    drawn = verify(first, [], None, params, seq, [], n_valid, rng)
     try:
         while True:
             for j, tok in enumerate(drawn):
@@ -351,21 +350,7 @@ def run_cached(cache, proposer, ids: list[int], max_tokens: int, params: Samplin
                stats: Stats | None = None) -> Iterator[Record]:
     """generate.PrefixCache.run()'s records drawn speculatively (`kuiper serve --draft/--lookup`): the prompt's
     prefix the shared cache holds is reused, and the cache is left holding a prefix of prompt + reply, also when the
-    iterator is closed early."""
-    _check_request(cache.engine, ids, max_tokens)
-    if len(ids) > cache.max_context:
-        raise KuiperError(f"prompt of {len(ids)} tokens does not fit the context of {cache.max_context}")
-    keep = min(common_prefix(cache.cached, ids), len(ids) - 1)  # (at least one token gives the logits)
-    cache.model.rewind(keep)
-    cache.cached = ids[:keep]
-    drawn: list[int] = []
-    records = stream(cache.engine, cache.model, proposer, ids, keep, max_tokens, params, k, stop, eos_ids,
-                     stats if stats is not None else Stats())
-    try:
-        for r in records:
-            if r.token is not None:
-                drawn.append(r.token)
-            yield r
-    finally:
-        records.close()  # (first: stream() rewinds the cache past the guesses of a step cut short)
-        cache.cached = (ids + drawn)[:cache.model.pos]
+    iterator is closed early (PrefixCache.serve)."""
+    stats = stats if stats is not None else Stats()
+    return cache.serve(ids, max_tokens, lambda keep: stream(cache.engine, cache.model, proposer, ids, keep, max_tokens,
+                                                            params, k, stop, eos_ids, stats))

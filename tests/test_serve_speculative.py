@@ -10,7 +10,6 @@ second export of the target's checkpoint (its own file and cache, the same weigh
 several tokens per step, up to a stop string, max_tokens or the context's end inside a step."""
 import json
 import re
-import shutil
 import signal
 
 import httpx
@@ -19,11 +18,10 @@ import pytest
 
 from conftest import run_cli
 from kuiper_py import speculative
-from kuiper_py.export import export
 from kuiper_py.generate import Engine, PrefixCache
 from kuiper_py.sampling import SamplingParams
 from test_serve import NO_THINK, start_server
-from test_speculative import spec_files
+from test_speculative import other_tokenizer_file, spec_files
 
 CTX = 128
 MODES = ("lookup", "draft")
@@ -226,14 +224,7 @@ def test_flag_errors_and_a_draft_of_another_vocabulary_are_one_line(files, tiny_
         r = run_cli("serve", "-m", files["target"], "--port", 0, "--device", "cpu", *extra, timeout=60)
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("kuiper: error:"), r.stderr
         assert msg in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
-    ck = tmp_path / "ck"
-    shutil.copytree(tiny_dir, ck)
-    tj = json.loads((ck / "tokenizer.json").read_text())
-    tj["added_tokens"].append({**tj["added_tokens"][-1], "id": tj["added_tokens"][-1]["id"] + 1,
-                               "content": "<|kuiper_extra|>"})
-    (ck / "tokenizer.json").write_text(json.dumps(tj))
-    other = tmp_path / "other_tok.bin"
-    export(ck, other, progress=False, log=lambda m: None)
+    other = other_tokenizer_file(tiny_dir, tmp_path)
     r = run_cli("serve", "-m", files["target"], "--port", 0, "--device", "cpu", "--draft", other, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
     last = r.stderr.strip().splitlines()[-1]

@@ -274,7 +274,8 @@ def test_cli_rejects_bad_speculative_flags(files, tmp_path):
         assert r.stderr.strip().splitlines()[-1].startswith("kuiper: error:") and msg in r.stderr
 
 
-def test_cli_draft_with_another_tokenizer_is_one_error_line(files, tiny_dir, tmp_path):
+def other_tokenizer_file(tiny_dir, tmp_path):
+    """The tiny checkpoint exported with one more added token: a draft whose tokenizer differs from the target's."""
     ck = tmp_path / "ck"
     shutil.copytree(tiny_dir, ck)
     tj = json.loads((ck / "tokenizer.json").read_text())
@@ -283,6 +284,11 @@ def test_cli_draft_with_another_tokenizer_is_one_error_line(files, tiny_dir, tmp
     (ck / "tokenizer.json").write_text(json.dumps(tj))
     other = tmp_path / "other_tok.bin"
     export(ck, other, progress=False, log=lambda m: None)
+    return other
+
+
+def test_cli_draft_with_another_tokenizer_is_one_error_line(files, tiny_dir, tmp_path):
+    other = other_tokenizer_file(tiny_dir, tmp_path)
     r = run_cli("generate", "-m", files["dense"], "-p", "hi", "-n", "4", "--device", "cpu", "--draft", other)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("kuiper: error: --draft") and "tokenizer" in r.stderr
