@@ -225,9 +225,7 @@ __device__ __forceinline__ void attn_split_mma(uint4* stage, const half* q_sm, i
     attn_merge_warps<HD, HB>(sm_ml, o_at, (nk + 15) >> 4, dst, tid);  // (warp 0 always saw keys)
 }
 
-#ifndef ATTN_LONG_PRE
-#define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (1: the second after it, +1.5-2.6%; A/B)
-#endif
+#define ATTN_LONG_PRE 2  // tiles of a long split copied before the PDL wait (docs/PERFORMANCE.md)
 
 // The long path's copies of tile i's rows into buf (one of two tile buffers [ATTN_LONG_TILE][SRW]): warp
 // `warp` copies only the 16 keys it reads itself, so a warp's cp.async group and __syncwarp order them
@@ -283,10 +281,6 @@ __device__ __forceinline__ void attn_split_mma_long(uint4* buf0, uint4* buf1, co
     if (mine_new) {
         attn_long_copy<HD, HB>(kl_new < T ? buf0 : buf1, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, kl_new / T, warp,
                                lane, 2);
-        cp_async_commit();
-    }
-    if (ATTN_LONG_PRE < 2) {  // the second tile, every key
-        attn_long_copy<HD, HB>(buf1, Kc, Vc, rs, kvh, k_begin, k_end, n_keys, 1, warp, lane, 1);
         cp_async_commit();
     }
     // q^T as B fragments (dims 16ks.. of head g; heads past HB are zero columns)

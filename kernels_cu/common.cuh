@@ -199,24 +199,10 @@ __device__ __forceinline__ u32 cl_map(u32 addr, u32 rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
-__device__ __forceinline__ float cl_ld(u32 a) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint4 cl_ld16(u32 a) {
-    uint4 v;
-    asm volatile("ld.shared::cluster.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(a) : "memory");
-    return v;
-}
-// release our writes (shared and global) to the cluster / acquire the others'
-__device__ __forceinline__ void cl_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 // arrive without ordering memory: for a block whose reads of the others' shared memory have completed
 // (their values consumed) and that has loads in flight a release would wait for
 __device__ __forceinline__ void cl_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cl_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
 // Fire-and-forget stores into block `addr`'s cluster peer (a cl_map address), each completing its bytes on the
 // receiver's mbarrier `bar` (also cl_map'd): a cluster exchange with no barrier or fence on the sender's path.
 __device__ __forceinline__ void st_async_f32(u32 addr, float v, u32 bar) {

@@ -8,13 +8,13 @@
 // with a prologue of their own (docs/PERFORMANCE.md: ~4 µs of a layer's 57 at Qwen3-8B). Here a
 // cluster owns 256 intermediate channels end to end: block b of its CL blocks takes rows
 // [b D/CL, (b+1) D/CL) of the channels' gate and up columns, the cluster sums the partials through
-// distributed shared memory (a cluster barrier, not a grid one), and then block b takes the 256
+// distributed shared memory (no grid-wide step), and then block b takes the 256
 // channels' rows of down for its D/CL output columns and adds them into the fixed-point accumulator
 // (common.cuh) that the next layer's q|k|v GEMV finishes. Only the clusters' own blocks wait on each
 // other; no block waits on the grid. Measured on H100: the Qwen3-8B step 1-1.5% shorter; the
 // hand-off still costs ~2.7 µs after a cluster's slowest block, and the driver places 4 blocks on some SMs
 // next to empty ones. The cluster's exchange is by pushes into each block's receive slots on an
-// mbarrier rather than through the cluster barrier (FfnPush below). Where the
+// mbarrier (FfnPush below). Where the
 // grid needs 3 or 4 blocks per SM (Qwen3-8B, 14B and 32B on 132 SMs), the host runs the form without a
 // cluster launch instead: registers for only that many blocks per SM spread it evenly, and a tile's blocks
 // exchange through global memory (FfnSlots below).
@@ -156,46 +156,18 @@ __device__ __forceinline__ float2 ffn_block_gu(const float (&a8)[8], int xexp, f
     return make_float2(sg, su);
 }
 
-// ffn_block_gu's sums to part (read by the cluster).
-__device__ __forceinline__ void ffn_part_sums(const float (&a8)[8], int xexp, float (*red)[FFN_CH + FFN_CH / 32],
-                                              float (*part)[FFN_CH]) {
-    const float2 v = ffn_block_gu(a8, xexp, red);
-    part[0][threadIdx.x] = v.x;
-    part[1][threadIdx.x] = v.y;
-}
-
 // SwiGLU rounded to fp16 of the cluster's gate and up sums sg, su of a channel, from the spans' summed
-// squares ss (inv: the row's 1/rms). Both exchanges end here, so they give the same bits.
+// squares ss (inv: the row's 1/rms). Every exchange ends here, so they give the same bits.
 __device__ __forceinline__ float ffn_swiglu(float ss, float sg, float su, int D, float eps, float& inv) {
     inv = rsqrtf(ss / D + eps);
     const float gg = sg * inv, uu = su * inv;
     return __half2float(__float2half(gg / (1.f + __expf(-gg)) * uu));
 }
 
-// After the cluster barrier: the cluster's gate and up sums of channel tid and its spans' sums of
-// squares, added in rank order (the same bits in every block), the 1/rms, SwiGLU rounded to fp16.
-template <int CL>
-__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps, float& inv) {
-    const int tid = threadIdx.x;
-    float ss = 0.f, sg = 0.f, su = 0.f;
-#pragma unroll 4  // (fully unrolled, CL = 8 spills: down's first step is held in registers meanwhile)
-    for (int r = 0; r < CL; ++r) {
-        ss += cl_ld(cl_map(smem_u32(&misc[2 * FFN_WARPS]), r));
-        sg += cl_ld(cl_map(smem_u32(&part[0][tid]), r));
-        su += cl_ld(cl_map(smem_u32(&part[1][tid]), r));
-    }
-    return ffn_swiglu(ss, sg, su, D, eps, inv);
-}
-template <int CL>
-__device__ __forceinline__ float ffn_cluster_swiglu(float (*part)[FFN_CH], float* misc, int D, float eps) {
-    float inv;
-    return ffn_cluster_swiglu<CL>(part, misc, D, eps, inv);
-}
-
 // ---- the exchange by pushes (ffn_decode and moe_ffn_decode <CL, TB, FFN_XCH_PUSH>;
 // docs/PERFORMANCE.md) ----
-// Why: the cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
-// operation of the thread to be visible GPU-wide, and the sums are then read back by DSMEM round trips.
+// Why: a cluster barrier's release arrive compiles to MEMBAR.ALL.GPU, a wait for every memory
+// operation of the thread to be visible GPU-wide, and the sums would then be read back by DSMEM round trips.
 // Here each block stores its gate and up sums and its span's sum of squares straight into every block's
 // receive slots (st.async: fire and forget, each completing bytes on the receiver's mbarrier), and a
 // block waits only on its own mbarrier for all CL slots; no barrier or fence remains on the path.
@@ -229,8 +201,9 @@ __device__ __forceinline__ void ffn_push_send(const float (&a8)[8], int xexp, fl
     }
 }
 
-// After this block's mbarrier completes: as ffn_cluster_swiglu, from the receive slots (the same sums
-// in the same rank order, so the same bits).
+// After this block's mbarrier completes: the cluster's gate and up sums of channel tid and its spans' sums
+// of squares from the receive slots, added in rank order (the same bits in every block), the 1/rms, SwiGLU
+// rounded to fp16.
 template <int CL>
 __device__ __forceinline__ float ffn_push_swiglu(FfnPush<CL>& px, int D, float eps, float& inv) {
     const int tid = threadIdx.x;
@@ -326,9 +299,7 @@ __device__ __forceinline__ float ffn_global_swiglu(const FfnSlots* xs, const uns
 // 1024. Starts with the relaxed arrive that says this block is done reading the others' shared memory
 // (av holds every value read); the kernel waits for it before exit (arrive false: the push exchange,
 // which reads no other block's memory).
-__device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc, bool arrive = true) {
-    // relaxed: a release arrive would wait for down's loads in flight
-    if (arrive) cl_arrive_relaxed();
+__device__ __forceinline__ int ffn_stage_xd(float av, half* xd, float* misc) {
     const int dexp = x_scale_exp(block_max_nonneg<FFN_WARPS>(fabsf(av), reinterpret_cast<unsigned*>(misc)));
     xd[threadIdx.x] = __float2half(dexp ? av * exp2f(-(float)dexp) : av);
     __syncthreads();
@@ -355,13 +326,12 @@ __device__ __forceinline__ void ffn_down_store(const float (&a8)[8], int dexp, i
 
 // ---- the kernels ----
 
-// XCH: the exchange of the CL blocks' sums: FFN_XCH_BARRIER the cluster barrier, FFN_XCH_PUSH pushes into
-// receive slots (FfnPush), FFN_XCH_GLOBAL slots in global memory without a cluster launch (FfnSlots).
+// XCH: the exchange of the CL blocks' sums: FFN_XCH_PUSH pushes into receive slots (FfnPush), FFN_XCH_GLOBAL
+// slots in global memory without a cluster launch (FfnSlots).
 // MINB: blocks per SM that __launch_bounds__ asks registers for (the global exchange: 3 or 4, which caps it there)
-#define FFN_XCH_BARRIER 0
 #define FFN_XCH_PUSH 1
 #define FFN_XCH_GLOBAL 2
-template <int CL, int TB, int XCH = FFN_XCH_BARRIER, int MINB = FFN_MIN_BLOCKS>  // blocks per cluster; down column
+template <int CL, int TB, int XCH, int MINB = FFN_MIN_BLOCKS>  // blocks per cluster; down column
 __global__ void __launch_bounds__(FFN_THREADS, MINB)                             // tiles per block (D = 256 CL TB)
 ffn_decode(const float* __restrict__ h,            // [D] residual row
            const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
@@ -374,14 +344,13 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
            int D, int I,
            FfnSlots* xslots, unsigned long long* xcnt) {  // FFN_XCH_GLOBAL: [I/256] slots, arrival counts
     constexpr bool PUSH = XCH == FFN_XCH_PUSH, GLOBAL = XCH == FFN_XCH_GLOBAL;
+    static_assert(PUSH || GLOBAL, "the exchange by pushes or through global memory");
     static_assert(!GLOBAL || CL <= 8, "FfnSlots holds 8 ranks");
     constexpr int WPT = FFN_WARPS / TB;    // down: warps per column tile
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];             // the block's span of x
     __shared__ __align__(16) half xd[FFN_CH];                    // SwiGLU of the cluster's channels: down's x
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];       // per-warp column sums (+1 word per 32: banks)
-    __shared__ float part[XCH == FFN_XCH_BARRIER ? 2 : 1][FFN_CH];  // this block's gate, up sums (read by the
-                                                                    // cluster; the other exchanges: unused)
     __shared__ float misc[2 * FFN_WARPS + 1];                    // reductions; [2 FFN_WARPS]: the span's sum of squares
     __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;          // PUSH: the receive slots
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -418,16 +387,11 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_span_dot(qb, qz, sc, IW, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
     if constexpr (PUSH) {
         ffn_push_send<CL>(a8, xexp, red, misc, px, b);
-    } else if constexpr (GLOBAL) {
-        ffn_global_send(a8, xexp, red, misc, xslots + g, xcnt + g, b);
     } else {
-        ffn_part_sums(a8, xexp, red, part);
-        cl_arrive();  // release this block's part and span sum of squares to the cluster
+        ffn_global_send(a8, xexp, red, misc, xslots + g, xcnt + g, b);
     }
 
-    // down's first step's loads go out between the barrier's arrive and wait (PUSH: the pushes and the
-    // mbarrier's wait): before the arrive, its release would wait for them (measured: 3.7 µs from a
-    // cluster's last gate/up block to its sums)
+    // down's first step's loads go out between the sends and the wait for the others' sums
     const int dt = warp / WPT, dr = warp % WPT;
     const int dword = (b * TB + dt) * 32 + lane;
     const u32* db = dq + (size_t)(b * TB + dt) * 32 * I + lane * 4;
@@ -436,16 +400,12 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(dz, ds, DW, dword, d_lo + dr * FFN_ROWS, zw, sv);
     int dexp;
     if constexpr (PUSH) {
-        dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps), xd, misc, false);
-    } else if constexpr (GLOBAL) {
-        dexp = ffn_stage_xd(ffn_global_swiglu<CL>(xslots + g, xcnt + g, target, D, eps), xd, misc, false);
+        dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps), xd, misc);
     } else {
-        cl_wait();
-        dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps), xd, misc);
+        dexp = ffn_stage_xd(ffn_global_swiglu<CL>(xslots + g, xcnt + g, target, D, eps), xd, misc);
     }
     ffn_span_dot(db, dz, ds, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, WPT * FFN_ROWS, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, 1.f, acc, red);
-    if constexpr (XCH == FFN_XCH_BARRIER) cl_wait();  // no block of the cluster still reads this block's shared memory
 }
 
 // A Qwen3-MoE decode layer's FFN half in one launch: RMSNorm, softmax and top-k of the router's logits,
@@ -468,7 +428,7 @@ ffn_decode(const float* __restrict__ h,            // [D] residual row
 #define MOE_FFN_MIN_BLOCKS 2  // per SM (128 registers)
 #endif
 
-template <int CL, int TB, int XCH = FFN_XCH_BARRIER>  // XCH: as ffn_decode's (the cluster barrier or pushes)
+template <int CL, int TB, int XCH>  // XCH: as ffn_decode's (pushes only: a cluster launch)
 __global__ void __launch_bounds__(FFN_THREADS, MOE_FFN_MIN_BLOCKS)
 moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                const long long* __restrict__ pend,     // [D] the o projection's pending sums, or null
@@ -482,24 +442,22 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
                int* __restrict__ ids_out, float* __restrict__ w_out,  // [k] the experts picked and their weights
                long long* __restrict__ acc,            // [D] the weighted sum of down's outputs (fixed point), zero on entry
                int D, int mI, int E, int k, int norm_topk) {
-    static_assert(XCH == FFN_XCH_BARRIER || XCH == FFN_XCH_PUSH, "the MoE kernel runs as a cluster launch only");
-    constexpr bool PUSH = XCH == FFN_XCH_PUSH;
+    static_assert(XCH == FFN_XCH_PUSH, "the MoE kernel runs as a cluster launch only");
     constexpr int WPT = FFN_WARPS / TB;
     static_assert(FFN_WARPS % TB == 0 && FFN_CH % (FFN_ROWS * WPT) == 0, "down's rows split evenly over a tile's warps");
     __shared__ __align__(16) half xsm[FFN_MAX_SPAN];
     __shared__ __align__(16) half xd[FFN_CH];
     __shared__ float red[FFN_WARPS][FFN_CH + FFN_CH / 32];
-    __shared__ float part[PUSH ? 1 : 2][FFN_CH];
     __shared__ float misc[2 * FFN_WARPS + 1];
     __shared__ float lg[MOE_MAX_E];     // the logits, -inf past E
     __shared__ int sel_id[32];
     __shared__ float sel_z[32];
-    __shared__ __align__(16) FfnPush<PUSH ? CL : 1> px;
+    __shared__ __align__(16) FfnPush<CL> px;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int b = blockIdx.x, g = blockIdx.y;
     const int SP = D / CL, k_lo = b * SP;
     const int slot = g / (mI / FFN_CH), t = g % (mI / FFN_CH);
-    if constexpr (PUSH) ffn_push_init<CL>(px);
+    ffn_push_init<CL>(px);
 
     // ---- the router's logits before the 1/rms, z = router . (w * (h + o)): the o GEMV's router rows
     // computed them (gemv_rt_tile), so the top-k starts as soon as zacc's E words are read ----
@@ -543,14 +501,9 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_group(qz, sc, W2, gword, k_lo + wr * FFN_ROWS, zw, sv);
     float a8[8];
     ffn_span_dot(qb, qz, sc, W2, gword, k_lo, wr * FFN_ROWS, SP, FFN_SPW * FFN_ROWS, xsm, wv, zw, sv, a8);
-    if constexpr (PUSH) {
-        ffn_push_send<CL>(a8, xexp, red, misc, px, b);
-    } else {
-        ffn_part_sums(a8, xexp, red, part);
-        cl_arrive();  // release part
-    }
+    ffn_push_send<CL>(a8, xexp, red, misc, px, b);
 
-    // down's first step's loads go out between the arrive and the wait (as ffn_decode's)
+    // down's first step's loads go out between the sends and the wait (as ffn_decode's)
     const int DW = D / 8;
     const int dt = warp / WPT, dr = warp % WPT;
     const int dword = (b * TB + dt) * 32 + lane;
@@ -561,13 +514,7 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     ffn_load_rows(db, d_lo + dr * FFN_ROWS, wv);
     ffn_load_group(dzz, dss, DW, dword, d_lo + dr * FFN_ROWS, zw, sv);
     float inv;  // the row's 1/rms
-    int dexp;
-    if constexpr (PUSH) {
-        dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps, inv), xd, misc, false);
-    } else {
-        cl_wait();
-        dexp = ffn_stage_xd(ffn_cluster_swiglu<CL>(part, misc, D, eps, inv), xd, misc);
-    }
+    const int dexp = ffn_stage_xd(ffn_push_swiglu<CL>(px, D, eps, inv), xd, misc);
     // the routing weight: the softmax of inv * z (its largest is the first pick), renormalised over the
     // picks with norm_topk; each warp sums the denominator itself (the same bits in every warp)
     float wgt;
@@ -588,5 +535,4 @@ moe_ffn_decode(const float* __restrict__ h,            // [D] residual row
     }
     ffn_span_dot(db, dzz, dss, DW, dword, d_lo, dr * FFN_ROWS, FFN_CH, dstep, xd, wv, zw, sv, a8);
     ffn_down_store<TB>(a8, dexp, b, wgt, acc, red);
-    if constexpr (!PUSH) cl_wait();
 }

@@ -571,11 +571,11 @@ gemm_w4a16_rs(const __grid_constant__ TmaDesc xmap,  // x [T, K] fp16, box 64 k 
 // stores overlap the other's K loop (-1 to -7% at 30B-A3B's shapes on the H100).
 //   qw [E][K, N/8] tiled, qz [E][K/g, N/8], sc [E][K/g, N] (an expert's [gate | up] is one [K, 2I] tiled
 //   matrix: its gate tiles then its up tiles); out [n, ldo] permuted rows.
-// NARROW 1: a tile whose expert has at most BT / 2 rows from the tile's first runs its wgmmas on those BT / 2
+// Narrow tiles: a tile whose expert has at most BT / 2 rows from the tile's first runs its wgmmas on those BT / 2
 // tokens only (m64n32 for 64-row tiles, m64n64 for 128): random routing at 512 tokens leaves ~55% of 30B-A3B's
 // 64-row tiles so, at 256 tokens nearly all, and at 2048 the last tile of an expert past 128 rows.
-// SWZ 1: the packed words by wmap's swizzled 3D boxes (rs_block), the block's quarters of each tile only.
-template <int ST, int BT, int WG = RS_WG(BT), int NARROW = 0, int SWZ = 0>  // WG 2: 128 channels a block, 2 per SM
+// The packed words come by wmap's swizzled 3D boxes (rs_block SWZ), the block's quarters of each tile only.
+template <int ST, int BT, int WG = RS_WG(BT)>  // WG 2: 128 channels a block, 2 per SM
 __global__ void __launch_bounds__(128 * WG, WG == 2 && BT <= 128 ? 2 : 1)
 gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted rows), box 64 k x BT rows
             const u32* __restrict__ qw, const u32* __restrict__ qz, const half* __restrict__ sc, int N,
@@ -583,25 +583,21 @@ gemm_moe_rs(const __grid_constant__ TmaDesc xmap,  // x [n, K] fp16 (permuted ro
             const int* __restrict__ offsets,       // [E+1] first permuted row of each expert
             const int* __restrict__ tile_offsets,  // [E+1] first row tile of each expert (tiles of BT rows)
             int E,
-            const __grid_constant__ TmaDesc wmap) {  // SWZ: qw as [E K N / 1024 row quads][4][32] u32, box 32 x WG x 16
+            const __grid_constant__ TmaDesc wmap) {  // qw as [E K N / 1024 row quads][4][32] u32, box 32 x WG x 16
     static_assert(BT == 64 || BT == 128, "m64n64k16 or m64n128k16 (2 or 4 consumer warpgroups)");
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[E]) return;  // the grid is sized for the worst case; the whole block leaves
     const int e = moe_tile_expert(tile_offsets, E, tile), n0 = blockIdx.x * 64 * WG;
     // the column tile's first row quad in wmap: expert e's tiles, then tile n0 / 256's K / 4 row quads
-    const int wrq0 = SWZ ? (e * (N >> 8) + (n0 >> 8)) * (K >> 2) : 0;
-    if constexpr (NARROW) {
-        const int tok0 = offsets[e] + (tile - tile_offsets[e]) * BT, tok_end = offsets[e + 1];
-        if (tok_end - tok0 <= BT / 2) {  // block-uniform: the whole block takes one of the two forms
-            rs_block<ST, BT, WG, BT / 2, SWZ>(&xmap, qw + (size_t)e * K * (N / 8),
-                                              qz + (size_t)e * (K / group) * (N / 8), sc + (size_t)e * (K / group) * N,
-                                              N, n0, n0, tok0, tok_end, out, K, group, ldo, 1, 0, 0, nullptr, nullptr,
-                                              &wmap, wrq0);
-            return;
-        }
+    const int wrq0 = (e * (N >> 8) + (n0 >> 8)) * (K >> 2);
+    const int tok0 = offsets[e] + (tile - tile_offsets[e]) * BT, tok_end = offsets[e + 1];
+    if (tok_end - tok0 <= BT / 2) {  // block-uniform: the whole block takes one of the two forms
+        rs_block<ST, BT, WG, BT / 2, 1>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                                        sc + (size_t)e * (K / group) * N, N, n0, n0, tok0, tok_end, out, K, group, ldo,
+                                        1, 0, 0, nullptr, nullptr, &wmap, wrq0);
+        return;
     }
-    rs_block<ST, BT, WG, BT, SWZ>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
-                                  sc + (size_t)e * (K / group) * N, N, n0, n0, offsets[e] + (tile - tile_offsets[e]) * BT,
-                                  offsets[e + 1], out, K, group, ldo, 1, 0, 0, nullptr, nullptr, SWZ ? &wmap : nullptr,
-                                  wrq0);
+    rs_block<ST, BT, WG, BT, 1>(&xmap, qw + (size_t)e * K * (N / 8), qz + (size_t)e * (K / group) * (N / 8),
+                                sc + (size_t)e * (K / group) * N, N, n0, n0, tok0, tok_end, out, K, group, ldo, 1, 0,
+                                0, nullptr, nullptr, &wmap, wrq0);
 }

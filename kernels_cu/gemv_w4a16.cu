@@ -8,7 +8,7 @@
 // slot reading its expert id from device memory (so the step still replays as a CUDA graph).
 //
 // Epilogues: PLAIN out = [y0 | y1 | y2]; SWIGLU out = silu(y0) * y1 (gate, up; N0 == N1);
-// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize); QKV_ROPE: q/k norm, RoPE and
+// MOE_SUM out = sum over slots of slot_w[slot] * y (the MoE finalize, the MOE2 instantiation only); QKV_ROPE: q/k norm, RoPE and
 // the KV-cache write of a decode step (gemv_qkv_rope_epilogue). PLAIN and MOE_SUM can add
 // into the fp32 residual stream instead (the residual add of the layer), and the input can be
 // rmsnorm(h) * w computed in the prologue: so a decode layer needs no add+RMSNorm kernel. The
@@ -471,21 +471,21 @@ __device__ __forceinline__ void gemv_tile(const half* __restrict__ x, const AwqM
     }
 }
 
-// sum_i w_i * p[i * stride] over n partials (w == null: weights 1; else w_i = w[i / per_w]), loads
+// sum_i p[i * stride] over n partials, loads
 // issued GEMV_SUM_BATCH at a time: the reduction runs on one block per tile after every split has
 // arrived, so each batch is one L2 round trip on the step's critical path (32 splits: 2 round trips,
 // not 4 as with batches of 8; 32 at a time spills under the 64-register bound).
 #ifndef GEMV_SUM_BATCH
 #define GEMV_SUM_BATCH 16
 #endif
-__device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t stride, const float* w, int per_w) {
+__device__ __forceinline__ float gemv_sum_partials(const float* p, int n, size_t stride) {
     float s = 0.f;
     for (int i = 0; i < n; i += GEMV_SUM_BATCH) {
         float v[GEMV_SUM_BATCH];
 #pragma unroll
         for (int j = 0; j < GEMV_SUM_BATCH; ++j) v[j] = i + j < n ? __ldcg(p + (size_t)(i + j) * stride) : 0.f;
 #pragma unroll
-        for (int j = 0; j < GEMV_SUM_BATCH; ++j) s += (w && i + j < n) ? w[(i + j) / per_w] * v[j] : v[j];
+        for (int j = 0; j < GEMV_SUM_BATCH; ++j) s += v[j];
     }
     return s;
 }
@@ -519,7 +519,7 @@ __device__ __forceinline__ void gemv_qkv_rope_epilogue(const float* part, int ti
     const int c = threadIdx.x, col = tile * GEMV_COLS + c;
     const bool valid = col < N;
     // the unfused path stores q, k, v in fp16 before normalising: round the same way
-    const float y = valid ? __half2float(__float2half(gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1)))
+    const float y = valid ? __half2float(__float2half(gemv_sum_partials(part + col_off + col, S, n_total)))
                           : 0.f;
     const int head = col / hd, d = col % hd;
     if (mat == 2) {  // v: the whole block is value columns
@@ -662,22 +662,22 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const float w = slot_w[slot];
         for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
             const int col = tile * GEMV_COLS + c;
-            if (col < m.N) part[col] = w * gemv_sum_partials(part + col, S, n_total, nullptr, 1);
+            if (col < m.N) part[col] = w * gemv_sum_partials(part + col, S, n_total);
         }
         if (!block_arrives_last(&counters[gridDim.z * gridDim.x + blockIdx.x], gridDim.z)) return;
         for (int c = threadIdx.x; c < GEMV_COLS; c += blockDim.x) {
             const int col = tile * GEMV_COLS + c;
             if (col >= m.N) continue;
-            const float acc = gemv_sum_partials(partial + col, gridDim.z, (size_t)S * n_total, nullptr, 1);
+            const float acc = gemv_sum_partials(partial + col, gridDim.z, (size_t)S * n_total);
             if (resid) resid[col] += __half2float(__float2half(acc));
             else out[col] = __float2half(acc);
         }
         return;
     }
-    // arrival: the last of the tile's blocks reduces it (partials published by the fence first)
+    // arrival: the last of the tile's blocks reduces it (partials published by the fence first); MOE_SUM is
+    // MOE2's above
     int cidx, arrivals;
     if (epi == GEMV_EPI_SWIGLU) { cidx = slot * t0 + tile; arrivals = 2 * S; }
-    else if (epi == GEMV_EPI_MOE_SUM) { cidx = blockIdx.x; arrivals = S * gridDim.z; }
     else { cidx = slot * gridDim.x + blockIdx.x; arrivals = S; }
     if (!block_arrives_last(&counters[cidx], arrivals)) return;
     if (epi == GEMV_EPI_QKV_ROPE) {
@@ -689,17 +689,13 @@ gemv_w4a16(const half* __restrict__ x, int x_slot_stride,  // [slots, x_slot_str
         const int col = tile * GEMV_COLS + c;
         if (col >= m.N) continue;
         if (epi == GEMV_EPI_PLAIN) {
-            float s = gemv_sum_partials(part + col_off + col, S, n_total, nullptr, 1);
+            float s = gemv_sum_partials(part + col_off + col, S, n_total);
             if (resid) resid[col] += __half2float(__float2half(s));
             else out[(size_t)slot * n_total + col_off + col] = __float2half(s);
-        } else if (epi == GEMV_EPI_SWIGLU) {
+        } else {  // SWIGLU
             const float2 gu = gemv_sum_partials2(part + col, part + N0 + col, S, n_total);
             const float g = gu.x, u = gu.y;
             out[(size_t)slot * N0 + col] = __float2half(g / (1.f + __expf(-g)) * u);
-        } else {  // slots' partials are contiguous: [slots * S, n_total], weight of row q is slot_w[q / S]
-            float acc = gemv_sum_partials(partial + col, S * gridDim.z, n_total, slot_w, S);
-            if (resid) resid[col] += __half2float(__float2half(acc));
-            else out[col] = __float2half(acc);
         }
     }
 }

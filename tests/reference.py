@@ -288,16 +288,15 @@ def assert_as_accurate(name, fused, separate, cpu):
     assert rel(fused, separate) < 2 * e_sep
 
 
-def cluster_plan_or_skip(kernel, CL, TB, n_clusters, push=True):
+def cluster_plan_or_skip(kernel, CL, TB, n_clusters):
     """ops_cupy.ffn_cluster_plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB)
-    instantiation over n_clusters (push: the cluster's exchange by pushes into receive slots, False: through the
-    cluster barrier), or a skip where clusters or the driver's occupancy query are missing
+    instantiation over n_clusters, or a skip where clusters or the driver's occupancy query are missing
     (before sm_90); its clusters must all be resident."""
     import pytest
     from kuiper_py import ops_cupy as oc
     if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
         pytest.skip("thread-block clusters need compute capability 9.0")
-    plan = oc.ffn_cluster_plan(CL, TB, n_clusters, kernel, push=push)
+    plan = oc.ffn_cluster_plan(CL, TB, n_clusters, kernel)
     assert plan["clusters"] >= n_clusters
     return plan
 

@@ -141,7 +141,7 @@ def row_rel(got, ref):
 
 
 def rs_form_ids(form):
-    return f"{form[0]}rows-{form[1]}st-{form[2]}wg" + ("-narrow" if form[3] else "") + ("-swz" if form[4] else "")
+    return f"{form[0]}rows-{form[1]}st-{form[2]}wg"
 
 
 def expert_half_refs(layer, T: int):
@@ -189,7 +189,7 @@ def check_experts_at_235b_shapes(rows: int, T: int, gate_up, down):
 
 
 def rs_form_or_skip(monkeypatch, form) -> int:
-    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups, narrow, swizzled) for its row count, which it returns,
+    """Makes gemm_moe_rs take `form` (rows per tile, stages, warpgroups) for its row count, which it returns,
     or skips where the kernel does not run."""
     if not oc.wgmma_available():
         pytest.skip("gemm_moe_rs needs compute capability 9.0")
@@ -577,11 +577,10 @@ _MOE_FFN_CASES = [(8, 1, E, K_TOP, INTER), (4, 1, 160, 4, 256), (8, 2, 64, 8, 51
                   (5, 2, 32, 4, 256), (5, 4, 16, 2, 256)]
 
 
-@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("massive", [False, True])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("CL,TB,n_exp,k,inter", _MOE_FFN_CASES)
-def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive, push):
+def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk, massive):
     """The row h + fp16(pending o) (written to hout exactly), its RMSNorm, softmax and top-k of the
     router's logits (given before the 1/rms in fixed point, as the o GEMV's router rows add them; the
     kernel applies the 1/rms of the row), and the picked experts' gate/up, SwiGLU and down times their
@@ -589,12 +588,10 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     (float64) logits, ties within 2e-3 allowed; the weights and the output are
     checked against the exact values for the experts picked. massive: three residual channels at 1e5
     with norm weight 40 (past fp16's range before the deferred 1/rms), so the overflow guards run.
-    Launched twice on the same inputs with poisoned outputs: bitwise the same. push: the cluster's
-    exchange by pushes into receive slots, and a third launch through the barrier exchange (the same sums
-    in the same order) bitwise the same too."""
+    Launched twice on the same inputs with poisoned outputs: bitwise the same."""
     rng = np.random.default_rng()
     Dm = 256 * CL * TB
-    plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=push)
+    plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256)
     if (Dm, n_exp, inter) == (D, E, INTER):
         w13, w13_d, w2, w2_d, router = layer["w13"], layer["w13_d"], layer["w2"], layer["w2_d"], layer["router"]
     else:
@@ -610,8 +607,7 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
     # the logits before the 1/rms in fixed point, as the o GEMV's router rows add them: router . (w * row)
     zacc = cp.asarray(np.round(router.astype(np.float64) @ (r64 * w.astype(np.float64)) * 2**32).astype(np.int64))
     outs = []
-    for pl in [plan, plan] + ([cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=False)]
-                              if push else []):
+    for pl in [plan, plan]:
         hout, acc = poisoned((1, Dm), np.float32), cp.zeros((Dm,), cp.int64)
         ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
         xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend), hout=hout)
@@ -641,8 +637,8 @@ def test_moe_ffn_decode_cluster_kernel(layer, CL, TB, n_exp, k, inter, norm_topk
 def test_moe_ffn_decode_picks_as_a_stable_sort_with_many_ties(CL, TB, n_exp, k):
     """moe_ffn_decode's own top-k (every block picks for itself from the o GEMV's fixed-point logits:
     warp 0's moe_topk_pick on the shared logits) against NumPy's stable sort, on rows of tied_logits (2.0s
-    forced at the lowest ids, at the highest, none): the ids in order, ties to the lower id, with either
-    cluster exchange. 160 experts: past a lane's first 4 entries; 256: all 8 of every lane's entries."""
+    forced at the lowest ids, at the highest, none): the ids in order, ties to the lower id, in one
+    cluster launch. 160 experts: past a lane's first 4 entries; 256: all 8 of every lane's entries."""
     rng = np.random.default_rng()
     Dm, inter = 256 * CL * TB, 256
     (_, w13_d), (_, w2_d) = rand_stack(rng, n_exp, Dm, 2 * inter, segments=2), rand_stack(rng, n_exp, inter, Dm)
@@ -651,13 +647,12 @@ def test_moe_ffn_decode_picks_as_a_stable_sort_with_many_ties(CL, TB, n_exp, k):
     for draw, z in enumerate(tied_logits(rng, 4, n_exp, k)[:3]):
         ids_ref = np.argsort(-z, kind="stable")[:k]
         zacc = cp.asarray(np.round(z.astype(np.float64) * 2**32).astype(np.int64))
-        for push in (False, True):
-            plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256, push=push)
-            ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
-            xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend),
-                                        hout=poisoned((1, Dm), np.float32))
-            oc.decode_moe_ffn(plan, xin, lay, ids, wts, cp.zeros((Dm,), cp.int64), 1e-6, k, True, zacc)
-            np.testing.assert_array_equal(cp.asnumpy(ids)[0], ids_ref, err_msg=f"draw {draw}, push {push}")
+        plan = cluster_plan_or_skip("moe_ffn_decode", CL, TB, k * inter // 256)
+        ids, wts = poisoned((1, k), np.int32), poisoned((1, k), np.float32)
+        xin = types.SimpleNamespace(h=cp.asarray(h)[None], w=cp.asarray(w), pend=cp.asarray(pend),
+                                    hout=poisoned((1, Dm), np.float32))
+        oc.decode_moe_ffn(plan, xin, lay, ids, wts, cp.zeros((Dm,), cp.int64), 1e-6, k, True, zacc)
+        np.testing.assert_array_equal(cp.asnumpy(ids)[0], ids_ref, err_msg=f"draw {draw}")
 
 
 @pytest.fixture(scope="module", params=["tiny-moe", "tiny-moe-mixed"])

@@ -283,4 +283,4 @@ def test_a_model_builds_only_the_kernel_groups_it_uses(monkeypatch):
         assert not any("<64" in x for x in built if x.startswith("attn_decode_gqa")) or a.head_dim == 64
         if not a.num_experts:
             assert not any(x.startswith(("moe_ffn_decode", "gemm_moe_rs")) for x in built)
-            assert oc._compiled("ffn", "moe_ffn_decode<8, 2>") == ("ffn_decode.cu", "moe_ffn_decode<8, 2>")
+            assert oc._compiled("ffn", "moe_ffn_decode<8, 2, 1>") == ("ffn_decode.cu", "moe_ffn_decode<8, 2, 1>")

@@ -9,8 +9,6 @@ preallocated buffers and allocates nothing per token.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..config import ModelArgs, rope_tables
@@ -18,13 +16,11 @@ from .. import env
 from . import memory as mem
 from . import settings as cfg
 from .settings import Settings, use_settings
-from .runtime.device import sm_count
 from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
-from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, SUPPORTED_HEAD_DIMS, attn_cm, attn_min_chunk, attn_short,
-                       decode_acc_layout, gemv, gemv_counters, gemv_partial_size, gemv_split, o_merge, o_split)
+from .ops.gemv import SUPPORTED_HEAD_DIMS, decode_acc_layout, gemv, gemv_counters, gemv_partial_size
 from .ops.gemm import cublas_ready, gemm, swiglu_prefill
-from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill, decode_heads_per_block
+from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill
 from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
                       moe_route, moe_route_decode)
@@ -34,7 +30,7 @@ from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
 from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
 from .draws import DeviceDraws
-from .plan import DecodePlan, build as build_plan
+from .plan import DecodePlan, Gpu, build as build_plan, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
 
@@ -145,11 +141,10 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         families, groups = model_families(a, int(self.dev.compute_capability)), model_groups(a)
         # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
         precompile(families, self.dev.id, groups)
-        self.n_sm = sm_count()
-        self.attn_min_chunk = attn_min_chunk(a)
-        self.attn_short = attn_short(a)
-        self.o_merge = o_merge(a)
-        self.attn_cm = attn_cm(a)
+        self.gpu = Gpu.current()
+        self.n_sm = self.gpu.sms
+        # the model-wide forms (accumulating modes) the plan's layers follow; the buffers are sized for them
+        self._forms = plan_forms(a, self.settings, self.gpu)
         self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
         self.graphs = env.cuda_graphs()
         self._graph = None
@@ -174,13 +169,13 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         except cp.cuda.memory.OutOfMemoryError as e:
             raise ResourceError(f"out of GPU memory loading the weights: {e}") from None
         gemv_counters()  # allocated (zeroed) before any graph capture
-        # the FFN half in one launch: it clears nothing itself, so the o GEMV before it clears its accumulator
-        o_clears = o_split(a.q_dim, math.ceil(a.hidden_size / GEMV_COLS))[1] <= GEMV_ATT_ROWS
-        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self.acc_mode and o_clears else
+        # each decoder layer's index by its weights (the layer ops receive the Layer): its plan entry
+        self._layer_i = {id(layer): i for i, layer in enumerate(self.weights.layers)}
+        # the one-launch FFN / MoE FFN halves' launch configurations, where the plan's forms allow them (they
+        # clear nothing themselves: the o GEMV before them clears their accumulator)
+        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self._forms.ffn_half_allowed else
                                           (None, "needs accumulating mode and the o GEMV's merge prologue"))
-        # the MoE FFN half in one launch (routing and experts); like the dense one, its accumulator is
-        # cleared by the o GEMV before it
-        self._moe, self.decode_moe_why = (decode_moe_plan(a) if a.num_experts and self.acc_attn and o_clears else
+        self._moe, self.decode_moe_why = (decode_moe_plan(a) if self._forms.moe_half_allowed(a) else
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
         self._router_o = self._router_o_rows() if self._moe is not None else {}
@@ -191,16 +186,30 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
             _module(key)
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
-    @property
-    def plan(self) -> DecodePlan:
-        """The decode schedule this backend runs (cuda/plan.py), made on first use after each alloc_cache."""
-        if self._plan is None:
-            self._plan = build_plan(self)
-        return self._plan
+    # the plan's model-wide choices, under the names the rest of the backend and the tests read
+    acc_attn = property(lambda self: self._forms.acc_attn)
+    acc_mode = property(lambda self: self._forms.acc_mode)
+    acc_moe = property(lambda self: self._forms.acc_moe)
+    attn_splits = property(lambda self: self.plan.attn_splits)
+    attn_short = property(lambda self: self.plan.attn_short)
+    attn_min_chunk = property(lambda self: self.plan.attn_min_chunk)
+    attn_cm = property(lambda self: self.plan.attn_cm)
+    o_merge = property(lambda self: self.plan.o_merge)
+
+    def _make_plan(self, max_context: int) -> DecodePlan:
+        """The decode schedule this backend runs (cuda/plan.py) at this cache capacity; every layer's weights
+        match its plan entry's kind."""
+        p = build_plan(self.args, cfg.SETTINGS, self.gpu, max_context, ffn=(self._ffn, self.decode_ffn_why),
+                       moe=(self._moe, self.decode_moe_why), graphs=self.graphs, fm=self._forms)
+        assert all(p.layers[i].moe == (layer.router is not None) for i, layer in enumerate(self.weights.layers))
+        return p
+
+    def _lp(self, layer: Layer):
+        """The plan entry of a decoder layer."""
+        return self.plan.layers[self._layer_i[id(layer)]]
 
     def alloc_cache(self, max_context: int) -> None:
         """Preallocated fp16 KV cache [L, ctx, KV, hd] and the RoPE tables for max_context positions."""
-        self._plan = None  # (the split counts follow the cache's capacity)
         a = self.args
         L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         self.k_cache = self.v_cache = None
@@ -221,15 +230,9 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
                                 f"{free // per} positions: try a smaller --max-context") from None
         cos, sin = rope_tables(a, max_context)
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
-        # flash-decoding splits per head group (a block serves decode_heads_per_block query heads):
-        # at least two blocks per SM over all groups; for a larger cache about attn_keys_per_split
-        # keys per split when full, capped at 3 blocks per SM (8 with the scalar loop). The kernel leaves splits
-        # idle while the context is short (attention.cu decode_chunk).
+        # the plan at this capacity: flash decoding's splits (plan.attn_splits) follow it
+        self.plan = self._make_plan(max_context)
         H = a.num_attention_heads
-        groups = H // decode_heads_per_block(H, a.num_key_value_heads)
-        self.attn_splits = max(1, math.ceil(cfg.SETTINGS.attn_per_sm * self.n_sm / groups),
-                               min(math.ceil(max_context / cfg.SETTINGS.attn_keys_per_split),
-                                   (3 if cfg.SETTINGS.attn_mma_long else 8) * self.n_sm // groups))
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
@@ -261,11 +264,6 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         # the attention half of every layer (q|k|v finished by flash decoding, o by the next norm's
         # consumer: a GEMV, or the MoE router); acc_mode: the dense FFN too (its down GEMV's sums go to
         # the next layer's q|k|v GEMV)
-        def fits(*shapes):
-            return all(gemv_split(K_, math.ceil(N_ / GEMV_COLS))[1] <= GEMV_ATT_ROWS for K_, N_ in shapes)
-        self.acc_attn = cfg.SETTINGS.gemv_acc and fits((D, qd))
-        self.acc_mode = self.acc_attn and not E and fits((D, 2 * I), (I, D))
-        self.acc_moe = self.acc_attn and bool(E) and mI <= GEMV_ATT_ROWS  # the experts' FFN too
         if self.acc_attn:
             G = max(2 * I, 2 * k * mI if E else 0)  # gate, up: the dense FFN's or the k experts'
             # [o | gate, up | router z | down | q, k, v]: the router's logits (the one-launch MoE FFN
@@ -306,8 +304,9 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         return h
 
     def add_rmsnorm(self, h, r, w):
-        if isinstance(r, _Deferred) and r.run_acc is not None and self.acc_attn:
-            # the projection adds into an accumulator; the consumer adds it to h, writing the other row
+        if isinstance(r, _Deferred) and r.run_acc is not None:
+            # the projection adds into an accumulator (its plan entry's form); the consumer adds it to h, writing
+            # the other row
             hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
             return hout, _Normed(h, w, r.run_acc(h), hout)
         if isinstance(r, _Deferred):
@@ -355,7 +354,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
         pos0 = step.one().pos0
         a = self.args
-        if isinstance(q, _QkvInput) and self.acc_attn:
+        lp = self.plan.layers[i]
+        if isinstance(q, _QkvInput) and lp.qkv_acc:
             # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
             # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
             # written after this kernel has finished)
@@ -380,17 +380,17 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
             fin = None
-            if isinstance(q, _QkvAcc):
+            if self.plan.layers[i].qkv_acc:  # (q a _QkvAcc: its sums are finished here)
                 fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
                            sin=self.sin, eps=self.args.rms_norm_eps,
                            ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
                 q = q.q
-            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, self._attn_split_count(pos0 + 1),
+            p = self.plan
+            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, p.split_count(pos0 + 1),
                                      self.d["part_o"], self.d["part_ml"], None,
                                      self.d["pos"] if self.graphs else None, finish=fin,
-                                     min_chunk=self.attn_min_chunk, o_merge=self.o_merge,
-                                     max_keys=self._attn_regime(pos0 + 1),
-                                     merged=self.d["attn"] if self.attn_cm else None)
+                                     min_chunk=p.attn_min_chunk, o_merge=p.o_merge, max_keys=p.regime(pos0 + 1),
+                                     merged=self.d["attn"] if p.attn_cm else None)
             if isinstance(parts, _AttnParts):
                 parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
             return parts
@@ -437,16 +437,18 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
     def linear(self, x, lin: AwqLinear):
         d = self.d
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
-            if o_split(lin.K, math.ceil(lin.N / GEMV_COLS), x.splits, x.o_merge)[1] <= GEMV_ATT_ROWS and lin.N == self.args.hidden_size:
+            lp = self.plan.layers[x.layer]
+            if self.plan.o_prologue(x.splits):
                 def o_acc(h):
                     # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
                     # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
-                    rows = self._router_o.get(x.layer)  # (the MoE FFN half's logits: (R, Rh) of the layer)
+                    rows = self._router_o[x.layer] if lp.o_router else None  # (the MoE FFN half's logits: (R, Rh))
                     gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
-                         zero=d["acc_d_qkv"] if self._ffn is not None or self._moe is not None else None,
+                         zero=d["acc_d_qkv"] if lp.o_clears else None,
                          router=(*rows, h, d["acc_z"]) if rows is not None else None)
                     return d["acc_o"]
-                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x), o_acc)
+                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x),
+                                 o_acc if lp.o_acc else None)
         if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
             assert lin is x.layer.w2
 
@@ -470,25 +472,28 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
     def gate_up_silu(self, x, layer: Layer):
         if x.shape[0] == 1:
-            if self._ffn is not None and isinstance(x, _Normed):
+            lp = self._lp(layer)
+            # (where it clears the down and q|k|v accumulators: last read by this layer's q|k|v GEMV and
+            # attention, next written by the down GEMV and the next layer's q|k|v GEMV)
+            zero = self.d["acc_d_qkv"] if lp.ffn_clears else None
+            if lp.ffn == "ffn_half":
+                assert isinstance(x, _Normed)
                 return _FfnIn(x, layer)  # launched by the down projection (linear)
-            if self.acc_mode:  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU); clears
-                # the down and q|k|v accumulators (last read by this layer's q|k|v GEMV and attention,
-                # next written by the down GEMV and the next layer's q|k|v GEMV)
+            if lp.ffn == "gemv_acc":  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU)
                 self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None,
                                          partial=self.d["partial"], acc_out=self.d["acc_gu"],
-                                         zero=self.d["acc_d_qkv"], ss_out=self.d["ss_ffn"], **self._gemv_in(x))
+                                         zero=zero, ss_out=self.d["ss_ffn"], **self._gemv_in(x))
                 return _SwigluAcc(self.d["acc_gu"])
-            # (accumulating attention half: clears the q|k|v accumulator, last read by this layer's attention)
             return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
-                        zero=self.d["acc_d_qkv"] if self.acc_attn else None, **self._gemv_in(x))
+                        zero=zero, **self._gemv_in(x))
         return swiglu_prefill(x, layer.w1, layer.w3)
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         a, d = self.args, self.d
         k = a.num_experts_per_tok
-        if isinstance(x, _Normed) and self._moe is not None:  # decode: top-k and experts in one launch (the
+        lp = self._lp(layer)
+        if isinstance(x, _Normed) and lp.ffn == "moe_half":  # decode: top-k and experts in one launch (the
             # logits from this layer's o GEMV, its router rows)
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
                 decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
@@ -510,9 +515,9 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
                 ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
             if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
                 self.routing_log.append(cp.asnumpy(ids))
-            # the expert gate/up GEMV clears the down and q|k|v accumulators (last read by this layer's
-            # q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
-            zero = d["acc_d_qkv"] if self.acc_attn else None
+            # the expert gate/up GEMV clears the down and q|k|v accumulators where the plan says (last read by
+            # this layer's q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
+            zero = d["acc_d_qkv"] if lp.ffn_clears else None
 
             def run(h):
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
@@ -521,7 +526,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
             def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
                 return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
                                   zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
-            return _Deferred(run, run_acc if self.acc_moe else None)
+            return _Deferred(run, run_acc if lp.ffn == "moe_acc" else None)
         w13, w2 = layer.experts_w13, layer.experts_w2
         rs, bt = moe_experts_tile(w13, w2, x.shape[0] * k)
         maps = moe_maps_arrays(x.shape[0] * k, w13.E)  # built with the picks (moe_route_mma's last block)

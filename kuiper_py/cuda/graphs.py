@@ -2,8 +2,6 @@
 along), and short prefills captured per length bucket and replayed."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import memory as mem
@@ -12,11 +10,11 @@ from ..backend import SAMPLED_TOKEN, Step
 from .memory import _ArenaFull, _BUF_GEN, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, prefill_bucket
 from .ops.gemm import _gemm_split_buffers
 from .ops.gemv import decode_regime, decode_regimes, gemv_counters
+from .plan import split_count
 from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.rows import rows_scratch
 from .runtime.build import kernel
 from .runtime.launch import tma_map_cache
-from .runtime.registry import ATTN_CM_MAX
 
 try:
     import cupy as cp
@@ -100,14 +98,8 @@ class CudaGraphs:
         return decode_regime(self.attn_short, self.max_context, n_keys)
 
     def _attn_split_count(self, n_keys: int) -> int:
-        """Flash decoding's grid of splits at n_keys keys: in a short-context regime only the splits its bound's
-        keys can use (at a 33000-position capacity's split count the step at 512 keys measured 2.3% longer), else the capacity's. The o GEMV's merge takes the same count (_AttnParts.splits)."""
-        bound = self._attn_short_bound(n_keys)
-        if bound:
-            # (with the clusters' merge, at most the splits one cluster holds)
-            return min(self.attn_splits, math.ceil(bound / self.attn_min_chunk),
-                       ATTN_CM_MAX if self.attn_cm else self.attn_splits)
-        return self.attn_splits
+        """Flash decoding's grid of splits at n_keys keys (plan.split_count, on this backend's choices)."""
+        return split_count(self.attn_short, self.attn_splits, self.attn_min_chunk, self.attn_cm, n_keys)
 
     # ------------------------------------------------------------------ short prefills as CUDA graphs
     def prefill_graph(self, step: Step, layers):

@@ -79,12 +79,13 @@ def attention_prefill(q, kc, vc, pos0: int, n_kv_heads: int, out=None, path: str
     return out
 
 
-def decode_heads_per_block(n_heads: int, n_kv_heads: int) -> int:
+def decode_heads_per_block(n_heads: int, n_kv_heads: int, settings=None) -> int:
     """Query heads one flash-decoding block serves (attention.cu attn_decode_gqa): the largest
     divisor of the GQA group up to attn_max_heads_per_block (registers), or the whole group when it
     is at most 8 and has no divisor in 2..that limit (groups of 5 or 7)."""
     G = n_heads // n_kv_heads
-    best = max(d for d in range(1, min(G, cfg.SETTINGS.attn_max_heads_per_block) + 1) if G % d == 0)
+    limit = (settings or cfg.SETTINGS).attn_max_heads_per_block
+    best = max(d for d in range(1, min(G, limit) + 1) if G % d == 0)
     return G if best == 1 and G <= 8 else best
 
 

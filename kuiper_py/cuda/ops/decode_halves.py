@@ -30,12 +30,11 @@ FFN_AUTO_BLOCKS_PER_SM = 2
 FFN_THREADS, FFN_CH, FFN_MAX_SPAN = 256, 256, 1024  # ffn_decode.cu's block, channels per cluster, span limit
 
 
-def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode", push: bool = True) -> dict:
+def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode") -> dict:
     """The plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB) instantiation
-    over n clusters: kernel, launch attributes and how many of its clusters can be resident at once
-    (all n must be: the caller checks). push: the cluster's exchange by pushes (False: through the cluster
-    barrier, the form the tests compare it with)."""
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>" if push else f"{kernel}<{CL}, {TB}>")
+    over n clusters (the cluster's exchange by pushes into receive slots): kernel, launch attributes and how
+    many of its clusters can be resident at once (all n must be: the caller checks)."""
+    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 

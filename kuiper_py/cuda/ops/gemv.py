@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -114,8 +115,25 @@ def _spread_smem(fn, blocks: int, threads: int) -> int:
 
 def device_tuning() -> dict:
     """The per-GPU table's entry for the current device ({} where none matches its name)."""
-    name = device_name()
-    return next((t for key, t in cfg.SETTINGS.device_tables.items() if key in name), {})
+    return table_for(cfg.SETTINGS, device_name())
+
+
+def table_for(settings, name: str) -> dict:
+    """The per-GPU table's entry of settings for a device named name ({} where none matches)."""
+    return next((t for key, t in settings.device_tables.items() if key in name), {})
+
+
+class Facts(NamedTuple):
+    """What the split and attention rules read: the tuning, the SM count and the per-GPU table's entry. The rules
+    take one to decide for a GPU other than the current one (cuda/plan.py); None: the active tuning on this GPU."""
+    settings: object
+    sms: int
+    table: dict
+
+
+def _st(f: Facts | None) -> tuple:
+    """(settings, table) of facts f, or the active ones on this GPU."""
+    return (cfg.SETTINGS, device_tuning()) if f is None else (f.settings, f.table)
 
 
 def _attn_shape(a: ModelArgs) -> tuple[int, int, int, int]:
@@ -123,41 +141,45 @@ def _attn_shape(a: ModelArgs) -> tuple[int, int, int, int]:
     return (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
 
 
-def attn_min_chunk(a: ModelArgs) -> int:
+def attn_min_chunk(a: ModelArgs, f: Facts | None = None) -> int:
     """Flash decoding's fewest keys per split for this model on this GPU (attn_min_chunk)."""
-    return cfg.SETTINGS.attn_min_chunk or device_tuning().get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
+    s, table = _st(f)
+    return s.attn_min_chunk or table.get("attn_min_chunk", {}).get(_attn_shape(a), DECODE_MIN_CHUNK)
 
 
-def _shape_switch(override: bool | None, key: str, a: ModelArgs) -> bool:
+def _shape_switch(override: bool | None, key: str, a: ModelArgs, table: dict) -> bool:
     """An on/off choice per attention shape: the setting where it is not None, else whether the per-GPU table's
     key lists this model's shape on this GPU."""
     if override is not None:
         return override
-    return _attn_shape(a) in device_tuning().get(key, ())
+    return _attn_shape(a) in table.get(key, ())
 
 
-def o_merge(a: ModelArgs) -> bool:
+def o_merge(a: ModelArgs, f: Facts | None = None) -> bool:
     """Whether the o GEMV may merge flash decoding's partials with gemv_merge_span (gemv_o_merge, else
     device_tables's "o_merge" for this model on this GPU)."""
-    return _shape_switch(cfg.SETTINGS.gemv_o_merge, "o_merge", a)
+    s, table = _st(f)
+    return _shape_switch(s.gemv_o_merge, "o_merge", a, table)
 
 
-def attn_cm(a: ModelArgs) -> bool:
+def attn_cm(a: ModelArgs, f: Facts | None = None) -> bool:
     """Whether decode's flash decoding merges its splits in its clusters where it can (attn_cluster_merge; the
     short-context regime's graph, its splits capped at ATTN_CM_MAX): the attn_cm setting, else the per-GPU
     table's "attn_cm" for this model on this GPU."""
-    return _shape_switch(cfg.SETTINGS.attn_cm, "attn_cm", a)
+    s, table = _st(f)
+    return _shape_switch(s.attn_cm, "attn_cm", a, table)
 
 
-def attn_short(a: ModelArgs) -> tuple[int, ...]:
+def attn_short(a: ModelArgs, f: Facts | None = None) -> tuple[int, ...]:
     """The key counts up to which flash decoding runs in a short-context regime (each a decode graph of its own
     whose grid holds only the splits its keys can use), ascending, () for
     none: the attn_short setting ((512, 1024); () none), else the per-GPU table's "attn_short" for this model on
     this GPU (an int or a tuple of ints)."""
-    if cfg.SETTINGS.attn_short is not None:
-        bounds = cfg.SETTINGS.attn_short
+    s, table = _st(f)
+    if s.attn_short is not None:
+        bounds = s.attn_short
     else:
-        bounds = device_tuning().get("attn_short", {}).get(_attn_shape(a), ())
+        bounds = table.get("attn_short", {}).get(_attn_shape(a), ())
         bounds = (bounds,) if isinstance(bounds, int) else bounds
     return tuple(sorted({int(b) for b in bounds} - {0}))
 
@@ -177,12 +199,14 @@ def decode_regimes(bounds: tuple[int, ...], capacity: int, keys: tuple[int, int]
     return sorted({decode_regime(bounds, capacity, n) for n in (lo, hi, *(b for b in bounds if lo <= b < hi))})
 
 
-def gemv_blocks_per_sm(K: int, tiles: int) -> float:
+def gemv_blocks_per_sm(K: int, tiles: int, f: Facts | None = None) -> float:
     """The target blocks per SM of a GEMV over K rows and `tiles` column tiles: gemv_blocks_per_sm,
     else device_tables's for this shape on this GPU, else GEMV_BASE_BLOCKS_PER_SM."""
-    if cfg.SETTINGS.gemv_blocks_per_sm:
-        return cfg.SETTINGS.gemv_blocks_per_sm
-    return device_tuning().get("gemv_blocks_per_sm", {}).get((K, tiles * GEMV_COLS), GEMV_BASE_BLOCKS_PER_SM)
+    s = cfg.SETTINGS if f is None else f.settings
+    if s.gemv_blocks_per_sm:
+        return s.gemv_blocks_per_sm
+    table = device_tuning() if f is None else f.table
+    return table.get("gemv_blocks_per_sm", {}).get((K, tiles * GEMV_COLS), GEMV_BASE_BLOCKS_PER_SM)
 
 
 def gemv_counters():
@@ -190,24 +214,27 @@ def gemv_counters():
     return _device_zeros(_COUNTERS, 1 << 16)
 
 
-def gemv_split(K: int, tiles: int, per_sm: float | None = None) -> tuple[int, int]:
+def gemv_split(K: int, tiles: int, per_sm: float | None = None, f: Facts | None = None) -> tuple[int, int]:
     """(splits S, rows per split): about per_sm blocks per SM in one wave (default gemv_blocks_per_sm(K, tiles)),
     rows a multiple of GEMV_STEP; below GEMV_BASE_BLOCKS_PER_SM, never fewer than min(gemv_min_splits, the
     splits at the base). A smaller per_sm never gives more splits (gemv_partial_size relies on it)."""
-    per_sm = per_sm or gemv_blocks_per_sm(K, tiles)
-    want = max(1, round(per_sm * sm_count() / tiles))
+    per_sm = per_sm or gemv_blocks_per_sm(K, tiles, f)
+    sms, s = (sm_count(), cfg.SETTINGS) if f is None else (f.sms, f.settings)
+    want = max(1, round(per_sm * sms / tiles))
     if per_sm < GEMV_BASE_BLOCKS_PER_SM:
-        want = max(want, min(cfg.SETTINGS.gemv_min_splits, round(GEMV_BASE_BLOCKS_PER_SM * sm_count() / tiles)))
+        want = max(want, min(s.gemv_min_splits, round(GEMV_BASE_BLOCKS_PER_SM * sms / tiles)))
     rps = math.ceil(math.ceil(K / want) / GEMV_STEP) * GEMV_STEP
     return math.ceil(K / rps), rps
 
 
-def o_split(K: int, tiles: int, attn_splits: int = 0, merge: bool = False) -> tuple[int, int]:
+def o_split(K: int, tiles: int, attn_splits: int = 0, merge: bool = False, f: Facts | None = None
+            ) -> tuple[int, int]:
     """gemv_split for the o GEMV over flash decoding's attn_splits partials (gemv_o_blocks_per_sm up to
     GEMV_O_COARSE_SPLITS of them, GEMV_O_MERGE_COARSE_SPLITS with gemv_merge_span's merge); attn_splits 0:
     the coarsest split it may take (for checks that it fits)."""
     coarse = attn_splits <= (GEMV_O_MERGE_COARSE_SPLITS if merge else GEMV_O_COARSE_SPLITS)
-    return gemv_split(K, tiles, min(cfg.SETTINGS.gemv_o_blocks_per_sm, gemv_blocks_per_sm(K, tiles)) if coarse else None)
+    s = cfg.SETTINGS if f is None else f.settings
+    return gemv_split(K, tiles, min(s.gemv_o_blocks_per_sm, gemv_blocks_per_sm(K, tiles, f)) if coarse else None, f)
 
 
 def gemv_partial_size(K: int, ns: list[int], slots: int = 1) -> int:

@@ -250,15 +250,14 @@ def gemm_moe_rs(x, stack: AwqStack, offsets, tiles, bt: int, out=None):
     assert bt in MOE_RS_TILES and K % 64 == 0 and N % 256 == 0 and _pow2_group(stack.group_size)
     assert stack.qweight.shape[1] == K and x.strides[1] == 2 and x.strides[0] % 16 == 0
     out = _empty((n, N), cp.float16) if out is None else out
-    st, wg, nw, sw = MOE_RS_FORMS[bt]
-    fn = kernel("gemm90rs", moe_rs_name(st, bt, wg, nw, sw))
+    st, wg = MOE_RS_FORMS[bt]
+    fn = kernel("gemm90rs", moe_rs_name(st, bt, wg))
     smem = rs_smem_bytes(st, bt)
     allow_dynamic_smem(fn, smem)
     xmap = tma_map_2d(x, bt, 64)
     launch_ex(fn, (N // (64 * wg), _moe_grid_rows(n, E, bt)), (128 * wg,), (
         xmap, stack.qweight, stack.qzeros, stack.scales, _i(N), out, _i(K), _i(stack.group_size),
-        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg) if sw else xmap),  # (unread)
-        smem)
+        _i(out.strides[0] // 2), offsets, tiles, _i(E), tma_map_words(stack.qweight, wg)), smem)
     return out
 
 

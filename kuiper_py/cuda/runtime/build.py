@@ -184,6 +184,20 @@ def family_modules(family: str) -> list:
     return [_MODULES[k] for k in _module_keys(family) if k in _MODULES]
 
 
+def build_options(family: str) -> tuple[str, ...]:
+    """The compiler options a family is built with: the include directory, its compile-time constants and, for the
+    wgmma families, the sm_90a target (tools/compile_kernels.py passes the same to nvcc)."""
+    opts = ("--std=c++17", f"-I{kernel_dir()}")
+    if family in ("attn", "attncm"):
+        opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
+    if family in SM90A_FAMILIES:  # wgmma exists only in the arch-specific sm_90a target
+        opts += ("-arch=sm_90a",)
+    if family == "gemv":
+        opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
+                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
+    return opts
+
+
 def _build(key: str):
     """Build one kernel module (compile, or load CuPy's cached binary): a family, or one of its MODULE_PARTS. The
     source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
@@ -192,14 +206,7 @@ def _build(key: str):
     fname, names = _module_names(key)
     d = kernel_dir()
     src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
-    opts = ("--std=c++17", f"-I{d}")
-    if family in ("attn", "attncm"):
-        opts += (f"-DATTN_DECODE_U={ATTN_DECODE_U}",)
-    if family in SM90A_FAMILIES:  # wgmma exists only in the arch-specific sm_90a target
-        opts += ("-arch=sm_90a",)
-    if family == "gemv":
-        opts += (f"-DGEMV_ROWS={GEMV_ROWS}", f"-DGEMV_MIN_BLOCKS={GEMV_MIN_BLOCKS}",
-                 f"-DGEMV_O_MIN_BLOCKS={GEMV_O_MIN_BLOCKS}", f"-DGEMV_SUM_BATCH={GEMV_SUM_BATCH}")
+    opts = build_options(family)
     # a silent minute on a first run looks like a hang: a build still going after _BUILD_NOTICE_S says why
     notice = None if _BUILD_NOTICED[0] else threading.Timer(_BUILD_NOTICE_S, _build_notice)
     if notice is not None:

@@ -232,7 +232,7 @@ def tma_map_cache(c, n: int):
 def tma_map_words(qw, wg: int):
     """A CUtensorMap of a tiled qweight (int32, contiguous; common.cuh's layout, whole 32-word tiles) as
     [row quads][4 quarters][32 words] (a quarter: 8 words x 4 rows, 128 bytes), boxes of 32 x wg x 16 (the quarters
-    of wg consumer warpgroups over one 64-k tile) with the 128-byte swizzle, for gemm_moe_rs's SWZ forms."""
+    of wg consumer warpgroups over one 64-k tile) with the 128-byte swizzle, for gemm_moe_rs."""
     key = (_dev_id(), qw.data.ptr, qw.size, wg)
     m = _TMAPS.get(key)
     if m is not None:

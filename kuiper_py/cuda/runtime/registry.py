@@ -55,10 +55,9 @@ ATTN_DECODE_U = 4  # attention.cu ATTN_DECODE_U
 
 
 # gemv_w4a16.cu's instantiations <MOE2, RT, OM, ACC>: the split-K form (MOE2: the MoE sum over two levels),
-# the MoE o projection's router rows (RT), o's merge of many flash-decoding splits (OM), and the accumulating
-# decode forms (ACC), which leave out the split-K reduction tails
-GEMV_FORMS = ((False, False, False, False), (True, False, False, False), (False, True, False, False),
-              (False, False, True, False), (False, True, True, False),
+# o's merge of many flash-decoding splits (OM), and the accumulating decode forms (ACC), which leave out the
+# split-K reduction tails, with the MoE o projection's router rows (RT: accumulating only)
+GEMV_FORMS = ((False, False, False, False), (True, False, False, False), (False, False, True, False),
               *((False, rt, om, True) for rt in (False, True) for om in (False, True)))
 
 
@@ -67,21 +66,19 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
     return "gemv_w4a16<" + ", ".join("true" if f else "false" for f in (moe2, rt, om, acc)) + ">"
 
 
-RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
+RS_STAGES = {128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 
 
 # gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
 # one block per SM; 2 are 128 channels and two blocks per SM (4 stages each: 6 spill under the 128-register bound),
 # so one block's first loads and last stores overlap the other's loop. H100, 30B-A3B's experts, 64-row tiles at
 # 256-2048 tokens: gate|up -1 to -7%, down -3 to -6% with 2; 128-row tiles +1 to +8%.
-# Both with the narrow flag (a tile whose expert has at most half a tile of rows left runs half-width wgmmas) and the
-# swizzled flag (the packed words by 128B-swizzled 3D TMA boxes of the block's quarters only;)
-# . H100, 30B-A3B's experts, both on against both off: 64-row tiles gate|up -11 / -7 / -5 / -2% and down -13 / -8
-# / -7 / -4% at 256 / 512 / 1024 / 2048 tokens; 128-row tiles -20 / -20 / -8 / -5% and -21 / -21 / -10 / -8%
-MOE_RS_FORMS = {64: (4, 2, 1, 1), 128: (8, 4, 1, 1)}  # rows per tile -> (stages, warpgroups, narrow, swizzled)
+# Every form runs half-width wgmmas on a tile whose expert has at most half a tile of rows left, and takes the packed
+# words by 128B-swizzled 3D TMA boxes of the block's quarters only (docs/PERFORMANCE.md)
+MOE_RS_FORMS = {64: (4, 2), 128: (8, 4)}  # rows per tile -> (stages, warpgroups)
 
 
-MOE_RS_FORMS_ALL = tuple((bt, *f) for bt, f in MOE_RS_FORMS.items())  # compiled: (rows, stages, warpgroups, ...)
+MOE_RS_FORMS_ALL = tuple((bt, *f) for bt, f in MOE_RS_FORMS.items())  # compiled: (rows, stages, warpgroups)
 
 
 MOE_RS_TILES = tuple(MOE_RS_FORMS)  # gemm_moe_rs's rows per tile
@@ -107,9 +104,9 @@ FW_CONFIGS = ((3, 0, 2), (3, 1, 2), (4, 1, 2), (3, 1, 3), (4, 1, 3), (4, 2, 2), 
 FW_NC3_FROM = 2048
 
 
-def moe_rs_name(st: int, bt: int, wg: int, narrow: int, swz: int) -> str:
-    """The name expression of one gemm_moe_rs instantiation (the flags written out only where one is set)."""
-    return f"gemm_moe_rs<{st}, {bt}, {wg}" + (f", {narrow}, 1>" if swz else ", 1>" if narrow else ">")
+def moe_rs_name(st: int, bt: int, wg: int) -> str:
+    """The name expression of one gemm_moe_rs instantiation."""
+    return f"gemm_moe_rs<{st}, {bt}, {wg}>"
 
 
 def fw_name(st: int, pipe: int, nc: int) -> str:
@@ -126,10 +123,9 @@ _FILES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
-    # the register-A kernel of the same file: gemm()'s "rs" path takes 128
-    # and 256 tokens per block; 64 only its test
-    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{RS_STAGES[bt]}, {bt}>" for bt in (64, 128, 256)]
-                  + [moe_rs_name(st, bt, wg, nw, sw) for bt, st, wg, nw, sw in MOE_RS_FORMS_ALL]),
+    # the register-A kernel of the same file: gemm()'s "rs" path takes 128 and 256 tokens per block
+    "gemm90rs": ("gemm_wgmma.cu", [f"gemm_w4a16_rs<{st}, {bt}>" for bt, st in RS_STAGES.items()]
+                  + [moe_rs_name(st, bt, wg) for bt, st, wg in MOE_RS_FORMS_ALL]),
     "gemm": ("gemm_w4a16.cu", ["gemm_w4a16<128>", "gemm_w4a16<64>", "silu_mul", "awq_dequant", "awq_dequant3", "gemm_moe_gate_up", "gemm_moe_down"]),
     # MoE prefill's grouped expert GEMMs for few rows per expert
     "moetc": ("gemm_moe_tc.cu", [f"gemm_moe_tc<{tm}, {g}>" for tm in MOE_TC_TILES for g in (0, 1)]),
@@ -155,7 +151,7 @@ _FILES = {
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 
 
-FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument (0, the default: the cluster barrier)
+FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument
 
 
 # blocks per SM of the dense one-launch FFN without a cluster launch (ffn_global_plan): the caps it is instantiated
@@ -171,11 +167,9 @@ ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
 
 _FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
                                            for hb in ATTN_CM_HB]),
-               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
+               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
                           for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}>" for cl, tb in FFN_PAIRS]
                        + [f"moe_ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS])}
 
 
