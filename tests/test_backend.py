@@ -36,7 +36,9 @@ def test_the_cuda_backend_declares_every_member():
     from kuiper_py.ops_cupy import CupyOps
     instance_only = {"args", "weights", "graphs"}  # (set in __init__)
     assert not {m for m in _members() - instance_only if not hasattr(CupyOps, m)}
-    assert CupyOps.queues_draws and CupyOps.max_batch == 1 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
+    assert CupyOps.queues_draws and CupyOps.max_batch == 16 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
+    # (a PagedBackend: Steps of up to 16 sequences over a pool of KV blocks)
+    assert all(callable(getattr(CupyOps, m, None)) for m in ("kv_pool_blocks", "alloc_blocks"))
 
 
 def test_a_cpu_model_takes_a_step_of_two_sequences_as_an_error(tiny_bin):

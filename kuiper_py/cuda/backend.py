@@ -33,6 +33,7 @@ from .draws import DeviceDraws
 from .plan import DecodePlan, Gpu, build as build_plan, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
+from .batched import PagedSteps
 
 try:
     import cupy as cp
@@ -105,11 +106,11 @@ class _SwigluAcc:
         self.acc, self.shape = acc, (1, acc.size // 2)
 
 
-class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
-    """backend.Backend on one GPU (graphs: set per instance, KUIPER_CUDA_GRAPHS)."""
+class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
+    """backend.PagedBackend on one GPU (graphs: set per instance, KUIPER_CUDA_GRAPHS); a Step of several sequences
+    with block tables runs through PagedSteps (cuda/batched.py)."""
     name = "cuda"
     queues_draws = True
-    max_batch = 1
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
                  settings: Settings | None = None):
@@ -284,6 +285,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
     # ------------------------------------------------------------------ the ops interface
     def embed(self, step: Step):
+        if self._paged is not None:
+            return self._paged_embed(step)
         ids = step.one().ids
         T, D = len(ids), self.args.hidden_size
         if T == 1:
@@ -304,6 +307,13 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         return h
 
     def add_rmsnorm(self, h, r, w):
+        if self._paged is not None:
+            if isinstance(r, _Deferred):  # (a one-token paged step's MoE: its expert sum added into h)
+                r.run(h)
+                r = None
+            if isinstance(r, _ExpertRows):
+                return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
+            return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps)
         if isinstance(r, _Deferred) and r.run_acc is not None:
             # the projection adds into an accumulator (its plan entry's form); the consumer adds it to h, writing
             # the other row
@@ -345,6 +355,9 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
     def qkv(self, x, layer: Layer):
         a = self.args
+        if self._paged is not None:
+            y = self._paged_proj(x, (layer.wq, layer.wk, layer.wv))
+            return y[:, :a.q_dim], y[:, a.q_dim:a.q_dim + a.kv_dim], y[:, a.q_dim + a.kv_dim:]
         if x.shape[0] == 1:  # launched by qk_norm_rope_store, with the norm and RoPE in its epilogue
             return _QkvInput(x), None, None
         y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
@@ -352,6 +365,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
 
     def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
+        if self._paged is not None:
+            return self._paged_rope(q, k, v, layer, i)
         pos0 = step.one().pos0
         a = self.args
         lp = self.plan.layers[i]
@@ -376,6 +391,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
                                   self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
 
     def attention(self, q, i: int, step: Step):
+        if self._paged is not None:
+            return self._paged_attention(q, i)
         pos0 = step.one().pos0
         KV = self.args.num_key_value_heads
         if q.shape[0] == 1:
@@ -401,6 +418,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, step: Step) -> None:
+        if self._begin_paged(step):
+            return
         s = step.one()
         self._begin(s.pos0, len(s.ids))
 
@@ -409,6 +428,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         forward of 2..arena_max_t tokens takes its activations from this ops' arena until end_step; a
         longer one gives the arena's arrays back to the pool first (its own are larger)."""
         self._argmax_ready = False
+        self._paged = None
         if n_tokens == 1 and self._dev_pos != pos0:
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
@@ -424,6 +444,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
 
     def end_step(self) -> None:
         mem._ARENA = None
+        self._paged = None
 
 
 
@@ -435,6 +456,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         self._dev_pos = None
 
     def linear(self, x, lin: AwqLinear):
+        if self._paged is not None:
+            return self._paged_proj(x, lin)
         d = self.d
         if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
             lp = self.plan.layers[x.layer]
@@ -471,6 +494,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
         return gemm(x, lin)
 
     def gate_up_silu(self, x, layer: Layer):
+        if self._paged is not None:
+            return self._paged_gate_up(x, layer)
         if x.shape[0] == 1:
             lp = self._lp(layer)
             # (where it clears the down and q|k|v accumulators: last read by this layer's q|k|v GEMV and
@@ -539,6 +564,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws):
     def logits(self, x, all_positions: bool = False):
         V = self.args.vocab_size
         x = self._x(x)
+        if self._paged is not None:
+            return self._paged_logits(x, all_positions)
         if not all_positions:  # (while a decode graph is captured, greedy's argmax rides along: decode_step)
             n = self._capture_argmax
             return lm_head(cp.ascontiguousarray(x[-1]), self.weights.lm_head, self.d["logits"],

@@ -1,0 +1,77 @@
+"""Steps of several sequences over the paged KV pool (paged.cu): each token row's sequence and position, and the
+sequences' block tables, as device arrays (PagedRows); the per-token q/k norm + RoPE + block write, and attention
+of every row over its own sequence's blocks."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..memory import _f, _i
+from ..runtime.build import kernel
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - CPU-only installs
+    cp = None
+
+PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (its warps, at most 8)
+
+
+def paged_rows(seqs, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tables [B, longest] int32 padded with 0, tok_seq [T], tok_pos [T]) of a step's sequences (backend.Seq:
+    ids, pos0, block_table), its rows in order; every row's position must lie in its sequence's blocks."""
+    width = max(1, max(len(s.block_table) for s in seqs))
+    tables = np.zeros((len(seqs), width), np.int32)
+    tok_seq, tok_pos = [], []
+    for b, s in enumerate(seqs):
+        end = s.pos0 + len(s.ids)
+        if end > len(s.block_table) * block_size:
+            raise ValueError(f"sequence {b}: positions up to {end} do not fit its {len(s.block_table)} blocks of "
+                             f"{block_size}")
+        tables[b, :len(s.block_table)] = s.block_table
+        tok_seq += [b] * len(s.ids)
+        tok_pos += range(s.pos0, end)
+    return tables, np.asarray(tok_seq, np.int32), np.asarray(tok_pos, np.int32)
+
+
+class PagedRows:
+    """A paged step's lookups on the device: tables [B, width], tok_seq and tok_pos [T]; last: each sequence's
+    last row (the rows whose logits the step returns)."""
+
+    def __init__(self, seqs, block_size: int):
+        tables, tok_seq, tok_pos = paged_rows(seqs, block_size)
+        self.block_size, self.n_tokens = block_size, tok_seq.size
+        self.tables, self.tok_seq, self.tok_pos = cp.asarray(tables), cp.asarray(tok_seq), cp.asarray(tok_pos)
+        self.last = np.cumsum([len(s.ids) for s in seqs]) - 1
+
+
+def paged_qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kb, vb, rows: PagedRows, n_heads: int,
+                             eps: float):
+    """Per-head RMSNorm of q and k, RoPE at each row's own position, k and v written into its sequence's block of
+    kb/vb [n_blocks, block_size, KV, hd] (one layer's); q [T, H*hd], k and v [T, KV*hd] (row strides may be wider:
+    views of one q|k|v product) -> q [T, H, hd] fp16."""
+    T, KV, hd = q.shape[0], kb.shape[2], kb.shape[3]
+    assert T == rows.n_tokens and kb.flags.c_contiguous and vb.flags.c_contiguous
+    assert all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 and a.strides[1] == 2 for a in (q, k, v))
+    out = cp.empty((T, n_heads, hd), cp.float16)
+    heads = 4 * (512 // hd)  # per block: 4 warps of 32 / (hd / 16) heads
+    kernel("paged", f"paged_qk_norm_rope_store<{hd}>")((T, math.ceil((n_heads + 2 * KV) / heads)), (128,), (
+        q, _i(q.strides[0] // 2), k, _i(k.strides[0] // 2), v, _i(v.strides[0] // 2), q_norm, k_norm, cos, sin,
+        out, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, _i(n_heads), _i(KV),
+        _i(rows.block_size), _f(eps)))
+    return out
+
+
+def paged_attention(q, kb, vb, rows: PagedRows):
+    """Causal GQA of every row over its own sequence's positions 0..its own, read through the block tables:
+    q [T, H, hd] fp16, kb/vb [n_blocks, block_size, KV, hd] (one layer's) -> [T, H*hd] fp16."""
+    T, H, hd = q.shape
+    KV = kb.shape[2]
+    G = H // KV
+    assert T == rows.n_tokens and H % KV == 0 and G <= PAGED_MAX_GROUP and q.flags.c_contiguous
+    out = cp.empty((T, H * hd), cp.float16)
+    kernel("paged", f"paged_attention<{hd}>")((T, KV), (32 * G,), (
+        q, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, out, _i(H), _i(KV),
+        _i(rows.block_size), _f(1.0 / math.sqrt(hd))))
+    return out
