@@ -69,6 +69,10 @@ class TurnGroup:
         self._wait_turn(rank)
         return self._done  # (read before this rank hands the turn on: no later collective has replaced it)
 
+    def reduce(self, rank: int, x):
+        """Rank rank's all-reduce: the rank-order sum, a copy of its own."""
+        return self.exchange(rank, x, _sum).copy()
+
     def enter(self, rank: int):
         """A context each rank's thread runs in (DeviceLocalGroup: the rank's GPU made current)."""
         import contextlib
@@ -115,7 +119,7 @@ class TurnComm:
         self.group, self.rank, self.size = group, rank, group.size
 
     def all_reduce_sum(self, x):
-        return self.group.exchange(self.rank, x, _sum).copy()
+        return self.group.reduce(self.rank, x)
 
     def all_gather(self, x, axis: int = -1):
         return self.group.exchange(self.rank, x, lambda parts: _xp(x).concatenate(parts, axis=axis)).copy()
@@ -128,14 +132,33 @@ class TurnComm:
         self.group.exchange(self.rank, None, lambda parts: None)
 
 
+def _fits(oneshot, x) -> bool:
+    """Whether x is a message the one-shot all-reduce takes (fp16/fp32, whole 16-byte vectors, its capacity);
+    larger ones (a long prompt's rows) are summed another way."""
+    return (oneshot is not None and x.dtype.name in ("float16", "float32") and x.nbytes % 16 == 0
+            and x.nbytes <= oneshot.cap_vec * 16 and x.flags.c_contiguous)
+
+
 class DeviceLocalGroup(TurnGroup):
     """N ranks in one process, all on one GPU (the current one, or device), each with its own CupyOps over its
-    shards, summing with CuPy: the sharding of the CUDA backend testable on a single GPU."""
+    shards, summing with CuPy in rank order: the sharding of the CUDA backend testable on a single GPU. oneshot:
+    the all-reduces of the messages it takes go through the one-shot kernel's simulated ranks
+    (cuda/ops/allreduce.py; the same rank-order fp32 sum)."""
 
-    def __init__(self, size: int, device: int | None = None) -> None:
+    def __init__(self, size: int, device: int | None = None, oneshot: bool = False) -> None:
         import cupy
         super().__init__(size)
         self.device = cupy.cuda.Device(device).id if device is not None else cupy.cuda.Device().id
+        self._oneshot = None
+        if oneshot:
+            from ..cuda.ops.allreduce import OneShotAllReduce
+            self._oneshot = OneShotAllReduce.on_one_device(size, self.device)
+
+    def reduce(self, rank: int, x):
+        if not _fits(self._oneshot, x):
+            return super().reduce(rank, x)
+        import cupy
+        return self.exchange(rank, x, lambda parts: self._oneshot.all_reduce(cupy.stack(parts)))[rank].copy()
 
     def devices(self) -> list[int]:
         return [self.device] * self.size
@@ -145,34 +168,79 @@ class DeviceLocalGroup(TurnGroup):
         return cupy.cuda.Device(self.device)
 
 
-class NcclGroup:
-    """One process driving N GPUs: rank r's CupyOps on device r with NCCL's in-process communicators
-    (ncclCommInitAll); the ranks run at once, a thread each (NCCL needs every rank's call in flight together)."""
+class NcclGroup(TurnGroup):
+    """One process driving N GPUs: rank r's CupyOps on device r, NCCL's in-process communicators (ncclCommInitAll).
+    The ranks take turns on the host as in TurnGroup (their launches are queued, so the GPUs still run side by
+    side); the rank completing a collective issues every rank's NCCL call in one group (groupStart/groupEnd, the
+    form NCCL asks of a thread driving several devices), each on its device's current stream."""
 
     def __init__(self, size: int) -> None:
         from .nccl import NcclCommunicator
-        self.size = size
+        super().__init__(size)
         self._comms = NcclCommunicator.in_process(list(range(size)))
 
     def devices(self) -> list[int]:
         return list(range(self.size))
 
-    def comm(self, rank: int):
-        return self._comms[rank]
-
     def enter(self, rank: int):
         import cupy
         return cupy.cuda.Device(rank)
 
-    def run(self, fn: Callable[[int], Any]) -> list:
-        from .comm import LocalGroup
+    def _nccl_sum(self, parts):
+        from . import nccl
+        with nccl.group():
+            return [c.all_reduce_sum(x) for c, x in zip(self._comms, parts)]
 
-        def on_device(r: int):
-            with self.enter(r):
-                return fn(r)
-        # (LocalGroup's threads and error collection; its barrier is not used by these communicators)
-        return LocalGroup(self.size).run(on_device)
+    def _nccl_gather(self, parts, axis: int):
+        """Every rank's gathered copy; the concatenations queued after groupEnd has queued the gathers."""
+        import cupy
+        from . import nccl
+        bufs = []
+        with nccl.group():
+            for c, x in zip(self._comms, parts):
+                with c.device:
+                    x = cupy.ascontiguousarray(x)
+                    buf = cupy.empty((self.size,) + x.shape, dtype=x.dtype)
+                    c._comm.allGather(x.data.ptr, buf.data.ptr, x.size, nccl._datatype(x.dtype), c._stream_ptr())
+                    bufs.append((buf, x))  # (x kept alive until the gather has run)
+        out = []
+        for c, (buf, _) in zip(self._comms, bufs):
+            with c.device:
+                out.append(cupy.concatenate(list(buf), axis=axis))
+        return out
+
+    def reduce(self, rank: int, x):
+        return self.exchange(rank, x, self._nccl_sum)[rank]
+
+    def comm(self, rank: int) -> "_NcclTurnComm":
+        return _NcclTurnComm(self, rank)
 
     def close(self) -> None:
         for c in self._comms:
             c.close()
+
+
+class _NcclTurnComm(TurnComm):
+    """Communicator of an NcclGroup rank: the sums and gathers over NCCL."""
+
+    def all_gather(self, x, axis: int = -1):
+        return self.group.exchange(self.rank, x, lambda parts: self.group._nccl_gather(parts, axis))[self.rank]
+
+
+class PeerGroup(NcclGroup):
+    """NcclGroup whose all-reduces go through the one-shot kernel over peer memory (cuda/ops/allreduce.py) where
+    the message fits it (NCCL for larger ones and for the gathers): the rank completing a collective launches every
+    rank's kernel, each on its device's current stream."""
+
+    def __init__(self, size: int) -> None:
+        from ..cuda.ops.allreduce import OneShotAllReduce
+        super().__init__(size)
+        self._oneshot = OneShotAllReduce(self.devices())
+
+    def reduce(self, rank: int, x):
+        import cupy
+        with cupy.cuda.Device(rank):
+            x = cupy.ascontiguousarray(x)
+        if not _fits(self._oneshot, x):
+            return super().reduce(rank, x)
+        return self.exchange(rank, x, self._oneshot.all_reduce)[rank]

@@ -61,7 +61,7 @@ def headers_tag() -> str:
     return f"\n// headers {deps.hexdigest()}\n"
 
 
-_FNS: dict[tuple[str, str], object] = {}
+_FNS: dict[tuple[int, str, str], object] = {}
 
 
 _BUILD = [0.0]  # seconds the caller waited for kernel modules to be built (kernel_build_seconds)
@@ -268,10 +268,12 @@ def model_families(a: ModelArgs, cc: int) -> list[str]:
 
 def _compiled(family: str, name: str):
     """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
-    attention_decode asks on every launch); its module built here, or by precompile()'s worker."""
-    fn = _FNS.get((family, name))
+    attention_decode asks on every launch); its module built here, or by precompile()'s worker. One per device: a
+    function is loaded into one device's context (one process driving several GPUs: --tp)."""
+    key = (_dev_id(), family, name)
+    fn = _FNS.get(key)
     if fn is None:
-        fn = _FNS[(family, name)] = _module(_module_key(family, name)).get_function(name)
+        fn = _FNS[key] = _module(_module_key(family, name)).get_function(name)
     return fn
 
 
