@@ -66,7 +66,7 @@ def gemv_name(moe2: bool, rt: bool = False, om: bool = False, acc: bool = False)
     return "gemv_w4a16<" + ", ".join("true" if f else "false" for f in (moe2, rt, om, acc)) + ">"
 
 
-RS_STAGES = {128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
+RS_STAGES = {64: 8, 128: 8, 256: 5}  # gemm_w4a16_rs's stages per token count (what fits in 227 KB)
 
 
 # gemm_moe_rs's forms (stages, consumer warpgroups) per rows per tile: 4 warpgroups are 256 channels a block and
