@@ -1,5 +1,6 @@
-"""Shared fixtures: synthetic checkpoints (built once per session: tiny_dir, untied_dir, moe_dir) and their exported ak48
-files (tiny_bin, untied_bin, moe_bin). Tests read them; a test that damages one works on copy_ckpt's copy."""
+"""Shared fixtures: synthetic checkpoints (built once per session, under pytest-xdist once per worker: tiny_dir,
+untied_dir, moe_dir) and their exported ak48 files (tiny_bin, untied_bin, moe_bin). Tests read them; a test that damages
+one works on copy_ckpt's copy."""
 import os
 import shutil
 import subprocess
@@ -10,11 +11,14 @@ import pytest
 
 # On a small host (CI's 2 cores) one BLAS / OpenMP thread per process, set before NumPy and torch load and inherited by
 # the CLI and server subprocesses: the test models are tiny, and a thread per core in each of the test process and its
-# subprocesses oversubscribes the host, where OpenBLAS's spinning threads made each lm_head product ~5x slower. A value
-# already in the environment (or -t/--threads in a CLI test) wins.
-if (os.cpu_count() or 1) <= 4:
+# subprocesses oversubscribes the host, where OpenBLAS's spinning threads made each lm_head product ~5x slower. Under
+# pytest-xdist (-n) each worker takes its share of the cores. A value already in the environment (or -t/--threads in a
+# CLI test) wins.
+_CORES = os.cpu_count() or 1
+_THREADS = 1 if _CORES <= 4 else max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+if _THREADS < _CORES:
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
+        os.environ.setdefault(_var, str(_THREADS))
 
 from kuiper_py import synth  # noqa: E402 (after the thread settings)
 from kuiper_py.export import export  # noqa: E402
