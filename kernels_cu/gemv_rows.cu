@@ -16,7 +16,6 @@
 #define RW_WARPS 8        // 4 groups of 8 packed words (the block's 32-word column tile) x 2 k phases
 #define RW_U 4            // k16 steps a warp has in flight (16-byte loads per lane)
 #define RW_SPAN 512       // most rows of K one block takes (its x span in shared memory)
-#define RW_TAIL_U 2       // splits whose partials the last block of a tile has in flight per output
 
 // Two fp16 values as one MMA operand register.
 __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h); }
@@ -25,7 +24,7 @@ __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h)
 // [s * rph, min(K, (s + 1) * rph)), rph % 32 == 0 and rph <= RW_SPAN. Output: out [M, ldo] fp16, the matrices'
 // columns side by side; with S > 1 each block writes its sums to partial [S, M, Ntot] and the last block of a column
 // tile (counters, zero between launches and left zero) sums them in split order (deterministic).
-extern "C" __global__ void __launch_bounds__(256, 2)  // (2 per SM: 113 registers)
+extern "C" __global__ void __launch_bounds__(256)
 gemv_rows(const half* __restrict__ x, int M, int K, int group,
           const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,
           const u32* __restrict__ qw1, const u32* __restrict__ qz1, const half* __restrict__ sc1, int N1,
@@ -150,31 +149,11 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // the tile's M x cols sums (at most RW_MAX_M per thread, i = tid + 256 j) over the splits, in split order, with
-    // RW_TAIL_U splits of every output's partials in flight at once: a loop per output waited for each load in turn
-    // (S x M round trips to L2, about a third of the 8B verify step's projections)
-    const int n_out = M * cols;
-    float v[RW_MAX_M];
-#pragma unroll
-    for (int j = 0; j < RW_MAX_M; ++j) v[j] = 0.f;
-    for (int s0 = 0; s0 < S; s0 += RW_TAIL_U) {
-        float p[RW_TAIL_U][RW_MAX_M];
-#pragma unroll
-        for (int u = 0; u < RW_TAIL_U; ++u)
-#pragma unroll
-            for (int j = 0; j < RW_MAX_M; ++j) {
-                const int i = threadIdx.x + 256 * j, m = i / cols, c = i - m * cols;
-                p[u][j] = i < n_out && s0 + u < S ? __ldcg(&partial[((size_t)(s0 + u) * M + m) * Ntot + col0 + c]) : 0.f;
-            }
-#pragma unroll
-        for (int u = 0; u < RW_TAIL_U; ++u)
-#pragma unroll
-            for (int j = 0; j < RW_MAX_M; ++j) v[j] += p[u][j];
-    }
-#pragma unroll
-    for (int j = 0; j < RW_MAX_M; ++j) {
-        const int i = threadIdx.x + 256 * j, m = i / cols, c = i - m * cols;
-        if (i < n_out) out[(size_t)m * ldo + col0 + c] = __float2half(v[j]);
+    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols, c = i - m * cols;
+        float v = 0.f;
+        for (int s = 0; s < S; ++s) v += __ldcg(&partial[((size_t)s * M + m) * Ntot + col0 + c]);
+        out[(size_t)m * ldo + col0 + c] = __float2half(v);
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // for the next launch (and a graph's next replay)
 }

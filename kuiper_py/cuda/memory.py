@@ -97,12 +97,8 @@ _BUF_GEN = [0]
 
 
 def prefill_bucket(T: int) -> int:
-    """The length a T-token prefill graph runs at: T itself up to 8 tokens (a speculative verify step of up to 7
-    guesses pads nothing: its projections and their split sums cost by the row), then T rounded up to a multiple of
-    16 up to 128 tokens, of 32 up to 256, of 64 beyond (23 graphs up to 512 tokens; at most 15, 31 or 63 rows of
-    padding, 12% at most past 128 tokens)."""
-    if T <= 8:
-        return T
+    """The length a T-token prefill graph runs at: T rounded up to a multiple of 16 up to 128 tokens, of 32 up to 256,
+    of 64 beyond (16 graphs up to 512 tokens; at most 16, 32 or 64 rows of padding, 12% at most past 128 tokens)."""
     step = 16 if T <= 128 else 32 if T <= 256 else 64
     return -(-T // step) * step
 
