@@ -3,8 +3,8 @@ cuda.backend.CupyOps on a GPU): what one step carries, and the methods the forwa
 
 A step carries B >= 1 sequences, each with its own new tokens, its position (tokens already cached) and its KV-cache
 slot, so a server that batches requests, or a verify step of speculative decoding per sequence, is one Step of
-several Seqs. A backend whose max_batch is 1 (CUDA today) takes `step.one()`, which refuses B > 1; one that runs
-more (the NumPy backend) is a PagedBackend: each Seq then carries its block table into a pool of KV blocks
+several Seqs. A backend whose max_batch is 1 takes `step.one()`, which refuses B > 1; one that runs
+more (NumPy, CUDA) is a PagedBackend: each Seq then carries its block table into a pool of KV blocks
 (kuiper_py.batch)."""
 from __future__ import annotations
 
