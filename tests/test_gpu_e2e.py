@@ -576,7 +576,7 @@ def test_prefill_attention_wgmma_path_matches_reference(ckpt_root, monkeypatch):
 # The one-launch FFN half (ffn_decode.cu: RMSNorm, gate/up, SwiGLU and down of a dense decode layer
 # in one cluster launch) at shapes it serves: two layers of Qwen3-0.6B (clusters of 4 blocks, one
 # down tile each) and of a 2048-wide model (clusters of 8, Qwen3-8B's cluster size; the CPU reference
-# of wider models takes minutes). The kernel test in test_gpu.py covers every instantiation against NumPy.
+# of wider models takes minutes). The kernel test in test_cuda_ffn_decode.py covers every instantiation against NumPy.
 _W2K = (2048, 3072, 2, 16, 8, 128, True)  # hidden, intermediate, layers, heads, kv heads, head_dim, tied
 
 

@@ -81,7 +81,7 @@ def test_flash_decoding_at_128k_keys(preset, splits, on_device):
 def test_2507_model_decode_at_128k_equals_its_prefill(tmp_path):
     """A tiny Qwen3-2507 file (262,144 positions, rope_theta 5e6): one decode step at position 131,072 (flash
     decoding over every cached key, RoPE at that position) gives the logits of a prefill of the same 131,073
-    tokens (the prefill's attention kernel, tested against its own reference in test_gpu.py)."""
+    tokens (the prefill's attention kernel, tested against its own reference in test_cuda_attention.py)."""
     binf = _bin(tmp_path, "t2507", "tiny-2507")
     mf = load(binf)
     assert mf.args.max_position_embeddings == 262144 and mf.args.rope_theta == 5e6

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 LAYER_KERNELS = ("gemv_w4a16", "attn_decode_gqa", "attn_decode_combine", "ffn_decode", "moe_ffn_decode",
                  "moe_route_decode")
-# a MoE model whose middle layer is dense (hidden 2048: the one-launch MoE half's clusters of 8), as test_gpu_moe's
+# a MoE model whose middle layer is dense (hidden 2048: the one-launch MoE half's clusters of 8), as test_cuda_moe's
 _MIXED = (2048, 2048, 3, 16, 4, 128, True, 16, 4, 512, (1,))
 
 

@@ -1,6 +1,6 @@
 """Prefill graphs' padding (ops_cupy.prefill_graph) checked on the CPU reference engine: a prompt padded at its end
 to its length bucket gives its own last logits and, once decode overwrites the padding's cache rows, its own
-continuation; and the buckets themselves. The GPU side is in test_gpu_e2e.py and test_gpu_moe.py."""
+continuation; and the buckets themselves. The GPU side is in test_gpu_e2e.py and test_cuda_moe.py."""
 import numpy as np
 import pytest
 
