@@ -58,9 +58,10 @@ def _mark_slow_sweeps(items) -> None:
 @pytest.hookimpl(tryfirst=True)  # (before -m deselects by mark)
 def pytest_collection_modifyitems(config, items):
     _mark_slow_sweeps(items)
-    if _has_gpu():
+    if _has_gpu() and not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    # (under pytest-xdist, as the CPU suite runs, several workers would share one GPU: its tests run without -n)
+    skip = pytest.mark.skip(reason="GPU tests run without -n" if _has_gpu() else "needs a CUDA GPU and CuPy")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -19,9 +19,12 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 # the slow end-to-end files first: what the limit leaves unreached is then the kernel files' short cases
-FILES = ("tests/test_gpu_e2e.py", "tests/test_cuda_moe.py", "tests/test_hardening.py", "tests/test_cuda_gemv.py",
-         "tests/test_cuda_gemm.py", "tests/test_cuda_attention.py", "tests/test_cuda_ffn_decode.py",
-         "tests/test_cuda_norm.py", "tests/test_cuda_lm_head_sampling.py", "tests/test_cuda_runtime.py")
+FILES = ("tests/test_gpu_e2e.py", "tests/test_cuda_moe.py", "tests/test_hardening.py", "tests/test_gpu_formats.py",
+         "tests/test_gpu_speculative.py", "tests/test_gpu_paged.py", "tests/test_gpu_plan.py", "tests/test_gpu_rows.py",
+         "tests/test_serve_gpu.py", "tests/test_serve_speculative.py", "tests/test_gpu_allreduce.py",
+         "tests/test_gpu_parallel.py", "tests/test_cuda_gemv.py", "tests/test_cuda_gemm.py",
+         "tests/test_cuda_attention.py", "tests/test_cuda_ffn_decode.py", "tests/test_cuda_norm.py",
+         "tests/test_cuda_lm_head_sampling.py", "tests/test_cuda_runtime.py")
 # pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
 OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 COUNTED = ("PASSED", "FAILED", "SKIPPED", "ERROR")  # the table's outcome columns

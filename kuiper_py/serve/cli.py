@@ -68,14 +68,14 @@ def _log_config(verbose: bool) -> dict:
               help="Tokens guessed per verify step with --draft or --lookup (default 4).")
 @click.option("--max-num-seqs", type=int, default=1, show_default=True,
               help="Requests stepped together (continuous batching, docs/BATCHING.md; needs a backend that runs "
-                   "several sequences a step: the CPU one today).")
+                   "several sequences a step: the CPU one, or the CUDA one up to 16).")
 @click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
 def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, draft, lookup,
           draft_tokens, max_num_seqs, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
     Requests run on one engine thread, queued: one at a time, or up to --max-num-seqs stepped together on a backend
-    that runs several sequences a step (the CPU one today); SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
+    that runs several sequences a step (the CPU one, or the CUDA one up to 16); SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
     or --lookup each reply is decoded speculatively (requests asking for logprobs are decoded plainly)."""
     from ..cli import _check_speculative  # (here: kuiper_py.cli imports this module)
     draft = _check_speculative(draft, lookup, draft_tokens)
