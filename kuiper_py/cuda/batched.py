@@ -65,13 +65,12 @@ class PagedSteps:
         return int(max(0, free - KV_POOL_HEADROOM) * utilization) // self.block_bytes(block_size)
 
     def alloc_blocks(self, n_blocks: int, block_size: int, max_context: int) -> None:
-        """The pool: keys and values [layers, n_blocks, block_size, KV, head_dim] fp16, and RoPE tables for
-        positions up to max_context."""
+        """The pool: keys and values [layers, n_blocks + 1, block_size, KV, head_dim] fp16 (block n_blocks: the
+        decode graphs' padding rows'), RoPE tables for positions up to max_context, the decode graphs' inputs."""
         a = self.args
         if a.num_attention_heads // a.num_key_value_heads > PAGED_MAX_GROUP:
             raise ResourceError(f"{a.num_attention_heads} query heads per {a.num_key_value_heads} KV heads: the "
                                 f"paged attention kernel takes at most {PAGED_MAX_GROUP} per KV head")
-        # (one block more than the pool's: the decode graphs' padding rows write and read it)
         shape = (a.num_hidden_layers, n_blocks + 1, block_size, a.num_key_value_heads, a.head_dim)
         self.k_blocks = self.v_blocks = None
         self._dgraphs, self._dnever = {}, set()  # (they hold the old pool's addresses)
@@ -201,8 +200,12 @@ class PagedSteps:
             return rec
         if bucket in self._dnever:
             return None
-        # the kernels' zeroed counters and scratch made now: a captured cp.zeros's memset would not run
+        # the kernels' zeroed counters and scratch made now (a captured cp.zeros's memset would not run), and the
+        # paged kernels built (the load builds the model's other families)
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
+        for name in ("paged_qk_norm_rope_store", "paged_attention"):
+            kernel("paged", f"{name}<{self.args.head_dim}>")
+        kernel("paged", "rows_argmax")
         for _ in range(8):  # (captured again while a module buffer grew under the capture)
             gen = _BUF_GEN[0]
             rec = self._capture_decode(bucket, body)
