@@ -119,3 +119,42 @@ def test_greedy_draws_take_each_rows_argmax_and_leave_the_logits_on_the_backend(
     hs = [be.submit(prompts[0], GREEDY, 5, eos_ids=[]), be.submit(prompts[1], sampled, 5, eos_ids=[])]
     be.run_until_done()
     assert hs[0].out == want[0][:5] and hs[1].out == alone and copies
+
+
+def test_a_backend_with_graphs_gets_each_paged_decode_step_as_one(tiny_bin):
+    """Qwen3.forward_step hands a paged step of one new token per sequence to a graph backend's decode_step (with
+    the forward as its body, which gives the eager step's logits), and runs prefill chunks and all_logits steps
+    itself."""
+    from kuiper_py.backend import Step
+    from kuiper_py.loader import load
+    from kuiper_py.model import Qwen3
+    from kuiper_py.ops_numpy import NumpyOps
+
+    calls = []
+
+    class GraphOps(NumpyOps):
+        graphs = True
+
+        def decode_step(self, body, step):  # (eagerly, as CupyOps does where a bucket has no graph)
+            calls.append(step)
+            self.begin_step(step)
+            try:
+                return body()
+            finally:
+                self.end_step()
+
+    m = Qwen3(load(tiny_bin), GraphOps, 1)
+    m.ops.alloc_blocks(8, 4, 16)
+    rng = np.random.default_rng()
+    a, b = (rng.integers(0, 2000, size=n).tolist() for n in (5, 3))
+    m.forward_step(Step((Seq(tuple(a), 0, 0, (1, 2)), Seq(tuple(b), 0, 0, (4,)))))
+    m.forward_step(Step((Seq((a[0],), 5, 0, (1, 2)),)), all_logits=True)
+    assert calls == []
+    dec = Step((Seq((a[1],), 6, 0, (1, 2)), Seq((b[2],), 3, 0, (4,))))
+    k0 = m.ops.k_blocks.copy()
+    got = m.forward_step(dec)
+    assert calls == [dec] and got.shape == (2, m.args.vocab_size)
+    m.ops.k_blocks[:] = k0
+    m.ops.graphs = False
+    np.testing.assert_array_equal(m.forward_step(dec), got)
+    assert calls == [dec]
