@@ -601,9 +601,5 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         return out
 
     @staticmethod
-    def argmax_rows(logits, n_valid: int) -> np.ndarray:
-        return cp.argmax(logits[:, :n_valid], axis=1).get()
-
-    @staticmethod
     def to_host(x) -> np.ndarray:
         return cp.asnumpy(x)
