@@ -16,12 +16,13 @@ GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
 def test_a_step_replays_the_smallest_bucket_that_holds_it():
-    for B in range(1, 17):
+    for B in range(1, 65):
         b = decode_bucket(B)
         assert b in DECODE_BUCKETS and b >= B and all(c < B for c in DECODE_BUCKETS if c < b)
-    assert [decode_bucket(B) for B in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    for B in (0, 17):
-        with pytest.raises(ValueError, match="graphs serve 1..16"):
+    assert [decode_bucket(B) for B in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 40, 64)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, 64]
+    for B in (0, 65):
+        with pytest.raises(ValueError, match="graphs serve 1..64"):
             decode_bucket(B)
 
 
@@ -37,20 +38,20 @@ def _random_decode_step(rng, B, bs, width, n_blocks):
     return seqs
 
 
-@pytest.mark.parametrize("B", [1, 3, 16, None])
+@pytest.mark.parametrize("B", [1, 3, 16, 17, 40, 64, None])
 def test_packed_inputs_address_each_sequences_rows_and_padding_only_the_spare_block(B):
     """Each row's id and position, and paged.cu's row of every position it attends to (tables[row][p // bs] * bs +
     p % bs) the one its own block table gives; padding rows (B..bucket) attend to position 0 of the spare block
     only; the returned head of the buffer holds all of it (the rest may be anything on the device)."""
     rng = np.random.default_rng()
-    B = B or int(rng.integers(1, 17))  # (None: a random batch)
-    bs, width, n_blocks = 4, 9, 16 * 9
+    B = B or int(rng.integers(1, 65))  # (None: a random batch)
+    bs, width, n_blocks = 4, 9, 64 * 9
     pad = n_blocks  # the block after the pool's
     seqs = _random_decode_step(rng, B, bs, width, n_blocks)
     bucket = decode_bucket(B)
     host = np.full(decode_inputs_size(width), -5, np.int32)
     n = pack_decode_inputs(seqs, bucket, bs, pad, host)
-    assert n == 2 * 16 + bucket * width
+    assert n == 2 * 64 + bucket * width
     dev = np.full_like(host, -7)  # what one copy of the head leaves on the device
     dev[:n] = host[:n]
     ids, pos, tables = decode_inputs_views(dev, width, bucket)
@@ -70,12 +71,13 @@ def test_a_smaller_step_leaves_nothing_of_a_larger_one_in_its_rows():
     rng = np.random.default_rng()
     bs, width, n_blocks = 8, 6, 200
     host = np.zeros(decode_inputs_size(width), np.int32)
-    pack_decode_inputs(_random_decode_step(rng, 16, bs, width, n_blocks), 16, bs, n_blocks, host)
-    small = _random_decode_step(rng, 3, bs, width, n_blocks)
-    pack_decode_inputs(small, 4, bs, n_blocks, host)
-    ids, pos, tables = decode_inputs_views(host, width, 4)
-    assert ids[3] == 0 and pos[3] == 0 and (tables[3] == n_blocks).all()
-    assert [int(i) for i in ids[:3]] == [s.ids[0] for s in small]
+    pack_decode_inputs(_random_decode_step(rng, 64, bs, width, 64 * width), 64, bs, 64 * width, host)
+    for B, bucket in ((3, 4), (20, 32)):
+        small = _random_decode_step(rng, B, bs, width, n_blocks)
+        pack_decode_inputs(small, bucket, bs, n_blocks, host)
+        ids, pos, tables = decode_inputs_views(host, width, bucket)
+        assert (ids[B:] == 0).all() and (pos[B:] == 0).all() and (tables[B:] == n_blocks).all()
+        assert [int(i) for i in ids[:B]] == [s.ids[0] for s in small]
 
 
 @pytest.mark.parametrize("seq,bucket,match", [

@@ -1,10 +1,12 @@
 """CupyOps' steps of several sequences (backend.PagedBackend): a Step whose Seqs carry block tables runs eagerly over
 a pool of fp16 KV blocks [layers, n_blocks, block_size, KV, head_dim]. Its 1..16 token rows go through the
-projections and the lm_head of gemv_rows.cu (each weight read once for every row), more through the prefill GEMMs;
-q/k norm + RoPE + the block write and attention through paged.cu, each row at its own sequence's position. A step
-without block tables takes CupyOps' single-sequence paths, untouched.
+projections of gemv_rows.cu (each weight read once for every row); 17..64 rows through the fused wgmma GEMMs where
+the prefill path takes them (sm_90: one 64-row tile, each weight read once), else gemv_rows.cu 16 rows a launch;
+more through the prefill GEMMs. The lm_head is gemv_rows.cu's, 16 rows a launch; q/k norm + RoPE + the block write
+and attention through paged.cu, each row at its own sequence's position. A step without block tables takes
+CupyOps' single-sequence paths, untouched.
 
-A decode step (every Seq one new token) replays the CUDA graph of its batch bucket (1, 2, 4, 8, 16; captured on the
+A decode step (every Seq one new token) replays the CUDA graph of its batch bucket (1, 2, ..., 64; captured on the
 bucket's first step): the graph reads the token ids, positions and block tables from one device buffer made with
 the pool, which the host fills with one copy per step; a bucket's extra rows are padding that writes and reads only
 the pool's spare block. Prefill chunks run eagerly."""
@@ -16,7 +18,8 @@ from ..config import rope_tables
 from ..errors import ResourceError
 from . import memory as mem
 from .memory import _BUF_GEN, _CAPTURING, _NotCapturable, _i
-from .ops.gemm import _gemm_split_buffers, gemm, silu_mul, swiglu_prefill
+from .ops.gemm import (_gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_mul, swiglu_prefill,
+                       wgmma_available)
 from .ops.gemv import gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
@@ -31,6 +34,20 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 KV_POOL_HEADROOM = 1 << 30  # bytes of free GPU memory kv_pool_blocks leaves out before its share (activations)
+
+
+def _paged_path(T: int, mats) -> str:
+    """gemm()'s path for a paged step's T rows, or "rows16": gemv_rows.cu 16 rows a launch. Up to ROWS_MAX rows
+    "rows"; up to max_batch the fused wgmma/rs GEMM where the prefill path takes it (one row tile reads each weight
+    once), else "rows16" (a weight read once per 16 rows, where the alternative, cuBLAS, is not capturable in a
+    decode graph); more, the prefill path."""
+    fits = rows_fit(mats)
+    if T <= ROWS_MAX and fits:
+        return "rows"
+    path = gemm_path(T, mats)
+    if T <= DECODE_BUCKETS[-1] and fits and path not in ("wgmma", "rs"):
+        return "rows16"
+    return path
 
 
 class _DecodeRows:
@@ -48,7 +65,7 @@ class PagedSteps:
     """The PagedBackend half of CupyOps; `_paged` is the running paged step's PagedRows (None: a single-sequence
     step, or none). paged_graphs False runs decode steps eagerly too (tests); paged_graph_steps counts the steps
     replayed as graphs."""
-    max_batch = 16  # a decode step's rows fit one gemv_rows.cu launch (ROWS_MAX)
+    max_batch = DECODE_BUCKETS[-1]  # 64: a decode step's rows fit one wgmma row tile (or 4 gemv_rows.cu launches)
     _paged = None
     k_blocks = v_blocks = None
     paged_graphs = True
@@ -128,13 +145,19 @@ class PagedSteps:
 
     @staticmethod
     def _paged_proj(x, mats):
-        """x [T, K] @ the matrices side by side: gemv_rows.cu for up to ROWS_MAX rows, else the prefill GEMMs."""
+        """x [T, K] @ the matrices side by side, by _paged_path."""
         mats = mats if isinstance(mats, tuple) else (mats,)
         x = cp.ascontiguousarray(x)
-        return gemm(x, mats, path="rows" if x.shape[0] <= ROWS_MAX and rows_fit(mats) else None)
+        path = _paged_path(x.shape[0], mats)
+        if path != "rows16":
+            return gemm(x, mats, path=path)
+        out = cp.empty((x.shape[0], sum(m.N for m in mats)), cp.float16)
+        for r in range(0, x.shape[0], ROWS_MAX):
+            gemm(x[r:r + ROWS_MAX], mats, out[r:r + ROWS_MAX], path="rows")
+        return out
 
     def _paged_gate_up(self, x, layer):
-        if x.shape[0] <= ROWS_MAX and rows_fit((layer.w1, layer.w3)):
+        if _paged_path(x.shape[0], (layer.w1, layer.w3)) in ("rows", "rows16", "wgmma", "rs"):
             y, I = self._paged_proj(x, (layer.w1, layer.w3)), layer.w1.N
             return silu_mul(y, y[:, I:], I, 2 * I)
         return swiglu_prefill(cp.ascontiguousarray(x), layer.w1, layer.w3)
@@ -200,9 +223,10 @@ class PagedSteps:
             return rec
         if bucket in self._dnever:
             return None
-        # the kernels' zeroed counters and scratch made now (a captured cp.zeros's memset would not run), and the
-        # paged kernels built (the load builds the model's other families)
+        # the kernels' zeroed counters and scratch made now (a captured cp.zeros's memset would not run), gemm_path's
+        # device probes run (cuBLAS's is a matmul), and the paged kernels built (the load builds the model's others)
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
+        cublas_ready(), wgmma_available()
         for name in ("paged_qk_norm_rope_store", "paged_attention"):
             kernel("paged", f"{name}<{self.args.head_dim}>")
         kernel("paged", "rows_argmax")

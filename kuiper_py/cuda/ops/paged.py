@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (its warps, at most 8)
-DECODE_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a paged decode step's graphs are captured at (ROWS_MAX at most)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes a paged decode step's graphs are captured at (max_batch)
 
 
 def paged_rows(seqs, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
