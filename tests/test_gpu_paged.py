@@ -150,21 +150,24 @@ def _near_tie(mf, ctx, a, b, n_valid):
 
 
 @pytest.mark.parametrize("which", ["tiny", "moe"])
-def test_batch_engine_greedy_tokens_equal_each_request_alone(which, tiny_bin, moe_bin):
-    """Eight requests of mixed prompt lengths through BatchEngine on the GPU (prompts prefilled 8 tokens a step
-    beside the others' decode rows, blocks of 4): each request's greedy tokens equal those of it run alone on the
-    GPU, up to a near tie at the first difference; the pool's free count ends where it started."""
+@pytest.mark.parametrize("n_req", [8, 24])
+def test_batch_engine_greedy_tokens_equal_each_request_alone(which, n_req, tiny_bin, moe_bin):
+    """n_req requests of mixed prompt lengths through BatchEngine on the GPU (prompts prefilled 8 tokens a step
+    beside the others' decode rows, blocks of 4; 24 requests: decode steps of 17-24 rows, bucket 32): each
+    request's greedy tokens equal those of it run alone on the GPU, up to a near tie at the first difference; the
+    pool's free count ends where it started."""
     path = tiny_bin if which == "tiny" else moe_bin
     mf = load(path)
     rng = np.random.default_rng()
-    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in (1, 2, 5, 8, 9, 17, 31, 50)]
+    lens = [1, 2, 5, 8, 9, 17, 31, 50] + rng.integers(1, 40, size=n_req - 8).tolist()
+    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in lens]
     ns = rng.integers(3, 12, size=len(prompts)).tolist()
     eng = Engine.load(path, "cuda", need_tokenizer=False)
     alone = [list(generate(eng, p, n, GREEDY, eos_ids=[]))[-1].tokens for p, n in zip(prompts, ns)]
     ops = eng.session(1).ops
     free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
     assert 0 < ops.kv_pool_blocks(4, 0.5) * ops.block_bytes(4) <= free // 2  # (a share of the free memory)
-    be = BatchEngine(eng, BatchConfig(max_context=96, block_size=4, chunk_size=8, n_blocks=200))
+    be = BatchEngine(eng, BatchConfig(max_context=96, block_size=4, chunk_size=8, n_blocks=25 * n_req))
     free0 = be.pool.n_free
     handles = [be.submit(p, GREEDY, n, eos_ids=[]) for p, n in zip(prompts, ns)]
     be.run_until_done()
@@ -195,26 +198,30 @@ def test_rows_argmax_takes_the_lowest_id_of_equal_maxima_below_n_valid():
 
 
 @pytest.mark.parametrize("which", ["tiny", "moe"])
-def test_decode_graphs_give_the_eager_steps_logits_bitwise(which, tiny_bin, moe_bin):
-    """Paged decode steps of 1, 3 and 16 sequences (buckets 1, 4 and 16: the middle one with a padding row), then
-    buckets 4 and 1 replayed over other sequences at other positions: each step's logits and greedy ids are bitwise
-    those of the same step run eagerly from the same pool, and it leaves the pool's blocks bitwise as the eager
-    step does (the padding rows write none of them)."""
+@pytest.mark.parametrize("S", [16, 48])
+def test_decode_graphs_give_the_eager_steps_logits_bitwise(which, S, tiny_bin, moe_bin):
+    """Of S sequences, paged decode steps of 1, 3 and 16 sequences (buckets 1, 4 and 16: the middle one with a
+    padding row; S = 48 also 40 and 20, buckets 64 and 32 with 24 and 12 padding rows), then buckets 4 and 1 replayed
+    over other sequences at other positions: each step's logits and greedy ids are bitwise those of the same step run
+    eagerly from the same pool, and it leaves the pool's blocks bitwise as the eager step does (the padding rows
+    write none of them)."""
     mf = load(tiny_bin if which == "tiny" else moe_bin)
     rng = np.random.default_rng()
-    bs, n_blocks, V = 4, 120, mf.args.vocab_size
+    bs, n_blocks, V = 4, 8 * S, mf.args.vocab_size
     n_valid = int(rng.integers(V // 2, V + 1))
     m = Qwen3(mf, oc.CupyOps, 16)
     ops = m.ops
-    assert ops.graphs  # (KUIPER_CUDA_GRAPHS unset)
+    assert ops.graphs and ops.max_batch == 64  # (KUIPER_CUDA_GRAPHS unset)
     ops.alloc_blocks(n_blocks, bs, 64)
     perm = rng.permutation(n_blocks).tolist()
-    tables = [tuple(perm[7 * i:7 * i + 7]) for i in range(16)]  # 28 positions each
-    lens = rng.integers(2, 13, size=16).tolist()  # (2 or more: the prompts step is no decode step)
+    tables = [tuple(perm[7 * i:7 * i + 7]) for i in range(S)]  # 28 positions each
+    lens = rng.integers(2, 13, size=S).tolist()  # (2 or more: the prompts step is no decode step)
     m.forward_step(Step(tuple(Seq(tuple(rng.integers(0, 2000, size=n).tolist()), 0, 0, t)
                               for n, t in zip(lens, tables))))  # the prompts, eagerly
-    for rows in ([int(rng.integers(16))], rng.choice(16, 3, replace=False).tolist(), list(rng.permutation(16)),
-                 rng.choice(16, 3, replace=False).tolist(), [int(rng.integers(16))]):
+    wide = [rng.choice(S, 40, replace=False).tolist(), rng.choice(S, 20, replace=False).tolist()] if S > 16 else []
+    for rows in ([int(rng.integers(S))], rng.choice(S, 3, replace=False).tolist(),
+                 rng.choice(S, 16, replace=False).tolist(), *wide, rng.choice(S, 3, replace=False).tolist(),
+                 [int(rng.integers(S))]):
         step = Step(tuple(Seq((int(rng.integers(0, 2000)),), lens[b], 0, tables[b]) for b in rows))
         k0, v0 = ops.k_blocks.copy(), ops.v_blocks.copy()
         ops.paged_graphs = False
