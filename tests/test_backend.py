@@ -36,8 +36,8 @@ def test_the_cuda_backend_declares_every_member():
     from kuiper_py.ops_cupy import CupyOps
     instance_only = {"args", "weights", "graphs"}  # (set in __init__)
     assert not {m for m in _members() - instance_only if not hasattr(CupyOps, m)}
-    assert CupyOps.queues_draws and CupyOps.max_batch == 16 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
-    # (a PagedBackend: Steps of up to 16 sequences over a pool of KV blocks)
+    assert CupyOps.queues_draws and CupyOps.max_batch == 64 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
+    # (a PagedBackend: Steps of up to 64 sequences over a pool of KV blocks)
     assert all(callable(getattr(CupyOps, m, None)) for m in ("kv_pool_blocks", "alloc_blocks"))
 
 
