@@ -25,7 +25,7 @@ from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
                         decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store,
                         rows_argmax)
-from .ops.rows import ROWS_MAX, rows_fit, rows_lm_head, rows_scratch
+from .ops.rows import LM_HEAD_ROWS_MAX, ROWS_MAX, rows_fit, rows_lm_head, rows_scratch
 from .runtime.build import kernel
 
 try:
@@ -172,14 +172,14 @@ class PagedSteps:
         return paged_attention(q, self.k_blocks[i], self.v_blocks[i], self._paged)
 
     def _paged_logits(self, x, all_positions: bool):
-        """Each sequence's last row's logits [B, V] (every row's [T, V] with all_positions), ROWS_MAX rows a
-        launch."""
+        """Each sequence's last row's logits [B, V] (every row's [T, V] with all_positions), LM_HEAD_ROWS_MAX rows
+        a launch (the head read once per launch)."""
         if not all_positions and len(self._paged.last) != x.shape[0]:  # (a decode step's rows are all last rows)
             x = x[cp.asarray(self._paged.last)]
         x = cp.ascontiguousarray(x)
         out = cp.empty((x.shape[0], self.args.vocab_size), cp.float32)
-        for r in range(0, x.shape[0], ROWS_MAX):
-            rows_lm_head(x[r:r + ROWS_MAX], self.weights.lm_head, out[r:r + ROWS_MAX])
+        for r in range(0, x.shape[0], LM_HEAD_ROWS_MAX):
+            rows_lm_head(x[r:r + LM_HEAD_ROWS_MAX], self.weights.lm_head, out[r:r + LM_HEAD_ROWS_MAX])
         return out
 
     # ------------------------------------------------------------------ decode steps as a graph per batch bucket
