@@ -193,7 +193,7 @@ class PagedSteps:
             raise NotImplementedError(f"a paged step of {B} sequences needs alloc_blocks() and at most "
                                       f"{self.max_batch} sequences")
         bucket = decode_bucket(B)
-        rec = self._decode_graph(bucket, body) if self._paged_graphs_on() else None
+        rec = self._bucket_graph(bucket, body) if self._paged_graphs_on() else None
         if rec is None:
             self.begin_step(step)
             try:
@@ -215,7 +215,7 @@ class PagedSteps:
         replay would skip)."""
         return bool(self.graphs and self.paged_graphs and self.routing_log is None)
 
-    def _decode_graph(self, bucket: int, body):
+    def _bucket_graph(self, bucket: int, body):
         """(graph, logits [bucket, V], its allocations, _BUF_GEN) of a bucket, captured where it has none or holds
         a module buffer replaced since (_BUF_GEN); None where its capture was refused (_NotCapturable)."""
         rec = self._dgraphs.get(bucket)
@@ -232,7 +232,7 @@ class PagedSteps:
         kernel("paged", "rows_argmax")
         for _ in range(8):  # (captured again while a module buffer grew under the capture)
             gen = _BUF_GEN[0]
-            rec = self._capture_decode(bucket, body)
+            rec = self._capture_bucket(bucket, body)
             if rec is None:
                 self._dnever.add(bucket)
                 return None
@@ -241,7 +241,7 @@ class PagedSteps:
                 return rec
         raise AssertionError("a decode graph's capture did not settle in 8 tries")
 
-    def _capture_decode(self, bucket: int, body):
+    def _capture_bucket(self, bucket: int, body):
         """Capture body() over the bucket's rows, read from the input buffer; every allocation it makes is kept
         with the graph (the replays write them)."""
         pool, stream, keep = cp.get_default_memory_pool(), self._stream, []
