@@ -163,7 +163,8 @@ def _batching(max_num_seqs: int, utilization, step_tokens, chunk_size, prefix_ca
     """The BatchConfig settings the batching options give (those left out keep BatchConfig's defaults), refused in
     one line when out of range or given where requests run one at a time (which always reuses a cached prefix)."""
     given = {"--gpu-memory-utilization": utilization, "--max-num-batched-tokens": step_tokens,
-             "--chunked-prefill-size": chunk_size, "--no-enable-prefix-caching": True if prefix_caching is False else None}
+             "--chunked-prefill-size": chunk_size,
+             "--no-enable-prefix-caching": True if prefix_caching is False else None}
     if max_num_seqs == 1:
         named = [flag for flag, v in given.items() if v is not None]
         if named:
