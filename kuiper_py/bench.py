@@ -134,7 +134,8 @@ def _run_batch(be, prompts: list[list[int]], n_gen: int) -> float:
     return time.perf_counter() - t0
 
 
-def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]], depth: int = 0) -> dict:
+def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]],
+         depth: int = 0) -> dict:
     ns = np.array([s * 1e9 for s, _ in samples])
     ts = np.array([t / s for s, t in samples])
     row = {

@@ -136,12 +136,12 @@ def test_the_settings_are_in_force_and_requests_are_served(cached):
 
 
 def _shared_prefix_pair(url: str, rng) -> tuple[float, float]:
-    """Two requests in turn whose prompts share a 64-token prefix (4 whole blocks): how much the prefix-cache
-    counters grew (queries, hits)."""
+    """Two requests in turn whose prompts share a 64-token prefix (4 whole blocks) and then differ: how much the
+    prefix-cache counters grew (queries, hits)."""
     q0, h0 = _metric(url, "kuiper_prefix_cache_queries_total"), _metric(url, "kuiper_prefix_cache_hits_total")
     prefix = rng.integers(0, VOCAB, size=64).tolist()
-    for _ in range(2):
-        _complete(url, prefix + rng.integers(0, VOCAB, size=5).tolist(), 3)
+    for first in rng.choice(VOCAB, size=2, replace=False).tolist():
+        _complete(url, prefix + [first] + rng.integers(0, VOCAB, size=4).tolist(), 3)
     return (_metric(url, "kuiper_prefix_cache_queries_total") - q0,
             _metric(url, "kuiper_prefix_cache_hits_total") - h0)
 
@@ -152,6 +152,17 @@ def test_a_shared_prefix_counts_prefix_cache_hits(cached, uncached):
     assert (queries, hits) == (2 * 64, 64)  # (each prompt looks up its 4 whole blocks; the second finds them)
     assert _shared_prefix_pair(uncached[0], rng) == (0, 0)
     assert "prefix caching off" in next(ln for ln in uncached[1] if "ready on" in ln)
+
+
+def test_requests_one_at_a_time_count_the_prefix_they_reuse(tiny_bin):
+    """--max-num-seqs 1: each request reuses the prefix it shares with the one before (the last prompt token always
+    computed): queries count every prompt's tokens but its last, hits the 64 shared ones."""
+    p, url, lines = _start(tiny_bin)
+    try:
+        assert "batching" not in next(ln for ln in lines if "ready on" in ln)
+        assert _shared_prefix_pair(url, np.random.default_rng()) == (2 * 68, 64)
+    finally:
+        _stop(p)
 
 
 def _bench(url: str, *args) -> dict:

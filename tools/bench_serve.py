@@ -14,8 +14,7 @@ the mean TTFT to see what prefix caching saves.
 --single measures one stream alone: decode tok/s over --output-len tokens after a short prompt, and the TTFT of
 an --input-len prompt (median of --repeats), the figures tools/serve_gpu_check.sh compares with `kuiper bench`.
 Prompts are random token ids sent to /v1/completions (exact lengths, no cache reuse between requests unless
---shared-prefix gives them a common start); output
-lengths are exact through `ignore_eos`. The table goes to stdout, or one JSON object with --json.
+--shared-prefix gives them a common start); output lengths are exact through `ignore_eos`. The table goes to stdout, or one JSON object with --json.
 """
 from __future__ import annotations
 
