@@ -27,23 +27,45 @@ def _run_once(eng: Engine, prompt: list[int], n_gen: int) -> tuple[float, int]:
     return last.gen_seconds, last.decode_steps
 
 
-def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str, tp: int = 1) -> Engine:
+DEPTH_CHUNK = 512  # prompt tokens a sequence prefills per step for a batch tg row's depth (untimed; bounds a step)
+
+
+def tg_positions(n: int, depth: int) -> int:
+    """Positions a tgN test at depth D holds: its prompt (D tokens, at least 1) and the N tokens fed back."""
+    return max(depth, 1) + n
+
+
+def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str, tp: int = 1,
+                depths: list[int] = (0,)) -> Engine:
     """The engine (tp ranks), with a cache sized for the longest test."""
     eng = Engine.load(model, device, need_tokenizer=False, tp=tp)
-    eng.session(max([p for p in n_prompt if p > 0] + [n + 1 for n in n_gen if n > 0] + [1]))
+    eng.session(max([p for p in n_prompt if p > 0] + [tg_positions(n, d) + 1 for n in n_gen if n > 0 for d in depths]
+                    + [1]))
     log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device} (map, upload, kernels)")
     return eng
 
 
+def _tests(n_prompt: list[int], n_gen: list[int], depths: list[int]) -> list[tuple[int, int, int]]:
+    """(prompt tokens, generated tokens, depth) of each test: ppP rows, then tgN rows at each depth D, which decode
+    after a D-token prompt (1 token at depth 0), as llama-bench's -d."""
+    return [(p, 0, 0) for p in n_prompt if p > 0] + [(max(d, 1), n, d) for n in n_gen if n > 0 for d in depths]
+
+
+def _name(p: int, n: int, d: int, batch: int | None = None) -> str:
+    """A row's test: pp512, tg128, tg128 @ d512; with batching tg128 @ b16, tg256 @ d512 b16."""
+    at = " ".join(([f"d{d}"] if n and d else []) + ([f"b{batch}"] if batch is not None else []))
+    return (f"pp{p}" if n == 0 else f"tg{n}") + (f" @ {at}" if at else "")
+
+
 def bench_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], reps: int,
-               progress: Callable[[str, int, int], None] | None = None) -> Iterator[dict]:
+               progress: Callable[[str, int, int], None] | None = None, depths: list[int] = (0,)) -> Iterator[dict]:
     """One row per test, yielded as soon as it is measured (so an interrupted sweep keeps the finished rows);
-    progress(test, repetition, of) is called before each run, the warm-up ones with repetition 0."""
+    progress(test, repetition, of) is called before each run, the warm-up ones with repetition 0. A tg row at a
+    depth D times its N decode steps after a D-token prompt (the prompt untimed)."""
     rng = np.random.default_rng(0)
     V = eng.file.args.vocab_size
-    tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
-    for p, n in tests:
-        name = f"pp{p}" if n == 0 else f"tg{n}"
+    for p, n, d in _tests(n_prompt, n_gen, depths):
+        name = _name(p, n, d)
         samples = []
         # the first run warms up (kernel compilation, caches) and is dropped; on the GPU a prompt test drops two: the
         # second prompt of a length bucket captures its prefill graph, which the later ones replay
@@ -55,33 +77,34 @@ def bench_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], r
             secs, toks = _run_once(eng, prompt, n + (1 if n else 0))
             if rep >= warm:
                 samples.append((secs, toks))
-        row = _row(eng, model, p, n, name, samples)
+        row = _row(eng, model, p, n, name, samples, d)
         log(f"{name}: {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} tok/s")
         yield row
 
 
 def batch_rows(eng: Engine, model: str, n_prompt: list[int], n_gen: list[int], batches: list[int], reps: int,
-               progress: Callable[[str, int, int], None] | None = None) -> Iterator[dict]:
+               progress: Callable[[str, int, int], None] | None = None, depths: list[int] = (0,)) -> Iterator[dict]:
     """llama-batched-bench's rows through the batch engine: `ppP @ bB`, B prompts of P tokens prefilled together,
-    and `tgN @ bB`, B sequences decoding N tokens together (after a 1-token prompt each), aggregate tok/s over all
-    sequences; each row's n_seq is B. A backend that runs one sequence a step is refused here, before any row."""
+    and `tgN @ bB` (`tgN @ dD bB`), B sequences decoding N tokens together after a 1-token (D-token) prompt each,
+    the prompts untimed; aggregate tok/s over all sequences; each row's n_seq is B, its n_depth D. A backend that
+    runs one sequence a step is refused here, before any row."""
     from .batch import BatchConfig, BatchEngine
-    p_max, n_max, b_max = max(n_prompt + [1]), max(n_gen + [0]), max(batches)
-    ctx = max(p_max, n_max + 1)
-    be = BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=b_max, chunk_size=p_max, step_tokens=b_max * p_max,
+    p_max, b_max, d_max = max(n_prompt + [1]), max(batches), max(depths)
+    ctx = max([p_max] + [tg_positions(n, d) for n in n_gen if n > 0 for d in depths])
+    chunk = max(p_max, min(d_max, DEPTH_CHUNK))
+    be = BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=b_max, chunk_size=chunk, step_tokens=b_max * chunk,
                                       n_blocks=b_max * -(-ctx // 16), prefix_caching=False))
-    return _batch_rows(be, model, n_prompt, n_gen, batches, reps, progress)
+    return _batch_rows(be, model, n_prompt, n_gen, batches, reps, progress, depths)
 
 
 def _batch_rows(be, model: str, n_prompt: list[int], n_gen: list[int], batches: list[int], reps: int,
-                progress) -> Iterator[dict]:
+                progress, depths: list[int] = (0,)) -> Iterator[dict]:
     eng = be.engine
     rng = np.random.default_rng(0)
     V = min(eng.file.args.vocab_size, 151643)
-    tests = [(p, 0) for p in n_prompt if p > 0] + [(1, n) for n in n_gen if n > 0]
-    for p, n in tests:
+    for p, n, d in _tests(n_prompt, n_gen, depths):
         for b in batches:
-            name = (f"pp{p}" if n == 0 else f"tg{n}") + f" @ b{b}"
+            name = _name(p, n, d, b)
             samples = []
             for rep in range(reps + 1):  # (the first run warms up and is dropped)
                 if progress:
@@ -89,7 +112,7 @@ def _batch_rows(be, model: str, n_prompt: list[int], n_gen: list[int], batches: 
                 secs = _run_batch(be, [rng.integers(0, V, size=p).tolist() for _ in range(b)], n)
                 if rep:
                     samples.append((secs, b * (p if n == 0 else n)))
-            row = dict(_row(eng, model, p, n, name, samples), n_seq=b)
+            row = dict(_row(eng, model, p, n, name, samples, d), n_seq=b)
             log(f"{name}: {row['avg_ts']:.2f} ± {row['stddev_ts']:.2f} tok/s")
             yield row
 
@@ -111,14 +134,15 @@ def _run_batch(be, prompts: list[list[int]], n_gen: int) -> float:
     return time.perf_counter() - t0
 
 
-def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]]) -> dict:
+def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple[float, int]],
+         depth: int = 0) -> dict:
     ns = np.array([s * 1e9 for s, _ in samples])
     ts = np.array([t / s for s, t in samples])
     row = {
         "backends": "CUDA" if eng.device == "cuda" else "CPU", "model_filename": str(model),
         "model_type": model_label(eng.file.args),
         "model_size": eng.file.size, "model_n_params": fmt.n_params(eng.file.header),
-        "n_prompt": p if n == 0 else 0, "n_gen": n, "test": name,
+        "n_prompt": p if n == 0 else 0, "n_gen": n, "n_depth": depth, "test": name,
         "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "avg_ns": int(ns.mean()), "stddev_ns": int(ns.std(ddof=1)) if len(ns) > 1 else 0,
         "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0,

@@ -641,18 +641,22 @@ def _int_list(ctx, param, s: str) -> list[int]:
     return out
 
 
-def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
-    """Each test against the model's context length (a tgN test holds N + 1 positions), before loading."""
+def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header, depths: list[int] = (0,)) -> None:
+    """Each test against the model's context length (a tgN test at depth D holds max(D, 1) + N positions), before
+    loading."""
     if header is None:
         return
+    from .bench import tg_positions
     top = header.max_seq_len
     for p in n_prompt:
         if p > top:
             raise KuiperError(f"{_typed('-p', '--n-prompt')} {p} is over the model's context of {top} tokens")
     for n in n_gen:
-        if n + 1 > top:
-            raise KuiperError(f"{_typed('-n', '--n-gen')} {n} is over the model's context of {top} tokens "
-                              f"(a tg{n} test holds {n + 1} positions)")
+        for d in depths:
+            if tg_positions(n, d) > top:
+                flags = _typed('-n', '--n-gen') + (f" {n} at {_typed('-d', '--n-depth')} {d}" if d else f" {n}")
+                raise KuiperError(f"{flags} is over the model's context of {top} tokens (the test holds "
+                                  f"{tg_positions(n, d)} positions)")
 
 
 @_command("bench")
@@ -661,6 +665,9 @@ def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
               help="Prompt lengths (comma list); 0 skips.")
 @click.option("-n", "--n-gen", default="128", show_default=True, callback=_int_list,
               help="Generated lengths (comma list); 0 skips.")
+@click.option("-d", "--n-depth", "depths", default="0", show_default=True, callback=_int_list,
+              help="Context depths (comma list): tg rows decode after a prompt of this many tokens, untimed "
+                   "('tg128 @ d512'); pp rows are not affected.")
 @click.option("-r", "--repetitions", type=int, default=5, show_default=True)
 @click.option("-o", "--output", "out_fmt", type=click.Choice(["md", "json", "jsonl", "csv"]), default="md",
               show_default=True)
@@ -669,20 +676,20 @@ def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header) -> None:
 @_tp_option
 @click.option("--batch", "batches", default=None, callback=lambda c, p, v: None if v is None else _int_list(c, p, v),
               help="Sequences run together (comma list, e.g. 1,16,64): rows 'tgN @ bB' of aggregate tok/s.")
-def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp, batches):
+def bench_cmd(model, n_prompt, n_gen, depths, repetitions, out_fmt, device, threads, tp, batches):
     """Prompt-processing (ppN) and text-generation (tgN) speed, like llama-bench. Each row is printed when its
     test finishes (Ctrl-C keeps the finished ones); a terminal sees each repetition's progress on stderr."""
     _set_threads(threads)
     if repetitions < 1:
         raise KuiperError(f"{_typed('-r', '--repetitions')} {repetitions} must be >= 1")
     model = _resolve(model)
-    _check_bench_sizes(n_prompt, n_gen, _model_header(model))
+    _check_bench_sizes(n_prompt, n_gen, _model_header(model), depths)
     if batches is not None and min(batches) < 1:
         raise KuiperError(f"--batch {','.join(map(str, batches))} must list sequence counts >= 1")
     if batches is not None and max(batches) > 1 and tp > 1:
         raise KuiperError(f"--batch above 1 and --tp {tp} cannot be combined yet")
     from .bench import batch_rows, bench_rows, load_engine, render_end, render_row
-    eng = load_engine(model, n_prompt, n_gen, device, tp)
+    eng = load_engine(model, n_prompt, n_gen, device, tp, depths)
     tty = sys.stderr.isatty()
 
     def progress(test: str, rep: int, of: int) -> None:
@@ -690,8 +697,8 @@ def bench_cmd(model, n_prompt, n_gen, repetitions, out_fmt, device, threads, tp,
             sys.stderr.write(f"\r\033[K{test}: " + (f"repetition {rep}/{of}" if rep else "warm-up"))
             sys.stderr.flush()
 
-    rows = bench_rows(eng, model, n_prompt, n_gen, repetitions, progress) if batches is None else \
-        batch_rows(eng, model, n_prompt, n_gen, batches, repetitions, progress)
+    rows = bench_rows(eng, model, n_prompt, n_gen, repetitions, progress, depths) if batches is None else \
+        batch_rows(eng, model, n_prompt, n_gen, batches, repetitions, progress, depths)
 
     done = 0
     try:

@@ -83,7 +83,11 @@ class Qwen3:
     def forward_step(self, step: Step, all_logits: bool = False):
         """One Step of B >= 1 sequences over a paged backend's KV blocks (each Seq with its position and block
         table; the batch scheduler holds them, not self.pos): logits [B, V] of each sequence's last token, or
-        [T, V] of every token with all_logits."""
+        [T, V] of every token with all_logits. A backend that replays graphs runs a decode step (one new token per
+        sequence) as one (CUDA: a graph per batch bucket); its logits are then valid until the next step."""
+        if self.ops.graphs and not all_logits and all(len(s.ids) == 1 and s.block_table is not None
+                                                      for s in step.seqs):
+            return self.ops.decode_step(lambda: self._body(step), step)
         self.ops.begin_step(step)
         try:
             return self._body(step, all_logits)

@@ -96,7 +96,10 @@ class Draft:
             return [], []
         keep = min(common_prefix(self.cached, seq), len(seq) - 1)  # (at least one token fed gives the logits)
         m.rewind(keep)
-        logits = m.prefill(seq[keep:])
+        feed = seq[keep:]
+        # (one token, as after most verify steps: a decode step, which a GPU replays as its graph; a one-token
+        # prefill runs eagerly, launch by launch)
+        logits = m.decode(feed[0]) if len(feed) == 1 else m.prefill(feed)
         self.cached = list(seq)
         guesses, qs = [], []
         for i in range(k):

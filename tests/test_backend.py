@@ -36,8 +36,8 @@ def test_the_cuda_backend_declares_every_member():
     from kuiper_py.ops_cupy import CupyOps
     instance_only = {"args", "weights", "graphs"}  # (set in __init__)
     assert not {m for m in _members() - instance_only if not hasattr(CupyOps, m)}
-    assert CupyOps.queues_draws and CupyOps.max_batch == 16 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
-    # (a PagedBackend: Steps of up to 16 sequences over a pool of KV blocks)
+    assert CupyOps.queues_draws and CupyOps.max_batch == 64 and CupyOps.SAMPLED_TOKEN == SAMPLED_TOKEN
+    # (a PagedBackend: Steps of up to 64 sequences over a pool of KV blocks)
     assert all(callable(getattr(CupyOps, m, None)) for m in ("kv_pool_blocks", "alloc_blocks"))
 
 
@@ -50,3 +50,15 @@ def test_a_cpu_model_takes_a_step_of_two_sequences_as_an_error(tiny_bin):
         m.ops.begin_step(Step((Seq((1,), 0), Seq((2,), 0, 1))))
     logits = m.prefill([1, 2, 3])
     assert logits.shape == (mf.args.vocab_size,) and m.pos == 3
+
+
+def test_the_cuda_backends_parts_define_each_method_once():
+    """CupyOps is put together from parts (weight upload, graphs, device draws, paged steps): a method name two parts
+    define resolves to one of them for both callers, which no test of either part alone would see."""
+    from kuiper_py.cuda.backend import CupyOps
+    owner = {}
+    for part in CupyOps.__bases__:
+        for name, v in vars(part).items():
+            if callable(v) and not name.startswith("__"):
+                assert name not in owner, f"{name} is defined by {owner[name].__name__} and {part.__name__}"
+                owner[name] = part

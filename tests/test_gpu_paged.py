@@ -1,6 +1,7 @@
 """Steps of several sequences on the GPU (CupyOps over a paged KV pool, cuda/batched.py and kernels_cu/paged.cu):
 the paged kernels against NumPy on random pools and block tables, a model's paged steps against NumpyOps' paged
-steps, and BatchEngine's greedy tokens against each request run alone on the GPU (device machine only)."""
+steps, decode steps replayed as a CUDA graph per batch bucket against the same steps run eagerly, and BatchEngine's
+greedy tokens against each request run alone on the GPU (device machine only)."""
 import math
 
 import numpy as np
@@ -12,12 +13,14 @@ from kuiper_py.generate import Engine, generate
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, rmsnorm, rope
+from kuiper_py.sampling import SamplingParams
 from reference import GREEDY, rel
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 oc = pytest.importorskip("kuiper_py.ops_cupy")
-from kuiper_py.cuda.ops.paged import PagedRows, paged_attention, paged_qk_norm_rope_store  # noqa: E402
+from kuiper_py.cuda.ops.paged import (PagedRows, paged_attention, paged_qk_norm_rope_store,  # noqa: E402
+                                      rows_argmax)
 
 
 def _random_step(rng, n_blocks, bs, lengths, pos0s):
@@ -147,25 +150,29 @@ def _near_tie(mf, ctx, a, b, n_valid):
 
 
 @pytest.mark.parametrize("which", ["tiny", "moe"])
-def test_batch_engine_greedy_tokens_equal_each_request_alone(which, tiny_bin, moe_bin):
-    """Eight requests of mixed prompt lengths through BatchEngine on the GPU (prompts prefilled 8 tokens a step
-    beside the others' decode rows, blocks of 4): each request's greedy tokens equal those of it run alone on the
-    GPU, up to a near tie at the first difference; the pool's free count ends where it started."""
+@pytest.mark.parametrize("n_req", [8, 24])
+def test_batch_engine_greedy_tokens_equal_each_request_alone(which, n_req, tiny_bin, moe_bin):
+    """n_req requests of mixed prompt lengths through BatchEngine on the GPU (prompts prefilled 8 tokens a step
+    beside the others' decode rows, blocks of 4; 24 requests: decode steps of 17-24 rows, bucket 32): each
+    request's greedy tokens equal those of it run alone on the GPU, up to a near tie at the first difference; the
+    pool's free count ends where it started."""
     path = tiny_bin if which == "tiny" else moe_bin
     mf = load(path)
     rng = np.random.default_rng()
-    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in (1, 2, 5, 8, 9, 17, 31, 50)]
+    lens = [1, 2, 5, 8, 9, 17, 31, 50] + rng.integers(1, 40, size=n_req - 8).tolist()
+    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in lens]
     ns = rng.integers(3, 12, size=len(prompts)).tolist()
     eng = Engine.load(path, "cuda", need_tokenizer=False)
     alone = [list(generate(eng, p, n, GREEDY, eos_ids=[]))[-1].tokens for p, n in zip(prompts, ns)]
     ops = eng.session(1).ops
     free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
     assert 0 < ops.kv_pool_blocks(4, 0.5) * ops.block_bytes(4) <= free // 2  # (a share of the free memory)
-    be = BatchEngine(eng, BatchConfig(max_context=96, block_size=4, chunk_size=8, n_blocks=200))
+    be = BatchEngine(eng, BatchConfig(max_context=96, block_size=4, chunk_size=8, n_blocks=25 * n_req))
     free0 = be.pool.n_free
     handles = [be.submit(p, GREEDY, n, eos_ids=[]) for p, n in zip(prompts, ns)]
     be.run_until_done()
     assert be.steps < sum(ns) + sum(-(-len(p) // 8) for p in prompts)  # (sequences shared steps)
+    assert ops.paged_graph_steps > 0  # (the decode steps replayed their buckets' graphs)
     for p, want, h in zip(prompts, alone, handles):
         got = h.out
         assert len(got) == len(want) and h.finish_reason == "length"
@@ -173,3 +180,88 @@ def test_batch_engine_greedy_tokens_equal_each_request_alone(which, tiny_bin, mo
             j = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
             assert _near_tie(mf, p + want[:j], got[j], want[j], eng.n_valid_tokens), (len(p), j)
     assert be.pool.n_free == free0
+
+
+def test_rows_argmax_takes_the_lowest_id_of_equal_maxima_below_n_valid():
+    """paged.cu rows_argmax against NumPy's argmax over each row's first n_valid ids: random rows, a row with its
+    maximum three times, a row of -inf only, a row whose larger values lie past n_valid."""
+    rng = np.random.default_rng()
+    R, V = 16, 151936
+    n_valid = int(rng.integers(V // 2, V))
+    x = rng.standard_normal((R, V)).astype(np.float32)
+    x[1, [int(rng.integers(0, 1000)), 9000, n_valid - 1]] = 50.0
+    x[2] = -np.inf
+    x[3, n_valid:] = 99.0
+    out = cp.full((R,), -1, cp.int32)
+    rows_argmax(cp.asarray(x), n_valid, out)
+    np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(x[:, :n_valid], axis=1))
+
+
+@pytest.mark.parametrize("which", ["tiny", "moe"])
+@pytest.mark.parametrize("S", [16, 48])
+def test_decode_graphs_give_the_eager_steps_logits_bitwise(which, S, tiny_bin, moe_bin):
+    """Of S sequences, paged decode steps of 1, 3 and 16 sequences (buckets 1, 4 and 16: the middle one with a
+    padding row; S = 48 also 40 and 20, buckets 64 and 32 with 24 and 12 padding rows), then buckets 4 and 1 replayed
+    over other sequences at other positions: each step's logits and greedy ids are bitwise those of the same step run
+    eagerly from the same pool, and it leaves the pool's blocks bitwise as the eager step does (the padding rows
+    write none of them)."""
+    mf = load(tiny_bin if which == "tiny" else moe_bin)
+    rng = np.random.default_rng()
+    bs, n_blocks, V = 4, 8 * S, mf.args.vocab_size
+    n_valid = int(rng.integers(V // 2, V + 1))
+    m = Qwen3(mf, oc.CupyOps, 16)
+    ops = m.ops
+    assert ops.graphs and ops.max_batch == 64  # (KUIPER_CUDA_GRAPHS unset)
+    ops.alloc_blocks(n_blocks, bs, 64)
+    perm = rng.permutation(n_blocks).tolist()
+    tables = [tuple(perm[7 * i:7 * i + 7]) for i in range(S)]  # 28 positions each
+    lens = rng.integers(2, 13, size=S).tolist()  # (2 or more: the prompts step is no decode step)
+    m.forward_step(Step(tuple(Seq(tuple(rng.integers(0, 2000, size=n).tolist()), 0, 0, t)
+                              for n, t in zip(lens, tables))))  # the prompts, eagerly
+    wide = [rng.choice(S, 40, replace=False).tolist(), rng.choice(S, 20, replace=False).tolist()] if S > 16 else []
+    for rows in ([int(rng.integers(S))], rng.choice(S, 3, replace=False).tolist(),
+                 rng.choice(S, 16, replace=False).tolist(), *wide, rng.choice(S, 3, replace=False).tolist(),
+                 [int(rng.integers(S))]):
+        step = Step(tuple(Seq((int(rng.integers(0, 2000)),), lens[b], 0, tables[b]) for b in rows))
+        k0, v0 = ops.k_blocks.copy(), ops.v_blocks.copy()
+        ops.paged_graphs = False
+        eager = cp.asnumpy(m.forward_step(step))
+        k1, v1 = ops.k_blocks[:, :n_blocks].copy(), ops.v_blocks[:, :n_blocks].copy()
+        ops.k_blocks[...], ops.v_blocks[...] = k0, v0  # (in place: the graphs hold the pool's address)
+        ops.paged_graphs = True
+        replays = ops.paged_graph_steps
+        out = m.forward_step(step)
+        ids = ops.argmax_rows(out, n_valid)
+        got = cp.asnumpy(out)
+        assert ops.paged_graph_steps == replays + 1
+        assert got.shape == eager.shape == (len(rows), V)
+        np.testing.assert_array_equal(got, eager)
+        np.testing.assert_array_equal(ids, np.argmax(eager[:, :n_valid], axis=1))
+        assert cp.array_equal(ops.k_blocks[:, :n_blocks], k1) and cp.array_equal(ops.v_blocks[:, :n_blocks], v1)
+        for b in rows:
+            lens[b] += 1
+
+
+@pytest.mark.parametrize("which", ["tiny", "moe"])
+def test_batch_engine_with_decode_graphs_draws_what_eager_steps_draw(which, tiny_bin, moe_bin):
+    """Twelve requests through BatchEngine, greedy and seeded sampled ones together (prompts prefilled 8 tokens a
+    step): with decode graphs every request's tokens and finish equal those of the same run with eager steps."""
+    path = tiny_bin if which == "tiny" else moe_bin
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in rng.integers(1, 40, size=12)]
+    ns = rng.integers(3, 14, size=len(prompts)).tolist()
+    params = [GREEDY if i % 4 else SamplingParams(temperature=0.9, top_k=40, seed=int(rng.integers(1 << 31)))
+              for i in range(len(prompts))]
+    eng = Engine.load(path, "cuda", need_tokenizer=False)
+    ops = eng.session(1).ops
+    runs = []
+    for graphs in (True, False):
+        ops.paged_graphs = graphs
+        replays = ops.paged_graph_steps
+        be = BatchEngine(eng, BatchConfig(max_context=64, block_size=4, chunk_size=8, n_blocks=250))
+        handles = [be.submit(p, sp, n, eos_ids=[]) for p, sp, n in zip(prompts, params, ns)]
+        be.run_until_done()
+        assert (ops.paged_graph_steps > replays) == graphs
+        assert be.pool.n_free == be.pool.n_blocks
+        runs.append([(h.out, h.finish_reason) for h in handles])
+    assert runs[0] == runs[1]

@@ -7,10 +7,14 @@ between streamed chunks (ITL), end-to-end latency and throughput come out with m
         --output-len 128
     python tools/bench_serve.py --base-url URL --single --input-len 512 --output-len 128 --json
 
+--shared-prefix N starts every prompt with one common N-token prefix (a "system prompt", drawn once from the seed)
+before its own --input-len tokens: run it against a server with and without --no-enable-prefix-caching and compare
+the mean TTFT to see what prefix caching saves.
+
 --single measures one stream alone: decode tok/s over --output-len tokens after a short prompt, and the TTFT of
 an --input-len prompt (median of --repeats), the figures tools/serve_gpu_check.sh compares with `kuiper bench`.
-Prompts are random token ids sent to /v1/completions (exact lengths, no cache reuse between requests); output
-lengths are exact through `ignore_eos`. The table goes to stdout, or one JSON object with --json.
+Prompts are random token ids sent to /v1/completions (exact lengths, no cache reuse between requests unless
+--shared-prefix gives them a common start); output lengths are exact through `ignore_eos`. The table goes to stdout, or one JSON object with --json.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens of one random prefix every prompt starts with, before its own --input-len")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--single", action="store_true", help="one stream alone: decode tok/s and a prompt's TTFT")
     ap.add_argument("--repeats", type=int, default=5, help="(--single) TTFT and decode runs; the median is kept")
@@ -43,6 +49,10 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if min(a.num_prompts, a.input_len, a.output_len, a.repeats) < 1 or a.request_rate <= 0:
         ap.error("--num-prompts, --input-len, --output-len, --repeats and --request-rate must be positive")
+    if a.shared_prefix < 0:
+        ap.error(f"--shared-prefix {a.shared_prefix} must be >= 0")
+    if a.shared_prefix and a.single:
+        ap.error("--shared-prefix applies to the load test, not --single")
     return a
 
 
@@ -76,8 +86,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
             "tpot": (end - times[0]) / (n - 1) if n > 1 else None}
 
 
-def _prompts(rng, n: int, length: int) -> list[list[int]]:
-    return [rng.integers(0, VOCAB, size=length).tolist() for _ in range(n)]
+def _prompts(rng, n: int, length: int, shared: int = 0) -> list[list[int]]:
+    """n random prompts of `length` tokens each, after one common random prefix of `shared` tokens (drawn first)."""
+    prefix = rng.integers(0, VOCAB, size=shared).tolist() if shared else []
+    return [prefix + rng.integers(0, VOCAB, size=length).tolist() for _ in range(n)]
 
 
 async def server_model(client: httpx.AsyncClient, name: str | None) -> str:
@@ -90,7 +102,7 @@ async def server_model(client: httpx.AsyncClient, name: str | None) -> str:
 
 async def run_load(a) -> dict:
     rng = np.random.default_rng(a.seed)
-    prompts = _prompts(rng, a.num_prompts, a.input_len)
+    prompts = _prompts(rng, a.num_prompts, a.input_len, a.shared_prefix)
     limit = asyncio.Semaphore(a.max_concurrency or a.num_prompts)
     async with httpx.AsyncClient(base_url=a.base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=None)) as client:
@@ -128,7 +140,7 @@ def summarize(results: list[dict], duration: float, a) -> dict:
             "request_throughput": len(ok) / duration, "output_throughput": n_out / duration,
             "total_token_throughput": (n_in + n_out) / duration,
             "max_concurrency": a.max_concurrency, "request_rate": a.request_rate if a.request_rate != float("inf")
-            else None, "input_len": a.input_len, "output_len": a.output_len,
+            else None, "input_len": a.input_len, "shared_prefix_len": a.shared_prefix, "output_len": a.output_len,
             "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
             "itl_ms": _stats([x for r in ok for x in r["itl"]]), "e2e_ms": _stats([r["e2e"] for r in ok])}
 
@@ -164,6 +176,7 @@ def table(s: dict) -> str:
              f"{'benchmark duration (s)':<32}{s['duration_s']:>12.2f}",
              f"{'total input tokens':<32}{s['total_input_tokens']:>12}",
              f"{'total output tokens':<32}{s['total_output_tokens']:>12}",
+             *([f"{'shared prefix (tokens)':<32}{s['shared_prefix_len']:>12}"] if s["shared_prefix_len"] else []),
              f"{'request throughput (req/s)':<32}{s['request_throughput']:>12.2f}",
              f"{'output token throughput (tok/s)':<32}{s['output_throughput']:>12.2f}",
              f"{'total token throughput (tok/s)':<32}{s['total_token_throughput']:>12.2f}",

@@ -18,6 +18,7 @@ from ..backend import Seq, Step
 from ..errors import KuiperError
 from ..generate import Engine, Record, _check_request, _covering, _held_back
 from ..sampling import SamplingParams, sample, token_logprobs
+from ..speculative import plain_greedy
 from ..tokenizer import StreamDecoder
 from .blocks import BlockPool, KVCacheManager
 from .scheduler import Request, Scheduler
@@ -133,22 +134,35 @@ class BatchEngine:
         for r, _ in sched:
             h = self.handles[r]
             h.t_admit = h.t_admit or now
-        logits = np.asarray(self.model.ops.to_host(self.model.forward_step(step))).reshape(len(sched), -1)
+        rows, ids = self._rows(self.model.forward_step(step), sched)
         self.steps += 1
-        for (r, n), row in zip(sched, logits):
+        for i, (r, n) in enumerate(sched):
             self.sched.advance(r, n)
             if r.computed == len(r.tokens):
-                self._draw(self.handles[r], row)
+                self._draw(self.handles[r], None if rows is None else rows[i], None if ids is None else int(ids[i]))
         return True
+
+    def _rows(self, logits, sched) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(the step's logits on the host, or None; each row's argmax, or None) for the draws this step makes: where
+        every one is a plain greedy draw (no penalty, no logprobs) the backend's argmax_rows alone, so the [B, V]
+        logits stay on the device; nothing where no sequence draws."""
+        drawing = [self.handles[r] for r, n in sched if r.computed + n == len(r.tokens)]
+        if not drawing:
+            return None, None
+        if all(h.logprobs is None and plain_greedy(h.request.params) for h in drawing):
+            return None, self.model.ops.argmax_rows(logits, self.engine.n_valid_tokens)
+        return np.asarray(self.model.ops.to_host(logits)).reshape(len(sched), -1), None
 
     def run_until_done(self) -> None:
         while self.step():
             pass
 
-    def _draw(self, h: Handle, x: np.ndarray) -> None:
-        """The request's next token from its last row's logits, with its own rng, then its record."""
+    def _draw(self, h: Handle, x: np.ndarray | None, greedy: int | None = None) -> None:
+        """The request's next token from its last row's logits, with its own rng (or the row's argmax, greedy, found
+        by the backend), then its record."""
         r = h.request
-        tok = sample(x, r.params, r.rng, r.tokens, self.engine.n_valid_tokens, generated=h.out)
+        tok = greedy if x is None else sample(x, r.params, r.rng, r.tokens, self.engine.n_valid_tokens,
+                                              generated=h.out)
         lp = None if h.logprobs is None else token_logprobs(x, tok, h.logprobs, self.engine.n_valid_tokens)
         now = time.perf_counter()
         if h.t_first is None:

@@ -34,6 +34,7 @@ from .plan import DecodePlan, Gpu, build as build_plan, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
 from .batched import PagedSteps
+from . import tp
 
 try:
     import cupy as cp
@@ -113,9 +114,13 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
     queues_draws = True
 
     def __init__(self, args: ModelArgs, weights: Weights, max_context: int, progress: bool = True,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, comm=None, expert_range: tuple[int, int] | None = None):
         """settings: the tuning this backend runs with (cuda/settings.py; None: the active one, by default its
-        defaults), made the process's active tuning."""
+        defaults), made the process's active tuning. comm (parallel.comm.Communicator) of more than one rank: this
+        backend is that rank (cuda/tp.py), args and weights its shards, expert_range its MoE experts."""
+        self.comm, self.expert_range = comm, expert_range
+        if tp.is_rank(comm):
+            settings = tp.rank_settings(settings or cfg.SETTINGS)
         if settings is not None:
             use_settings(settings)
         self.settings = cfg.SETTINGS
@@ -147,7 +152,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         # the model-wide forms (accumulating modes) the plan's layers follow; the buffers are sized for them
         self._forms = plan_forms(a, self.settings, self.gpu)
         self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
-        self.graphs = env.cuda_graphs()
+        self.graphs = env.cuda_graphs() and not tp.is_rank(comm)  # (a rank's steps run eagerly: cuda/tp.py)
         self._graph = None
         self._dev_pos = None
         self._arena = _Arena()  # short prefills' activations (arena_max_t)
@@ -455,6 +460,11 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         """A queued step was discarded: the device's position no longer matches the host's."""
         self._dev_pos = None
 
+    def all_reduce(self, x):
+        """backend.Collectives: the ranks' partial o / down / MoE outputs summed (cuda/tp.py); x itself without
+        a communicator of several ranks."""
+        return tp.all_reduce(self, x) if tp.is_rank(self.comm) else x
+
     def linear(self, x, lin: AwqLinear):
         if self._paged is not None:
             return self._paged_proj(x, lin)
@@ -515,6 +525,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
+        if tp.is_rank(self.comm):
+            return tp.moe(self, x, layer)
         a, d = self.args, self.d
         k = a.num_experts_per_tok
         lp = self._lp(layer)
@@ -562,6 +574,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
 
     def logits(self, x, all_positions: bool = False):
+        if tp.is_rank(self.comm):  # vocabulary-parallel: this rank's rows, then every rank's gathered
+            return tp.gather_logits(self, self._local_logits(x, all_positions))
         V = self.args.vocab_size
         x = self._x(x)
         if self._paged is not None:
@@ -576,9 +590,15 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
             rows_lm_head(x[r:r + ROWS_MAX], self.weights.lm_head, out[r:r + ROWS_MAX])
         return out
 
-    @staticmethod
-    def argmax_rows(logits, n_valid: int) -> np.ndarray:
-        return cp.argmax(logits[:, :n_valid], axis=1).get()
+    def _local_logits(self, x, all_positions: bool):
+        """A rank's logits over its own vocabulary rows: [V_rank] of the last row, or [T, V_rank]."""
+        x, W = cp.ascontiguousarray(self._x(x)), self.weights.lm_head
+        if not all_positions:
+            return lm_head(cp.ascontiguousarray(x[-1]), W, cp.empty((W.shape[0],), cp.float32))
+        out = cp.empty((x.shape[0], W.shape[0]), cp.float32)
+        for r in range(0, x.shape[0], ROWS_MAX):
+            rows_lm_head(x[r:r + ROWS_MAX], W, out[r:r + ROWS_MAX])
+        return out
 
     @staticmethod
     def to_host(x) -> np.ndarray:

@@ -28,7 +28,9 @@ class CudaGraphs:
     def decode_step(self, body, step: Step):
         """Run `body` (the model's one-token forward) as a captured CUDA graph; logits [V] fp32. The step's token
         SAMPLED_TOKEN: the id the last sample_launch drew, read by the graph from d["token"] (the host may not know
-        it yet)."""
+        it yet). A paged step (block tables) of B sequences: its batch bucket's graph, logits [B, V] (batched.py)."""
+        if step.seqs[0].block_table is not None:
+            return self._paged_decode_step(body, step)
         s = step.one()
         token, pos0 = (None if s.ids[0] == SAMPLED_TOKEN else s.ids[0]), s.pos0
         if token is None:

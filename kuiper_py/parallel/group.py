@@ -1,7 +1,10 @@
 """A tensor-parallel group driven as one model: N ranks (model.Qwen3 over their shards, each with a backend that
 holds a Communicator) run every call in lock step, and the group answers what rank 0 answers (every rank computes
-the same logits). The CPU's ranks are threads of one process (comm.LocalGroup)."""
+the same logits). The CPU's ranks are threads of one process (comm.LocalGroup); the GPU's are one process driving
+N GPUs over NCCL (device.NcclGroup), or, for tests on one GPU, N ranks taking turns on it (device.DeviceLocalGroup)."""
 from __future__ import annotations
+
+import contextlib
 
 from ..errors import KuiperError
 from ..model import Qwen3
@@ -25,8 +28,9 @@ def check_request(model_file, tp: int, device: str) -> None:
         n = visible_gpus()
         if n < tp:
             raise KuiperError(f"--tp {tp} needs {tp} GPUs; {n} visible")
-        raise KuiperError(f"--tp {tp} is not yet supported on the GPU; --device cpu runs it (the sharding's test "
-                          f"path)")
+        from . import nccl
+        if not nccl.available():
+            raise KuiperError(f"--tp {tp} on the GPU needs CuPy with NCCL (cupy.cuda.nccl does not import)")
 
 
 class ParallelModel:
@@ -34,12 +38,26 @@ class ParallelModel:
 
     can_queue_ahead = False  # the CPU's draws are on the host
 
-    def __init__(self, model_file, ops_cls, tp: int, max_context: int):
-        self.group = LocalGroup(tp)
-        files = [shard(model_file, r, tp) for r in range(tp)]
-        self.ranks = [Qwen3(f, ops_cls, max_context, comm=self.group.comm(f.plan.rank), expert_range=f.plan.experts)
-                      for f in files]
+    def __init__(self, model_file, ops_cls, tp: int, max_context: int, group=None):
+        """group: the ranks' group (comm.LocalGroup, device.DeviceLocalGroup, device.NcclGroup); None: the CPU's
+        threads, or NCCL over tp GPUs for the CUDA backend (check_request has seen them)."""
+        if group is None:
+            if getattr(ops_cls, "name", "") == "cuda":
+                from .device import NcclGroup
+                group = NcclGroup(tp)
+            else:
+                group = LocalGroup(tp)
+        self.group = group
+        self.ranks = []
+        for r in range(tp):
+            f = shard(model_file, r, tp)
+            with self._on_rank(r):  # (a GPU rank's weights and buffers on its device)
+                self.ranks.append(Qwen3(f, ops_cls, max_context, comm=group.comm(r), expert_range=f.plan.experts))
         self.args = model_file.args
+
+    def _on_rank(self, r: int):
+        enter = getattr(self.group, "enter", None)
+        return enter(r) if enter is not None else contextlib.nullcontext()
 
     def _all(self, name: str, *args):
         """Rank r's model.<name>(*args) on every rank at once; rank 0's answer."""

@@ -67,15 +67,26 @@ def _log_config(verbose: bool) -> dict:
 @click.option("--draft-tokens", type=int, default=None,
               help="Tokens guessed per verify step with --draft or --lookup (default 4).")
 @click.option("--max-num-seqs", type=int, default=1, show_default=True,
-              help="Requests stepped together (continuous batching, docs/BATCHING.md; needs a backend that runs "
-                   "several sequences a step: the CPU one, or the CUDA one up to 16).")
+              help="Requests stepped together (continuous batching over a paged KV cache, docs/BATCHING.md); 1 runs "
+                   "them one at a time.")
+@click.option("--gpu-memory-utilization", "utilization", type=float, default=None,
+              help="(--max-num-seqs > 1) The share of free device memory (host memory on the CPU) the KV block pool "
+                   "may take, in (0, 1] (default 0.5).")
+@click.option("--max-num-batched-tokens", "step_tokens", type=int, default=None,
+              help="(--max-num-seqs > 1) Tokens one step may run, at least --max-num-seqs (default: --max-num-seqs "
+                   "+ --chunked-prefill-size).")
+@click.option("--chunked-prefill-size", "chunk_size", type=int, default=None,
+              help="(--max-num-seqs > 1) Prompt tokens a request prefills per step (default 256).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=None,
+              help="(--max-num-seqs > 1) Share the KV blocks of identical prompt prefixes between requests "
+                   "(default: on).")
 @click.option("--tp", type=int, default=1, show_default=True, help=TP_HELP)
 @click.option("-v", "--verbose", is_flag=True, help="Log each HTTP request on stderr.")
 def serve(model, host, port, device, max_context, max_queue, served_model_name, tokenizer_dir, draft, lookup,
-          draft_tokens, max_num_seqs, tp, verbose):
+          draft_tokens, max_num_seqs, utilization, step_tokens, chunk_size, prefix_caching, tp, verbose):
     """An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
-    Requests run on one engine thread, queued: one at a time, or up to --max-num-seqs stepped together on a backend
-    that runs several sequences a step (the CPU one, or the CUDA one up to 16); SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
+    Requests run on one engine thread, queued: one at a time, or up to --max-num-seqs stepped together (continuous
+    batching, set by the four options after it); SIGINT/SIGTERM stop it cleanly (exit 0). With --draft
     or --lookup each reply is decoded speculatively (requests asking for logprobs are decoded plainly)."""
     from ..cli import _check_speculative  # (here: kuiper_py.cli imports this module)
     draft = _check_speculative(draft, lookup, draft_tokens)
@@ -87,6 +98,7 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError("--max-num-seqs > 1 and speculative decoding (--draft/--lookup) cannot be combined yet")
     if max_num_seqs > 1 and tp > 1:
         raise KuiperError(f"--max-num-seqs > 1 and --tp {tp} cannot be combined yet")
+    batching = _batching(max_num_seqs, utilization, step_tokens, chunk_size, prefix_caching)
     if max_queue < 1:
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
@@ -112,7 +124,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     sock = _listen(host, port)
     name = served_model_name or (model if is_hub_id(model) else Path(model).stem)  # (as vLLM: the hub id)
     worker = EngineWorker(str(path), device, max_context, max_queue, Metrics(), tokenizer_dir, tp=tp,
-                          max_seqs=max_num_seqs, draft=draft, lookup=lookup, draft_tokens=draft_tokens)
+                          max_seqs=max_num_seqs, draft=draft, lookup=lookup, draft_tokens=draft_tokens,
+                          batching=batching)
     app = create_app(worker, name)
     config = uvicorn.Config(app, log_config=_log_config(verbose), timeout_graceful_shutdown=30,
                             timeout_keep_alive=5)
@@ -146,6 +159,30 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     click.echo("kuiper serve: stopped", err=True)
 
 
+def _batching(max_num_seqs: int, utilization, step_tokens, chunk_size, prefix_caching) -> dict:
+    """The BatchConfig settings the batching options give (those left out keep BatchConfig's defaults), refused in
+    one line when out of range or given where requests run one at a time (which always reuses a cached prefix)."""
+    given = {"--gpu-memory-utilization": utilization, "--max-num-batched-tokens": step_tokens,
+             "--chunked-prefill-size": chunk_size,
+             "--no-enable-prefix-caching": True if prefix_caching is False else None}
+    if max_num_seqs == 1:
+        named = [flag for flag, v in given.items() if v is not None]
+        if named:
+            raise KuiperError(f"{', '.join(named)} appl{'ies' if len(named) == 1 else 'y'} only to requests stepped "
+                              f"together: add --max-num-seqs N (N > 1)")
+        return {}
+    if utilization is not None and not 0 < utilization <= 1:
+        raise KuiperError(f"--gpu-memory-utilization {utilization} must be in (0, 1]")
+    if chunk_size is not None and chunk_size < 1:
+        raise KuiperError(f"--chunked-prefill-size {chunk_size} must be >= 1")
+    if step_tokens is not None and step_tokens < max_num_seqs:
+        raise KuiperError(f"--max-num-batched-tokens {step_tokens} must be at least --max-num-seqs {max_num_seqs} "
+                          f"(a step holds the next token of every running request)")
+    out = {"utilization": utilization, "step_tokens": step_tokens, "chunk_size": chunk_size,
+           "prefix_caching": prefix_caching}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _announce_ready(worker, host: str, port: int) -> None:
     """A line on stderr once the model is loaded (from a helper thread: the engine thread only runs the model)."""
     import threading
@@ -155,5 +192,15 @@ def _announce_ready(worker, host: str, port: int) -> None:
         spec = "" if worker.proposer is None else f", speculative: {worker.draft_tokens} guesses per step by " + (
             f"prompt lookup of {worker.lookup} tokens" if worker.lookup else f"the draft {Path(worker.draft).name}")
         click.echo(f"kuiper serve: ready on http://{host}:{port} ({worker.engine.device}, context "
-                   f"{worker.max_context} tokens{spec})", err=True)
+                   f"{worker.max_context} tokens{spec}{_batch_summary(worker.batch)})", err=True)
     threading.Thread(target=wait, daemon=True).start()
+
+
+def _batch_summary(be) -> str:
+    """The ready line's account of the batching settings in force (empty when requests run one at a time)."""
+    if be is None:
+        return ""
+    pool, sched = be.pool, be.sched
+    return (f"; batching up to {sched.max_seqs} requests, {sched.step_tokens} tokens a step, prefill chunks of "
+            f"{sched.chunk_size}, a KV pool of {pool.n_blocks} blocks of {pool.block_size} positions, prefix caching "
+            f"{'on' if pool.prefix_caching else 'off'}")

@@ -48,9 +48,12 @@ class Job:
 class EngineWorker:
     def __init__(self, model: str, device: str, max_context: int | None, max_queue: int, metrics: Metrics,
                  tokenizer_dir: str | None = None, warm: bool = True, tp: int = 1, max_seqs: int = 1,
-                 draft: str | None = None, lookup: int | None = None, draft_tokens: int | None = None):
+                 draft: str | None = None, lookup: int | None = None, draft_tokens: int | None = None,
+                 batching: dict | None = None):
         self.model_path, self.device, self.want_context, self.tp = model, device, max_context, tp
         self.max_seqs = max_seqs
+        self.batching = dict(batching or {})  # (max_seqs > 1) BatchConfig settings: utilization, step_tokens, ...
+        self._pool_seen = (0, 0)  # (batching) the pool's prefix-cache block counts already added to the metrics
         self.batch = None  # the BatchEngine, where batching is on (max_seqs > 1 and the backend runs several)
         self.active: list[_Live] = []  # (batching) the jobs being stepped
         self.draft, self.lookup, self.draft_tokens = draft, lookup, draft_tokens or speculative.DEFAULT_K
@@ -104,12 +107,22 @@ class EngineWorker:
         if not 0 < ctx <= eng.file.args.max_position_embeddings:
             raise KuiperError(f"--max-context {ctx} must be in 1..{eng.file.args.max_position_embeddings}")
         if self.max_seqs > 1 and ops_class(eng.device).max_batch > 1:
-            from ..batch import BatchConfig, BatchEngine
-            self.batch = BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=self.max_seqs))
+            self.batch = self._batch_engine(eng, ctx)
         else:
             self.cache = PrefixCache(eng, ctx, warm=self.warm)
         self.engine, self.max_context = eng, ctx
         self.proposer = self._load_proposer(eng, ctx)
+
+    def _batch_engine(self, eng: Engine, ctx: int):
+        """The BatchEngine of the server's settings; a pool too small for one sequence names the option to raise."""
+        from ..batch import BatchConfig, BatchEngine
+        try:
+            return BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=self.max_seqs, **self.batching))
+        except KuiperError as e:
+            if "cannot hold one sequence" not in str(e):
+                raise
+            share = self.batching.get("utilization", BatchConfig.utilization)
+            raise KuiperError(f"{e}: raise --gpu-memory-utilization (now {share}) or lower --max-context") from None
 
     def _load_proposer(self, eng: Engine, ctx: int):
         """--draft or --lookup's proposer (None: plain decoding); a draft is loaded on the model's device, its
@@ -191,6 +204,8 @@ class EngineWorker:
             if last is not None:
                 m.prompt_tokens.inc(len(job.ids))
                 m.cached_tokens.inc(last.cached_tokens)
+                m.prefix_cache_queries.inc(len(job.ids) - 1)  # (the last prompt token is always computed)
+                m.prefix_cache_hits.inc(last.cached_tokens)
                 m.generation_tokens.inc(last.gen_tokens)
                 m.e2e.observe(time.perf_counter() - job.arrived)
             if job.spec_stats is not None:
@@ -217,8 +232,18 @@ class EngineWorker:
                     live.handle.take()  # (records drawn before the failure are not sent after the error)
                     _safe(live.job.emit, e)
                 self.batch.step()  # (the cancelled requests leave, their blocks back in the pool)
+            self._count_prefix_cache()
             for live in list(self.active):
                 self._deliver(live)
+
+    def _count_prefix_cache(self) -> None:
+        """The step's prefix-cache lookups into the metrics, in tokens: the pool counts whole blocks queried and
+        found as it admits requests (a preempted request's return counts again)."""
+        st, bs = self.batch.pool.stats, self.batch.pool.block_size
+        seen_q, seen_h = self._pool_seen
+        self.metrics.prefix_cache_queries.inc((st.queried_blocks - seen_q) * bs)
+        self.metrics.prefix_cache_hits.inc((st.hit_blocks - seen_h) * bs)
+        self._pool_seen = (st.queried_blocks, st.hit_blocks)
 
     def _take_jobs(self) -> bool:
         """Move queued jobs into the batch (waiting for one when none runs); False once the queue says stop."""

@@ -20,6 +20,14 @@ class Metrics:
         self.prompt_tokens = Counter("kuiper_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("kuiper_prompt_tokens_cached",
                                      "Prompt tokens the KV cache already held (not prefilled again)", registry=r)
+        # as vLLM's prefix_cache_queries / prefix_cache_hits: counted when a prompt is looked up, hits / queries
+        # is the share of looked-up prompt tokens whose KV was reused
+        self.prefix_cache_queries = Counter(
+            "kuiper_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (each prompt's tokens before "
+            "its last; with batching, the whole KV blocks of them)", registry=r)
+        self.prefix_cache_hits = Counter("kuiper_prefix_cache_hits",
+                                         "Looked-up prompt tokens found in the prefix cache (their KV reused, not "
+                                         "computed)", registry=r)
         self.generation_tokens = Counter("kuiper_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("kuiper_time_to_first_token_seconds", "From a request's arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=r)

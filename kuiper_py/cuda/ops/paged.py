@@ -1,6 +1,7 @@
 """Steps of several sequences over the paged KV pool (paged.cu): each token row's sequence and position, and the
 sequences' block tables, as device arrays (PagedRows); the per-token q/k norm + RoPE + block write, and attention
-of every row over its own sequence's blocks."""
+of every row over its own sequence's blocks. A decode step (one new token per sequence) replays a CUDA graph of its
+batch bucket (decode_bucket), whose inputs the host packs into one buffer (pack_decode_inputs)."""
 from __future__ import annotations
 
 import math
@@ -16,6 +17,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (its warps, at most 8)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes a paged decode step's graphs are captured at (max_batch)
 
 
 def paged_rows(seqs, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -44,6 +46,54 @@ class PagedRows:
         self.block_size, self.n_tokens = block_size, tok_seq.size
         self.tables, self.tok_seq, self.tok_pos = cp.asarray(tables), cp.asarray(tok_seq), cp.asarray(tok_pos)
         self.last = np.cumsum([len(s.ids) for s in seqs]) - 1
+        self.ids = None  # (the token ids come from the step; a decode graph's rows read them on the device)
+
+
+def decode_bucket(B: int) -> int:
+    """The batch size whose graph a paged decode step of B sequences replays: the least DECODE_BUCKETS entry >= B
+    (one graph serves every B up to it; its extra rows are padding)."""
+    if not 1 <= B <= DECODE_BUCKETS[-1]:
+        raise ValueError(f"a decode step of {B} sequences: graphs serve 1..{DECODE_BUCKETS[-1]}")
+    return next(b for b in DECODE_BUCKETS if b >= B)
+
+
+def decode_inputs_size(width: int) -> int:
+    """int32 entries of a decode graph's input buffer for block tables `width` wide: ids [R], positions [R] and
+    tables [R, width], R = the largest bucket (every bucket's graph reads the leading rows of each)."""
+    R = DECODE_BUCKETS[-1]
+    return R * (2 + width)
+
+
+def decode_inputs_views(buf, width: int, bucket: int) -> tuple:
+    """(ids [bucket], positions [bucket], tables [bucket, width]) views of a decode input buffer (NumPy or CuPy)."""
+    R = DECODE_BUCKETS[-1]
+    return buf[:bucket], buf[R:R + bucket], buf[2 * R:].reshape(R, width)[:bucket]
+
+
+def pack_decode_inputs(seqs, bucket: int, block_size: int, pad_block: int, out: np.ndarray) -> int:
+    """Write a decode step's inputs into out (int32 [decode_inputs_size(width)]): each sequence's one token id, its
+    position (pos0: it attends to positions 0..pos0) and its block table, the table's unused entries pad_block; rows
+    len(seqs)..bucket - 1 are padding: id 0 at position 0 in pad_block, a block outside the pool's sequences, so
+    they write and read no sequence's cache. Returns how many leading int32 of out the step fills (what one copy
+    to the device takes)."""
+    R = DECODE_BUCKETS[-1]
+    width = out.size // R - 2
+    B = len(seqs)
+    if not 1 <= B <= bucket <= R:
+        raise ValueError(f"{B} sequences in a bucket of {bucket}")
+    ids, pos, tables = decode_inputs_views(out, width, bucket)
+    for b, s in enumerate(seqs):
+        n = len(s.block_table)
+        if len(s.ids) != 1 or s.ids[0] < 0:
+            raise ValueError(f"sequence {b}: a decode step takes one token id from the host, not {s.ids}")
+        if s.pos0 + 1 > n * block_size or n > width:
+            raise ValueError(f"sequence {b}: position {s.pos0} in {n} blocks of {block_size} (tables hold "
+                             f"{width})")
+        ids[b], pos[b] = s.ids[0], s.pos0
+        tables[b, :n] = s.block_table
+        tables[b, n:] = pad_block
+    ids[B:], pos[B:], tables[B:] = 0, 0, pad_block
+    return 2 * R + bucket * width
 
 
 def paged_qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kb, vb, rows: PagedRows, n_heads: int,
@@ -74,4 +124,13 @@ def paged_attention(q, kb, vb, rows: PagedRows):
     kernel("paged", f"paged_attention<{hd}>")((T, KV), (32 * G,), (
         q, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, out, _i(H), _i(KV),
         _i(rows.block_size), _f(1.0 / math.sqrt(hd))))
+    return out
+
+
+def rows_argmax(logits, n_valid: int, out):
+    """out[r] = the argmax of logits[r, :n_valid] (the lowest id of equal maxima, as NumPy's): logits [R, V] fp32
+    contiguous, out int32 [>= R]; greedy draws of a paged step without its rows leaving the device."""
+    R, V = logits.shape
+    assert logits.flags.c_contiguous and logits.dtype == cp.float32 and 0 < n_valid <= V and out.size >= R
+    kernel("paged", "rows_argmax")((R,), (1024,), (logits, _i(V), _i(n_valid), out))
     return out

@@ -73,13 +73,17 @@ def rows_gemm(x, mats, out=None):
     return out
 
 
+LM_HEAD_ROWS_MAX = 64  # lm_head_rows<NT>: 8 NT token rows, NT up to 8 (compiled 1, 2, 4, 8)
+
+
 def rows_lm_head(x, W, out=None):
-    """x [M, D] fp16 (M <= ROWS_MAX, rows contiguous), W [V, D] fp16 -> out [M, V] fp32."""
+    """x [M, D] fp16 (M <= LM_HEAD_ROWS_MAX, rows contiguous), W [V, D] fp16 -> out [M, V] fp32: the head read once
+    for all M rows (each row's sums in the same order whatever M)."""
     M, D = x.shape
     V = W.shape[0]
-    assert 1 <= M <= ROWS_MAX and D % 32 == 0 and W.shape[1] == D and x.flags.c_contiguous
+    assert 1 <= M <= LM_HEAD_ROWS_MAX and D % 32 == 0 and W.shape[1] == D and x.flags.c_contiguous
     out = cp.empty((M, V), cp.float32) if out is None else out
-    nt = 1 if M <= 8 else 2
+    nt = next(n for n in (1, 2, 4, 8) if M <= 8 * n)
     kernel("rows", f"lm_head_rows<{nt}>")((math.ceil(V / 128),), (256,), (x, _i(M), W, out, _i(V), _i(D)))
     return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ... import env
 from ...config import ModelArgs
 from ...errors import KuiperError
+from . import device as _device
 from .device import _dev_id
 from .launch import _PdlKernel, pdl_enabled
 from .registry import (_FILES, _FILES_SM90, ATTN_DECODE_U, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS, GEMV_SUM_BATCH,
@@ -61,7 +62,7 @@ def headers_tag() -> str:
     return f"\n// headers {deps.hexdigest()}\n"
 
 
-_FNS: dict[tuple[str, str], object] = {}
+_FNS: dict[tuple[int, str, str], object] = {}
 
 
 _BUILD = [0.0]  # seconds the caller waited for kernel modules to be built (kernel_build_seconds)
@@ -273,12 +274,19 @@ def model_families(a: ModelArgs, cc: int) -> list[str]:
     return fams + ["norm", "rope", "lmh", "rows"]
 
 
+def _function_device() -> int:
+    """The device whose context a function is loaded into: the current one (0 without CuPy: stand-in builds)."""
+    return 0 if _device.cp is None else _dev_id()
+
+
 def _compiled(family: str, name: str):
     """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
-    attention_decode asks on every launch); its module built here, or by precompile()'s worker."""
-    fn = _FNS.get((family, name))
+    attention_decode asks on every launch); its module built here, or by precompile()'s worker. One per device: a
+    function is loaded into one device's context (one process driving several GPUs: --tp)."""
+    key = (_function_device(), family, name)
+    fn = _FNS.get(key)
     if fn is None:
-        fn = _FNS[(family, name)] = _module(_module_key(family, name)).get_function(name)
+        fn = _FNS[key] = _module(_module_key(family, name)).get_function(name)
     return fn
 
 
