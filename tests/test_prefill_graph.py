@@ -12,13 +12,15 @@ from kuiper_py.ops_numpy import NumpyOps
 
 
 def test_prefill_buckets():
-    """Every length 2..512 maps to a bucket at or above it, buckets are monotone and fixed points, 16 of them up to
-    512, and the padding is at most 15 rows up to 128 tokens, 31 up to 256, 63 beyond."""
+    """Every length 2..512 maps to a bucket at or above it, buckets are monotone and fixed points, 19 of them up to
+    512 (2, 4, 8, then multiples of 16), and the padding is less than the length up to 16 tokens, at most 15 rows up
+    to 128 tokens, 31 up to 256, 63 beyond."""
     got = {T: oc.prefill_bucket(T) for T in range(2, 513)}
     assert all(T <= B for T, B in got.items())
     assert all(got[T] <= got[T + 1] for T in range(2, 512))
     assert all(oc.prefill_bucket(B) == B for B in got.values())
-    assert len(set(got.values())) == 16 and max(got.values()) == 512
+    assert len(set(got.values())) == 19 and max(got.values()) == 512
+    assert {got[T] for T in range(2, 17)} == {2, 4, 8, 16} and all(got[T] < 2 * T for T in range(2, 17))
     assert all(B - T <= (15 if T <= 128 else 31 if T <= 256 else 63) for T, B in got.items())
 
 

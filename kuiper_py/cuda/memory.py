@@ -97,8 +97,11 @@ _BUF_GEN = [0]
 
 
 def prefill_bucket(T: int) -> int:
-    """The length a T-token prefill graph runs at: T rounded up to a multiple of 16 up to 128 tokens, of 32 up to 256,
-    of 64 beyond (16 graphs up to 512 tokens; at most 16, 32 or 64 rows of padding, 12% at most past 128 tokens)."""
+    """The length a T-token prefill graph runs at: T rounded up to a power of two up to 16 tokens (a speculative verify
+    step of K + 1 tokens: its projections' cost grows with the rows), to a multiple of 16 up to 128, of 32 up to 256,
+    of 64 beyond (19 graphs up to 512 tokens; at most 16, 32 or 64 rows of padding, 12% at most past 128 tokens)."""
+    if T <= 16:
+        return 1 << max(1, (T - 1).bit_length())
     step = 16 if T <= 128 else 32 if T <= 256 else 64
     return -(-T // step) * step
 
