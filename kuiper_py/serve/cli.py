@@ -115,8 +115,7 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     from ..generate import ops_class, pick_device
     dev = pick_device(device)  # (before listening too: what this device cannot run)
     if max_num_seqs > 1 and ops_class(dev).max_batch < 2:
-        raise KuiperError(f"--max-num-seqs {max_num_seqs}: the {dev} backend runs one sequence a step (batching "
-                          f"runs on the CPU backend today)")
+        raise KuiperError(f"--max-num-seqs {max_num_seqs}: the {dev} backend runs one sequence a step")
     if tp != 1:  # (a --tp the model's shapes or the device refuse)
         from ..loader import load
         from ..parallel.group import check_request
