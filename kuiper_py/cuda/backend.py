@@ -547,7 +547,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         else:
             x = self._x(x)
             ids = w = None
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and self._paged is None:  # (a paged step's one row: the rows path below, which reads
+            # no accumulator the decode plan's other launches clear)
             if ids is None:
                 ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
             if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
