@@ -23,7 +23,7 @@ from .ops.gemm import (_gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_
 from .ops.gemv import gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
-                        decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store,
+                        decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store, paged_scratch,
                         rows_argmax)
 from .ops.rows import LM_HEAD_ROWS_MAX, ROWS_MAX, rows_fit, rows_lm_head, rows_scratch
 from .runtime.build import kernel
@@ -227,8 +227,9 @@ class PagedSteps:
         # device probes run (cuBLAS's is a matmul), and the paged kernels built (the load builds the model's others)
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
         cublas_ready(), wgmma_available()
-        for name in ("paged_qk_norm_rope_store", "paged_attention"):
+        for name in ("paged_qk_norm_rope_store", "paged_attention", "paged_attention_merge"):
             kernel("paged", f"{name}<{self.args.head_dim}>")
+        paged_scratch(DECODE_BUCKETS[-1] * self.args.num_attention_heads, self.args.head_dim)
         kernel("paged", "rows_argmax")
         for _ in range(8):  # (captured again while a module buffer grew under the capture)
             gen = _BUF_GEN[0]
