@@ -31,15 +31,16 @@ DEPTH_CHUNK = 512  # prompt tokens a sequence prefills per step for a batch tg r
 
 
 def tg_positions(n: int, depth: int) -> int:
-    """Positions a tgN test at depth D holds: its prompt (D tokens, at least 1) and the N tokens fed back."""
-    return max(depth, 1) + n
+    """Positions a tgN test at depth D asks for: its prompt (D tokens, at least 1) and the N + 1 tokens it draws (the
+    first comes with the prompt's logits; the timed N decode steps feed back N)."""
+    return max(depth, 1) + n + 1
 
 
 def load_engine(model: str, n_prompt: list[int], n_gen: list[int], device: str, tp: int = 1,
                 depths: list[int] = (0,)) -> Engine:
     """The engine (tp ranks), with a cache sized for the longest test."""
     eng = Engine.load(model, device, need_tokenizer=False, tp=tp)
-    eng.session(max([p for p in n_prompt if p > 0] + [tg_positions(n, d) + 1 for n in n_gen if n > 0 for d in depths]
+    eng.session(max([p for p in n_prompt if p > 0] + [tg_positions(n, d) for n in n_gen if n > 0 for d in depths]
                     + [1]))
     log(f"loaded {model} in {eng.load_seconds:.2f} s on {eng.device} (map, upload, kernels)")
     return eng

@@ -67,6 +67,7 @@ def test_a_tg_row_at_depth_decodes_after_a_prompt_of_that_depth(tiny_bin, monkey
 
 @pytest.mark.parametrize("args, flag", [(["-d", "-1"], "--n-depth"), (["-d", "1,x"], "--n-depth"),
                                         (["-n", "8", "-d", "40960"], "-d 40960"),
+                                        (["-n", "8", "-d", "40952"], "-d 40952"),  # (40952 + 9 drawn: one over)
                                         (["-n", "8", "-d", "40958", "--batch", "2"], "-d 40958")])
 def test_a_bad_depth_is_one_error_line(tiny_bin, args, flag):
     r = run_cli("bench", "-m", tiny_bin, "--device", "cpu", "-p", "0", *args)
