@@ -46,7 +46,8 @@ ATTN_STEPS = {"mixed": ([1, 1, 7, 20, 1], [0, 37, 0, 9, 100]), "long_chunk": ([7
               "far_decode": ([1, 1, 1], [0, 700, 2500])}
 
 
-@pytest.mark.parametrize("H,KV,hd", [(4, 2, 64), (32, 8, 128), (64, 8, 128), (16, 16, 128), (40, 8, 128)])
+@pytest.mark.parametrize("H,KV,hd", [(4, 2, 64), (16, 2, 64), (32, 8, 128), (64, 8, 128), (16, 16, 128),
+                                     (40, 8, 128)])
 @pytest.mark.parametrize("bs", [4, 16])
 @pytest.mark.parametrize("case", list(ATTN_STEPS))
 def test_paged_attention_against_numpy(H, KV, hd, bs, case):
