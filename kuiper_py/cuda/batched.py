@@ -22,6 +22,7 @@ from .ops.gemm import (_gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_
                        wgmma_available)
 from .ops.gemv import gemv, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
+from .ops.norm import lm_head
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
                         decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store, paged_scratch,
                         rows_argmax)
@@ -180,6 +181,9 @@ class PagedSteps:
             x = x[cp.asarray(self._paged.last)]
         x = cp.ascontiguousarray(x)
         out = cp.empty((x.shape[0], self.args.vocab_size), cp.float32)
+        if x.shape[0] == 1:  # (one row: the decode step's lm_head GEMV, at decode's bandwidth)
+            lm_head(x[0], self.weights.lm_head, out[0])
+            return out
         for r in range(0, x.shape[0], LM_HEAD_ROWS_MAX):
             rows_lm_head(x[r:r + LM_HEAD_ROWS_MAX], self.weights.lm_head, out[r:r + LM_HEAD_ROWS_MAX])
         return out
