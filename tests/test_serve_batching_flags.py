@@ -174,14 +174,21 @@ def _bench(url: str, *args) -> dict:
 
 def test_bench_serve_shared_prefix(cached, uncached):
     """--shared-prefix 48: four requests of a common 48-token prefix and 8 tokens of their own each; on the caching
-    server the later ones find the prefix's 3 whole blocks, on the other none do."""
+    server the later ones find the prefix's 3 whole blocks, on the other none do; after the default warm-up request
+    (untimed, not counted) every timed one does."""
     url = cached[0]
     h0 = _metric(url, "kuiper_prefix_cache_hits_total")
-    s = _bench(url, "-n", 4, "--max-concurrency", 1, "--input-len", 8, "--output-len", 3, "--shared-prefix", 48)
+    s = _bench(url, "-n", 4, "--max-concurrency", 1, "--input-len", 8, "--output-len", 3, "--shared-prefix", 48,
+               "--warmup", 0, "--seed", 1)
     assert s["completed"] == 4 and s["failed"] == 0 and s["shared_prefix_len"] == 48 and s["input_len"] == 8
     assert s["total_input_tokens"] == 4 * (48 + 8) and s["total_output_tokens"] == 4 * 3
-    assert s["ttft_ms"]["mean"] > 0
+    assert s["ttft_ms"]["mean"] > 0 and s["warmup_requests"] == 0
     assert _metric(url, "kuiper_prefix_cache_hits_total") - h0 == 3 * 48
+    h1 = _metric(url, "kuiper_prefix_cache_hits_total")
+    w = _bench(url, "-n", 4, "--max-concurrency", 1, "--input-len", 8, "--output-len", 3, "--shared-prefix", 48,
+               "--seed", 2)
+    assert w["completed"] == 4 and w["warmup_requests"] == 1 and w["total_input_tokens"] == 4 * (48 + 8)
+    assert _metric(url, "kuiper_prefix_cache_hits_total") - h1 == 4 * 48
     u = _bench(uncached[0], "-n", 2, "--input-len", 8, "--output-len", 2, "--shared-prefix", 48)
     assert u["completed"] == 2 and u["total_input_tokens"] == 2 * 56
     assert _metric(uncached[0], "kuiper_prefix_cache_hits_total") == 0

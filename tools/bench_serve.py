@@ -14,7 +14,8 @@ the mean TTFT to see what prefix caching saves.
 --single measures one stream alone: decode tok/s over --output-len tokens after a short prompt, and the TTFT of
 an --input-len prompt (median of --repeats), the figures tools/serve_gpu_check.sh compares with `kuiper bench`.
 Prompts are random token ids sent to /v1/completions (exact lengths, no cache reuse between requests unless
---shared-prefix gives them a common start); output lengths are exact through `ignore_eos`. The table goes to stdout, or one JSON object with --json.
+--shared-prefix gives them a common start); output lengths are exact through `ignore_eos`. --warmup requests
+(default 1) run first, one at a time, untimed. The table goes to stdout, or one JSON object with --json.
 """
 from __future__ import annotations
 
@@ -43,10 +44,16 @@ def parse_args(argv=None):
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens of one random prefix every prompt starts with, before its own --input-len")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed requests first, one at a time (as vLLM's initial test run): the server's first-use\n"
+                         "costs stay out of the figures, and with --shared-prefix the prefix is cached, as a\n"
+                         "long-running server's system prompt would be (default 1; 0: none)")
     ap.add_argument("--single", action="store_true", help="one stream alone: decode tok/s and a prompt's TTFT")
     ap.add_argument("--repeats", type=int, default=5, help="(--single) TTFT and decode runs; the median is kept")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
     a = ap.parse_args(argv)
+    if a.warmup < 0:
+        ap.error("--warmup must be 0 or more")
     if min(a.num_prompts, a.input_len, a.output_len, a.repeats) < 1 or a.request_rate <= 0:
         ap.error("--num-prompts, --input-len, --output-len, --repeats and --request-rate must be positive")
     if a.shared_prefix < 0:
@@ -102,11 +109,16 @@ async def server_model(client: httpx.AsyncClient, name: str | None) -> str:
 
 async def run_load(a) -> dict:
     rng = np.random.default_rng(a.seed)
-    prompts = _prompts(rng, a.num_prompts, a.input_len, a.shared_prefix)
+    prompts = _prompts(rng, a.warmup + a.num_prompts, a.input_len, a.shared_prefix)
+    warm, prompts = prompts[:a.warmup], prompts[a.warmup:]
     limit = asyncio.Semaphore(a.max_concurrency or a.num_prompts)
     async with httpx.AsyncClient(base_url=a.base_url, timeout=None,
                                  limits=httpx.Limits(max_connections=None)) as client:
         model = await server_model(client, a.model)
+        for p in warm:
+            r = await one_request(client, model, p, a.output_len)
+            if not r["ok"]:
+                raise SystemExit(f"bench_serve: the warm-up request failed: {r['error']}")
 
         async def limited(p):
             async with limit:
@@ -141,6 +153,7 @@ def summarize(results: list[dict], duration: float, a) -> dict:
             "total_token_throughput": (n_in + n_out) / duration,
             "max_concurrency": a.max_concurrency, "request_rate": a.request_rate if a.request_rate != float("inf")
             else None, "input_len": a.input_len, "shared_prefix_len": a.shared_prefix, "output_len": a.output_len,
+            "warmup_requests": a.warmup,
             "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
             "itl_ms": _stats([x for r in ok for x in r["itl"]]), "e2e_ms": _stats([r["e2e"] for r in ok])}
 
