@@ -71,32 +71,41 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
         uint4 wv[RW_U];
         u32 zw[RW_U];
         uint4 sv[RW_U];
+        int gu[RW_U];  // each step's quantization group (-1 past the span): steps of one group share zeros and scales
 #pragma unroll
         for (int u = 0; u < RW_U; ++u) {
             const int s = s0 + 2 * u;
+            const int k0 = k_lo + 16 * s;
+            gu[u] = s < steps ? (gshift >= 0 ? k0 >> gshift : k0 / group) : -1;
+            const bool fresh = u == 0 || gu[u] != gu[u - 1];  // (warp-uniform)
             if (s < steps && active) {
-                const int k0 = k_lo + 16 * s;
                 wv[u] = ld_stream16(wp + (size_t)(k0 / 4 + t) * 4 * tw);
-                const int gi = gshift >= 0 ? k0 >> gshift : k0 / group;
-                zw[u] = __ldg(qz + (size_t)gi * W + word);
-                sv[u] = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)gi * N + word * 8));
+                if (fresh) {
+                    zw[u] = __ldg(qz + (size_t)gu[u] * W + word);
+                    sv[u] = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)gu[u] * N + word * 8));
+                } else {
+                    zw[u] = zw[u - 1]; sv[u] = sv[u - 1];
+                }
             } else {
                 wv[u] = make_uint4(0, 0, 0, 0); zw[u] = 0; sv[u] = make_uint4(0, 0, 0, 0);
             }
         }
+        half2 zb[4], s2[4];  // the zero biases and scales of the group of the steps below (converted once a group)
 #pragma unroll
         for (int u = 0; u < RW_U; ++u) {
             const int s = s0 + 2 * u;
             if (s >= steps) break;
+            if (u == 0 || gu[u] != gu[u - 1]) {
+                awq_zero_bias(zw[u], zb);
+                awq_scales8(sv[u], s2);
+            }
             // A: tokens g and g + 8 at actual k 4t..4t+3 of this step (logical 2t, 2t+1 | 2t+8, 2t+9)
             const int kk = 16 * s + 4 * t;
             const uint2 xlo = row_lo ? *reinterpret_cast<const uint2*>(&xs[g * RW_SPAN + kk]) : make_uint2(0, 0);
             const uint2 xhi = row_hi ? *reinterpret_cast<const uint2*>(&xs[(g + 8) * RW_SPAN + kk]) : make_uint2(0, 0);
             const u32 a[4] = {xlo.x, xhi.x, xlo.y, xhi.y};
             // B: (q - z) * s of the word's 8 columns at the lane's 4 rows, one MMA per column
-            half2 zb[4], s2[4], d0[4], d1[4], d2[4], d3[4];
-            awq_zero_bias(zw[u], zb);
-            awq_scales8(sv[u], s2);
+            half2 d0[4], d1[4], d2[4], d3[4];
             awq_dequant8(wv[u].x, zb, s2, d0);
             awq_dequant8(wv[u].y, zb, s2, d1);
             awq_dequant8(wv[u].z, zb, s2, d2);

@@ -44,7 +44,8 @@ def _paged_path(T: int, mats) -> str:
     decode graph); more, the prefill path."""
     fits = rows_fit(mats)
     if T <= ROWS_MAX and fits:
-        return "rows"
+        path = gemm_path(T, mats) if T > 1 else "rows"  # (2-16 rows: gemv_rows or this GPU's faster wgmma)
+        return path if path == "wgmma" else "rows"
     path = gemm_path(T, mats)
     if T <= DECODE_BUCKETS[-1] and fits and path not in ("wgmma", "rs"):
         return "rows16"
