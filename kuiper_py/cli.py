@@ -642,8 +642,8 @@ def _int_list(ctx, param, s: str) -> list[int]:
 
 
 def _check_bench_sizes(n_prompt: list[int], n_gen: list[int], header, depths: list[int] = (0,)) -> None:
-    """Each test against the model's context length (a tgN test at depth D holds max(D, 1) + N positions), before
-    loading."""
+    """Each test against the model's context length (a tgN test at depth D asks for bench.tg_positions: max(D, 1) +
+    N + 1 positions), before loading."""
     if header is None:
         return
     from .bench import tg_positions

@@ -63,6 +63,16 @@ def test_flash_attention_prefill(H, KV, hd, T, pos0, path, monkeypatch):
     assert rel(cp.asnumpy(out), attention_ref(q, Kc, Vc, pos0)) < 1e-2
 
 
+def _one_layer_of_nan(rng, L, ctx, n, layer, T, H, KV, hd):
+    """Caches [L, ctx, KV, hd] holding random keys and values at the layer's first n positions and NaN elsewhere (so
+    reading another layer or past n shows), and q [T, H, hd] on the device."""
+    Kc = np.full((L, ctx, KV, hd), np.nan, np.float16)
+    Vc = Kc.copy()
+    Kc[layer, :n] = rng.standard_normal((n, KV, hd)) * 2
+    Vc[layer, :n] = rng.standard_normal((n, KV, hd))
+    return Kc, Vc, cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
+
+
 @pytest.mark.parametrize("path", ["mma", "wgmma-nc3", "wgmma"])  # (fast tier: the first and last)
 @pytest.mark.parametrize("T,pos0,layer", [(17, 0, 1), (130, 61, 2), (64, 0, 0)])
 def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, path, monkeypatch):
@@ -74,11 +84,7 @@ def test_flash_attention_prefill_one_layer_of_the_whole_cache(T, pos0, layer, pa
     rng = np.random.default_rng()
     L, H, KV, hd = 3, 16, 4, 128
     n, ctx = pos0 + T, pos0 + T + 70
-    Kc = np.full((L, ctx, KV, hd), np.nan, np.float16)
-    Vc = Kc.copy()
-    Kc[layer, :n] = rng.standard_normal((n, KV, hd)) * 2
-    Vc[layer, :n] = rng.standard_normal((n, KV, hd))
-    q = cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
+    Kc, Vc, q = _one_layer_of_nan(rng, L, ctx, n, layer, T, H, KV, hd)
     whole, alone = nan_like((T, H * hd), cp.float16), nan_like((T, H * hd), cp.float16)
     oc.attention_prefill(q, cp.asarray(Kc), cp.asarray(Vc), pos0, KV, whole, path=path, layer=layer)
     oc.attention_prefill(q, cp.asarray(Kc[layer]), cp.asarray(Vc[layer]), pos0, KV, alone, path=path)
@@ -101,12 +107,8 @@ def test_flash_attention_prefill_position_on_device(path, monkeypatch):
     pos_dev, maps = cp.zeros((1,), cp.int32), cp.zeros((256,), cp.uint8)
     for pos0 in (61, 0, 130):
         n, ctx = pos0 + T, 250
-        Kc = np.full((L, ctx, KV, hd), np.nan, np.float16)
-        Vc = Kc.copy()
-        Kc[layer, :n] = rng.standard_normal((n, KV, hd)) * 2
-        Vc[layer, :n] = rng.standard_normal((n, KV, hd))
+        Kc, Vc, q = _one_layer_of_nan(rng, L, ctx, n, layer, T, H, KV, hd)
         Kd, Vd = cp.asarray(Kc), cp.asarray(Vc)
-        q = cp.asarray((rng.standard_normal((T, H, hd)) * 2).astype(np.float16))
         pos_dev.set(np.array([pos0], np.int32))
         maps.set(np.frombuffer(bytes(oc.tma_map_cache(Kd, n)) + bytes(oc.tma_map_cache(Vd, n)), np.uint8))
         dev, arg = nan_like((T, H * hd), cp.float16), nan_like((T, H * hd), cp.float16)

@@ -313,9 +313,6 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
 
     def add_rmsnorm(self, h, r, w):
         if self._paged is not None:
-            if isinstance(r, _Deferred):  # (a one-token paged step's MoE: its expert sum added into h)
-                r.run(h)
-                r = None
             if isinstance(r, _ExpertRows):
                 return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
             return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps)

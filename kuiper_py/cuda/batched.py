@@ -2,8 +2,8 @@
 a pool of fp16 KV blocks [layers, n_blocks, block_size, KV, head_dim]. Its 1..16 token rows go through the
 projections of gemv_rows.cu (each weight read once for every row); 17..64 rows through the fused wgmma GEMMs where
 the prefill path takes them (sm_90: one 64-row tile, each weight read once), else gemv_rows.cu 16 rows a launch;
-more through the prefill GEMMs. The lm_head is gemv_rows.cu's, 16 rows a launch; q/k norm + RoPE + the block write
-and attention through paged.cu, each row at its own sequence's position. A step without block tables takes
+more through the prefill GEMMs. The lm_head is gemv_rows.cu's, up to 64 rows a launch; q/k norm + RoPE + the block
+write and attention through paged.cu, each row at its own sequence's position. A step without block tables takes
 CupyOps' single-sequence paths, untouched.
 
 A decode step (every Seq one new token) replays the CUDA graph of its batch bucket (1, 2, ..., 64; captured on the
