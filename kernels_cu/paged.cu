@@ -229,45 +229,16 @@ paged_attention_merge(const float* __restrict__ part_acc, const float* __restric
 // draws of a paged step, so its [rows, ld] logits need not leave the device. grid (rows), block 1024.
 __global__ void __launch_bounds__(1024)
 rows_argmax(const float* __restrict__ logits, int ld, int n, int* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
     const float* row = logits + (size_t)blockIdx.x * ld;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {  // ids rising: a thread keeps its first maximum
-        const float v = row[i];
-        if (v > bv || (v == bv && bi == 0x7fffffff)) {
-            bv = v;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (better(row[i], i, bv, bi)) {
+            bv = row[i];
             bi = i;
         }
-    }
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if (lane == 0) {
-        sv[w] = bv;
-        si[w] = bi;
-    }
-    __syncthreads();
-    if (w != 0) return;
-    const int nw = blockDim.x >> 5;
-    bv = lane < nw ? sv[lane] : -INFINITY;
-    bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }

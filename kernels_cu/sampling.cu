@@ -49,32 +49,6 @@ __device__ __forceinline__ void scan_logits(const float* __restrict__ x, int n, 
     for (int j = max(4 * n4, lo) + threadIdx.x; j < n; j += B) f(j, x[j]);
 }
 
-// keep (v, idx) or take (ov, oi): the larger value, the lower index among equals
-__device__ __forceinline__ bool better(float ov, int oi, float v, int idx) {
-    return ov > v || (ov == v && oi < idx);
-}
-
-// (value, index) argmax over the block, ties to the lower index; result valid in every thread.
-__device__ void block_argmax(float& v, int& idx, float* sv, int* si) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-    __syncthreads();
-    if (lane == 0) { sv[wid] = v; si[wid] = idx; }
-    __syncthreads();
-    v = sv[lane]; idx = si[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-}
-
 // Radix-select the largest key threshold such that the weight (count, or softmax mass when
 // by_mass) of elements with key >= threshold reaches `target`. Elements below `floor_key` are out.
 __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mass, float target, float mx,
