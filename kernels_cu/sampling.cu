@@ -334,6 +334,23 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and sc
     smp_one_block(logits, n_valid, temperature, top_k, top_p, min_p, seed, step, out, out_host, S);
 }
 
+// A step of several sequences: block r draws row rp[r].w of logits [*, ld] with that row's own settings, seed and
+// counter (the draws sample_token would make for each sequence alone). fp[r] = (temperature, top_p, min_p, penalty),
+// rp[r] = (top_k, first history id in hist, history length <= SMP_THREADS, row); out[r] on the device and, mapped
+// pinned, out_host[r]. grid (rows drawn), block SMP_THREADS; ld % 4 == 0 (scan_logits' 16-byte loads).
+__global__ void __launch_bounds__(SMP_THREADS)
+sample_rows(float* __restrict__ logits, int ld, int n_valid, const float4* __restrict__ fp, const int4* __restrict__ rp,
+            const unsigned long long* __restrict__ seeds, unsigned long long* __restrict__ steps,
+            const int* __restrict__ hist, int* __restrict__ out, int* out_host) {
+    __shared__ SmpSmem S;
+    const int r = blockIdx.x;
+    const float4 f = fp[r];
+    const int4 p = rp[r];
+    float* row = logits + (size_t)p.w * ld;
+    if (f.w != 1.f) smp_penalty(row, 0, n_valid, hist + p.y, p.z, f.w);
+    smp_one_block(row, n_valid, f.x, p.x, f.y, f.z, seeds[r], steps + r, out + r, out_host + r, S);
+}
+
 // The same draw by gridDim.x blocks, each over `chunk` logits (a multiple of 4), so the vocabulary is read
 // by many SMs at once instead of one (sample_token: ~25 µs per greedy step on H100, most of it one block's
 // load latency). Each block applies the penalty to its ids and leaves its argmax (greedy) or its maximum

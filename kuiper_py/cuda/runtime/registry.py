@@ -146,7 +146,7 @@ _FILES = {
     "paged": ("paged.cu", [f"{k}<{hd}>" for k in ("paged_qk_norm_rope_store", "paged_attention",
                                                    "paged_attention_merge") for hd in (64, 128)]
               + ["rows_argmax"]),
-    "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
+    "smp": ("sampling.cu", ["sample_token", "sample_token_mb", "sample_rows"]),
     "ar": ("allreduce.cu", ["allreduce_oneshot<__half>", "allreduce_oneshot<float>"]),  # --tp's one-shot all-reduce
 }
 
