@@ -14,7 +14,12 @@
 
 #define RW_MAX_M 16       // token rows: the MMA's m (rows past M are zeros)
 #define RW_WARPS 8        // 4 groups of 8 packed words (the block's 32-word column tile) x 2 k phases
+#ifndef RW_U
 #define RW_U 4            // k16 steps a warp has in flight (16-byte loads per lane)
+#endif
+#ifndef RW_MIN_BLOCKS
+#define RW_MIN_BLOCKS 1   // blocks per SM the register budget must allow
+#endif
 #define RW_SPAN 512       // most rows of K one block takes (its x span in shared memory)
 
 // Two fp16 values as one MMA operand register.
@@ -24,7 +29,7 @@ __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h)
 // [s * rph, min(K, (s + 1) * rph)), rph % 32 == 0 and rph <= RW_SPAN. Output: out [M, ldo] fp16, the matrices'
 // columns side by side; with S > 1 each block writes its sums to partial [S, M, Ntot] and the last block of a column
 // tile (counters, zero between launches and left zero) sums them in split order (deterministic).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, RW_MIN_BLOCKS)
 gemv_rows(const half* __restrict__ x, int M, int K, int group,
           const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,
           const u32* __restrict__ qw1, const u32* __restrict__ qz1, const half* __restrict__ sc1, int N1,
