@@ -287,8 +287,9 @@ def test_a_request_that_cannot_fit_is_an_error(engines):
         be.submit(list(range(17)), GREEDY, 1)
     with pytest.raises(KuiperError, match="empty"):
         be.submit([], GREEDY, 1)
-    with pytest.raises(KuiperError, match="cannot hold one sequence"):
+    with pytest.raises(KuiperError, match="cannot hold one sequence") as e:
         BatchEngine(engines["fast"], BatchConfig(max_context=64, block_size=4, n_blocks=8))
+    assert e.value.exit_code == 3  # (a resource limit, as out of memory)
 
 
 def test_bench_batch_rows(tiny_bin):

@@ -100,6 +100,7 @@ def test_a_pool_too_small_for_one_sequence_names_the_setting(tiny_bin):
     assert r.returncode != 0 and "Traceback" not in r.stderr and r.stdout == ""
     errs = [ln for ln in r.stderr.splitlines() if ln.startswith("kuiper: error: ")]
     assert len(errs) == 1 and "--gpu-memory-utilization" in errs[0], r.stderr
+    assert r.returncode == 3  # (a resource limit: the exit code of running out of memory)
 
 
 def _metric(url: str, name: str) -> float:

@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import Seq, Step
-from ..errors import KuiperError
+from ..errors import KuiperError, ResourceError
 from ..generate import Engine, Record, _check_request, _covering, _held_back
 from ..sampling import SamplingParams, sample, token_logprobs
 from ..speculative import plain_greedy
 from ..tokenizer import StreamDecoder
 from .blocks import BlockPool, KVCacheManager
 from .scheduler import Request, Scheduler
+
+
+class PoolTooSmall(ResourceError):
+    """The KV pool the settings give cannot hold one sequence of the context asked for."""
 
 
 @dataclass
@@ -88,7 +92,7 @@ class BatchEngine:
         per_seq = -(-self.max_context // bs)
         n_blocks = cfg.n_blocks or min(ops.kv_pool_blocks(bs, cfg.utilization), cfg.max_seqs * per_seq)
         if n_blocks < per_seq:
-            raise KuiperError(f"a KV pool of {n_blocks} blocks of {bs} positions cannot hold one sequence of "
+            raise PoolTooSmall(f"a KV pool of {n_blocks} blocks of {bs} positions cannot hold one sequence of "
                               f"{self.max_context} positions (--max-context)")
         ops.alloc_blocks(n_blocks, bs, self.max_context)
         self.pool = BlockPool(n_blocks, bs, cfg.prefix_caching)

@@ -154,7 +154,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         worker.stop()
         sock.close()
     if worker.error:
-        raise KuiperError(worker.error)
+        e = worker.load_error
+        raise e if isinstance(e, KuiperError) else KuiperError(worker.error)
     click.echo("kuiper serve: stopped", err=True)
 
 

@@ -66,6 +66,7 @@ class EngineWorker:
         self.current: Job | None = None
         self.ready = threading.Event()
         self.error: str | None = None  # why loading failed
+        self.load_error: Exception | None = None  # (its exception: a KuiperError keeps its exit code)
         self.accepting = True
         self.on_failure: Callable[[], None] = lambda: None  # (the server stops when the model cannot load)
         self._thread = threading.Thread(target=self._main, name="kuiper-engine", daemon=True)
@@ -115,14 +116,12 @@ class EngineWorker:
 
     def _batch_engine(self, eng: Engine, ctx: int):
         """The BatchEngine of the server's settings; a pool too small for one sequence names the option to raise."""
-        from ..batch import BatchConfig, BatchEngine
+        from ..batch import BatchConfig, BatchEngine, PoolTooSmall
         try:
             return BatchEngine(eng, BatchConfig(max_context=ctx, max_seqs=self.max_seqs, **self.batching))
-        except KuiperError as e:
-            if "cannot hold one sequence" not in str(e):
-                raise
+        except PoolTooSmall as e:
             share = self.batching.get("utilization", BatchConfig.utilization)
-            raise KuiperError(f"{e}: raise --gpu-memory-utilization (now {share}) or lower --max-context") from None
+            raise PoolTooSmall(f"{e}: raise --gpu-memory-utilization (now {share}) or lower --max-context") from None
 
     def _load_proposer(self, eng: Engine, ctx: int):
         """--draft or --lookup's proposer (None: plain decoding); a draft is loaded on the model's device, its
@@ -151,6 +150,7 @@ class EngineWorker:
             self._load()
         except Exception as e:  # noqa: BLE001 - reported as one line by the command, which then exits
             self.error = str(e) if isinstance(e, KuiperError) else f"{type(e).__name__}: {e}"
+            self.load_error = e
             self.on_failure()
             return
         self.ready.set()
