@@ -132,6 +132,27 @@ def test_ranks_on_several_gpus_equal_the_one_gpu_group(mf, form):
 
 
 @multi_gpu
+def test_gpu_group_keeps_the_faster_all_reduce():
+    """gpu_group times the one-shot form and NCCL at the message it is given and keeps the faster: with a timer that
+    says one form is slower, the group's all-reduces take the other (the one-shot's epoch counter counts its calls),
+    and both forms give the rank-order sum."""
+    from kuiper_py.parallel.device import gpu_group, time_all_reduce
+    tp = 2
+    for slow in ("oneshot", "nccl"):
+        g = gpu_group(tp, 8192, timer=lambda grp, n: 1.0 if grp.oneshot == (slow == "oneshot") else 0.5)
+        assert g.oneshot == (slow == "nccl")
+        assert time_all_reduce(g, 8192, reps=3) > 0
+        xs = []
+        for r in range(tp):
+            with g.enter(r):
+                xs.append(cp.full((4096,), r + 1, cp.float16))
+        out = g.run(lambda r: g.reduce(r, xs[r]))
+        for r in range(tp):
+            assert float(cp.asnumpy(out[r]).min()) == float(cp.asnumpy(out[r]).max()) == tp * (tp + 1) / 2
+        g.close()
+
+
+@multi_gpu
 def test_cli_tp_on_gpus_runs_and_refuses_more_than_visible(tmp_path):
     """`kuiper generate --device cuda --tp 2` (NCCL, one process) prints text; a --tp past the visible GPUs is
     refused in one line."""
@@ -142,6 +163,7 @@ def test_cli_tp_on_gpus_runs_and_refuses_more_than_visible(tmp_path):
     args = ("generate", "-m", path, "-p", "Hello there", "-n", "8", "--temp", "0", "--device", "cuda")
     r = run_cli(*args, "--tp", "2")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert "--tp 2: all-reduce" in r.stderr  # (the startup's choice of NCCL or the one-shot form, logged)
     if visible_gpus() < 4:
         r = run_cli(*args, "--tp", "4")
         assert r.returncode != 0 and "Traceback" not in r.stderr

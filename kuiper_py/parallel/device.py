@@ -230,17 +230,62 @@ class _NcclTurnComm(TurnComm):
 class PeerGroup(NcclGroup):
     """NcclGroup whose all-reduces go through the one-shot kernel over peer memory (cuda/ops/allreduce.py) where
     the message fits it (NCCL for larger ones and for the gathers): the rank completing a collective launches every
-    rank's kernel, each on its device's current stream."""
+    rank's kernel, each on its device's current stream. oneshot False: NCCL for every message (gpu_group's choice
+    where NCCL measured faster)."""
 
     def __init__(self, size: int) -> None:
         from ..cuda.ops.allreduce import OneShotAllReduce
         super().__init__(size)
         self._oneshot = OneShotAllReduce(self.devices())
+        self.oneshot = True
 
     def reduce(self, rank: int, x):
         import cupy
         with cupy.cuda.Device(rank):
             x = cupy.ascontiguousarray(x)
-        if not _fits(self._oneshot, x):
+        if not self.oneshot or not _fits(self._oneshot, x):
             return super().reduce(rank, x)
         return self.exchange(rank, x, self._oneshot.all_reduce)[rank]
+
+
+def time_all_reduce(group: TurnGroup, nbytes: int, reps: int = 50) -> float:
+    """Seconds per all-reduce of an fp16 message of nbytes on every rank of group (one untimed call first: NCCL's
+    and the kernels' first-use costs), the host's turns included as a step pays them."""
+    import time
+    import cupy
+    xs = []
+    for r in range(group.size):
+        with group.enter(r):
+            xs.append(cupy.ones((max(8, nbytes // 2),), cupy.float16))
+
+    def calls(n: int) -> None:
+        group.run(lambda r: [group.reduce(r, xs[r]) for _ in range(n)])
+        for r in range(group.size):
+            with group.enter(r):
+                cupy.cuda.Device().synchronize()
+
+    calls(1)
+    t0 = time.perf_counter()
+    calls(reps)
+    return (time.perf_counter() - t0) / reps
+
+
+def gpu_group(tp: int, nbytes: int, timer: Callable[[TurnGroup, int], float] = time_all_reduce) -> NcclGroup:
+    """The group `--tp N` runs on GPUs: NCCL, or the one-shot all-reduce over peer memory where every pair of the
+    GPUs has peer access and it all-reduced the decode step's message (nbytes: one hidden row) faster than NCCL
+    here, timed at startup (a few milliseconds); the choice and both times go to the log. timer: (group, nbytes) ->
+    seconds per call."""
+    import cupy
+    from ..generate import log
+    rt = cupy.cuda.runtime
+    if not all(rt.deviceCanAccessPeer(d, p) for d in range(tp) for p in range(tp) if p != d):
+        log(f"--tp {tp}: all-reduce through NCCL (no peer access between every pair of the {tp} GPUs)")
+        return NcclGroup(tp)
+    group = PeerGroup(tp)
+    t_one = timer(group, nbytes)
+    group.oneshot = False
+    t_nccl = timer(group, nbytes)
+    group.oneshot = t_one < t_nccl
+    log(f"--tp {tp}: all-reduce of {nbytes} B: one-shot {t_one * 1e6:.1f} us, NCCL {t_nccl * 1e6:.1f} us per call: "
+        f"{'one-shot' if group.oneshot else 'NCCL'}")
+    return group

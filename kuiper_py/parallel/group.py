@@ -43,8 +43,8 @@ class ParallelModel:
         threads, or NCCL over tp GPUs for the CUDA backend (check_request has seen them)."""
         if group is None:
             if getattr(ops_cls, "name", "") == "cuda":
-                from .device import NcclGroup
-                group = NcclGroup(tp)
+                from .device import gpu_group
+                group = gpu_group(tp, 2 * model_file.args.hidden_size)
             else:
                 group = LocalGroup(tp)
         self.group = group
