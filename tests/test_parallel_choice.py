@@ -59,3 +59,15 @@ def test_no_peer_access_is_nccl_untimed(fake_gpus):
     peer["ok"] = False
     g = device.gpu_group(2, 8192, timer=lambda *a: pytest.fail("timed without peer access"))
     assert isinstance(g, _Nccl) and _Group.made == ["_Nccl"] and "no peer access" in logs[0]
+
+
+def test_a_one_shot_form_that_fails_to_start_is_nccl(fake_gpus, monkeypatch):
+    _, logs = fake_gpus
+
+    class _Broken(_Peer):
+        def __init__(self, size):
+            raise RuntimeError("peer access refused")
+
+    monkeypatch.setattr(device, "PeerGroup", _Broken)
+    g = device.gpu_group(2, 8192, timer=lambda *a: pytest.fail("timed a form that did not start"))
+    assert isinstance(g, _Nccl) and "peer access refused" in logs[0]

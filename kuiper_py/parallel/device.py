@@ -236,7 +236,11 @@ class PeerGroup(NcclGroup):
     def __init__(self, size: int) -> None:
         from ..cuda.ops.allreduce import OneShotAllReduce
         super().__init__(size)
-        self._oneshot = OneShotAllReduce(self.devices())
+        try:
+            self._oneshot = OneShotAllReduce(self.devices())
+        except BaseException:
+            self.close()  # (NCCL's communicators, made above)
+            raise
         self.oneshot = True
 
     def reduce(self, rank: int, x):
@@ -281,7 +285,11 @@ def gpu_group(tp: int, nbytes: int, timer: Callable[[TurnGroup, int], float] = t
     if not all(rt.deviceCanAccessPeer(d, p) for d in range(tp) for p in range(tp) if p != d):
         log(f"--tp {tp}: all-reduce through NCCL (no peer access between every pair of the {tp} GPUs)")
         return NcclGroup(tp)
-    group = PeerGroup(tp)
+    try:
+        group = PeerGroup(tp)
+    except Exception as e:  # noqa: BLE001 - the one-shot form cannot be set up here: NCCL alone
+        log(f"--tp {tp}: all-reduce through NCCL (the one-shot form failed to start: {e})")
+        return NcclGroup(tp)
     t_one = timer(group, nbytes)
     group.oneshot = False
     t_nccl = timer(group, nbytes)
