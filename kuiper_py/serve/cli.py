@@ -153,8 +153,8 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
     finally:
         worker.stop()
         sock.close()
-    if worker.error:
-        e = worker.load_error
+    e = worker.load_error
+    if e is not None:
         raise e if isinstance(e, KuiperError) else KuiperError(worker.error)
     click.echo("kuiper serve: stopped", err=True)
 

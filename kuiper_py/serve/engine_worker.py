@@ -65,11 +65,18 @@ class EngineWorker:
         self.max_context = 0
         self.current: Job | None = None
         self.ready = threading.Event()
-        self.error: str | None = None  # why loading failed
-        self.load_error: Exception | None = None  # (its exception: a KuiperError keeps its exit code)
+        self.load_error: Exception | None = None  # why loading failed (a KuiperError keeps its exit code)
         self.accepting = True
         self.on_failure: Callable[[], None] = lambda: None  # (the server stops when the model cannot load)
         self._thread = threading.Thread(target=self._main, name="kuiper-engine", daemon=True)
+
+    @property
+    def error(self) -> str | None:
+        """Why loading failed, as one line (None: it has not)."""
+        e = self.load_error
+        if e is None:
+            return None
+        return str(e) if isinstance(e, KuiperError) else f"{type(e).__name__}: {e}"
 
     def start(self) -> None:
         self._thread.start()
@@ -149,7 +156,6 @@ class EngineWorker:
         try:
             self._load()
         except Exception as e:  # noqa: BLE001 - reported as one line by the command, which then exits
-            self.error = str(e) if isinstance(e, KuiperError) else f"{type(e).__name__}: {e}"
             self.load_error = e
             self.on_failure()
             return
