@@ -15,10 +15,10 @@
 #define RW_MAX_M 16       // token rows: the MMA's m (rows past M are zeros)
 #define RW_WARPS 8        // 4 groups of 8 packed words (the block's 32-word column tile) x 2 k phases
 #ifndef RW_U
-#define RW_U 4            // k16 steps a warp has in flight (16-byte loads per lane)
+#define RW_U 2            // k16 steps of one batch of loads (two batches in flight: 4 16-byte loads per lane)
 #endif
 #ifndef RW_MIN_BLOCKS
-#define RW_MIN_BLOCKS 1   // blocks per SM the register budget must allow
+#define RW_MIN_BLOCKS 2   // blocks per SM the register budget must allow (103 registers at RW_U 2)
 #endif
 #define RW_SPAN 512       // most rows of K one block takes (its x span in shared memory)
 
@@ -193,6 +193,8 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // for the next launch (and a graph's next replay)
 }
 
+#define LM_U 4  // lm_head_rows: 32-column chunks of k a lane has in flight
+
 // logits [M, V] fp32 = x [M, D] . W [V, D]^T for M <= 8 NT token rows: vocabulary rows as the MMA's m (16 per warp,
 // read once for all tokens), tokens as its n. Lane 4g + t loads 16 bytes of rows g and g + 8 at actual k 8t..8t+7 of
 // each 32-column chunk: logical k (2t, 2t+1 | 2t+8, 2t+9) are actual (8t, 8t+1 | 8t+2, 8t+3) in the chunk's first
@@ -212,16 +214,16 @@ lm_head_rows(const half* __restrict__ x, int M, const half* __restrict__ W, floa
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
-    for (int k0 = 0; k0 < D; k0 += 32 * RW_U) {
-        uint4 wa[RW_U], wb[RW_U];
+    for (int k0 = 0; k0 < D; k0 += 32 * LM_U) {
+        uint4 wa[LM_U], wb[LM_U];
 #pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
+        for (int u = 0; u < LM_U; ++u) {
             const int k = k0 + 32 * u;
             wa[u] = k < D ? ld_stream16(pa + k) : make_uint4(0, 0, 0, 0);
             wb[u] = k < D ? ld_stream16(pb + k) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
+        for (int u = 0; u < LM_U; ++u) {
             const int k = k0 + 32 * u;
             if (k >= D) break;
             const u32 a1[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};
