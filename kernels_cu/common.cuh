@@ -400,6 +400,34 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return group_sum(v, red, threadIdx.x, blockDim.x, [] { __syncthreads(); });
 }
 
+// Keep (v, idx) or take (ov, oi): the larger value, the lower index among equals (NumPy's argmax; NaN never wins).
+__device__ __forceinline__ bool better(float ov, int oi, float v, int idx) {
+    return ov > v || (ov == v && oi < idx);
+}
+
+// (value, index) argmax over the block (whole warps), ties to the lower index; the result in every thread.
+// sv and si need 32 entries each.
+__device__ void block_argmax(float& v, int& idx, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { sv[wid] = v; si[wid] = idx; }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : -INFINITY;
+    idx = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
+    }
+}
+
 // True, in every thread, for the block that arrives last of `arrivals` blocks at *counter, which it
 // resets to zero for the next launch: the fused reductions that need every block's global writes.
 // Each block's writes are published (fence) before it counts; the last one fences again before

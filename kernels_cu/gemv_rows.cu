@@ -14,7 +14,12 @@
 
 #define RW_MAX_M 16       // token rows: the MMA's m (rows past M are zeros)
 #define RW_WARPS 8        // 4 groups of 8 packed words (the block's 32-word column tile) x 2 k phases
-#define RW_U 4            // k16 steps a warp has in flight (16-byte loads per lane)
+#ifndef RW_U
+#define RW_U 2            // k16 steps of one batch of loads (two batches in flight: 4 16-byte loads per lane)
+#endif
+#ifndef RW_MIN_BLOCKS
+#define RW_MIN_BLOCKS 2   // blocks per SM the register budget must allow (103 registers at RW_U 2)
+#endif
 #define RW_SPAN 512       // most rows of K one block takes (its x span in shared memory)
 
 // Two fp16 values as one MMA operand register.
@@ -24,7 +29,7 @@ __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h)
 // [s * rph, min(K, (s + 1) * rph)), rph % 32 == 0 and rph <= RW_SPAN. Output: out [M, ldo] fp16, the matrices'
 // columns side by side; with S > 1 each block writes its sums to partial [S, M, Ntot] and the last block of a column
 // tile (counters, zero between launches and left zero) sums them in split order (deterministic).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, RW_MIN_BLOCKS)
 gemv_rows(const half* __restrict__ x, int M, int K, int group,
           const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,
           const u32* __restrict__ qw1, const u32* __restrict__ qz1, const half* __restrict__ sc1, int N1,
@@ -45,13 +50,6 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
     const int Ntot = N0 + N1 + N2;
     const int W = N / 8, tw = min(32, W - tile * 32);  // the tile's packed words
     const int k_lo = blockIdx.y * rph, k_hi = min(K, k_lo + rph), span = k_hi - k_lo;
-    // the block's x rows [M, span] to shared memory (16-byte pieces; rows past M are never read)
-    for (int i = threadIdx.x * 8; i < M * span; i += blockDim.x * 8) {
-        const int m = i / span, k = i - m * span;
-        *reinterpret_cast<uint4*>(&xs[m * RW_SPAN + k]) = *reinterpret_cast<const uint4*>(&x[(size_t)m * K + k_lo + k]);
-    }
-    __syncthreads();
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wl = (warp & 3) * 8 + g;  // the lane's packed word in the tile
     const int kp = warp >> 2;           // the warp's k phase: it takes every other k16 step
@@ -59,6 +57,41 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
     const int word = tile * 32 + wl;    // in the matrix
     const u32* wp = qw + (size_t)tile * 32 * K + wl * 4;  // row quad 0 of the lane's word; quad q at + q * 4 tw
     const int gshift = (group & (group - 1)) == 0 ? __ffs(group) - 1 : -1;
+    const int steps = span / 16;
+    // Loads of one batch: RW_U k16 steps s0, s0 + 2, ... (weights, and each new group's zeros and scales).
+    // Two batches are in flight: the next is issued before the current one is computed, and the first before x is
+    // staged, so a warp keeps 2 x RW_U 16-byte loads outstanding instead of waiting out each batch's latency.
+    struct Batch { uint4 wv[RW_U]; u32 zw[RW_U]; uint4 sv[RW_U]; int gu[RW_U]; };
+    auto load = [&](Batch& b, int s0) {
+#pragma unroll
+        for (int u = 0; u < RW_U; ++u) {
+            const int s = s0 + 2 * u;
+            const int k0 = k_lo + 16 * s;
+            b.gu[u] = s < steps ? (gshift >= 0 ? k0 >> gshift : k0 / group) : -1;
+            const bool fresh = u == 0 || b.gu[u] != b.gu[u - 1];  // (warp-uniform)
+            if (s < steps && active) {
+                b.wv[u] = ld_stream16(wp + (size_t)(k0 / 4 + t) * 4 * tw);
+                if (fresh) {
+                    b.zw[u] = __ldg(qz + (size_t)b.gu[u] * W + word);
+                    b.sv[u] = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)b.gu[u] * N + word * 8));
+                } else {
+                    b.zw[u] = b.zw[u - 1]; b.sv[u] = b.sv[u - 1];
+                }
+            } else {
+                b.wv[u] = make_uint4(0, 0, 0, 0); b.zw[u] = 0; b.sv[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    Batch cur, nxt;
+    load(cur, kp);
+    // the block's x rows [M, span] to shared memory (16-byte pieces; rows past M are never read)
+#pragma unroll 4
+    for (int i = threadIdx.x * 8; i < M * span; i += blockDim.x * 8) {
+        const int m = i / span, k = i - m * span;
+        *reinterpret_cast<uint4*>(&xs[m * RW_SPAN + k]) = *reinterpret_cast<const uint4*>(&x[(size_t)m * K + k_lo + k]);
+    }
+    __syncthreads();
+
     const bool row_lo = g < M, row_hi = g + 8 < M;  // the A rows this lane supplies hold tokens
     float acc[8][4];
 #pragma unroll
@@ -66,47 +99,35 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[c][i] = 0.f;
 
-    const int steps = span / 16;
     for (int s0 = kp; s0 < steps; s0 += 2 * RW_U) {
-        uint4 wv[RW_U];
-        u32 zw[RW_U];
-        uint4 sv[RW_U];
-#pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
-            const int s = s0 + 2 * u;
-            if (s < steps && active) {
-                const int k0 = k_lo + 16 * s;
-                wv[u] = ld_stream16(wp + (size_t)(k0 / 4 + t) * 4 * tw);
-                const int gi = gshift >= 0 ? k0 >> gshift : k0 / group;
-                zw[u] = __ldg(qz + (size_t)gi * W + word);
-                sv[u] = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)gi * N + word * 8));
-            } else {
-                wv[u] = make_uint4(0, 0, 0, 0); zw[u] = 0; sv[u] = make_uint4(0, 0, 0, 0);
-            }
-        }
+        if (s0 + 2 * RW_U < steps) load(nxt, s0 + 2 * RW_U);
+        half2 zb[4], s2[4];  // the zero biases and scales of the group of the steps below (converted once a group)
 #pragma unroll
         for (int u = 0; u < RW_U; ++u) {
             const int s = s0 + 2 * u;
             if (s >= steps) break;
+            if (u == 0 || cur.gu[u] != cur.gu[u - 1]) {
+                awq_zero_bias(cur.zw[u], zb);
+                awq_scales8(cur.sv[u], s2);
+            }
             // A: tokens g and g + 8 at actual k 4t..4t+3 of this step (logical 2t, 2t+1 | 2t+8, 2t+9)
             const int kk = 16 * s + 4 * t;
             const uint2 xlo = row_lo ? *reinterpret_cast<const uint2*>(&xs[g * RW_SPAN + kk]) : make_uint2(0, 0);
             const uint2 xhi = row_hi ? *reinterpret_cast<const uint2*>(&xs[(g + 8) * RW_SPAN + kk]) : make_uint2(0, 0);
             const u32 a[4] = {xlo.x, xhi.x, xlo.y, xhi.y};
             // B: (q - z) * s of the word's 8 columns at the lane's 4 rows, one MMA per column
-            half2 zb[4], s2[4], d0[4], d1[4], d2[4], d3[4];
-            awq_zero_bias(zw[u], zb);
-            awq_scales8(sv[u], s2);
-            awq_dequant8(wv[u].x, zb, s2, d0);
-            awq_dequant8(wv[u].y, zb, s2, d1);
-            awq_dequant8(wv[u].z, zb, s2, d2);
-            awq_dequant8(wv[u].w, zb, s2, d3);
+            half2 d0[4], d1[4], d2[4], d3[4];
+            awq_dequant8(cur.wv[u].x, zb, s2, d0);
+            awq_dequant8(cur.wv[u].y, zb, s2, d1);
+            awq_dequant8(cur.wv[u].z, zb, s2, d2);
+            awq_dequant8(cur.wv[u].w, zb, s2, d3);
 #pragma unroll
             for (int p = 0; p < 4; ++p) {  // columns 2p (low halves) and 2p + 1 (high halves)
                 mma_16816(acc[2 * p], a, h2u(__lows2half2(d0[p], d1[p])), h2u(__lows2half2(d2[p], d3[p])));
                 mma_16816(acc[2 * p + 1], a, h2u(__highs2half2(d0[p], d1[p])), h2u(__highs2half2(d2[p], d3[p])));
             }
         }
+        cur = nxt;
     }
     // C: acc[c] = (token g, words 2t, 2t+1 of the warp's 8) | (token g + 8, same) at column c of those words.
     // The two k phases meet in red; phase 0 adds its own sums and stores.
@@ -139,9 +160,11 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
         }
         return;
     }
-    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
-        const int m = i / cols, c = i - m * cols;
-        __stcg(&partial[((size_t)blockIdx.y * M + m) * Ntot + col0 + c], red[m][c]);
+    const int c4 = cols / 4;  // (cols % 8 == 0, Ntot % 8 == 0, col0 % 8 == 0: float4 pieces are aligned)
+    for (int i = threadIdx.x; i < M * c4; i += blockDim.x) {
+        const int m = i / c4, c = (i - m * c4) * 4;
+        __stcg(reinterpret_cast<float4*>(&partial[((size_t)blockIdx.y * M + m) * Ntot + col0 + c]),
+               make_float4(red[m][c], red[m][c + 1], red[m][c + 2], red[m][c + 3]));
     }
     __threadfence();
     __syncthreads();
@@ -149,14 +172,28 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
-        const int m = i / cols, c = i - m * cols;
-        float v = 0.f;
-        for (int s = 0; s < S; ++s) v += __ldcg(&partial[((size_t)s * M + m) * Ntot + col0 + c]);
-        out[(size_t)m * ldo + col0 + c] = __float2half(v);
+    // Sums in split order (deterministic), 4 columns a thread and 8 splits' loads in flight: a serial chain of
+    // S x M x cols / 256 dependent L2 loads would cost more than the weights themselves at 16 rows.
+    const size_t sstep = (size_t)M * Ntot / 4;  // one split, in float4
+    for (int i = threadIdx.x; i < M * c4; i += blockDim.x) {
+        const int m = i / c4, c = (i - m * c4) * 4;
+        const float4* p = reinterpret_cast<const float4*>(&partial[(size_t)m * Ntot + col0 + c]);
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = 0; s0 < S; s0 += 8) {
+            float4 r[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) r[j] = s0 + j < S ? __ldcg(p + (s0 + j) * sstep) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (s0 + j < S) { v.x += r[j].x; v.y += r[j].y; v.z += r[j].z; v.w += r[j].w; }
+        }
+        half* o = out + (size_t)m * ldo + col0 + c;
+        o[0] = __float2half(v.x); o[1] = __float2half(v.y); o[2] = __float2half(v.z); o[3] = __float2half(v.w);
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // for the next launch (and a graph's next replay)
 }
+
+#define LM_U 4  // lm_head_rows: 32-column chunks of k a lane has in flight
 
 // logits [M, V] fp32 = x [M, D] . W [V, D]^T for M <= 8 NT token rows: vocabulary rows as the MMA's m (16 per warp,
 // read once for all tokens), tokens as its n. Lane 4g + t loads 16 bytes of rows g and g + 8 at actual k 8t..8t+7 of
@@ -177,16 +214,16 @@ lm_head_rows(const half* __restrict__ x, int M, const half* __restrict__ W, floa
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
-    for (int k0 = 0; k0 < D; k0 += 32 * RW_U) {
-        uint4 wa[RW_U], wb[RW_U];
+    for (int k0 = 0; k0 < D; k0 += 32 * LM_U) {
+        uint4 wa[LM_U], wb[LM_U];
 #pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
+        for (int u = 0; u < LM_U; ++u) {
             const int k = k0 + 32 * u;
             wa[u] = k < D ? ld_stream16(pa + k) : make_uint4(0, 0, 0, 0);
             wb[u] = k < D ? ld_stream16(pb + k) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
+        for (int u = 0; u < LM_U; ++u) {
             const int k = k0 + 32 * u;
             if (k >= D) break;
             const u32 a1[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};

@@ -77,112 +77,168 @@ paged_qk_norm_rope_store(const half* __restrict__ qin, int q_stride,  // [T, q_s
 }
 
 // Attention of each token row over its own sequence's keys 0..tok_pos (causal within a prefill chunk), through the
-// block table, with an online softmax in fp32. grid (T, KV), block 32 * (H / KV) (at most 8 warps): warp w serves
-// query head kvh * (H / KV) + w. Keys go 32 at a time: lane l scores key c + l (its whole row against q in shared
-// memory), then the warp folds the chunk into its running max, sum and output (lane l holding dims l, l + 32, ...).
+// block table, fp32 online softmax, flash-decoding style: grid (T, KV, S), block 128. Block z of a row takes keys
+// [z c, (z + 1) c) of its n, c = ceil(n / S) rounded up to 32, so a step of few rows (a decode step) still fills
+// the GPU; a prefill chunk runs S = 1. The block serves the KV head's G = H / KV query heads (at most 8) together,
+// so each key and value row is read once for the group: keys go PA_CHUNK at a time, thread t scoring key t for
+// every head (its row against q in shared memory); a warp per head folds the chunk into the head's running max and
+// sum; then each thread adds p * v over the chunk for its (head, dim) pairs (a value row read coalesced, once per
+// group). S = 1 writes out [T, H * HD]; S > 1 writes each block's (acc, max, sum) to part_acc / part_ml for
+// paged_attention_merge.
+constexpr int PA_CHUNK = 128, PA_MAX_G = 8;
 template <int HD>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(128)
 paged_attention(const half* __restrict__ q,                     // [T, H, HD]
                 const half* __restrict__ Kc, const half* __restrict__ Vc,  // [n_blocks, bs, KV, HD] this layer
                 const int* __restrict__ tables, int tstride,
                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
-                half* __restrict__ out,                         // [T, H * HD]
-                int H, int KV, int bs, float scale) {
-    constexpr int DL = HD / 32;
-    __shared__ float qs[8][HD];
-    const int tok = blockIdx.x, kvh = blockIdx.y, G = H / KV;
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (w >= G) return;
-    const int head = kvh * G + w, n = tok_pos[tok] + 1;
+                half* __restrict__ out,                         // [T, H * HD] (S == 1)
+                float* __restrict__ part_acc,                   // [T, H, S, HD] (S > 1)
+                float* __restrict__ part_ml,                    // [T, H, S, 2] (S > 1)
+                int H, int KV, int bs, float scale, int S) {
+    constexpr int R = PA_MAX_G * HD / 128;  // (head, dim) pairs a thread may own
+    __shared__ float qs[PA_MAX_G * HD];
+    __shared__ float ps[PA_MAX_G][PA_CHUNK];  // the chunk's scores, then its probabilities
+    __shared__ int rows[PA_CHUNK];
+    __shared__ float m_s[PA_MAX_G], l_s[PA_MAX_G], corr_s[PA_MAX_G];
+    const int tok = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, G = H / KV, tid = threadIdx.x;
+    const int n = tok_pos[tok] + 1, c = ((n + S - 1) / S + 31) & ~31;
+    const int k0 = min(n, z * c), k1 = min(n, k0 + c);
     const int* table = tables + (size_t)tok_seq[tok] * tstride;
-    for (int d = lane; d < HD; d += 32) qs[w][d] = __half2float(q[((size_t)tok * H + head) * HD + d]) * scale;
-    __syncwarp();
-    float acc[DL];
+    const half* qg = q + ((size_t)tok * H + kvh * G) * HD;  // the group's heads are adjacent
+    for (int i = tid; i < G * HD; i += 128) qs[i] = __half2float(qg[i]) * scale;
+    if (tid < PA_MAX_G) {
+        m_s[tid] = -INFINITY;
+        l_s[tid] = 0.f;
+    }
+    float acc[R];
 #pragma unroll
-    for (int i = 0; i < DL; ++i) acc[i] = 0.f;
-    float m = -INFINITY, l = 0.f;
-    for (int c = 0; c < n; c += 32) {
-        const int key = c + lane;
-        float s = -INFINITY;
-        if (key < n) {
-            const uint4* kr = reinterpret_cast<const uint4*>(Kc + (paged_row(table, key, bs) * KV + kvh) * HD);
-            s = 0.f;
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    __syncthreads();
+    for (int c0 = k0; c0 < k1; c0 += PA_CHUNK) {
+        const int cnt = min(PA_CHUNK, k1 - c0);
+        if (tid < cnt) {  // thread tid scores key c0 + tid for every head of the group
+            const size_t row = paged_row(table, c0 + tid, bs);
+            rows[tid] = (int)row;
+            const uint4* kr = reinterpret_cast<const uint4*>(Kc + (row * KV + kvh) * HD);
+            float sc[PA_MAX_G];
 #pragma unroll
+            for (int g = 0; g < PA_MAX_G; ++g) sc[g] = 0.f;
+#pragma unroll 4
             for (int d8 = 0; d8 < HD / 8; ++d8) {
                 float f[8];
                 unpack8(kr[d8], f);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += f[i] * qs[w][d8 * 8 + i];
+                for (int g = 0; g < PA_MAX_G; ++g)
+                    if (g < G) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) sc[g] += f[i] * qs[g * HD + d8 * 8 + i];
+                    }
+            }
+#pragma unroll
+            for (int g = 0; g < PA_MAX_G; ++g)
+                if (g < G) ps[g][tid] = sc[g];
+        }
+        __syncthreads();
+        const int w = tid >> 5, lane = tid & 31;
+        for (int g = w; g < G; g += 4) {  // a warp per head: the chunk's max, its probabilities and their sum
+            float cm = -INFINITY;
+            for (int j = lane; j < cnt; j += 32) cm = fmaxf(cm, ps[g][j]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+            const float mo = m_s[g], mn = fmaxf(mo, cm);  // finite: the chunk has a key
+            float sum = 0.f;
+            for (int j = lane; j < cnt; j += 32) {
+                const float p = __expf(ps[g][j] - mn);
+                ps[g][j] = p;
+                sum += p;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                const float cr = __expf(mo - mn);  // 0 on the first chunk (mo = -inf)
+                corr_s[g] = cr;
+                l_s[g] = l_s[g] * cr + sum;
+                m_s[g] = mn;
             }
         }
-        float cm = s;
+        __syncthreads();
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-        const float mn = fmaxf(m, cm);  // finite: key c < n is scored
-        const float p = key < n ? __expf(s - mn) : 0.f, corr = __expf(m - mn);
-        float ps = p;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-        l = l * corr + ps;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) acc[i] *= corr;
-        const int cnt = min(32, n - c);
-        for (int t = 0; t < cnt; ++t) {
-            const float pt = __shfl_sync(0xffffffffu, p, t);
-            const half* vr = Vc + (paged_row(table, c + t, bs) * KV + kvh) * HD;
-#pragma unroll
-            for (int i = 0; i < DL; ++i) acc[i] += pt * __half2float(vr[lane + 32 * i]);
+        for (int r = 0; r < R; ++r) {
+            const int pr = tid + 128 * r;
+            if (pr < G * HD) acc[r] *= corr_s[pr / HD];
         }
-        m = mn;
-    }
-    half* o = out + (size_t)tok * H * HD + head * HD;
+        const half* vbase = Vc + (size_t)kvh * HD;
+#pragma unroll 8
+        for (int t = 0; t < cnt; ++t) {
+            const half* vr = vbase + (size_t)rows[t] * KV * HD;
+            if constexpr (HD == 128) {  // every pair of this thread is dim tid: one load for the group
+                const float v = __half2float(vr[tid]);
 #pragma unroll
-    for (int i = 0; i < DL; ++i) o[lane + 32 * i] = __float2half(acc[i] / l);
+                for (int r = 0; r < R; ++r)
+                    if (r < G) acc[r] += ps[r][t] * v;
+            } else {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int pr = tid + 128 * r;
+                    if (pr < G * HD) acc[r] += ps[pr / HD][t] * __half2float(vr[pr % HD]);
+                }
+            }
+        }
+        __syncthreads();  // (the next chunk overwrites ps and rows)
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int pr = tid + 128 * r;
+        if (pr >= G * HD) continue;
+        const int g = pr / HD, d = pr % HD, head = kvh * G + g;
+        if (S == 1)
+            out[(size_t)tok * H * HD + head * HD + d] = __float2half(acc[r] / l_s[g]);
+        else
+            part_acc[(((size_t)tok * H + head) * S + z) * HD + d] = acc[r];  // (0 for a block with no keys)
+    }
+    if (S > 1 && tid < G) {
+        float* ml = part_ml + (((size_t)tok * H + kvh * G + tid) * S + z) * 2;
+        ml[0] = m_s[tid];  // -inf, sum 0: a block past the row's keys
+        ml[1] = l_s[tid];
+    }
+}
+
+// paged_attention's S blocks of each (row, head) combined: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// grid (T, H), block HD.
+template <int HD>
+__global__ void __launch_bounds__(HD)
+paged_attention_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, half* __restrict__ out,
+                      int H, int S) {
+    const int tok = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    const size_t base = (size_t)tok * H + head;
+    const float* ml = part_ml + base * S * 2;
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
+    float L = 0.f, a = 0.f;
+    for (int s = 0; s < S; ++s) {
+        if (ml[2 * s] == -INFINITY) continue;  // a block with no keys
+        const float e = __expf(ml[2 * s] - M);
+        L += e * ml[2 * s + 1];
+        a += e * part_acc[(base * S + s) * HD + d];
+    }
+    out[base * HD + d] = __float2half(a / L);
 }
 
 // Each row's argmax over ids 0..n-1 (the lowest id of equal maxima, as NumPy's argmax; NaN never wins): the greedy
 // draws of a paged step, so its [rows, ld] logits need not leave the device. grid (rows), block 1024.
 __global__ void __launch_bounds__(1024)
 rows_argmax(const float* __restrict__ logits, int ld, int n, int* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
     const float* row = logits + (size_t)blockIdx.x * ld;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {  // ids rising: a thread keeps its first maximum
-        const float v = row[i];
-        if (v > bv || (v == bv && bi == 0x7fffffff)) {
-            bv = v;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (better(row[i], i, bv, bi)) {
+            bv = row[i];
             bi = i;
         }
-    }
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if (lane == 0) {
-        sv[w] = bv;
-        si[w] = bi;
-    }
-    __syncthreads();
-    if (w != 0) return;
-    const int nw = blockDim.x >> 5;
-    bv = lane < nw ? sv[lane] : -INFINITY;
-    bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
-    if (lane == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }

@@ -49,32 +49,6 @@ __device__ __forceinline__ void scan_logits(const float* __restrict__ x, int n, 
     for (int j = max(4 * n4, lo) + threadIdx.x; j < n; j += B) f(j, x[j]);
 }
 
-// keep (v, idx) or take (ov, oi): the larger value, the lower index among equals
-__device__ __forceinline__ bool better(float ov, int oi, float v, int idx) {
-    return ov > v || (ov == v && oi < idx);
-}
-
-// (value, index) argmax over the block, ties to the lower index; result valid in every thread.
-__device__ void block_argmax(float& v, int& idx, float* sv, int* si) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-    __syncthreads();
-    if (lane == 0) { sv[wid] = v; si[wid] = idx; }
-    __syncthreads();
-    v = sv[lane]; idx = si[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-}
-
 // Radix-select the largest key threshold such that the weight (count, or softmax mass when
 // by_mass) of elements with key >= threshold reaches `target`. Elements below `floor_key` are out.
 __device__ u32 radix_threshold(const float* x, int n, u32 floor_key, bool by_mass, float target, float mx,
@@ -358,6 +332,23 @@ sample_token(float* __restrict__ logits,       // [V] scratch: penalised (and sc
     __shared__ SmpSmem S;
     if (penalty != 1.f) smp_penalty(logits, 0, n_valid, hist_ids, n_hist, penalty);
     smp_one_block(logits, n_valid, temperature, top_k, top_p, min_p, seed, step, out, out_host, S);
+}
+
+// A step of several sequences: block r draws row rp[r].w of logits [*, ld] with that row's own settings, seed and
+// counter (the draws sample_token would make for each sequence alone). fp[r] = (temperature, top_p, min_p, penalty),
+// rp[r] = (top_k, first history id in hist, history length <= SMP_THREADS, row); out[r] on the device and, mapped
+// pinned, out_host[r]. grid (rows drawn), block SMP_THREADS; ld % 4 == 0 (scan_logits' 16-byte loads).
+__global__ void __launch_bounds__(SMP_THREADS)
+sample_rows(float* __restrict__ logits, int ld, int n_valid, const float4* __restrict__ fp, const int4* __restrict__ rp,
+            const unsigned long long* __restrict__ seeds, unsigned long long* __restrict__ steps,
+            const int* __restrict__ hist, int* __restrict__ out, int* out_host) {
+    __shared__ SmpSmem S;
+    const int r = blockIdx.x;
+    const float4 f = fp[r];
+    const int4 p = rp[r];
+    float* row = logits + (size_t)p.w * ld;
+    if (f.w != 1.f) smp_penalty(row, 0, n_valid, hist + p.y, p.z, f.w);
+    smp_one_block(row, n_valid, f.x, p.x, f.y, f.z, seeds[r], steps + r, out + r, out_host + r, S);
 }
 
 // The same draw by gridDim.x blocks, each over `chunk` logits (a multiple of 4), so the vocabulary is read

@@ -9,12 +9,12 @@ more (NumPy, CUDA) is a PagedBackend: each Seq then carries its block table into
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from .loader import AwqLinear, Layer, Weights
-from .sampling import SamplingParams
+from .sampling import RowDraw, SamplingParams
 
 SAMPLED_TOKEN = -1  # a token id meaning "the id the backend's last draw produced" (read on the device)
 
@@ -101,6 +101,8 @@ class Backend(Protocol):
     def cancel_draw(self) -> None: ...
     def to_host(self, x) -> np.ndarray: ...
     def argmax_rows(self, logits, n_valid: int) -> np.ndarray: ...  # each row's argmax over ids < n_valid (host ints)
+    def sample_rows(self, logits, draws: Sequence[RowDraw | None], n_valid: int) -> list[int | None]: ...
+    # row i's draw (its own settings and seed) where draws[i] is given; its logits may be overwritten
 
 
 @runtime_checkable

@@ -360,6 +360,11 @@ class NumpyOps:
         return np.argmax(logits[:, :n_valid], axis=1)
 
     @staticmethod
+    def sample_rows(logits, draws, n_valid: int) -> list[int | None]:
+        return [None if d is None else sample(logits[i], d.params, d.rng, d.history, n_valid, generated=d.generated)
+                for i, d in enumerate(draws)]
+
+    @staticmethod
     def to_host(x) -> np.ndarray:
         return x
 

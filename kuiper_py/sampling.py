@@ -134,3 +134,23 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
     probs = np.exp(x - x.max())
     probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+@dataclass
+class RowDraw:
+    """One sequence's draw in a step of several (Backend.sample_rows): its settings; its own rng (the host's draws);
+    seed and step, the device's counter-based draws (device_seed; step: the draws made before this one), so a
+    sequence draws the tokens it would alone on either backend; history, the ids the repetition penalty looks back
+    over (prompt and reply); generated, the reply's ids alone (the OpenAI penalties)."""
+    params: SamplingParams
+    rng: np.random.Generator
+    seed: int
+    step: int
+    history: list[int]
+    generated: list[int]
+
+
+def device_seed(params: SamplingParams) -> int:
+    """The seed of a generation's device draws: the first draw of a generator seeded with params.seed, as
+    generate()'s device sampler takes it (so a seeded request draws alike alone and in a batch)."""
+    return int(np.random.default_rng(params.seed).integers(0, 2**63))

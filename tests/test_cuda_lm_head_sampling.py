@@ -212,3 +212,50 @@ def test_gpu_sampling_distribution(kw):
     x = np.full(2000, -30.0, dtype=np.float32)
     x[:12] = rng.standard_normal(12) * 1.5  # a few plausible tokens over a long flat tail
     assert_draws_follow_filtered_softmax(x, p, 2000, rng)
+
+
+def test_gpu_sample_rows_draws_what_each_row_draws_alone(monkeypatch):
+    """sample_rows (a step of several sequences: one launch, each row its own settings, seed, counter and history)
+    draws for every row the id the one-sequence sampler draws from that row alone at that counter (same seed:
+    sampling.device_seed, as generate() takes it); a row the device does not serve (an OpenAI penalty) draws on the
+    host with its rng, a row without a draw is left alone; its ids come back for rows given in any order."""
+    from kuiper_py.sampling import RowDraw, SamplingParams, device_seed, sample
+    tune(monkeypatch, sample_mb=False)
+    rng = np.random.default_rng()
+    V, n_valid = 151936, 151669
+    settings = [dict(temperature=0.0, top_k=0, top_p=1.0),
+                dict(temperature=0.0, top_k=0, top_p=1.0, repeat_penalty=1.5),
+                dict(temperature=0.6, top_k=20, top_p=0.95),
+                dict(temperature=1.0, top_k=0, top_p=0.9),
+                dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.3, repeat_last_n=3),
+                dict(temperature=1.0, top_k=2000, top_p=1.0),  # past the one-block gather: every logit
+                dict(temperature=0.7, top_k=20, top_p=1.0, presence_penalty=0.5)]  # the host's draw
+    R = len(settings) + 1  # the last row draws nothing
+    x = (rng.standard_normal((R, V)) * 2.0).astype(np.float32)
+    for r in range(R):  # a few plausible tokens per row, some tied, the padding ids large
+        top = rng.choice(n_valid, 40, replace=False)
+        x[r, top] = 9.0 + rng.standard_normal(40).astype(np.float32)
+        x[r, top[:2]] = x[r, top[2]]
+        x[r, n_valid + 3] = 50.0
+    draws, want = [], []
+    for r, kw in enumerate(settings):
+        p = SamplingParams(**kw, seed=int(rng.integers(1 << 30))).validate()
+        hist = rng.choice(n_valid, 6).tolist() + [int(np.argmax(x[r, :n_valid]))]
+        gen = hist[-2:]
+        step = int(rng.integers(0, 4))
+        if p.needs_host:
+            want.append(sample(x[r], p, np.random.default_rng(p.seed), hist, n_valid, generated=gen))
+        else:  # the one-sequence sampler's draw number step (its rng seeds it as device_seed does)
+            want.append(_gpu_sample(x[r], p, n_valid, hist, seed=p.seed, n=step + 1)[-1])
+        draws.append(RowDraw(p, np.random.default_rng(p.seed), device_seed(p), step, hist, gen))
+    order = rng.permutation(R)  # rows in a shuffled order: each draw finds its own row
+    xs = cp.asarray(x[order])
+    ops = oc.CupyOps.__new__(oc.CupyOps)
+    ops.d = {"hist": cp.zeros((1024,), cp.int32), "step": cp.zeros((1,), cp.uint64), "token": cp.zeros((1,), cp.int32)}
+    ops._stream = cp.cuda.Stream(non_blocking=False)
+    ops._init_draw()
+    got = ops.sample_rows(xs, [draws[i] if i < len(draws) else None for i in order], n_valid)
+    assert [got[list(order).index(i)] for i in range(len(draws))] == want
+    assert got[list(order).index(R - 1)] is None
+    assert np.array_equal(cp.asnumpy(xs[list(order).index(R - 1)]), x[R - 1])  # (untouched)
+    assert len(set(want[2:])) > 2

@@ -1,5 +1,4 @@
 """End to end on the GPU against the NumPy reference engine and transformers (device machine only)."""
-import gc
 import json
 
 import numpy as np
@@ -153,54 +152,87 @@ def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkey
     assert lazy.tokens == last.tokens
 
 
+# The free-memory tests run in a fresh process: in a long run, memory that earlier tests left to the garbage collector
+# or to CUDA's deferred frees comes back between the count and the refusal, so neither side would be what it says.
+def _in_fresh_process(code: str, path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": root})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+_UPLOAD_REFUSED = """
+import sys
+import cupy as cp
+from kuiper_py import ops_cupy as oc
+from kuiper_py.errors import ResourceError
+from kuiper_py.loader import load
+mf = load(sys.argv[1])
+need = mf.weights.lm_head.nbytes
+assert need > 32 << 20
+pool = cp.get_default_memory_pool()
+free, _ = cp.cuda.runtime.memGetInfo()
+hold = cp.cuda.runtime.malloc(free - (16 << 20))
+try:
+    before, _ = cp.cuda.runtime.memGetInfo()
+    used = pool.used_bytes()
+    try:
+        oc.CupyOps(mf.args, mf.weights, 64, progress=False)
+        raise SystemExit("loaded with 16 MiB free")
+    except ResourceError as e:
+        assert "GiB free" in str(e), e
+    after, _ = cp.cuda.runtime.memGetInfo()
+    assert pool.used_bytes() == used
+    assert abs(after - before) < (4 << 20), (before, after)
+finally:
+    cp.cuda.runtime.free(hold)
+ops = oc.CupyOps(mf.args, mf.weights, 64, progress=False)
+assert ops.weights.lm_head.nbytes == need
+print("ok")
+"""
+
+
 def test_upload_refuses_weights_that_cannot_fit_before_copying_any(untied_bin):
     """CupyOps refuses a file whose weights exceed the GPU's free memory before it copies any of them
     (loader.check_weights_fit at the upload): with all but 16 MiB of the free memory held outside CuPy's pool, the
     untied file (a 39 MB lm_head) raises ResourceError, and the device's free memory afterwards is what it was
     before. Released, the same file loads."""
-    from kuiper_py.errors import ResourceError
-    mf = load(untied_bin)
-    need = mf.weights.lm_head.nbytes
-    assert need > 32 << 20
-    pool = cp.get_default_memory_pool()
-    pool.free_all_blocks()
-    free, _ = cp.cuda.runtime.memGetInfo()
-    hold = cp.cuda.runtime.malloc(free - (16 << 20))
-    try:
-        before, _ = cp.cuda.runtime.memGetInfo()
-        used = pool.used_bytes()
-        with pytest.raises(ResourceError, match="GiB free"):
-            oc.CupyOps(mf.args, mf.weights, 64, progress=False)
-        after, _ = cp.cuda.runtime.memGetInfo()
-        assert pool.used_bytes() == used
-        assert abs(after - before) < (4 << 20)
-    finally:
-        cp.cuda.runtime.free(hold)
-    ops = oc.CupyOps(mf.args, mf.weights, 64, progress=False)
-    assert ops.weights.lm_head.nbytes == need
+    _in_fresh_process(_UPLOAD_REFUSED, untied_bin)
+
+
+_KV_REFUSED = """
+import re, sys
+import cupy as cp
+from kuiper_py import ops_cupy as oc
+from kuiper_py.errors import ResourceError
+from kuiper_py.loader import load
+mf = load(sys.argv[1])
+a = mf.args
+per = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+ops = oc.CupyOps(a, mf.weights, 64, progress=False)
+cp.get_default_memory_pool().free_all_blocks()
+free, _ = cp.cuda.runtime.memGetInfo()
+try:
+    ops.alloc_cache(2 * free // per)
+    raise SystemExit("a cache of twice the free memory was allocated")
+except ResourceError as e:
+    assert "try a smaller --max-context" in str(e), e
+    n = int(re.search(r"at most (\\d+) positions", str(e)).group(1))
+assert abs(n - free // per) <= (256 << 20) // per, (n, free // per)
+ops.alloc_cache(64)
+assert ops.k_cache.shape[1] == 64 and ops.v_cache.shape[1] == 64
+print("ok")
+"""
 
 
 def test_kv_cache_that_cannot_fit_says_how_many_positions_would(tiny_bin):
     """A KV cache larger than the GPU's free memory is refused with a ResourceError that says how many positions the
     free memory holds (fp16 K and V of every layer's KV heads per position, counted independently here), and the
     ops stay usable: a small cache allocates afterwards."""
-    import re
-    from kuiper_py.errors import ResourceError
-    mf = load(tiny_bin)
-    a = mf.args
-    per = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
-    ops = oc.CupyOps(a, mf.weights, 64, progress=False)
-    # earlier tests' unreachable arrays first: CuPy collects them itself when an allocation fails, which would
-    # free memory between this count and the one in the message (364 MiB in the whole file's run)
-    gc.collect()
-    cp.get_default_memory_pool().free_all_blocks()
-    free, _ = cp.cuda.runtime.memGetInfo()
-    with pytest.raises(ResourceError, match="try a smaller --max-context") as e:
-        ops.alloc_cache(2 * free // per)
-    n = int(re.search(r"at most (\d+) positions", str(e.value)).group(1))
-    assert abs(n - free // per) <= (256 << 20) // per, (n, free // per)
-    ops.alloc_cache(64)
-    assert ops.k_cache.shape[1] == 64 and ops.v_cache.shape[1] == 64
+    _in_fresh_process(_KV_REFUSED, tiny_bin)
 
 
 def test_prefill_graph_refused_where_cublas_serves(model_bin):

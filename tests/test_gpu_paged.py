@@ -40,14 +40,23 @@ def _rows_of(step):
     return [(b, s.pos0 + t) for b, s in enumerate(step.seqs) for t in range(len(s.ids))]
 
 
-@pytest.mark.parametrize("H,KV,hd", [(4, 2, 64), (32, 8, 128), (64, 8, 128), (16, 16, 128), (40, 8, 128)])
+# (new tokens, first position) per sequence: a step of few rows (keys split over blocks), one of more than
+# PAGED_SPLIT_MAX_T rows (one block per row), and decode rows with more keys than one block's chunk at each split
+ATTN_STEPS = {"mixed": ([1, 1, 7, 20, 1], [0, 37, 0, 9, 100]), "long_chunk": ([70, 1, 3], [30, 200, 0]),
+              "far_decode": ([1, 1, 1], [0, 700, 2500])}
+
+
+@pytest.mark.parametrize("H,KV,hd", [(4, 2, 64), (16, 2, 64), (32, 8, 128), (64, 8, 128), (16, 16, 128),
+                                     (40, 8, 128)])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_paged_attention_against_numpy(H, KV, hd, bs):
+@pytest.mark.parametrize("case", list(ATTN_STEPS))
+def test_paged_attention_against_numpy(H, KV, hd, bs, case):
     """Decode rows and prefill chunks of several sequences (mixed lengths, chunks after cached positions) over a
     pool whose unused rows are NaN: each row attends to its own sequence's positions 0..its own only."""
     rng = np.random.default_rng()
-    n_blocks = 64
-    step = _random_step(rng, n_blocks, bs, [1, 1, 7, 20, 1], [0, 37, 0, 9, 100])
+    lengths, pos0s = ATTN_STEPS[case]
+    n_blocks = sum(-(-(p + n) // bs) for n, p in zip(lengths, pos0s)) + 8
+    step = _random_step(rng, n_blocks, bs, lengths, pos0s)
     Kp = np.full((n_blocks, bs, KV, hd), np.nan, np.float16)
     Vp = Kp.copy()
     for s in step.seqs:  # the positions each sequence holds (the rest stays NaN)

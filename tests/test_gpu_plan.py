@@ -57,7 +57,7 @@ def _record(monkeypatch, log: list) -> None:
         return run
 
     def launch_ex(fn, *a, **k):
-        log.append(next((n for (_, n), f in build._FNS.items() if f is fn), "?"))
+        log.append(next((key[-1] for key, f in build._FNS.items() if f is fn), "?"))
         return real_launch(fn, *a, **k)
     for mod in (gemv, attention, moe):
         monkeypatch.setattr(mod, "kernel", kernel)

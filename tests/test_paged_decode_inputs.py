@@ -103,15 +103,19 @@ def engine(tiny_bin):
 
 def test_greedy_draws_take_each_rows_argmax_and_leave_the_logits_on_the_backend(engine, monkeypatch):
     """Greedy requests (no penalty, no logprobs) draw from the backend's argmax_rows, never copying a step's logits
-    to the host, and get the tokens each gets alone; one sampled request in the batch brings the logits over."""
+    to the host, and get the tokens each gets alone; with a sampled request in the batch every row draws through
+    the backend's sample_rows (still no copy), the sampled one its own seeded tokens; a request asking for logprobs
+    brings its row (only its row) over."""
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 2000, size=int(n)).tolist() for n in (3, 9, 1, 14)]
     want = [list(generate(engine, p, 6, GREEDY, eos_ids=[]))[-1].tokens for p in prompts]
     ops = engine.session(1).ops
     copies, argmaxes = [], []
-    to_host, argmax_rows = ops.to_host, ops.argmax_rows
+    to_host, argmax_rows, sample_rows = ops.to_host, ops.argmax_rows, ops.sample_rows
     monkeypatch.setattr(ops, "to_host", lambda x: copies.append(x.shape) or to_host(x))
     monkeypatch.setattr(ops, "argmax_rows", lambda x, n: argmaxes.append(x.shape) or argmax_rows(x, n))
+    row_draws = []
+    monkeypatch.setattr(ops, "sample_rows", lambda x, d, n: row_draws.append(d) or sample_rows(x, d, n))
     be = BatchEngine(engine, BatchConfig(max_context=48, block_size=4, chunk_size=5, n_blocks=60))
     hs = [be.submit(p, GREEDY, 6, eos_ids=[]) for p in prompts]
     be.run_until_done()
@@ -121,7 +125,13 @@ def test_greedy_draws_take_each_rows_argmax_and_leave_the_logits_on_the_backend(
     alone = list(generate(engine, prompts[1], 5, sampled, eos_ids=[]))[-1].tokens
     hs = [be.submit(prompts[0], GREEDY, 5, eos_ids=[]), be.submit(prompts[1], sampled, 5, eos_ids=[])]
     be.run_until_done()
-    assert hs[0].out == want[0][:5] and hs[1].out == alone and copies
+    assert hs[0].out == want[0][:5] and hs[1].out == alone
+    assert copies == [] and row_draws and all(len(d) == 2 for d in row_draws)
+    assert [d[1].step for d in row_draws if d[1] is not None] == list(range(5))
+    hs = [be.submit(prompts[0], GREEDY, 3, eos_ids=[], logprobs=2), be.submit(prompts[1], sampled, 3, eos_ids=[])]
+    be.run_until_done()
+    assert hs[0].out == want[0][:3] and hs[1].out == alone[:3]
+    assert copies and all(c == copies[0] and len(c) == 1 for c in copies)  # one row [V] at a time
 
 
 def test_a_backend_with_graphs_gets_each_paged_decode_step_as_one(tiny_bin):

@@ -91,7 +91,10 @@ def test_device_tuning_is_keyed_on_the_gpu_name_and_shape(sms, monkeypatch, name
 def test_device_tuning_table_is_well_formed():
     # targets below the base only (a lower target never gives more splits: gemv_partial_size relies on it)
     for key, t in cfg.SETTINGS.device_tables.items():
-        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge", "attn_cm"} and key
+        assert set(t) <= {"ffn_off", "gemv_blocks_per_sm", "attn_min_chunk", "attn_short", "o_merge", "attn_cm",
+                          "rows_wgmma_min"} and key
+        for (K, N), rows in t.get("rows_wgmma_min", {}).items():  # (2..16: the rows gemv_rows would take)
+            assert isinstance(rows, int) and 2 <= rows <= 16 and K % 32 == 0 and N % 8 == 0
         for (K, N), per_sm in t.get("gemv_blocks_per_sm", {}).items():
             assert 0 < per_sm <= oc.GEMV_BASE_BLOCKS_PER_SM and K % oc.GEMV_STEP == 0 and N % oc.GEMV_COLS == 0
         for (D, H, KV, hd), keys in t.get("attn_min_chunk", {}).items():

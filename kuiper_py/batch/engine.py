@@ -17,7 +17,7 @@ import numpy as np
 from ..backend import Seq, Step
 from ..errors import KuiperError, ResourceError
 from ..generate import Engine, Record, _check_request, _covering, _held_back
-from ..sampling import SamplingParams, sample, token_logprobs
+from ..sampling import RowDraw, SamplingParams, device_seed, sample, token_logprobs
 from ..speculative import plain_greedy
 from ..tokenizer import StreamDecoder
 from .blocks import BlockPool, KVCacheManager
@@ -58,6 +58,7 @@ class Handle:
     emitted: int = 0
     decoded: list[int] = field(default_factory=list)
     out: list[int] = field(default_factory=list)  # the drawn tokens (the records' `tokens`, as generate()'s share one)
+    seed: int = 0  # the device draws' seed (sampling.device_seed)
 
     @property
     def done(self) -> bool:
@@ -110,7 +111,7 @@ class BatchEngine:
         eos = set(self.engine.file.args.eos_token_ids if eos_ids is None else eos_ids)
         tok = self.engine.tokenizer
         h = Handle(Request(list(prompt_ids), max_tokens, params), [s for s in (stop or []) if s], eos, logprobs,
-                   StreamDecoder(tok) if tok else None)
+                   StreamDecoder(tok) if tok else None, seed=device_seed(params))
         if max_tokens == 0:
             self._finish(h, Record(None, "", "length", prompt_tokens=len(prompt_ids)))
             return h
@@ -138,35 +139,50 @@ class BatchEngine:
         for r, _ in sched:
             h = self.handles[r]
             h.t_admit = h.t_admit or now
-        rows, ids = self._rows(self.model.forward_step(step), sched)
+        draws = self._draws(self.model.forward_step(step), sched)
         self.steps += 1
         for i, (r, n) in enumerate(sched):
             self.sched.advance(r, n)
             if r.computed == len(r.tokens):
-                self._draw(self.handles[r], None if rows is None else rows[i], None if ids is None else int(ids[i]))
+                self._draw(self.handles[r], *draws[i])
         return True
 
-    def _rows(self, logits, sched) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(the step's logits on the host, or None; each row's argmax, or None) for the draws this step makes: where
-        every one is a plain greedy draw (no penalty, no logprobs) the backend's argmax_rows alone, so the [B, V]
-        logits stay on the device; nothing where no sequence draws."""
-        drawing = [self.handles[r] for r, n in sched if r.computed + n == len(r.tokens)]
-        if not drawing:
-            return None, None
-        if all(h.logprobs is None and plain_greedy(h.request.params) for h in drawing):
-            return None, self.model.ops.argmax_rows(logits, self.engine.n_valid_tokens)
-        return np.asarray(self.model.ops.to_host(logits)).reshape(len(sched), -1), None
+    def _draws(self, logits, sched) -> list[tuple[int, np.ndarray | None]]:
+        """(token, the row's logits on the host where its logprobs need them) for each sequence that draws this step
+        (its prompt done, or a decode step): its draw by the backend from its own settings and seed (sample_rows; a
+        plain greedy step through argmax_rows), the [B, V] logits staying where they are, except the rows of
+        requests that asked for logprobs, which draw on the host as generate() does for them."""
+        drawing = [self.handles[r] if r.computed + n == len(r.tokens) else None for r, n in sched]
+        if not any(drawing):
+            return [(None, None)] * len(sched)
+        ops, n_valid = self.model.ops, self.engine.n_valid_tokens
+        if all(h is None or (h.logprobs is None and plain_greedy(h.request.params)) for h in drawing):
+            ids = ops.argmax_rows(logits, n_valid)
+            return [(int(ids[i]), None) for i in range(len(sched))]
+        out: list[tuple[int | None, np.ndarray | None]] = [(None, None)] * len(sched)
+        draws: list[RowDraw | None] = [None] * len(sched)
+        for i, h in enumerate(drawing):
+            if h is None:
+                continue
+            r = h.request
+            if h.logprobs is not None:  # (before sample_rows, which may overwrite the logits it draws from)
+                x = np.asarray(ops.to_host(logits[i]))
+                out[i] = (sample(x, r.params, r.rng, r.tokens, n_valid, generated=h.out), x)
+            else:
+                draws[i] = RowDraw(r.params, r.rng, h.seed, len(h.out), r.tokens, h.out)
+        for i, tok in enumerate(ops.sample_rows(logits, draws, n_valid)):
+            if tok is not None:
+                out[i] = (tok, None)
+        return out
 
     def run_until_done(self) -> None:
         while self.step():
             pass
 
-    def _draw(self, h: Handle, x: np.ndarray | None, greedy: int | None = None) -> None:
-        """The request's next token from its last row's logits, with its own rng (or the row's argmax, greedy, found
-        by the backend), then its record."""
+    def _draw(self, h: Handle, tok: int, x: np.ndarray | None) -> None:
+        """The request's drawn token (x: its row's logits on the host, where its logprobs are asked for), then its
+        record."""
         r = h.request
-        tok = greedy if x is None else sample(x, r.params, r.rng, r.tokens, self.engine.n_valid_tokens,
-                                              generated=h.out)
         lp = None if h.logprobs is None else token_logprobs(x, tok, h.logprobs, self.engine.n_valid_tokens)
         now = time.perf_counter()
         if h.t_first is None:

@@ -20,10 +20,11 @@ from . import memory as mem
 from .memory import _BUF_GEN, _CAPTURING, _NotCapturable, _i
 from .ops.gemm import (_gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_mul, swiglu_prefill,
                        wgmma_available)
-from .ops.gemv import gemv_counters
+from .ops.gemv import gemv, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
+from .ops.norm import lm_head
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
-                        decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store,
+                        decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store, paged_scratch,
                         rows_argmax)
 from .ops.rows import LM_HEAD_ROWS_MAX, ROWS_MAX, rows_fit, rows_lm_head, rows_scratch
 from .runtime.build import kernel
@@ -43,7 +44,8 @@ def _paged_path(T: int, mats) -> str:
     decode graph); more, the prefill path."""
     fits = rows_fit(mats)
     if T <= ROWS_MAX and fits:
-        return "rows"
+        path = gemm_path(T, mats) if T > 1 else "rows"  # (2-16 rows: gemv_rows or this GPU's faster wgmma)
+        return path if path == "wgmma" else "rows"
     path = gemm_path(T, mats)
     if T <= DECODE_BUCKETS[-1] and fits and path not in ("wgmma", "rs"):
         return "rows16"
@@ -143,11 +145,13 @@ class PagedSteps:
         kernel("norm", "embed_gather")((ids.size,), (256,), (ids, table, h, _i(self.args.hidden_size)))
         return h
 
-    @staticmethod
-    def _paged_proj(x, mats):
-        """x [T, K] @ the matrices side by side, by _paged_path."""
+    def _paged_proj(self, x, mats):
+        """x [T, K] @ the matrices side by side: one row through the decode GEMV (weights at ~0.8 of copy bandwidth
+        in a decode step, against ~0.2-0.4 for gemv_rows' rows on the H100), more by _paged_path."""
         mats = mats if isinstance(mats, tuple) else (mats,)
         x = cp.ascontiguousarray(x)
+        if x.shape[0] == 1:
+            return gemv(x, list(mats), "plain", cp.empty((1, sum(m.N for m in mats)), cp.float16), self.d["partial"])
         path = _paged_path(x.shape[0], mats)
         if path != "rows16":
             return gemm(x, mats, path=path)
@@ -178,6 +182,9 @@ class PagedSteps:
             x = x[cp.asarray(self._paged.last)]
         x = cp.ascontiguousarray(x)
         out = cp.empty((x.shape[0], self.args.vocab_size), cp.float32)
+        if x.shape[0] == 1:  # (one row: the decode step's lm_head GEMV, at decode's bandwidth)
+            lm_head(x[0], self.weights.lm_head, out[0])
+            return out
         for r in range(0, x.shape[0], LM_HEAD_ROWS_MAX):
             rows_lm_head(x[r:r + LM_HEAD_ROWS_MAX], self.weights.lm_head, out[r:r + LM_HEAD_ROWS_MAX])
         return out
@@ -227,8 +234,9 @@ class PagedSteps:
         # device probes run (cuBLAS's is a matmul), and the paged kernels built (the load builds the model's others)
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
         cublas_ready(), wgmma_available()
-        for name in ("paged_qk_norm_rope_store", "paged_attention"):
+        for name in ("paged_qk_norm_rope_store", "paged_attention", "paged_attention_merge"):
             kernel("paged", f"{name}<{self.args.head_dim}>")
+        paged_scratch(DECODE_BUCKETS[-1] * self.args.num_attention_heads, self.args.head_dim)
         kernel("paged", "rows_argmax")
         for _ in range(8):  # (captured again while a module buffer grew under the capture)
             gen = _BUF_GEN[0]

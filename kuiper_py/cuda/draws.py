@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import KuiperError
-from ..sampling import SamplingParams
+from ..sampling import RowDraw, SamplingParams, sample
 from .memory import _f, _i
 from .runtime.build import kernel
 from .sampling import SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS, SMP_THREADS, draw_plan
@@ -37,6 +37,13 @@ class DeviceDraws:
         self.d.update(smp_v=cp.empty((SMP_CAND,), cp.float32), smp_i=cp.empty((SMP_CAND,), cp.int32),
                       smp_mx=cp.empty((SMP_MAX_BLOCKS,), cp.float32), smp_n=cp.empty((SMP_MAX_BLOCKS,), cp.int32),
                       smp_counter=cp.zeros((1,), cp.int32), argmax=cp.zeros((1,), cp.uint64))
+        # sample_rows' inputs, one pinned buffer copied to one device buffer per step: per row (temperature, top_p,
+        # min_p, penalty) float32, (top_k, history start, history length, row) int32, seed and step uint64; then the
+        # rows' histories; the ids come back through mapped pinned memory
+        R, H = self.max_batch, SMP_THREADS
+        self._rows_in = cupyx.empty_pinned((R * 48 + R * H * 4,), np.uint8)
+        self.d.update(rows_in=cp.empty(self._rows_in.shape, cp.uint8), rows_tok=cp.empty((R,), cp.int32))
+        self._rows_tok_host = cupyx.empty_pinned((R,), np.int32)
 
     def sample(self, logits, p: SamplingParams, rng: np.random.Generator, history: list[int], n_valid: int) -> int:
         """Penalty, temperature, top-k/top-p/min-p and the draw on the GPU; one int32 comes back."""
@@ -90,6 +97,59 @@ class DeviceDraws:
                     _i(SMP_CHUNK), d["smp_v"], d["smp_i"], d["smp_mx"], d["smp_n"], d["smp_counter"], _i(cap)))
         self._tok_event.record(stream)
         self._draw_queued = True
+
+    def sample_rows(self, logits, draws, n_valid: int) -> list[int | None]:
+        """Row i's draw where draws[i] (a sampling.RowDraw) is given, with its own settings, seed and counter, in one
+        launch over the rows (sample_rows): the draw sample_launch makes for that sequence alone. A draw the device
+        does not serve (the OpenAI penalties) is made on the host from its row, copied first: the kernel overwrites
+        the logits it penalises and scales. logits [B, V] fp32 on this device, rows 16-byte aligned."""
+        out: list[int | None] = [None] * len(draws)
+        dev = []
+        for i, d in enumerate(draws):
+            if d is not None and d.params.needs_host:
+                out[i] = sample(self.to_host(logits[i]), d.params, d.rng, d.history, n_valid, generated=d.generated)
+            elif d is not None:
+                dev.append(i)
+        if not dev:
+            return out
+        R, V = logits.shape
+        assert len(dev) <= self.max_batch and logits.dtype == cp.float32 and logits.strides[1] == 4
+        assert logits.data.ptr % 16 == 0 and logits.strides[0] % 16 == 0
+        n, H = len(dev), SMP_THREADS
+        buf = self._rows_in
+        fp = buf[:16 * n].view(np.float32).reshape(n, 4)
+        ip = buf[16 * n:32 * n].view(np.int32).reshape(n, 4)
+        seeds = buf[32 * n:40 * n].view(np.uint64)
+        steps = buf[40 * n:48 * n].view(np.uint64)
+        hist = buf[48 * n:].view(np.int32)
+        used = 0
+        for j, i in enumerate(dev):
+            d = draws[i]
+            p = d.params
+            h = d.history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
+            h = h[-H:]  # (sample_launch's window: one thread an id)
+            hist[used:used + len(h)] = h
+            fp[j] = (p.temperature, p.top_p, p.min_p, p.repeat_penalty)
+            ip[j] = (p.top_k, used, len(h), i)
+            seeds[j], steps[j] = d.seed, d.step
+            used += len(h)
+        stream, dbuf = self._stream, self.d["rows_in"]
+        nbytes = 48 * n + 4 * used
+        cp.cuda.runtime.memcpyAsync(dbuf.data.ptr, buf.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                    stream.ptr)
+        with stream:
+            kernel("smp", "sample_rows")((n,), (SMP_THREADS,), (
+                logits, _i(logits.strides[0] // 4), _i(n_valid), dbuf[:16 * n], dbuf[16 * n:32 * n],
+                dbuf[32 * n:40 * n], dbuf[40 * n:48 * n], dbuf[48 * n:], self.d["rows_tok"],
+                np.uint64(self._rows_tok_host.ctypes.data)))
+        stream.synchronize()  # (the pinned inputs are free again, the ids have landed)
+        for j, i in enumerate(dev):
+            tok = int(self._rows_tok_host[j])
+            if tok < 0:
+                raise KuiperError("the model produced no finite logit (NaN/Inf activations); the weights may be "
+                                  "damaged")
+            out[i] = tok
+        return out
 
     def cancel_draw(self) -> None:
         """Wait out a queued draw whose id nobody will read (an interrupted generation)."""

@@ -42,6 +42,11 @@ from typing import Mapping
 # Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
 # -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32): H200 -1.0% at 412 keys, +0.15%
 # at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
+# "rows_wgmma_min": {(K, N): rows} from which 2-16 rows of a K x N projection take the fused wgmma GEMM (one 64-row
+# tile) instead of gemv_rows. H100, µs per call with weights from DRAM (gpu rows_var), gemv_rows at 2 / 8 / 16 rows
+# against wgmma at 16 (an earlier run, same GPU kind): Qwen3-8B q|k|v 16.5 / 18.0 / 21.0 against 22.4 (stays on
+# gemv_rows), o 13.6 / 15.0 / 17.9 against 14.5, down 26.4 / 30.8 / 38.6 against 30.7, gate|up 43.3 / 46.1 / 52.6
+# against 56.8 (stays on gemv_rows)
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TABLES = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
@@ -52,6 +57,7 @@ DEVICE_TABLES = {
              "o_merge": {(4096, 32, 8, 128)},  # Qwen3-8B
              "attn_cm": {(4096, 32, 8, 128), (2048, 32, 4, 128)}},  # Qwen3-8B, 30B-A3B
     "H100": {"gemv_blocks_per_sm": dict(_QWEN3_4B_AT_3),
+             "rows_wgmma_min": {(4096, 4096): 8, (12288, 4096): 8},  # Qwen3-8B o, down
              "attn_min_chunk": {(4096, 32, 8, 128): 64, (5120, 40, 8, 128): 64,  # Qwen3-8B, 14B
                                 (2048, 32, 4, 128): 64},  # Qwen3-30B-A3B
              "attn_short": {(4096, 32, 8, 128): (512, 1024), (2048, 32, 4, 128): 1024},  # Qwen3-8B, 30B-A3B

@@ -11,7 +11,7 @@ import numpy as np
 from ...loader import AwqLinear
 from .. import settings as cfg
 from ..memory import _BUF_GEN, _CAPTURING, _NULL, _NotCapturable, _device_zeros, _empty, _i
-from .gemv import GEMV_COLS, _mat_slots
+from .gemv import GEMV_COLS, _mat_slots, device_tuning
 from .rows import ROWS_MAX, rows_fit, rows_gemm
 from ..runtime.build import kernel
 from ..runtime.device import _dev_id, sm_count
@@ -220,11 +220,15 @@ def gemm_path(T: int, mats) -> str:
     key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m,
            cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
+    K, N = sig[0][0][0], sum(n for _, n in sig[0])
+    hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
     if path is None and 1 < T <= min(st.rows_max_m, ROWS_MAX) and rows_fit(mats):
-        path = _remember(_GEMM_PATHS, key, "rows")
+        # gemv_rows, unless this GPU's table has the fused GEMM (one 64-row tile, the same weight bytes) faster
+        # for this shape from this many rows
+        lo = device_tuning().get("rows_wgmma_min", {}).get((K, N))
+        wg = lo is not None and T >= lo and hopper and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
+        path = _remember(_GEMM_PATHS, key, "wgmma" if wg else "rows")
     if path is None:
-        K, N = sig[0][0][0], sum(n for _, n in sig[0])
-        hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
         lo, hi = rs_range(K, N)
         rs = st.gemm_rs != "0" and hopper and (st.gemm_rs == "1" or lo <= T <= hi)
         fused = (st.gemm_wgmma != "0" and T >= st.gemm_wgmma_min_m and hopper

@@ -8,15 +8,18 @@ import math
 
 import numpy as np
 
-from ..memory import _f, _i
+from ..memory import _BUF_GEN, _f, _i
 from ..runtime.build import kernel
+from ..runtime.device import _dev_id
 
 try:
     import cupy as cp
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
-PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (its warps, at most 8)
+PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (served by one block, at most 8)
+PAGED_SPLITS = 16  # blocks sharing one row's keys where a step has few rows (a decode step): flash decoding
+PAGED_SPLIT_MAX_T = 64  # rows up to which a step splits keys (a longer prefill chunk has blocks enough)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes a paged decode step's graphs are captured at (max_batch)
 
 
@@ -115,16 +118,39 @@ def paged_qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kb, vb, rows: Pa
 
 def paged_attention(q, kb, vb, rows: PagedRows):
     """Causal GQA of every row over its own sequence's positions 0..its own, read through the block tables:
-    q [T, H, hd] fp16, kb/vb [n_blocks, block_size, KV, hd] (one layer's) -> [T, H*hd] fp16."""
+    q [T, H, hd] fp16, kb/vb [n_blocks, block_size, KV, hd] (one layer's) -> [T, H*hd] fp16. Up to
+    PAGED_SPLIT_MAX_T rows, each row's keys are split over PAGED_SPLITS blocks whose partials a second launch merges
+    (in paged_scratch: graphs capture it, so its size is settled before a capture)."""
     T, H, hd = q.shape
     KV = kb.shape[2]
     G = H // KV
     assert T == rows.n_tokens and H % KV == 0 and G <= PAGED_MAX_GROUP and q.flags.c_contiguous
     out = cp.empty((T, H * hd), cp.float16)
-    kernel("paged", f"paged_attention<{hd}>")((T, KV), (32 * G,), (
-        q, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, out, _i(H), _i(KV),
-        _i(rows.block_size), _f(1.0 / math.sqrt(hd))))
+    S = PAGED_SPLITS if T <= PAGED_SPLIT_MAX_T else 1
+    acc, ml = paged_scratch(T * H, hd) if S > 1 else (out, out)  # (unused at S = 1)
+    kernel("paged", f"paged_attention<{hd}>")((T, KV, S), (128,), (
+        q, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, out, acc, ml, _i(H), _i(KV),
+        _i(rows.block_size), _f(1.0 / math.sqrt(hd)), _i(S)))
+    if S > 1:
+        kernel("paged", f"paged_attention_merge<{hd}>")((T, H), (hd,), (acc, ml, out, _i(H), _i(S)))
     return out
+
+
+_SCRATCH: dict[int, list] = {}
+
+
+def paged_scratch(row_heads: int, hd: int) -> tuple:
+    """(acc [>= row_heads * PAGED_SPLITS * hd], ml [>= row_heads * PAGED_SPLITS * 2]) fp32 partials of split paged
+    attention, per device; grown as needed, which drops the graphs holding the old ones (_BUF_GEN). Every use is
+    ordered on one stream and merged before the next layer's, so reuse is safe."""
+    dev, need = _dev_id(), row_heads * PAGED_SPLITS * (hd + 2)
+    rec = _SCRATCH.get(dev)
+    if rec is None or rec.size < need:
+        if rec is not None:
+            _BUF_GEN[0] += 1
+        rec = _SCRATCH[dev] = cp.empty((need,), cp.float32)
+    n_acc = row_heads * PAGED_SPLITS * hd
+    return rec[:n_acc], rec[n_acc:need]
 
 
 def rows_argmax(logits, n_valid: int, out):

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 ROWS_MAX = 16  # gemv_rows.cu RW_MAX_M: the MMA's m
 ROWS_SPAN = 512  # gemv_rows.cu RW_SPAN: the most rows of K one block takes
-ROWS_BLOCKS_PER_SM = 4  # blocks the split count aims at per SM (102 registers: 2 resident, so two waves)
+ROWS_BLOCKS_PER_SM = 0.5  # blocks the split count aims at per SM: fewest splits the x span allows, by measurement
 
 
 def rows_fit(mats) -> bool:

@@ -143,9 +143,10 @@ _FILES = {
     # a few token rows at once: a verify step, short prompts (W4A16 and the lm_head on mma.sync)
     "rows": ("gemv_rows.cu", ["gemv_rows"] + [f"lm_head_rows<{nt}>" for nt in (1, 2, 4, 8)]),
     # steps of several sequences over the paged KV pool (kuiper_py.batch): per-token RoPE + block write, attention
-    "paged": ("paged.cu", [f"{k}<{hd}>" for k in ("paged_qk_norm_rope_store", "paged_attention") for hd in (64, 128)]
+    "paged": ("paged.cu", [f"{k}<{hd}>" for k in ("paged_qk_norm_rope_store", "paged_attention",
+                                                   "paged_attention_merge") for hd in (64, 128)]
               + ["rows_argmax"]),
-    "smp": ("sampling.cu", ["sample_token", "sample_token_mb"]),
+    "smp": ("sampling.cu", ["sample_token", "sample_token_mb", "sample_rows"]),
     "ar": ("allreduce.cu", ["allreduce_oneshot<__half>", "allreduce_oneshot<float>"]),  # --tp's one-shot all-reduce
 }
 
