@@ -91,6 +91,15 @@ def moe_dir(ckpt_root):
 
 
 @pytest.fixture(scope="session")
+def small_dense_bin(ckpt_root):
+    """Two layers of Qwen3-0.6B: shapes the fused Hopper GEMMs take (the tiny files' are too narrow)."""
+    out = ckpt_root / "da-0.6b.bin"
+    d = synth.make_checkpoint(ckpt_root / "da-0.6b", "0.6b", seed=7, n_shards=1, layers=2)
+    export(d, out, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_bin(tiny_dir, ckpt_root):
     out = ckpt_root / "tiny.bin"
     export(tiny_dir, out, progress=False, log=lambda m: None)

@@ -14,7 +14,7 @@ from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, rmsnorm, rope
 from kuiper_py.sampling import SamplingParams
-from reference import GREEDY, rel
+from reference import GREEDY, rel, tune
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -189,6 +189,42 @@ def test_batch_engine_greedy_tokens_equal_each_request_alone(which, n_req, tiny_
             j = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
             assert _near_tie(mf, p + want[:j], got[j], want[j], eng.n_valid_tokens), (len(p), j)
     assert be.pool.n_free == free0
+
+
+def test_decode_step_eager_and_replayed_take_the_same_gemms(small_dense_bin, monkeypatch):
+    """A decode step of 5 sequences, run eagerly and as its bucket's graph (8 rows, 3 of them padding), gives bitwise
+    the same logits where this GPU's table (settings rows_wgmma_min) sends 8 rows of o and down to the fused wgmma
+    GEMM and 5 to gemv_rows: the eager step takes its bucket's kernels (an entry made for the test's Qwen3-0.6B
+    shapes, which the fused GEMMs take; the tiny files' are too narrow)."""
+    if not oc.wgmma_available():
+        pytest.skip("the fused wgmma GEMM needs sm_90")
+    mf = load(small_dense_bin)
+    a = mf.args
+    o, down = (a.num_attention_heads * a.head_dim, a.hidden_size), (a.intermediate_size, a.hidden_size)
+    tune(monkeypatch, device_tables={"": {"rows_wgmma_min": {o: 8, down: 8}}})
+    m = Qwen3(mf, oc.CupyOps, 16)
+    ops = m.ops
+    layer = ops.weights.layers[0]
+    assert [oc.gemm_path(T, (layer.wo,)) for T in (5, 8)] == ["rows", "wgmma"]  # (the table applies)
+    rng = np.random.default_rng()
+    S, bs = 8, 4
+    ops.alloc_blocks(8 * S, bs, 64)
+    perm = rng.permutation(8 * S).tolist()
+    tables = [tuple(perm[7 * i:7 * i + 7]) for i in range(S)]
+    lens = rng.integers(2, 13, size=S).tolist()
+    m.forward_step(Step(tuple(Seq(tuple(rng.integers(0, 2000, size=n).tolist()), 0, 0, t)
+                              for n, t in zip(lens, tables))))
+    rows = rng.choice(S, 5, replace=False).tolist()
+    step = Step(tuple(Seq((int(rng.integers(0, 2000)),), lens[b], 0, tables[b]) for b in rows))
+    k0, v0 = ops.k_blocks.copy(), ops.v_blocks.copy()
+    ops.paged_graphs = False
+    eager = cp.asnumpy(m.forward_step(step))
+    ops.k_blocks[...], ops.v_blocks[...] = k0, v0
+    ops.paged_graphs = True
+    replays = ops.paged_graph_steps
+    got = cp.asnumpy(m.forward_step(step))
+    assert ops.paged_graph_steps == replays + 1
+    np.testing.assert_array_equal(got, eager)
 
 
 def test_rows_argmax_takes_the_lowest_id_of_equal_maxima_below_n_valid():

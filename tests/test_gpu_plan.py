@@ -32,16 +32,6 @@ def mixed_bin(tmp_path_factory):
     return root / "m.bin"
 
 
-@pytest.fixture(scope="module")
-def small_dense_bin(ckpt_root):
-    """Two layers of Qwen3-0.6B (the one-launch FFN half's clusters of 4); test_gpu_e2e's file of the same name."""
-    out = ckpt_root / "da-0.6b.bin"
-    if not out.exists():
-        d = synth.make_checkpoint(ckpt_root / "da-0.6b", "0.6b", seed=7, n_shards=1, layers=2)
-        export(d, out, progress=False, log=lambda m: None)
-    return out
-
-
 def _record(monkeypatch, log: list) -> None:
     """Every kernel launch of the decode ops appended to log by name (kernel() and the cluster launches)."""
     from kuiper_py.cuda.ops import attention, decode_halves, gemv, moe

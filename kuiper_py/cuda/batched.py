@@ -41,13 +41,16 @@ def _paged_path(T: int, mats) -> str:
     """gemm()'s path for a paged step's T rows, or "rows16": gemv_rows.cu 16 rows a launch. Up to ROWS_MAX rows
     "rows"; up to max_batch the fused wgmma/rs GEMM where the prefill path takes it (one row tile reads each weight
     once), else "rows16" (a weight read once per 16 rows, where the alternative, cuBLAS, is not capturable in a
-    decode graph); more, the prefill path."""
+    decode graph); more, the prefill path. Up to max_batch rows the path is the one of T's decode bucket, whose
+    graph runs the step: an eager step of T rows takes the same kernels as its replay (each row's sums then do
+    not depend on the other rows), so its logits are bitwise the graph's."""
     fits = rows_fit(mats)
-    if T <= ROWS_MAX and fits:
-        path = gemm_path(T, mats) if T > 1 else "rows"  # (2-16 rows: gemv_rows or this GPU's faster wgmma)
+    R = decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
+    if R <= ROWS_MAX and fits:
+        path = gemm_path(R, mats) if R > 1 else "rows"  # (2-16 rows: gemv_rows or this GPU's faster wgmma)
         return path if path == "wgmma" else "rows"
-    path = gemm_path(T, mats)
-    if T <= DECODE_BUCKETS[-1] and fits and path not in ("wgmma", "rs"):
+    path = gemm_path(R, mats)
+    if R <= DECODE_BUCKETS[-1] and fits and path not in ("wgmma", "rs"):
         return "rows16"
     return path
 

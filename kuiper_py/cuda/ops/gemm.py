@@ -218,7 +218,7 @@ def gemm_path(T: int, mats) -> str:
     reads): every prefill layer asks again."""
     sig, st = _mats_rec(mats)[0], cfg.SETTINGS
     key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m,
-           cublas_ready(), _dev_id())
+           id(st.device_tables), cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
     K, N = sig[0][0][0], sum(n for _, n in sig[0])
     hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
