@@ -132,7 +132,12 @@ def copy_ckpt(tmp_path):
 
 def run_cli(*args, input=None, timeout=300, env=None, preexec_fn=None):
     """Run the real CLI as a subprocess; returns CompletedProcess with text stdout/stderr."""
+    return run_python("-m", "kuiper_py", *args, input=input, timeout=timeout, env=env, preexec_fn=preexec_fn)
+
+
+def run_python(*args, input=None, timeout=300, env=None, preexec_fn=None, cwd=None):
+    """Run a fresh Python (`-c CODE ...`, `-m MODULE ...`) with the checkout on its path; CompletedProcess with text
+    stdout/stderr."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "kuiper_py", *map(str, args)], input=input,
-                          capture_output=True, text=True, timeout=timeout, env=e,
-                          preexec_fn=preexec_fn)
+    return subprocess.run([sys.executable, *map(str, args)], input=input, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=e, preexec_fn=preexec_fn)

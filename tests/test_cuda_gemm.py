@@ -5,12 +5,12 @@ wgmma and register-A (rs) kernels with their split-K and plans, the path choice,
 Every output is poisoned with NaN before the kernel runs, so an element the kernel fails to write
 fails the comparison; inputs are fresh random draws on every run.
 """
-import os
 
 import numpy as np
 import pytest
 
 from kuiper_py.cuda import settings as cfg
+from conftest import ROOT, run_python
 from reference import patch, rel, tune
 
 pytestmark = pytest.mark.gpu
@@ -302,11 +302,7 @@ def test_gemm_rs_traps_on_wrong_block():
     blockDim trap) instead of hanging on barriers no warp will complete."""
     if not oc.wgmma_available():
         pytest.skip("wgmma needs compute capability 9.0")
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _RS_BAD_BLOCK], cwd=root, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": root})
+    r = run_python("-c", _RS_BAD_BLOCK, timeout=120, cwd=ROOT)
     assert "right block ran" in r.stdout, r.stderr[-2000:]  # the error below is the wrong block's
     assert r.returncode != 0 and "CUDA" in r.stderr.upper(), r.stderr[-2000:]
 

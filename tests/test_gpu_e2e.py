@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli, run_python
 from kuiper_py.cuda import memory as mem
 from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
@@ -155,12 +155,7 @@ def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkey
 # The free-memory tests run in a fresh process: in a long run, memory that earlier tests left to the garbage collector
 # or to CUDA's deferred frees comes back between the count and the refusal, so neither side would be what it says.
 def _in_fresh_process(code: str, path) -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "PYTHONPATH": root})
+    r = run_python("-c", code, path, cwd=ROOT)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 

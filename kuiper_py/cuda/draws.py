@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import KuiperError
-from ..sampling import RowDraw, SamplingParams, sample
+from ..sampling import SamplingParams, sample
 from .memory import _f, _i
 from .runtime.build import kernel
 from .sampling import SMP_CAND, SMP_CHUNK, SMP_MAX_BLOCKS, SMP_THREADS, draw_plan
@@ -14,6 +14,12 @@ try:
     import cupy as cp
 except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
+
+
+def _penalty_window(history: list[int], p: SamplingParams) -> list[int]:
+    """The ids the repetition penalty looks back over: the last repeat_last_n, at most SMP_THREADS (one thread an
+    id in the sampling kernels); none without a penalty."""
+    return history[-p.repeat_last_n:][-SMP_THREADS:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
 
 
 class DeviceDraws:
@@ -58,8 +64,7 @@ class DeviceDraws:
         assert not self._draw_queued, "sample_result() must follow each sample_launch()"
         if logits.data.ptr % 16 or not logits.flags.c_contiguous:  # the kernel reads 16-byte vectors
             logits = cp.ascontiguousarray(logits).copy()
-        hist = history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
-        hist = hist[-1024:]
+        hist = _penalty_window(history, p)
         # on the decode graphs' stream, so a step queued after the draw follows it without a cross-stream wait
         stream = self._stream
         if hist:  # from pinned memory: a pageable copy could wait for the step queued before it
@@ -112,10 +117,9 @@ class DeviceDraws:
                 dev.append(i)
         if not dev:
             return out
-        R, V = logits.shape
         assert len(dev) <= self.max_batch and logits.dtype == cp.float32 and logits.strides[1] == 4
         assert logits.data.ptr % 16 == 0 and logits.strides[0] % 16 == 0
-        n, H = len(dev), SMP_THREADS
+        n = len(dev)
         buf = self._rows_in
         fp = buf[:16 * n].view(np.float32).reshape(n, 4)
         ip = buf[16 * n:32 * n].view(np.int32).reshape(n, 4)
@@ -126,8 +130,7 @@ class DeviceDraws:
         for j, i in enumerate(dev):
             d = draws[i]
             p = d.params
-            h = d.history[-p.repeat_last_n:] if (p.repeat_penalty != 1.0 and p.repeat_last_n) else []
-            h = h[-H:]  # (sample_launch's window: one thread an id)
+            h = _penalty_window(d.history, p)
             hist[used:used + len(h)] = h
             fp[j] = (p.temperature, p.top_p, p.min_p, p.repeat_penalty)
             ip[j] = (p.top_k, used, len(h), i)

@@ -218,15 +218,15 @@ def gemm_path(T: int, mats) -> str:
     reads): every prefill layer asks again."""
     sig, st = _mats_rec(mats)[0], cfg.SETTINGS
     K, N = sig[0][0][0], sum(n for _, n in sig[0])
-    lo = device_tuning().get("rows_wgmma_min", {}).get((K, N))  # (this GPU's table's entry: part of the key)
-    key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m, lo,
+    wg_min = device_tuning().get("rows_wgmma_min", {}).get((K, N))  # (this GPU's table's entry: part of the key)
+    key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m, wg_min,
            cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
     hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
     if path is None and 1 < T <= min(st.rows_max_m, ROWS_MAX) and rows_fit(mats):
         # gemv_rows, unless this GPU's table has the fused GEMM (one 64-row tile, the same weight bytes) faster
         # for this shape from this many rows
-        wg = lo is not None and T >= lo and hopper and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
+        wg = wg_min is not None and T >= wg_min and hopper and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
         path = _remember(_GEMM_PATHS, key, "wgmma" if wg else "rows")
     if path is None:
         lo, hi = rs_range(K, N)
