@@ -214,13 +214,15 @@ def test_gpu_sampling_distribution(kw):
     assert_draws_follow_filtered_softmax(x, p, 2000, rng)
 
 
-def test_gpu_sample_rows_draws_what_each_row_draws_alone(monkeypatch):
+@pytest.mark.parametrize("mb", [False, True])
+def test_gpu_sample_rows_draws_what_each_row_draws_alone(mb, monkeypatch):
     """sample_rows (a step of several sequences: one launch, each row its own settings, seed, counter and history)
     draws for every row the id the one-sequence sampler draws from that row alone at that counter (same seed:
     sampling.device_seed, as generate() takes it); a row the device does not serve (an OpenAI penalty) draws on the
-    host with its rng, a row without a draw is left alone; its ids come back for rows given in any order."""
+    host with its rng, a row without a draw is left alone; its ids come back for rows given in any order. The
+    one-sequence draw is taken both ways: in one block, and over several blocks (sample_mb, the default)."""
     from kuiper_py.sampling import RowDraw, SamplingParams, device_seed, sample
-    tune(monkeypatch, sample_mb=False)
+    tune(monkeypatch, sample_mb=mb)
     rng = np.random.default_rng()
     V, n_valid = 151936, 151669
     settings = [dict(temperature=0.0, top_k=0, top_p=1.0),
