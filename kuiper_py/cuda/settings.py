@@ -43,7 +43,7 @@ from typing import Mapping
 # -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32): H200 -1.0% at 412 keys, +0.15%
 # at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
 # "rows_wgmma_min": {(K, N): rows} from which 2-16 rows of a K x N projection take the fused wgmma GEMM (one 64-row
-# tile) instead of gemv_rows. H100, µs per call with weights from DRAM (gpu rows_var), gemv_rows at 2 / 8 / 16 rows
+# tile) instead of gemv_rows. H100, µs per call with weights from DRAM, gemv_rows at 2 / 8 / 16 rows
 # against wgmma at 16 (an earlier run, same GPU kind): Qwen3-8B q|k|v 16.5 / 18.0 / 21.0 against 22.4 (stays on
 # gemv_rows), o 13.6 / 15.0 / 17.9 against 14.5, down 26.4 / 30.8 / 38.6 against 30.7, gate|up 43.3 / 46.1 / 52.6
 # against 56.8 (stays on gemv_rows)
