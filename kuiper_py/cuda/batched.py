@@ -148,14 +148,14 @@ class PagedSteps:
         kernel("norm", "embed_gather")((ids.size,), (256,), (ids, table, h, _i(self.args.hidden_size)))
         return h
 
-    def _paged_proj(self, x, mats):
+    def _paged_proj(self, x, mats, path=None):
         """x [T, K] @ the matrices side by side: one row through the decode GEMV (weights at ~0.8 of copy bandwidth
-        in a decode step, against ~0.2-0.4 for gemv_rows' rows on the H100), more by _paged_path."""
+        in a decode step, against ~0.2-0.4 for gemv_rows' rows on the H100), more by path (_paged_path's)."""
         mats = mats if isinstance(mats, tuple) else (mats,)
         x = cp.ascontiguousarray(x)
         if x.shape[0] == 1:
             return gemv(x, list(mats), "plain", cp.empty((1, sum(m.N for m in mats)), cp.float16), self.d["partial"])
-        path = _paged_path(x.shape[0], mats)
+        path = path or _paged_path(x.shape[0], mats)
         if path != "rows16":
             return gemm(x, mats, path=path)
         out = cp.empty((x.shape[0], sum(m.N for m in mats)), cp.float16)
@@ -164,8 +164,10 @@ class PagedSteps:
         return out
 
     def _paged_gate_up(self, x, layer):
-        if _paged_path(x.shape[0], (layer.w1, layer.w3)) in ("rows", "rows16", "wgmma", "rs"):
-            y, I = self._paged_proj(x, (layer.w1, layer.w3)), layer.w1.N
+        mats = (layer.w1, layer.w3)
+        path = _paged_path(x.shape[0], mats)
+        if path in ("rows", "rows16", "wgmma", "rs"):
+            y, I = self._paged_proj(x, mats, path), layer.w1.N
             return silu_mul(y, y[:, I:], I, 2 * I)
         return swiglu_prefill(cp.ascontiguousarray(x), layer.w1, layer.w3)
 
