@@ -153,6 +153,26 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def gpu_near_tie(mf, ctx, n_valid):
+    """The CPU reference's top two tokens after ctx when their logits are closer than the GPU's own largest logit
+    error there (a tie neither side resolves; a set of two ids), else an empty set; and whether the GPU's prefill of
+    ctx picks other experts than the reference for some token and layer (a MoE router at a tie that fp16 paths
+    resolve differently: every later logit may then legitimately differ; False in a dense model)."""
+    import cupy as cp
+    from kuiper_py import ops_cupy as oc
+    from kuiper_py.model import Qwen3
+    from kuiper_py.ops_numpy import NumpyOps
+    cpu = Qwen3(mf, NumpyOps, len(ctx) + 1)
+    ref = cpu.prefill(ctx)[:n_valid]
+    m = Qwen3(mf, oc.CupyOps, len(ctx) + 1)
+    m.ops.routing_log = []
+    gpu = cp.asnumpy(m.prefill(ctx))[:n_valid]
+    i1, i2 = (int(i) for i in np.argsort(ref)[::-1][:2])
+    tie = {i1, i2} if abs(float(ref[i1]) - float(ref[i2])) < float(np.abs(gpu - ref).max()) else set()
+    routes = list(zip(m.ops.routing_log, cpu.ops.routing_log, strict=True))
+    return tie, any(set(g[t].tolist()) != set(c[t].tolist()) for g, c in routes for t in range(len(ctx)))
+
+
 def greedy_tokens(model, prompt, n, n_vocab=151669):
     """n greedy tokens from a fresh Qwen3 session (prefill, then decode each token but the last)."""
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ from kuiper_py.loader import load
 from kuiper_py.model import Qwen3
 from kuiper_py.ops_numpy import NumpyOps, rmsnorm, rope
 from kuiper_py.sampling import SamplingParams
-from reference import GREEDY, rel, tune
+from reference import GREEDY, gpu_near_tie, rel, tune
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -150,21 +150,11 @@ def test_paged_steps_match_numpy_paged_steps(which, tiny_bin, moe_bin):
 
 
 def _near_tie(mf, ctx, a, b, n_valid):
-    """Whether tokens a and b are the CPU reference's top two after ctx, closer than the GPU's own logit error
-    there (a tie neither side resolves); in a MoE model also whether the GPU's own prefill of ctx picks other experts
-    than the reference for some token and layer: its router is then at a tie that fp16 paths resolve differently, the
-    batch's MoE kernels and the lone sequence's may pick different experts there, and every later logit
-    legitimately differs (test_cuda_moe compares up to such a token for the same reason)."""
-    cpu = Qwen3(mf, NumpyOps, len(ctx) + 1)
-    ref = cpu.prefill(ctx)[:n_valid]
-    m = Qwen3(mf, oc.CupyOps, len(ctx) + 1)
-    m.ops.routing_log = []
-    gpu = cp.asnumpy(m.prefill(ctx))[:n_valid]
-    top = set(np.argsort(ref)[::-1][:2].tolist())
-    if {a, b} == top and abs(float(ref[a]) - float(ref[b])) < float(np.abs(gpu - ref).max()):
-        return True
-    routes = list(zip(m.ops.routing_log, cpu.ops.routing_log, strict=True))
-    return any(set(g[t].tolist()) != set(c[t].tolist()) for g, c in routes for t in range(len(ctx)))
+    """Whether tokens a and b are the CPU reference's top two after ctx at a tie the GPU's own error hides, or the
+    GPU's prefill of ctx routes some token to other experts than the reference (reference.gpu_near_tie; test_cuda_moe
+    compares up to such a token for the same reason)."""
+    tie, routes_differ = gpu_near_tie(mf, ctx, n_valid)
+    return {a, b} == tie or routes_differ
 
 
 @pytest.mark.parametrize("which", ["tiny", "moe"])

@@ -3,15 +3,13 @@ across the device draw (queued ahead), the host draw (logprobs, OpenAI penalties
 import json
 import signal
 
-import numpy as np
 import openai
 import pytest
 
 from conftest import run_cli
 from kuiper_py.generate import Engine
 from kuiper_py.loader import load
-from kuiper_py.model import Qwen3
-from kuiper_py.ops_numpy import NumpyOps
+from reference import gpu_near_tie
 from test_serve import NO_THINK, start_server
 
 pytestmark = pytest.mark.gpu
@@ -40,18 +38,14 @@ def _chat(client, text, **kw):
 
 def _near_tie(tiny_bin, text: str, before: list[int], a: int, b_text: str) -> bool:
     """Whether generate's token a and the server's token (b_text) are the CPU reference's top two after the chat
-    prompt of text and the tokens before, closer than the GPU's own logit error there: a reply that reuses the cached
-    prompt recomputes its last token alone, with other kernels than the whole prompt's prefill, so its greedy tokens
-    may part from a fresh run's at such a tie (as test_gpu_paged's batches may)."""
+    prompt of text and the tokens before, closer than the GPU's own logit error there (reference.gpu_near_tie): a
+    reply that reuses the cached prompt recomputes its last token alone, with other kernels than the whole prompt's
+    prefill, so its greedy tokens may part from a fresh run's at such a tie (as test_gpu_paged's batches may)."""
     eng = Engine.load(tiny_bin, "cpu")
-    tok, mf = eng.tokenizer, load(tiny_bin)
+    tok = eng.tokenizer
     ctx = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], enable_thinking=False)) + before
-    ref = Qwen3(mf, NumpyOps, len(ctx) + 1).prefill(ctx)[:eng.n_valid_tokens]
-    gpu = cp.asnumpy(Qwen3(mf, oc.CupyOps, len(ctx) + 1).prefill(ctx))[:eng.n_valid_tokens]
-    i1, i2 = (int(i) for i in np.argsort(ref)[::-1][:2])
-    other = i2 if i1 == a else i1
-    return (a in (i1, i2) and tok.decode([other]) == b_text
-            and abs(float(ref[i1]) - float(ref[i2])) < float(np.abs(gpu - ref).max()))
+    tie, _ = gpu_near_tie(load(tiny_bin), ctx, eng.n_valid_tokens)
+    return a in tie and tok.decode(list(tie - {a})) == b_text
 
 
 def _same_greedy_up_to_a_tie(entries, want: dict, tiny_bin, text: str) -> None:
