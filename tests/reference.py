@@ -155,11 +155,13 @@ def rel(a, b):
 
 def gpu_near_tie(mf, ctx, n_valid):
     """The CPU reference's top two tokens after ctx when their logits are closer than the GPU's own largest logit
-    error there (a tie neither side resolves; a set of two ids), else an empty set; and whether the GPU's prefill of
-    ctx picks other experts than the reference for some token and layer (a MoE router at a tie that fp16 paths
-    resolve differently: every later logit may then legitimately differ; False in a dense model)."""
+    error there (a tie neither side resolves; a set of two ids), else an empty set; and whether a GPU path picks
+    other experts than the reference for some token and layer of ctx (a MoE router at a tie that fp16 paths resolve
+    differently: every later logit may then legitimately differ; False in a dense model). The GPU's two paths both
+    count: the single-sequence prefill and a paged step of ctx (the batch engine's kernels)."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
+    from kuiper_py.backend import Seq, Step
     from kuiper_py.model import Qwen3
     from kuiper_py.ops_numpy import NumpyOps
     cpu = Qwen3(mf, NumpyOps, len(ctx) + 1)
@@ -167,9 +169,17 @@ def gpu_near_tie(mf, ctx, n_valid):
     m = Qwen3(mf, oc.CupyOps, len(ctx) + 1)
     m.ops.routing_log = []
     gpu = cp.asnumpy(m.prefill(ctx))[:n_valid]
+    bs = 4
+    nb = -(-(len(ctx) + 1) // bs)
+    mp = Qwen3(mf, oc.CupyOps, len(ctx) + 1)
+    mp.ops.alloc_blocks(nb, bs, len(ctx) + 1)
+    mp.ops.routing_log = []
+    paged = cp.asnumpy(mp.forward_step(Step((Seq(tuple(ctx), 0, 0, tuple(range(nb))),))))[0][:n_valid]
+    err = max(float(np.abs(gpu - ref).max()), float(np.abs(paged - ref).max()))
     i1, i2 = (int(i) for i in np.argsort(ref)[::-1][:2])
-    tie = {i1, i2} if abs(float(ref[i1]) - float(ref[i2])) < float(np.abs(gpu - ref).max()) else set()
-    routes = list(zip(m.ops.routing_log, cpu.ops.routing_log, strict=True))
+    tie = {i1, i2} if abs(float(ref[i1]) - float(ref[i2])) < err else set()
+    routes = [(g, c) for log in (m.ops.routing_log, mp.ops.routing_log)
+              for g, c in zip(log, cpu.ops.routing_log, strict=True)]
     return tie, any(set(g[t].tolist()) != set(c[t].tolist()) for g, c in routes for t in range(len(ctx)))
 
 

@@ -33,7 +33,7 @@ from .draws import DeviceDraws
 from .plan import DecodePlan, Gpu, build as build_plan, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
-from .batched import PagedSteps
+from .batched import PagedSteps, route_rows
 from . import tp
 
 try:
@@ -563,7 +563,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
                                   zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
             return _Deferred(run, run_acc if lp.ffn == "moe_acc" else None)
         w13, w2 = layer.experts_w13, layer.experts_w2
-        rs, bt = moe_experts_tile(w13, w2, x.shape[0] * k)
+        # (a paged step's expert tiles as its decode bucket's: an eager step takes its graph replay's kernels)
+        rs, bt = moe_experts_tile(w13, w2, (x.shape[0] if self._paged is None else route_rows(x.shape[0])) * k)
         maps = moe_maps_arrays(x.shape[0] * k, w13.E)  # built with the picks (moe_route_mma's last block)
         ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, maps=(bt, *maps))
         if self.routing_log is not None:

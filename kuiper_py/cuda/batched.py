@@ -37,6 +37,12 @@ except ImportError:  # pragma: no cover - CPU-only installs
 KV_POOL_HEADROOM = 1 << 30  # bytes of free GPU memory kv_pool_blocks leaves out before its share (activations)
 
 
+def route_rows(T: int) -> int:
+    """The rows a paged step of T rows chooses its kernels by: its decode bucket's, where T has one (an eager step
+    then takes the kernels its bucket's graph replay takes, and its rows' sums are bitwise the replay's), else T."""
+    return decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
+
+
 def _paged_path(T: int, mats) -> str:
     """gemm()'s path for a paged step's T rows, or "rows16": gemv_rows.cu 16 rows a launch. Up to ROWS_MAX rows
     "rows"; up to max_batch the fused wgmma/rs GEMM where the prefill path takes it (one row tile reads each weight
@@ -45,7 +51,7 @@ def _paged_path(T: int, mats) -> str:
     graph runs the step: an eager step of T rows takes the same kernels as its replay (each row's sums then do
     not depend on the other rows), so its logits are bitwise the graph's."""
     fits = rows_fit(mats)
-    R = decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
+    R = route_rows(T)
     if R <= ROWS_MAX and fits:
         path = gemm_path(R, mats) if R > 1 else "rows"  # (2-16 rows: gemv_rows or this GPU's faster wgmma)
         return path if path == "wgmma" else "rows"
