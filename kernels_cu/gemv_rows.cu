@@ -4,40 +4,54 @@
 //
 // The weights stay in the decode GEMV's tiled layout (common.cuh awq_tiled_offset). No repacking is needed
 // because an MMA does not care which actual k a fragment's logical k is, as long as both operands agree:
-//   lane 4g + t loads rows 4t..4t+3 of packed word g (one 16-byte load of the tiled layout), and its
+//   lane 4g + t takes rows 4t..4t+3 of packed word g (one 16-byte row quad of the tiled layout), and its
 //   B fragment's logical k (2t, 2t+1 | 2t+8, 2t+9) are those rows (4t, 4t+1 | 4t+2, 4t+3); the x rows
-//   (A, tokens as the MMA's m) are read from shared memory at the same actual k.
+//   (A, tokens as the MMA's m) are read at the same actual k.
 // Each of the word's 8 columns is one MMA whose n index is the word: a warp covers 8 words (64 columns).
 //
-// Supported (checked on the host, cuda/ops/rows.py): M <= 16, N % 8 == 0, group % 16 == 0, K % 32 == 0.
+// A block takes one 256-column tile over a span of K in chunks of RW_CHUNK rows, streamed through a ring of
+// RW_STAGES shared-memory stages by cp.async (weights, the chunk's x rows, zeros and scales): RW_STAGES - 1
+// chunks are in flight while one is computed, and no register holds a load in flight, so two blocks an SM keep
+// ~100 KB of reads outstanding (a register-staged form reached ~0.3 of copy bandwidth at 2-16 rows).
+//
+// Supported (checked on the host, cuda/ops/rows.py): M <= 16, N % 32 == 0, K % 32 == 0, group 32 or 64 or a
+// multiple of 128.
 #include "common.cuh"
 
 #define RW_MAX_M 16       // token rows: the MMA's m (rows past M are zeros)
 #define RW_WARPS 8        // 4 groups of 8 packed words (the block's 32-word column tile) x 2 k phases
-#ifndef RW_U
-#define RW_U 2            // k16 steps of one batch of loads (two batches in flight: 4 16-byte loads per lane)
-#endif
-#ifndef RW_MIN_BLOCKS
-#define RW_MIN_BLOCKS 2   // blocks per SM the register budget must allow (103 registers at RW_U 2)
-#endif
-#define RW_SPAN 512       // most rows of K one block takes (its x span in shared memory)
+#define RW_CHUNK 128      // rows of K a stage holds
+#define RW_STAGES 4       // ring depth: RW_STAGES - 1 chunks in flight
+#define RW_XLD 144        // a stage's x row stride in halves (72 words: rows g and g + 4 land 8 banks apart)
+#define RW_GMAX 4         // groups a chunk may hold (group 32)
+// a stage: weights [RW_CHUNK / 4 quads][32 words][16 B] (swizzled, below) | x [16][RW_XLD] | scales [RW_GMAX][256]
+// | zeros [RW_GMAX][32]
+#define RW_ST_W 0
+#define RW_ST_X (RW_CHUNK / 4 * 32 * 16)
+#define RW_ST_SC (RW_ST_X + RW_MAX_M * RW_XLD * 2)
+#define RW_ST_Z (RW_ST_SC + RW_GMAX * 256 * 2)
+#define RW_STAGE_BYTES (RW_ST_Z + RW_GMAX * 32 * 4)
 
 // Two fp16 values as one MMA operand register.
 __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h); }
 
-// grid (column tiles of the (up to 3) matrices side by side, splits S over K); block 256. The rows of split s are
-// [s * rph, min(K, (s + 1) * rph)), rph % 32 == 0 and rph <= RW_SPAN. Output: out [M, ldo] fp16, the matrices'
-// columns side by side; with S > 1 each block writes its sums to partial [S, M, Ntot] and the last block of a column
-// tile (counters, zero between launches and left zero) sums them in split order (deterministic).
-extern "C" __global__ void __launch_bounds__(256, RW_MIN_BLOCKS)
+// A weight piece's 16-byte slot in a stage: row quad q, word w. Lanes 4g + t of a warp read quad 4s + t of words
+// g; the XOR spreads the four quads of one word (512 B apart, one bank group) over 8 bank groups: conflict-free.
+__device__ __forceinline__ int rw_slot(int q, int w) { return q * 32 + (w ^ ((q & 3) << 1)); }
+
+// grid (column tiles of the (up to 3) matrices side by side, splits S over K), block 256, dynamic shared memory
+// RW_STAGES * RW_STAGE_BYTES. The rows of split s are [s * rph, min(K, (s + 1) * rph)), rph % RW_CHUNK == 0.
+// Output: out [M, ldo] fp16, the matrices' columns side by side; with S > 1 each block writes its sums to partial
+// [S, M, Ntot] and the last block of a column tile (counters, zero between launches and left zero) sums them in
+// split order (deterministic).
+extern "C" __global__ void __launch_bounds__(256, 2)
 gemv_rows(const half* __restrict__ x, int M, int K, int group,
           const u32* __restrict__ qw0, const u32* __restrict__ qz0, const half* __restrict__ sc0, int N0,
           const u32* __restrict__ qw1, const u32* __restrict__ qz1, const half* __restrict__ sc1, int N1,
           const u32* __restrict__ qw2, const u32* __restrict__ qz2, const half* __restrict__ sc2, int N2,
           half* __restrict__ out, int ldo, float* __restrict__ partial, unsigned* __restrict__ counters,
           int S, int rph) {
-    __shared__ __align__(16) half xs[RW_MAX_M * RW_SPAN];
-    __shared__ float red[RW_MAX_M][257];  // (257: the lanes' stores spread over the banks)
+    extern __shared__ __align__(128) unsigned char smem[];
     __shared__ bool last;
     // which matrix this block's column tile is in
     const int T0 = (N0 / 8 + 31) / 32, T1 = (N1 / 8 + 31) / 32;
@@ -48,49 +62,53 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
         if (tile >= T1) { tile -= T1; c_off += N1; qw = qw2; qz = qz2; sc = sc2; N = N2; }
     }
     const int Ntot = N0 + N1 + N2;
-    const int W = N / 8, tw = min(32, W - tile * 32);  // the tile's packed words
-    const int k_lo = blockIdx.y * rph, k_hi = min(K, k_lo + rph), span = k_hi - k_lo;
+    const int W = N / 8, tw = min(32, W - tile * 32);  // the tile's packed words (tw % 4 == 0)
+    const int k_lo = blockIdx.y * rph, k_hi = min(K, k_lo + rph);
+    const int chunks = (k_hi - k_lo + RW_CHUNK - 1) / RW_CHUNK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int wl = (warp & 3) * 8 + g;  // the lane's packed word in the tile
+    const int wl = (warp & 3) * 8 + g;  // the lane's packed word in the tile (past tw: computed, never stored)
     const int kp = warp >> 2;           // the warp's k phase: it takes every other k16 step
-    const bool active = wl < tw;
-    const int word = tile * 32 + wl;    // in the matrix
-    const u32* wp = qw + (size_t)tile * 32 * K + wl * 4;  // row quad 0 of the lane's word; quad q at + q * 4 tw
     const int gshift = (group & (group - 1)) == 0 ? __ffs(group) - 1 : -1;
-    const int steps = span / 16;
-    // Loads of one batch: RW_U k16 steps s0, s0 + 2, ... (weights, and each new group's zeros and scales).
-    // Two batches are in flight: the next is issued before the current one is computed, and the first before x is
-    // staged, so a warp keeps 2 x RW_U 16-byte loads outstanding instead of waiting out each batch's latency.
-    struct Batch { uint4 wv[RW_U]; u32 zw[RW_U]; uint4 sv[RW_U]; int gu[RW_U]; };
-    auto load = [&](Batch& b, int s0) {
-#pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
-            const int s = s0 + 2 * u;
-            const int k0 = k_lo + 16 * s;
-            b.gu[u] = s < steps ? (gshift >= 0 ? k0 >> gshift : k0 / group) : -1;
-            const bool fresh = u == 0 || b.gu[u] != b.gu[u - 1];  // (warp-uniform)
-            if (s < steps && active) {
-                b.wv[u] = ld_stream16(wp + (size_t)(k0 / 4 + t) * 4 * tw);
-                if (fresh) {
-                    b.zw[u] = __ldg(qz + (size_t)b.gu[u] * W + word);
-                    b.sv[u] = __ldg(reinterpret_cast<const uint4*>(sc + (size_t)b.gu[u] * N + word * 8));
-                } else {
-                    b.zw[u] = b.zw[u - 1]; b.sv[u] = b.sv[u - 1];
-                }
-            } else {
-                b.wv[u] = make_uint4(0, 0, 0, 0); b.zw[u] = 0; b.sv[u] = make_uint4(0, 0, 0, 0);
-            }
+    const u32* wtile = qw + (size_t)tile * 32 * K;  // the tile: [K / 4 quads][tw words][4 rows]
+
+    // Chunk c's cp.async pieces into its stage, every thread a share: the weights, zeros and scales (issue_w), which
+    // may go out before the kernel before us has finished (PDL), and the rows of x (issue_x), which may not.
+    auto issue_w = [&](int c) {
+        if (c >= chunks) return;
+        unsigned char* st = smem + (c % RW_STAGES) * RW_STAGE_BYTES;
+        const int c0 = k_lo + c * RW_CHUNK, rows = min(RW_CHUNK, k_hi - c0), nq = rows / 4;
+        const u32* src = wtile + (size_t)(c0 / 4) * tw * 4;  // the chunk's quads, contiguous
+        for (int i = threadIdx.x; i < nq * tw; i += 256) {
+            const int q = i / tw, w = i - q * tw;
+            cp_async16(st + RW_ST_W + rw_slot(q, w) * 16, src + (size_t)i * 4, 16);
+        }
+        const int g0 = gshift >= 0 ? c0 >> gshift : c0 / group;
+        const int ng = group >= RW_CHUNK ? 1 : (rows + group - 1) / group;
+        for (int i = threadIdx.x; i < ng * (tw + tw / 4); i += 256) {
+            const int gi = i / (tw + tw / 4), r = i - gi * (tw + tw / 4);
+            if (r < tw)  // 8 scales of word r
+                cp_async16(st + RW_ST_SC + (gi * 256 + r * 8) * 2, sc + (size_t)(g0 + gi) * N + tile * 256 + r * 8, 16);
+            else         // 4 zero words
+                cp_async16(st + RW_ST_Z + (gi * 32 + (r - tw) * 4) * 4, qz + (size_t)(g0 + gi) * W + tile * 32 + (r - tw) * 4, 16);
         }
     };
-    Batch cur, nxt;
-    load(cur, kp);
-    // the block's x rows [M, span] to shared memory (16-byte pieces; rows past M are never read)
-#pragma unroll 4
-    for (int i = threadIdx.x * 8; i < M * span; i += blockDim.x * 8) {
-        const int m = i / span, k = i - m * span;
-        *reinterpret_cast<uint4*>(&xs[m * RW_SPAN + k]) = *reinterpret_cast<const uint4*>(&x[(size_t)m * K + k_lo + k]);
-    }
-    __syncthreads();
+    auto issue_x = [&](int c) {  // x rows [M, rows]; then the chunk's commit group (empty past the end)
+        if (c < chunks) {
+            unsigned char* st = smem + (c % RW_STAGES) * RW_STAGE_BYTES;
+            const int c0 = k_lo + c * RW_CHUNK, p8 = min(RW_CHUNK, k_hi - c0) / 8;
+            for (int i = threadIdx.x; i < M * p8; i += 256) {
+                const int m = i / p8, p = i - m * p8;
+                cp_async16(st + RW_ST_X + (m * RW_XLD + p * 8) * 2, x + (size_t)m * K + c0 + p * 8, 16);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int c = 0; c < RW_STAGES - 1; ++c) issue_w(c);
+    pdl_wait();  // x, the partials and the counters belong to the kernels before us
+    pdl_trigger();
+#pragma unroll
+    for (int c = 0; c < RW_STAGES - 1; ++c) issue_x(c);  // (the first commit group holds the first chunks' weights)
 
     const bool row_lo = g < M, row_hi = g + 8 < M;  // the A rows this lane supplies hold tokens
     float acc[8][4];
@@ -99,38 +117,50 @@ gemv_rows(const half* __restrict__ x, int M, int K, int group,
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[c][i] = 0.f;
 
-    for (int s0 = kp; s0 < steps; s0 += 2 * RW_U) {
-        if (s0 + 2 * RW_U < steps) load(nxt, s0 + 2 * RW_U);
-        half2 zb[4], s2[4];  // the zero biases and scales of the group of the steps below (converted once a group)
-#pragma unroll
-        for (int u = 0; u < RW_U; ++u) {
-            const int s = s0 + 2 * u;
-            if (s >= steps) break;
-            if (u == 0 || cur.gu[u] != cur.gu[u - 1]) {
-                awq_zero_bias(cur.zw[u], zb);
-                awq_scales8(cur.sv[u], s2);
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<RW_STAGES - 2>();  // this thread's pieces of chunk c have landed
+        __syncthreads();                 // everyone's have; and every warp is done with chunk c - 1's stage
+        issue_w(c + RW_STAGES - 1);      // into chunk c - 1's stage
+        issue_x(c + RW_STAGES - 1);
+        const unsigned char* st = smem + (c % RW_STAGES) * RW_STAGE_BYTES;
+        const uint4* ws = reinterpret_cast<const uint4*>(st + RW_ST_W);
+        const half* xs = reinterpret_cast<const half*>(st + RW_ST_X);
+        const u32* zs = reinterpret_cast<const u32*>(st + RW_ST_Z);
+        const uint4* ss = reinterpret_cast<const uint4*>(st + RW_ST_SC);
+        const int steps = min(RW_CHUNK, k_hi - k_lo - c * RW_CHUNK) / 16;
+        half2 zb[4], s2[4];
+        int gcur = -1;
+        for (int s = kp; s < steps; s += 2) {
+            const int gl = group >= RW_CHUNK ? 0 : (16 * s) >> gshift;  // the step's group in the chunk
+            if (gl != gcur) {
+                gcur = gl;
+                awq_zero_bias(zs[gl * 32 + wl], zb);
+                awq_scales8(ss[gl * 32 + wl], s2);
             }
+            const uint4 wv = ws[rw_slot(4 * s + t, wl)];
             // A: tokens g and g + 8 at actual k 4t..4t+3 of this step (logical 2t, 2t+1 | 2t+8, 2t+9)
             const int kk = 16 * s + 4 * t;
-            const uint2 xlo = row_lo ? *reinterpret_cast<const uint2*>(&xs[g * RW_SPAN + kk]) : make_uint2(0, 0);
-            const uint2 xhi = row_hi ? *reinterpret_cast<const uint2*>(&xs[(g + 8) * RW_SPAN + kk]) : make_uint2(0, 0);
+            const uint2 xlo = row_lo ? *reinterpret_cast<const uint2*>(&xs[g * RW_XLD + kk]) : make_uint2(0, 0);
+            const uint2 xhi = row_hi ? *reinterpret_cast<const uint2*>(&xs[(g + 8) * RW_XLD + kk]) : make_uint2(0, 0);
             const u32 a[4] = {xlo.x, xhi.x, xlo.y, xhi.y};
             // B: (q - z) * s of the word's 8 columns at the lane's 4 rows, one MMA per column
             half2 d0[4], d1[4], d2[4], d3[4];
-            awq_dequant8(cur.wv[u].x, zb, s2, d0);
-            awq_dequant8(cur.wv[u].y, zb, s2, d1);
-            awq_dequant8(cur.wv[u].z, zb, s2, d2);
-            awq_dequant8(cur.wv[u].w, zb, s2, d3);
+            awq_dequant8(wv.x, zb, s2, d0);
+            awq_dequant8(wv.y, zb, s2, d1);
+            awq_dequant8(wv.z, zb, s2, d2);
+            awq_dequant8(wv.w, zb, s2, d3);
 #pragma unroll
             for (int p = 0; p < 4; ++p) {  // columns 2p (low halves) and 2p + 1 (high halves)
                 mma_16816(acc[2 * p], a, h2u(__lows2half2(d0[p], d1[p])), h2u(__lows2half2(d2[p], d3[p])));
                 mma_16816(acc[2 * p + 1], a, h2u(__highs2half2(d0[p], d1[p])), h2u(__highs2half2(d2[p], d3[p])));
             }
         }
-        cur = nxt;
     }
+    cp_async_wait_all();  // (only empty groups are left)
+    __syncthreads();      // every warp done with the stages: red takes their place
     // C: acc[c] = (token g, words 2t, 2t+1 of the warp's 8) | (token g + 8, same) at column c of those words.
     // The two k phases meet in red; phase 0 adds its own sums and stores.
+    float (*red)[257] = reinterpret_cast<float (*)[257]>(smem);  // [16][257] (257: stores spread over the banks)
     const int w0 = (warp & 3) * 8 + 2 * t;  // the first of the lane's two words in the tile
     if (kp == 1) {
 #pragma unroll

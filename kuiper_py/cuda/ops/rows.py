@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from ..memory import _BUF_GEN, _empty, _i
-from ..runtime.build import kernel
+from ..runtime.build import _compiled, kernel
+from ..runtime.launch import allow_dynamic_smem
 from ..runtime.device import _dev_id, sm_count
 from .gemv import _mat_slots
 
@@ -16,23 +17,42 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 ROWS_MAX = 16  # gemv_rows.cu RW_MAX_M: the MMA's m
-ROWS_SPAN = 512  # gemv_rows.cu RW_SPAN: the most rows of K one block takes
-ROWS_BLOCKS_PER_SM = 0.5  # blocks the split count aims at per SM: fewest splits the x span allows, by measurement
+ROWS_CHUNK = 128  # gemv_rows.cu RW_CHUNK: rows of K a pipeline stage holds
+ROWS_SMEM = 4 * 23552  # gemv_rows.cu RW_STAGES * RW_STAGE_BYTES: the launch's dynamic shared memory
+ROWS_BLOCKS_PER_SM = 2  # blocks that fit an SM (__launch_bounds__(256, 2), 2 x 94 KB of shared memory)
 
 
 def rows_fit(mats) -> bool:
-    """gemv_rows.cu's shape table: up to 3 matrices with one K and group size, K % 32, N % 8, group % 16."""
+    """gemv_rows.cu's shape table: up to 3 matrices with one K and group size, K % 32, N % 32 (a tile's zero words
+    in 16-byte pieces), group 32 or 64 or a multiple of 128 (a stage's chunk holds whole groups)."""
     m0 = mats[0]
-    return (len(mats) <= 3 and m0.K % 32 == 0 and m0.group_size % 16 == 0
-            and all(m.K == m0.K and m.group_size == m0.group_size and m.N % 8 == 0 for m in mats))
+    g = m0.group_size
+    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g % ROWS_CHUNK == 0)
+            and all(m.K == m0.K and m.group_size == g and m.N % 32 == 0 for m in mats))
 
 
-def rows_split(K: int, tiles: int) -> tuple[int, int]:
-    """(splits, rows per split) of K over a launch of `tiles` column tiles: about ROWS_BLOCKS_PER_SM blocks per SM,
-    at least 4 k16 steps per warp (128 rows), at most ROWS_SPAN rows (the block's x in shared memory)."""
-    S = max(math.ceil(K / ROWS_SPAN), min(math.ceil(ROWS_BLOCKS_PER_SM * sm_count() / tiles), K // 128), 1)
-    rph = math.ceil(K / S / 32) * 32
-    return math.ceil(K / rph), rph
+_SPLITS: dict[tuple, tuple[int, int]] = {}
+
+
+def rows_split(K: int, tiles: int, M: int) -> tuple[int, int]:
+    """(splits, rows per split) of K over a launch of `tiles` column tiles of M rows: the split whose busiest SM
+    streams the fewest bytes, counting the blocks' waves over the GPU's slots (ROWS_BLOCKS_PER_SM an SM), each
+    block's chunks and, with more than one split, the partial sums it writes and the last block reads back."""
+    key = (K, tiles, M, sm_count())
+    if key not in _SPLITS:
+        chunks = math.ceil(K / ROWS_CHUNK)
+        slots = ROWS_BLOCKS_PER_SM * sm_count()
+        chunk_bytes = ROWS_CHUNK * 256 // 2 + ROWS_CHUNK * M * 2  # a tile's weights and the rows of x
+        best = None
+        for per in range(chunks, 0, -1):  # chunks per block, most first: fewer splits win ties
+            S = math.ceil(chunks / per)
+            if math.ceil(chunks / S) != per:
+                continue  # (the same split as a larger per)
+            cost = math.ceil(tiles * S / slots) * (per * chunk_bytes + (S > 1) * M * 256 * 4 * 2)
+            if best is None or cost < best[0]:
+                best = (cost, S, per * ROWS_CHUNK)
+        _SPLITS[key] = best[1:]
+    return _SPLITS[key]
 
 
 _SCRATCH: dict[int, list] = {}
@@ -66,10 +86,12 @@ def rows_gemm(x, mats, out=None):
     assert out.shape == (M, Ntot) and out.flags.c_contiguous
     tiles = sum(math.ceil(m.N / 256) for m in mats)
     assert tiles <= ROWS_MAX_TILES
-    S, rph = rows_split(K, tiles)
+    S, rph = rows_split(K, tiles, M)
     part, counters = rows_scratch(S * M * Ntot if S > 1 else 0)
+    allow_dynamic_smem(_compiled("rows", "gemv_rows"), ROWS_SMEM)
     kernel("rows", "gemv_rows")((tiles, S), (256,), (x, _i(M), _i(K), _i(mats[0].group_size), *_mat_slots(mats),
-                                                      out, _i(Ntot), part, counters, _i(S), _i(rph)))
+                                                      out, _i(Ntot), part, counters, _i(S), _i(rph)),
+                                shared_mem=ROWS_SMEM)
     return out
 
 
