@@ -21,11 +21,13 @@ def rand_awq(rng, K, N, g=128):
 
 @pytest.mark.parametrize("M", [2, 5, 16])
 @pytest.mark.parametrize("K,Ns,g", [(4096, (4096, 1024, 1024), 128), (12288, (4096,), 128),
-                                    (1024, (3072,), 64), (384, (96,), 32), (256, (416, 96), 64)])
+                                    (1024, (3072,), 64), (384, (96,), 32), (256, (416, 96), 64),
+                                    (352, (256, 64), 32), (1024, (512,), 256), (1152, (288,), 384)])
 def test_rows_gemm(M, K, Ns, g):
-    """One to three matrices side by side (q|k|v, gate|up), narrow last column tiles, small groups, one split and
-    many: every output element written (poisoned out), within fp16 rounding of the float64 product, bit-identical
-    on a second run (the split sums are added in split order), the arrival counters left zero."""
+    """One to three matrices side by side (q|k|v, gate|up), narrow last column tiles, small groups and groups past
+    a 128-row chunk, a K whose last chunk is short, one split and many: every output element written (poisoned
+    out), within fp16 rounding of the float64 product, bit-identical on a second run (the split sums are added in
+    split order), the arrival counters left zero."""
     rng = np.random.default_rng()
     pairs = [rand_awq(rng, K, n, g) for n in Ns]
     mats = tuple(m for m, _ in pairs)

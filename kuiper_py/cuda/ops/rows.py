@@ -8,7 +8,7 @@ import math
 from ..memory import _BUF_GEN, _empty, _i
 from ..runtime.build import _compiled, kernel
 from ..runtime.launch import allow_dynamic_smem
-from ..runtime.device import _dev_id, sm_count
+from ..runtime.device import _dev_id, device_attrs, sm_count
 from .gemv import _mat_slots
 
 try:
@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 ROWS_MAX = 16  # gemv_rows.cu RW_MAX_M: the MMA's m
 ROWS_CHUNK = 128  # gemv_rows.cu RW_CHUNK: rows of K a pipeline stage holds
 ROWS_SMEM = 4 * 23552  # gemv_rows.cu RW_STAGES * RW_STAGE_BYTES: the launch's dynamic shared memory
-ROWS_BLOCKS_PER_SM = 2  # blocks that fit an SM (__launch_bounds__(256, 2), 2 x 94 KB of shared memory)
+ROWS_BLOCKS_MAX = 2  # gemv_rows.cu __launch_bounds__(256, 2): the blocks an SM's registers hold
 
 
 def rows_fit(mats) -> bool:
@@ -27,8 +27,15 @@ def rows_fit(mats) -> bool:
     in 16-byte pieces), group 32 or 64 or a multiple of 128 (a stage's chunk holds whole groups)."""
     m0 = mats[0]
     g = m0.group_size
-    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g % ROWS_CHUNK == 0)
+    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g > 0 and g % ROWS_CHUNK == 0)
             and all(m.K == m0.K and m.group_size == g and m.N % 32 == 0 for m in mats))
+
+
+def rows_blocks_per_sm() -> int:
+    """gemv_rows blocks one SM holds: two where its shared memory takes two stage rings (Hopper), else one."""
+    a = device_attrs()
+    per_block = ROWS_SMEM + 128 + a.get("ReservedSharedMemoryPerBlock", 1024)  # (+ its static shared memory)
+    return max(1, min(ROWS_BLOCKS_MAX, a["MaxSharedMemoryPerMultiprocessor"] // per_block))
 
 
 _SPLITS: dict[tuple, tuple[int, int]] = {}
@@ -36,12 +43,12 @@ _SPLITS: dict[tuple, tuple[int, int]] = {}
 
 def rows_split(K: int, tiles: int, M: int) -> tuple[int, int]:
     """(splits, rows per split) of K over a launch of `tiles` column tiles of M rows: the split whose busiest SM
-    streams the fewest bytes, counting the blocks' waves over the GPU's slots (ROWS_BLOCKS_PER_SM an SM), each
+    streams the fewest bytes, counting the blocks' waves over the GPU's slots (rows_blocks_per_sm() an SM), each
     block's chunks and, with more than one split, the partial sums it writes and the last block reads back."""
-    key = (K, tiles, M, sm_count())
+    key = (K, tiles, M, sm_count(), rows_blocks_per_sm())
     if key not in _SPLITS:
         chunks = math.ceil(K / ROWS_CHUNK)
-        slots = ROWS_BLOCKS_PER_SM * sm_count()
+        slots = key[4] * key[3]
         chunk_bytes = ROWS_CHUNK * 256 // 2 + ROWS_CHUNK * M * 2  # a tile's weights and the rows of x
         best = None
         for per in range(chunks, 0, -1):  # chunks per block, most first: fewer splits win ties
