@@ -181,7 +181,7 @@ _FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,tru
 # launched with programmatic dependent launch: on sm_90 the next kernel's blocks become resident
 # while the current kernel drains. These are the decode step's kernels and some prefill ones (routing, the
 # 16-byte norm and RoPE forms).
-PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm",
+PDL_KERNELS = {*(gemv_name(*f) for f in GEMV_FORMS), "embed_gather", "add_rmsnorm", "gemv_rows",
                "qk_norm_rope_store<64>", "qk_norm_rope_store<128>",
                "advance_position", "attn_decode_combine", "lm_head_gemv", "moe_router_logits", "moe_topk", *MOE_RMMA_NAMES,
                "moe_route_decode"} | {
