@@ -24,10 +24,10 @@ ROWS_BLOCKS_MAX = 2  # gemv_rows.cu __launch_bounds__(256, 2): the blocks an SM'
 
 def rows_fit(mats) -> bool:
     """gemv_rows.cu's shape table: up to 3 matrices with one K and group size, K % 32, N % 32 (a tile's zero words
-    in 16-byte pieces), group 32 or 64 or a multiple of 128 (a stage's chunk holds whole groups)."""
+    in 16-byte pieces), group 32 or 64 or a multiple of 128 (a stage's chunk holds whole groups), K whole groups."""
     m0 = mats[0]
     g = m0.group_size
-    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g > 0 and g % ROWS_CHUNK == 0)
+    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g > 0 and g % ROWS_CHUNK == 0) and m0.K % g == 0
             and all(m.K == m0.K and m.group_size == g and m.N % 32 == 0 for m in mats))
 
 
@@ -41,21 +41,24 @@ def rows_blocks_per_sm() -> int:
 _SPLITS: dict[tuple, tuple[int, int]] = {}
 
 
-def rows_split(K: int, tiles: int, M: int) -> tuple[int, int]:
-    """(splits, rows per split) of K over a launch of `tiles` column tiles of M rows: the split whose busiest SM
-    streams the fewest bytes, counting the blocks' waves over the GPU's slots (rows_blocks_per_sm() an SM), each
-    block's chunks and, with more than one split, the partial sums it writes and the last block reads back."""
-    key = (K, tiles, M, sm_count(), rows_blocks_per_sm())
+def rows_split(K: int, tiles: int) -> tuple[int, int]:
+    """(splits, rows per split) of K over a launch of `tiles` column tiles: the split whose busiest SM streams the
+    fewest bytes at ROWS_MAX rows, counting the blocks' waves over the GPU's slots (rows_blocks_per_sm() an SM), each
+    block's chunks and, with more than one split, the partial sums it writes and the last block reads back. It does
+    not depend on the launch's rows, which set the order of a row's sums through the split: a row's sums are the
+    same bits whatever rows share its launch (an eager step and its bucket's graph replay, a verify step and
+    plain decoding's rows)."""
+    key = (K, tiles, sm_count(), rows_blocks_per_sm())
     if key not in _SPLITS:
         chunks = math.ceil(K / ROWS_CHUNK)
-        slots = key[4] * key[3]
-        chunk_bytes = ROWS_CHUNK * 256 // 2 + ROWS_CHUNK * M * 2  # a tile's weights and the rows of x
+        slots = key[3] * key[2]
+        chunk_bytes = ROWS_CHUNK * 256 // 2 + ROWS_CHUNK * ROWS_MAX * 2  # a tile's weights and the rows of x
         best = None
         for per in range(chunks, 0, -1):  # chunks per block, most first: fewer splits win ties
             S = math.ceil(chunks / per)
             if math.ceil(chunks / S) != per:
                 continue  # (the same split as a larger per)
-            cost = math.ceil(tiles * S / slots) * (per * chunk_bytes + (S > 1) * M * 256 * 4 * 2)
+            cost = math.ceil(tiles * S / slots) * (per * chunk_bytes + (S > 1) * ROWS_MAX * 256 * 4 * 2)
             if best is None or cost < best[0]:
                 best = (cost, S, per * ROWS_CHUNK)
         _SPLITS[key] = best[1:]
@@ -93,7 +96,7 @@ def rows_gemm(x, mats, out=None):
     assert out.shape == (M, Ntot) and out.flags.c_contiguous
     tiles = sum(math.ceil(m.N / 256) for m in mats)
     assert tiles <= ROWS_MAX_TILES
-    S, rph = rows_split(K, tiles, M)
+    S, rph = rows_split(K, tiles)
     part, counters = rows_scratch(S * M * Ntot if S > 1 else 0)
     allow_dynamic_smem(_compiled("rows", "gemv_rows"), ROWS_SMEM)
     kernel("rows", "gemv_rows")((tiles, S), (256,), (x, _i(M), _i(K), _i(mats[0].group_size), *_mat_slots(mats),
