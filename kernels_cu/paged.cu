@@ -86,11 +86,12 @@ paged_qk_norm_rope_store(const half* __restrict__ qin, int q_stride,  // [T, q_s
 // the chunk, lane l for dims DPL l .. DPL l + DPL - 1 of every head of the group (one coalesced read per value
 // row), and the 4 warps' sums meet in shared memory in warp order. S = 1 writes out [T, H * HD]; S > 1 writes each
 // block's (acc, max, sum) to part_acc / part_ml for paged_attention_merge.
-// 6 blocks per SM (80 registers): the K and V rows of many blocks in flight. H100, 8B shapes, µs per layer at 640 /
-// 2048 keys, 16 rows: 37.7 / 89.6 against 55.4 / 134.0 for one block per value row pair (142 registers, 1 block).
+// 5 blocks per SM (96 registers, 92 bytes of spill at HD 128): more K and V rows in flight than the 3 blocks its
+// 142 registers would allow. H100, 8B shapes, µs per layer at 640 / 2048 keys and 16 rows: 33.1 / 82.2 (4 blocks
+// 41.4 / 83.5, 6 blocks 37.5 / 88.6).
 constexpr int PA_CHUNK = 128, PA_MAX_G = 8;
 template <int HD>
-__global__ void __launch_bounds__(128, 6)
+__global__ void __launch_bounds__(128, 5)
 paged_attention(const half* __restrict__ q,                     // [T, H, HD]
                 const half* __restrict__ Kc, const half* __restrict__ Vc,  // [n_blocks, bs, KV, HD] this layer
                 const int* __restrict__ tables, int tstride,
