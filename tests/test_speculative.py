@@ -321,6 +321,7 @@ def test_bench_tool_runs_on_the_cpu(files, tmp_path):
     assert all(f"verify_k{k}_ratio" in res["steps"] for k in (1, 2, 4, 8))
     t = res["throughput"]
     assert t["always_agree"]["acceptance_rate"] == 1.0 and t["always_agree"]["proposed"] > 0
+    assert t["replay_parts_from_plain_at"] is None  # (on the CPU the verify steps pick plain decoding's tokens)
     rates = {row["forced_rate"]: row["acceptance_rate"] for row in t["draft_forced"]}
     assert rates == {0.0: 0.0, 1.0: 1.0}
     assert "always-agree" in r.stdout
