@@ -31,6 +31,7 @@
 #define RW_ST_SC (RW_ST_X + RW_MAX_M * RW_XLD * 2)
 #define RW_ST_Z (RW_ST_SC + RW_GMAX * 256 * 2)
 #define RW_STAGE_BYTES (RW_ST_Z + RW_GMAX * 32 * 4)
+static_assert(RW_STAGES * RW_STAGE_BYTES == 94208, "kuiper_py/cuda/ops/rows.py ROWS_SMEM launches this much");
 
 // Two fp16 values as one MMA operand register.
 __device__ __forceinline__ u32 h2u(half2 h) { return *reinterpret_cast<u32*>(&h); }

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 ROWS_MAX = 16  # gemv_rows.cu RW_MAX_M: the MMA's m
 ROWS_CHUNK = 128  # gemv_rows.cu RW_CHUNK: rows of K a pipeline stage holds
-ROWS_SMEM = 4 * 23552  # gemv_rows.cu RW_STAGES * RW_STAGE_BYTES: the launch's dynamic shared memory
+ROWS_SMEM = 4 * 23552  # gemv_rows.cu RW_STAGES * RW_STAGE_BYTES (a static_assert there holds them equal)
 ROWS_BLOCKS_MAX = 2  # gemv_rows.cu __launch_bounds__(256, 2): the blocks an SM's registers hold
 
 
