@@ -212,18 +212,27 @@ def _mats_rec(mats) -> list:
 _GEMM_PATHS: dict[tuple, str] = {}
 
 
+def _kn(sig) -> tuple[int, int]:
+    """(K, N) of a projection's shape signature (its matrices side by side)."""
+    return sig[0][0][0], sum(n for _, n in sig[0])
+
+
 def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rows" (2 to rows_max_m rows: gemv_rows.cu),
     "rs" or "wgmma" (the two fused Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
     sig, st = _mats_rec(mats)[0], cfg.SETTINGS
-    K, N = sig[0][0][0], sum(n for _, n in sig[0])
-    wg_min = device_tuning().get("rows_wgmma_min", {}).get((K, N))  # (this GPU's table's entry: part of the key)
+    few = 1 < T <= min(st.rows_max_m, ROWS_MAX)
+    # this GPU's table's entry, part of the key, looked up only where it decides (a prompt's layers ask per call)
+    wg_min = device_tuning().get("rows_wgmma_min", {}).get(_kn(sig)) if few else None
     key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m, wg_min,
            cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)
+    if path is not None:
+        return path
+    K, N = _kn(sig)
     hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
-    if path is None and 1 < T <= min(st.rows_max_m, ROWS_MAX) and rows_fit(mats):
+    if few and rows_fit(mats):
         # gemv_rows, unless this GPU's table has the fused GEMM (one 64-row tile, the same weight bytes) faster
         # for this shape from this many rows
         wg = wg_min is not None and T >= wg_min and hopper and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
