@@ -1,7 +1,8 @@
 """Every GPU-marked test, sharded over the GPUs of one machine: one pytest process per GPU (CUDA_VISIBLE_DEVICES),
-all under one time limit. The suite no longer fits one device call on one GPU (1223 tests, about
-45 GPU-minutes on the H100), and several processes on one GPU stall each other: the decode kernels that spin on
-cluster or global exchanges, time-sliced against another context, ran for minutes.
+all under one time limit. On one H100 the suite is about 12 minutes, more than one 10-minute call: the fast tier
+(`--fast`, 258 tests, 5 minutes) and the slow one (`--marker "gpu and slow"`, 1496 tests, 7 minutes) run apart.
+Several processes on one GPU stall each other: the decode kernels that spin on cluster or global exchanges,
+time-sliced against another context, ran for minutes.
 
 The collected tests (the end-to-end files first) are dealt round-robin, so each shard gets a share of the slow
 ones, and each log ends with its 15 slowest tests. Each process runs under `timeout -s INT`, so a shard stopped by
