@@ -56,7 +56,22 @@ class Step:
 
 
 @runtime_checkable
-class Backend(Protocol):
+class Collectives(Protocol):
+    """What a backend does to run as one rank of a tensor-parallel group (parallel/, docs/PARALLEL.md); every Backend
+    has it, a backend outside a group (no communicator) being a group of one.
+
+    Such a backend is built on its rank's shards (parallel.shard.RankFile: its heads, MLP columns, experts and
+    vocabulary rows) and a parallel.comm.Communicator. The forward calls all_reduce on the output of the o projection
+    and of the MLP or MoE block (row-parallel: each rank holds a partial sum); logits() returns the whole vocabulary's
+    row on every rank (the lm_head is vocabulary-parallel, the backend gathers or reduces it), so draws and callers
+    see what one rank would."""
+
+    def all_reduce(self, x) -> Any:
+        """The element-wise sum of x over the group's ranks; x itself (no copy, no arithmetic) in a group of one."""
+
+
+@runtime_checkable
+class Backend(Collectives, Protocol):
     """The methods model.Qwen3 and generate.py call; a backend declares what it can do through its attributes rather
     than by which methods it has."""
     name: str  # "cpu", "cuda"
@@ -103,21 +118,6 @@ class Backend(Protocol):
     def argmax_rows(self, logits, n_valid: int) -> np.ndarray: ...  # each row's argmax over ids < n_valid (host ints)
     def sample_rows(self, logits, draws: Sequence[RowDraw | None], n_valid: int) -> list[int | None]: ...
     # row i's draw (its own settings and seed) where draws[i] is given; its logits may be overwritten
-
-
-@runtime_checkable
-class Collectives(Protocol):
-    """What a backend adds to run as one rank of a tensor-parallel group (parallel/, docs/PARALLEL.md); optional:
-    model.Qwen3 treats a backend without all_reduce as a group of one.
-
-    Such a backend is built on its rank's shards (parallel.shard.RankFile: its heads, MLP columns, experts and
-    vocabulary rows) and a parallel.comm.Communicator. The forward calls all_reduce on the output of the o projection
-    and of the MLP or MoE block (row-parallel: each rank holds a partial sum); logits() returns the whole vocabulary's
-    row on every rank (the lm_head is vocabulary-parallel, the backend gathers or reduces it), so draws and callers
-    see what one rank would."""
-
-    def all_reduce(self, x) -> Any:
-        """The element-wise sum of x over the group's ranks; x itself (no copy, no arithmetic) in a group of one."""
 
 
 @runtime_checkable

@@ -12,10 +12,6 @@ from .backend import Backend, Step
 from .errors import KuiperError
 
 
-def _same(x):
-    return x
-
-
 class Qwen3:
     def __init__(self, model_file, ops_cls, max_context: int, **ops_kwargs):
         self.args = model_file.args
@@ -46,7 +42,7 @@ class Qwen3:
     def _layers(self, step: Step):
         """Every layer and the final norm: x [T, D], the lm_head's input."""
         ops, w = self.ops, self.ops.weights
-        reduce = getattr(ops, "all_reduce", _same)  # backend.Collectives (tensor parallel); optional
+        reduce = ops.all_reduce  # backend.Collectives: a tensor-parallel rank's partial sums added; else x itself
         h = ops.embed(step)  # [T, D]
         r = None
         for i, layer in enumerate(w.layers):
