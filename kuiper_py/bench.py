@@ -149,10 +149,10 @@ def _row(eng: Engine, model: str, p: int, n: int, name: str, samples: list[tuple
         "avg_ts": float(ts.mean()), "stddev_ts": float(ts.std(ddof=1)) if len(ts) > 1 else 0.0,
         "samples_ns": [int(x) for x in ns], "samples_ts": [float(x) for x in ts],
     }
-    if eng.device == "cuda":
-        from .ops_cupy import gpu_memory_used_mib, gpu_name
-        row["gpu_info"] = gpu_name()
-        row["gpu_mem_mib"] = round(gpu_memory_used_mib(), 1)
+    dev = eng.model.ops.device_stats()
+    if dev:
+        row["gpu_info"] = dev["gpu_name"]
+        row["gpu_mem_mib"] = round(dev["gpu_mib"], 1)
     return row
 
 

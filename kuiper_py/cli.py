@@ -454,11 +454,11 @@ def generate_cmd(model, prompt, prompt_file, max_tokens, temp, top_k, top_p, min
 def _generate_stats(eng, last) -> dict:
     stats = {"load_s": round(eng.load_seconds, 3), "warmup_s": round(last.warmup_seconds, 3),
              "prompt_tokens": last.prompt_tokens, **_timings(last), "peak_host_mib": round(_peak_host_mib(), 1)}
-    if eng.device == "cuda":
-        from .ops_cupy import gpu_memory_used_mib, kernel_build_seconds
-        stats["gpu_mib"] = round(gpu_memory_used_mib(), 1)
+    dev = eng.model.ops.device_stats() if eng.model is not None else {}
+    if dev:
+        stats["gpu_mib"] = round(dev["gpu_mib"], 1)
         # waited for in the load, the warm-up and the prompt: large on a machine's first run (NVRTC), ~0.1 s after
-        stats["kernel_build_s"] = round(kernel_build_seconds(), 3)
+        stats["kernel_build_s"] = round(dev["kernel_build_s"], 3)
     return stats
 
 

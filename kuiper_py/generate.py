@@ -27,7 +27,7 @@ def pick_device(device: str | None) -> str:
     if device not in (None, "auto"):
         raise KuiperError(f"--device {device!r}: choose cuda or cpu")
     try:
-        from .ops_cupy import cuda_available
+        from .cuda.runtime.device import cuda_available
         if cuda_available():
             return "cuda"
     except ImportError:
@@ -41,7 +41,8 @@ def ops_class(device: str):
         from .ops_numpy import NumpyOps
         return NumpyOps
     try:
-        from .ops_cupy import CupyOps, check_device
+        from .cuda.backend import CupyOps
+        from .cuda.runtime.device import check_device
     except ImportError as e:
         raise KuiperError(f"--device cuda needs CuPy (pip install 'kuiper[cuda13]'): {e}") from None
     check_device()

@@ -188,6 +188,10 @@ class NumpyOps:
     def synchronize() -> None:
         pass
 
+    @staticmethod
+    def device_stats() -> dict:
+        return {}
+
     def begin_step(self, step: Step) -> None:
         """A step of one sequence in the contiguous cache, or of up to max_batch with block tables."""
         if any(s.block_table is None for s in step.seqs):

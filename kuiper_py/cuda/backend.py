@@ -16,7 +16,9 @@ from .. import env
 from . import memory as mem
 from . import settings as cfg
 from .settings import Settings, use_settings
-from .runtime.build import _module, _module_keys, kernel, model_families, model_groups, precompile
+from .runtime.build import (_module, _module_keys, kernel, kernel_build_seconds, model_families, model_groups,
+                            precompile)
+from .runtime.device import device_name, gpu_memory_used_mib
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
 from .ops.gemv import SUPPORTED_HEAD_DIMS, decode_acc_layout, gemv, gemv_counters, gemv_partial_size
 from .ops.gemm import cublas_ready, gemm, swiglu_prefill
@@ -247,6 +249,10 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
     @staticmethod
     def synchronize() -> None:
         cp.cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    def device_stats() -> dict:
+        return {"gpu_name": device_name(), "gpu_mib": gpu_memory_used_mib(), "kernel_build_s": kernel_build_seconds()}
 
     def _alloc_decode(self):
         a = self.args
