@@ -1,10 +1,8 @@
-// The flash-decoding split as a device function, for the attention kernel (attention.cu
-// attn_decode_gqa: one 128-thread block per split), the persistent decode kernel (decode_layers.cu:
-// a 128-thread quarter or half of a block per split, its own named barrier) and the fused attention
-// half (decode_attn.cu: 128-thread quarters of a cluster's blocks). q and the newest key's row are
-// read from L2 (.cg): they were written by the kernel before or earlier in the same launch (this
-// block, or another block of the grid or cluster), so a line in this SM's L1 may be stale. The older
-// rows no launch of this step writes: they stream through the read-only path without L1 allocation.
+// The flash-decoding split as a device function, for attention.cu's attn_decode_gqa (one 128-thread block
+// per split; its CM form merges the splits in their cluster). q and the newest key's row are read from L2
+// (.cg): they were written by the kernel before or earlier in the same launch (attn_decode_gqa's q|k|v
+// finish), so a line in this SM's L1 may be stale. The older rows no launch of this step writes: they stream
+// through the read-only path without L1 allocation.
 #pragma once
 #include "common.cuh"
 

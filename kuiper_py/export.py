@@ -19,8 +19,6 @@ from .config import ModelArgs
 from .errors import KuiperError, ResourceError
 from .st_reader import Checkpoint, bf16_to_f32
 
-TRAILER_KEYS = ("config", "generation_config", "tokenizer", "tokenizer_config")
-
 
 def _read_json(path: Path, required: bool):
     if not path.exists():

@@ -102,8 +102,8 @@ class ModelFile:
 
 def device_arrays(w: Weights) -> list:
     """Every array of w that the GPU engine copies to the device, once each (a tied lm_head is the embedding): the
-    embedding (an untied one stays in pinned host memory by default, ops_cupy), the final norm, an untied lm_head,
-    and each layer's norms, AWQ linears or expert stacks and router."""
+    embedding (an untied one stays in pinned host memory by default, cuda/weights.py), the final norm, an untied
+    lm_head, and each layer's norms, AWQ linears or expert stacks and router."""
     arrays = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
     for layer in w.layers:
         arrays += [layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm]

@@ -1,4 +1,4 @@
-"""Issue 95: the CLI as a llama.cpp / mlx-lm user tries it first, through the real `kuiper` entry point."""
+"""The CLI as a llama.cpp / mlx-lm user tries it first, through the real `kuiper` entry point."""
 import hashlib
 import json
 import os

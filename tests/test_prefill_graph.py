@@ -1,4 +1,4 @@
-"""Prefill graphs' padding (ops_cupy.prefill_graph) checked on the CPU reference engine: a prompt padded at its end
+"""Prefill graphs' padding (CupyOps.prefill_graph) checked on the CPU reference engine: a prompt padded at its end
 to its length bucket gives its own last logits and, once decode overwrites the padding's cache rows, its own
 continuation; and the buckets themselves. The GPU side is in test_gpu_e2e.py and test_cuda_moe.py."""
 import numpy as np
@@ -113,7 +113,7 @@ def test_padded_continued_prompts_give_their_own_logits_and_continuation(tiny_bi
 
 
 class _FakeCupy:
-    """A stand-in for the CuPy that ops_cupy's module builds use: RawModule(...).compile() sleeps for the family's
+    """A stand-in for the CuPy that build.py's module builds use: RawModule(...).compile() sleeps for the family's
     delay (its file's name is the key) or raises CompileException for a file in `broken`, counting builds."""
 
     def __init__(self, delays, broken=()):
@@ -159,7 +159,7 @@ def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
 
 
 def test_a_slow_kernel_build_says_once_that_it_compiles(monkeypatch, capsys):
-    """ops_cupy._compiled with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
+    """build._compiled with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
     on stderr saying that kernels are being compiled (a first run's silent minute looks like a hang), a second slow
     build prints nothing more, a quick one (a disk-cache load) nothing at all; kernel_build_seconds counts the time
     waited."""
@@ -229,7 +229,7 @@ def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
 
 
 def test_model_families_name_real_families():
-    """model_families lists only families ops_cupy can build, the MoE ones for MoE models only, the cluster ones from
+    """model_families lists only families build.py can build, the MoE ones for MoE models only, the cluster ones from
     compute capability 9.0 on, the modules built for sm_90a (wgmma) on 9.0 only (they cannot load elsewhere)."""
     from kuiper_py.config import ModelArgs
     from kuiper_py.synth import hf_config

@@ -173,7 +173,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
                                "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,
                                "gpu_mib_graph": cp.get_default_memory_pool().total_bytes() / 2**20})
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
-    emb = eng.model.ops.weights.embed  # an untied embedding table stays in pinned host memory (ops_cupy)
+    emb = eng.model.ops.weights.embed  # an untied embedding table stays in pinned host memory (cuda/weights.py)
     res["ours_host_pinned_mib"] = emb.nbytes / 2**20 if isinstance(emb, np.ndarray) else 0.0
     eng.model = None
     cp.get_default_memory_pool().free_all_blocks()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speculative decoding figures at batch 1 (issue 96), greedy, one process:
+"""Speculative decoding figures at batch 1, greedy, one process:
 
 1. the verify step (a prefill of K+1 tokens, every position's logits) at K = 1, 2, 4, 8 relative to one decode step;
 2. the upper bound: tokens/s with a proposal that always agrees (the target's own greedy continuation replayed: the

@@ -19,7 +19,7 @@ def rel(g, c):
 
 mf = load(sys.argv[1])
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 14
-if T < 2:  # a one-token step defers and fuses ops across calls (ops_cupy _Normed, _Deferred)
+if T < 2:  # a one-token step defers and fuses ops across calls (kuiper_py/cuda/backend.py _Normed, _Deferred)
     sys.exit("diag_layers.py compares prefill ops: T must be at least 2")
 ids = np.random.default_rng(0).integers(0, 151643, T).tolist()
 c, g = NumpyOps(mf.args, mf.weights, T + 4), CupyOps(mf.args, mf.weights, T + 4, progress=False)

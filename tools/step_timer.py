@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
 """The step timer (device machine): the decode step's CUDA graph replayed back to back, the figure
-docs/PERFORMANCE.md's A/B rows quote as "step timer" (µs per step). Sessions before 52 ran the same loop
-from an untracked script; this is that loop.
+docs/PERFORMANCE.md's A/B rows quote as "step timer" (µs per step).
 
 The model is loaded, a random prompt of --ctx tokens prefilled, and two decode steps capture and warm the
 graph. Then, per round, three times over: the session is rewound to the prompt's end and the device

@@ -8,45 +8,41 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 # per-GPU decode tuning of measured shapes, keyed on a substring of the device's name (the way vLLM keys
-# its kernel tables); shapes not listed keep the defaults. "gemv_blocks_per_sm": {(K, N): target} for a
-# decode GEMV over K rows and N columns (all its fused matrices'); "ffn_off": {(hidden, intermediate)}
-# where the one-launch FFN's cluster launch is off under DECODE_FFN=auto (docs/PERFORMANCE.md; its form
-# without a cluster launch is taken first where it applies: H200 8B -3.3% per step at 512 against
-# the separate GEMVs, so the entry no longer decides there). H200: Qwen3-8B
-# with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B with
-# q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
-# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN off at 3, +1.6%.
-# "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split
-#. H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not
-# 16), 14B -0.7%; 30B-A3B at 64 since its short splits' keys are staged before the wait: -1.2% at
-# 512, -3.4% at 1100 (+0.6 to 1.5% before 115); 4B neutral. H200: 8B and 30B-A3B neutral before 115;
-# after it 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100, so it keeps 32; 8B at 64 (after
-# the staged short splits) -0.7% at 512 and at 2000, neutral at 8000 (o merges 8 splits instead of 16)
-# "attn_short": {(hidden, heads, kv heads, head dim): keys or (keys, ...)} flash decoding's short-context regimes
-#: up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
+# its kernel tables); shapes not listed keep the defaults. The rules that read it: kuiper_py/cuda/ops/gemv.py
+# (gemv_blocks_per_sm, attn_min_chunk, attn_short, o_merge, attn_cm), gemm.py gemm_path (rows_wgmma_min) and
+# decode_halves.py decode_ffn_plan (ffn_off).
+# "gemv_blocks_per_sm": {(K, N): target} for a decode GEMV over K rows and N columns (all its fused matrices').
+# H200: Qwen3-8B with separate gate/up and down GEMVs at 3 per SM, -2.6% per step at 512, -2.0% at 8k; Qwen3-4B
+# with q|k|v and gate/up at 3, -3.4%; measured slower there: 14B's FFN at 3 (+0.5 to 2%), 32B's (+3%); 0.6B,
+# 1.7B and 30B-A3B unchanged. H100: Qwen3-4B at 3, -1.5 to -1.9%; 8B's FFN GEMVs at 3 (one-launch FFN off), +1.6%.
+# "ffn_off": {(hidden, intermediate)} where the one-launch FFN's cluster launch is off under decode_ffn="auto";
+# its form without a cluster launch is taken first where it applies (H200 8B -3.3% per step at 512 against the
+# separate GEMVs), so the H200 entry does not decide there.
+# "attn_min_chunk": {(hidden, heads, kv heads, head dim): keys} flash decoding's fewest keys per split.
+# H100: Qwen3-8B at 64, -1.8% per step at 512 (8 splits for the o GEMV's merge to read, not 16), 14B -0.7%;
+# 30B-A3B at 64 since its short splits' keys are staged before the wait: -1.2% at 512, -3.4% at 1100; 4B
+# neutral. H200: 30B-A3B at 64 measured +0.5% at 512 and -3.8% at 1100, so it keeps 32; 8B at 64 -0.7% at 512
+# and at 2000, neutral at 8000 (o merges 8 splits instead of 16).
+# "attn_short": {(hidden, heads, kv heads, head dim): keys or (keys, ...)} flash decoding's short-context regimes:
+# up to each bound a decode graph of its own launches only the splits the bound's keys can use. With a
 # 33000-position cache at 512 keys: H100 8B -2.3%, H200 8B -0.6% (-0.5% at 1000), H200 30B-A3B -2.4%
-# (+0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (8 splits, clusters of 8 with
-# attn_cm) -1.5% on the H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B
-# (H200, no attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm: the same as one bound at
-# 412 keys)
+# (+0.4 to +0.8% at 1000 keys). 8B's second bound at 512 (8 splits, clusters of 8 with attn_cm) -1.5% on the
+# H200 and -1.1 to -1.4% on the H100 at 412-511 keys; without attn_cm +1.1% (H200), and 30B-A3B (H200, no
+# attn_cm) +1.0%, so they keep one bound (30B-A3B with attn_cm: the same as one bound at 412 keys).
 # "o_merge": {(hidden, heads, kv heads, head dim)} the o GEMV's one-batch merge past 16 splits (gemv_merge_span).
-# H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM),
-# 30B-A3B -1.9 to -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge).
-# H200: 8B +2.3% at 512 (32 splits there) and +1.4% at 2000, 30B-A3B +1.5% at 512, and +0.8 to +2.0% at 64
-# registers too (not explained), so the H200 kept decode_merge; after the short splits' staging (8 splits at 512
-# keys, out of the merge's reach by the 16-split bound) 8B gains there too: -1.7% at 2000 keys, -1.5% at 8k, -1.2% at
-# 32k with a 33000-position cache, neutral at 512; 30B-A3B stays off (-0.3% at 2000, +0.3% at 8k). H100
-# 14B and 4B measured mixed (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge
+# H100 step timer: 8B -4.0 to -4.6% at 2000 keys, -0.7% at 8k, -1.3% at 32k (o at 3 per SM), 30B-A3B -1.9 to
+# -2.1% at 2000 (at 512 keys, 16 splits, +0.2% and +1.3%: the short graph keeps decode_merge); 14B and 4B mixed
+# (4B +1.8% at 512, -1.9% at 2000; 14B within 0.4%), so they keep decode_merge. H200 with a 33000-position
+# cache: 8B -1.7% at 2000 keys, -1.5% at 8k, -1.2% at 32k, neutral at 512; 30B-A3B off (-0.3% at 2000, +0.3% at 8k).
 # "attn_cm": {(hidden, heads, kv heads, head dim)} flash decoding's short-context graph merges its splits in its
 # own clusters (attention.cu CM), so the o GEMV stages a plain row instead of merging in its prologue.
 # Qwen3-8B, step timer with a 2200-position cache: H200 -0.85% at 512 keys, -2.85% at 900; H100 +0.1% at 512,
 # -2.8% at 900. 30B-A3B (its short graph then has 16 splits instead of 32): H200 -1.0% at 412 keys, +0.15%
-# at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off
+# at 530, -1.2% at 700, -5.0% at 900, so on; H100 +1.9% at 412, +2.3% at 530, -0.1% at 700, -0.8% at 900, so off.
 # "rows_wgmma_min": {(K, N): rows} from which 2-16 rows of a K x N projection take the fused wgmma GEMM (one 64-row
 # tile) instead of gemv_rows. H100, µs per call with weights from DRAM, gemv_rows at 2 / 8 / 16 rows
-# against wgmma at 16 (an earlier run, same GPU kind): Qwen3-8B q|k|v 16.5 / 18.0 / 21.0 against 22.4 (stays on
-# gemv_rows), o 13.6 / 15.0 / 17.9 against 14.5, down 26.4 / 30.8 / 38.6 against 30.7, gate|up 43.3 / 46.1 / 52.6
-# against 56.8 (stays on gemv_rows)
+# against wgmma at 16: Qwen3-8B q|k|v 16.5 / 18.0 / 21.0 against 22.4 (stays on gemv_rows), o 13.6 / 15.0 / 17.9
+# against 14.5, down 26.4 / 30.8 / 38.6 against 30.7, gate|up 43.3 / 46.1 / 52.6 against 56.8 (stays on gemv_rows).
 _QWEN3_4B_AT_3 = {(2560, 6144): 3.0, (2560, 19456): 3.0}  # Qwen3-4B's q|k|v and gate|up
 DEVICE_TABLES = {
     "H200": {"ffn_off": {(4096, 12288)},  # Qwen3-8B
@@ -66,51 +62,11 @@ DEVICE_TABLES = {
 }
 
 
-# The measurements behind some defaults below (the rest: docs/RUNTIME.md, docs/PERFORMANCE.md).
-# from this many tokens the prefill router's logits are an fp32 cuBLAS GEMM on fp32 copies of x and the router
-# instead of moe_router_logits (docs/PERFORMANCE.md, H100 30B-A3B, routing per prefill: 2048 tokens 3.31-3.43
-# against 5.13-5.14 ms; 512 tokens 1.71 against 1.70-1.74, and one run of each 512-token measure with the GEMM
-# went 1.5x slower, so below 1024 tokens the kernel stays)
-# "mma" (default): the logits on tensor cores with the top-k in the same launch (moe.cu moe_route_mma) where
-# D % 32 == 0 and E <= 256; "cuda": moe_router_logits (or the fp32 cuBLAS GEMM from moe_router_gemm_min_t tokens)
-# and moe_topk
-# up to this many tokens moe_route_mma runs 16 warps per block (each over half of D's chunks), above it 8; 0: always 8.
-# Unset: 16 x the SM count, while the 16-warp form's blocks (16 tokens each, one per SM by their shared memory) are
-# one wave. H100 30B-A3B, GPU time per prefill, 16 against 8 warps: 512 tokens 18.27 / 18.68 ms, 1024 26.18 / 26.47,
-# 2048 42.34 / 42.72 (128 blocks), 2560 52.28 / 52.01 (160 blocks), 4096 80.71 / 80.35
-# moe_route_maps: a MoE prefill layer's expert maps are built by moe_route_mma's last block; False: by moe_expert_maps,
-# a launch of its own after the routing
-# moe_route_mma's split form: "auto" splits D over up to moe_route_split_max blocks per
-# 16-token tile while the grid stays one wave; an integer forces that many splits (1: none)
-
-
-# prefill attention on attn_wgmma.cu's wgmma kernel where it runs ("auto"); "0": attention.cu's mma.sync kernel
-
-
-# cluster launches' scheduling preference: 0 the driver's default, 1 spread, 2 load balancing (spread measured
-# as fast as the default for the FFN half at 512 positions and ~0.5% faster at 8k)
-
-
-# the one-launch FFN kernels exchange by pushes into receive slots (st.async on mbarriers) instead of through the
-# cluster barrier, whose release arrive is a GPU-wide memory barrier (ffn_decode.cu FfnPush): the H100 8B step 0.9%
-# shorter at 512 keys, 1.5% at 2000
-
-
-# Qwen3-MoE prefill's grouped expert GEMMs on the register-A wgmma kernel (gemm_wgmma.cu gemm_moe_rs,
-# docs/PERFORMANCE.md) where it runs (compute capability 9.0) and the shapes fit it (moe_rs_fits);
-# "0": gemm_w4a16.cu's mma.sync grouped GEMMs everywhere (tests)
-# gemm_moe_rs's rows per tile by the mean rows per expert (n / E): 64 below this many, 128 from it (H200 30B-A3B,
-# both expert GEMMs per prefill: 32 rows per expert 15.2-15.3 ms with 64 against 15.7 with 128; 64 rows 21.8
-# against 19.0; 128 rows 34.8-35.1 against 26.9-27.1). With the narrow forms
-# (H100, the pair of GEMMs alone, 64 against 128 rows per tile): 40 rows per expert 250.6 against 274.6 µs, 48 rows 252.5
-# against 276.9, 56 rows 286.7 against 307.0 (a second call: 287.1 against 292.7), 60 rows 312.7 against 310.0, 64 rows
-# 352.8 against 319.2: the two cost the same at 60
-
-
 @dataclass(frozen=True)
 class Settings:
     """Launch shapes and path choices the CUDA backend reads at run time. None / "auto": decided per model and GPU
-    (the per-GPU table, then the rule in ops_cupy); a value: that choice for every model (tests force paths with
+    (the per-GPU table, then the rules in kuiper_py/cuda/ops/: gemv.py, gemm.py gemm_path,
+    decode_halves.py, moe.py, attention.py); a value: that choice for every model (tests force paths with
     these)."""
     # decode GEMVs: blocks per SM the split aims at (None: the table's, else 4), the fewest splits below 4 per SM,
     # the o GEMV's target and its gemv_merge_span merge (None: the table's "o_merge"; past this many splits), the
@@ -138,7 +94,7 @@ class Settings:
     decode_ffn: str = "auto"
     ffn_global: str = "auto"
     decode_moe: str = "auto"
-    cluster_policy: int = 1
+    cluster_policy: int = 1  # spread: as fast as the default for the FFN half at 512 positions, ~0.5% faster at 8k
     # prefill GEMMs: rows from which dequant + cuBLAS may run; the wgmma GEMM ("auto", "1" from gemm_wgmma_min_m
     # rows, "0") and one tile for every shape (None: the wave rule); the register-operand GEMM ("auto", "1", "0");
     # its two-launch bound; the wave tail's K splits
@@ -159,13 +115,13 @@ class Settings:
     # from this many tokens (cuda form); 16-warp routing up to this many tokens (None: 16 x the SMs); the expert
     # maps in the routing launch; its K splits ("auto" or a count) and their most
     moe_rs: str = "auto"
-    moe_rs_bt128_from: int = 60
+    moe_rs_bt128_from: int = 60  # H100, 30B-A3B's expert GEMMs: 64- and 128-row tiles cost the same at 60
     moe_tc: str = "auto"
     moe_tc_max_mean: float = 60.0
     moe_tc_t16_max: float = 13.0
     moe_router: str = "mma"
-    moe_router_gemm_min_t: int = 1024
-    moe_route_wide_t: int | None = None
+    moe_router_gemm_min_t: int = 1024  # H100 30B-A3B, 2048 tokens: 3.3-3.4 against 5.1 ms; at 512 no gain
+    moe_route_wide_t: int | None = None  # while 16-token blocks are one wave: H100 30B-A3B 512 tokens -2%
     moe_route_maps: bool = True
     moe_route_splits: str = "auto"
     moe_route_split_max: int = 8

@@ -29,7 +29,8 @@ def check_device() -> None:
 
 
 def gpu_name() -> str:
-    return cp.cuda.runtime.getDeviceProperties(_dev_id())["name"].decode()
+    """The current device's name: device_name()'s cached value (the name the tools' JSON records)."""
+    return device_name()
 
 
 _COPY16 = r'''

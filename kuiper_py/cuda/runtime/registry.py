@@ -3,46 +3,26 @@ constants passed to them, and which kernels may be launched with programmatic de
 from __future__ import annotations
 
 
-
 GEMV_ROWS = 16  # tuning knobs of gemv_w4a16.cu (benchmarks)
 
 
 GEMV_MIN_BLOCKS = 4
 
 
-# the o GEMV's merge with its partials' loads 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM
-# instantiations, 80 registers: at most 3 blocks per SM) for the shapes in device_tables's "o_merge", where
-# flash decoding has more than gemv_o_merge_min_splits splits and o's grid fits 3 per SM; else decode_merge's
-# running max at 64 registers. gemv_o_merge=1 / 0: on / off for every shape
+# the o GEMV's merge of its partials 16 splits at a time (gemv_w4a16.cu gemv_merge_span, the OM instantiations)
 GEMV_O_MIN_BLOCKS = 3  # the OM instantiations' blocks per SM (80 registers), passed to gemv_w4a16.cu
 
 
-# the MoE weighted sum (the experts' down projection) reduces in two levels (gemv_w4a16<true>: slot by slot,
-# then over the slots), so it splits like the dense GEMVs (gemv_moe_blocks_per_sm, default the GEMVs' target)
-# the MoE o GEMV's router rows R: columns per tile. 64 fp16 columns make a tile block read what a block of
-# an int4 tile (256 columns) does; 0: all of R in one tile
 GEMV_SUM_BATCH = 16  # partials the fused reduction loads at once
 
 
-# prefill rows from which gemm() dequantizes to fp16 and calls cuBLAS instead of the W4A16 MMA tile:
-# on H100 that path was faster at every M measured (4 to 2048, bench_kernels),
-# so every dense prefill takes it; a larger value keeps small M on the MMA tile
-# the fused warp-specialized wgmma W4A16 GEMM (gemm_wgmma.cu, compute capability 9.0 only). It
-# runs at 215-330 TFLOP/s at 128 rows and 335-400 from 512 on H100 (docs/PERFORMANCE.md and
-# 56-57), against dequant + cuBLAS's 55-140 at 128 rows and 600-670 at 2048: so by default
-# (gemm_wgmma unset or "auto") it takes short prompts of the shapes where it measured faster,
-# wgmma_max_m() below; gemm_wgmma=1 sends every prefill from gemm_wgmma_min_m rows to it,
-# =0 never
-# the register-A wgmma W4A16 GEMM (gemm_wgmma.cu gemm_w4a16_rs, compute capability 9.0 only): by default
-# ("auto") it takes the mid-size prompts of rs_range() where it measured faster than both the kernel
-# above and dequant + cuBLAS (H200); "1": every prefill that fits it, "0": never
-# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB
-# of shared memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows),
-# and each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per
-# half-size tile pair), for wgmma_plan's wave arithmetic
+# gemm_wgmma.cu's tiles (BM, BN) -> (SX, SB, PS): slots of its x, W and packed-weight rings (227 KB of shared
+# memory at most; the deeper packed ring measured 315 against 295 TFLOP/s at 2048 rows)
 WGMMA_TILES = {(128, 128): (4, 4, 14), (64, 128): (4, 4, 14)}
 
 
+# each tile's throughput relative to 128 x 128 (H100, o at 2048 rows: 287 vs 184 TFLOP/s per half-size tile pair),
+# for wgmma_plan's wave arithmetic
 WGMMA_TILE_EFF = {(128, 128): 1.0, (64, 128): 0.64}
 
 
@@ -155,6 +135,8 @@ _FILES = {
 FFN_PAIRS = ((8, 2), (8, 1), (5, 4), (5, 2), (4, 2), (4, 1))  # ffn_decode.cu's (CL, TB) instantiations
 
 
+# ffn_decode.cu's cluster exchange by pushes (FfnPush) rather than through the cluster barrier: the H100 8B step
+# 0.9% shorter at 512 keys, 1.5% at 2000
 FFN_XCH_PUSH, FFN_XCH_GLOBAL = 1, 2  # ffn_decode.cu's exchange template argument
 
 
