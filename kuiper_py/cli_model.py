@@ -30,7 +30,7 @@ def _count(n: int) -> str:
 @click.argument("model", type=click.Path())
 @click.option("--verify", is_flag=True, help="Recompute and check the whole file's SHA-256 checksum.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (every raw field) to stdout.")
-@click.option("--plan", is_flag=True, help="Load the model on this machine's GPU and print its decode launch plan.")
+@click.option("--plan", is_flag=True, help="Load the model on this machine's GPU and print its decode and prefill plans.")
 def info_cmd(model: str, verify: bool, as_json: bool, plan: bool) -> None:
     """Show an ak48 file's model: size, parameters, quantization, context, experts, checksums."""
     from . import format as fmt
@@ -76,7 +76,8 @@ def info_cmd(model: str, verify: bool, as_json: bool, plan: bool) -> None:
 
 def _print_plan(model: str) -> None:
     """The decode plan of the GPU at hand (which launches a layer makes, what they accumulate, the attention
-    regimes): the model is loaded on the GPU with a short KV cache."""
+    regimes) and the prefill plan (each projection's GEMM path by prompt length, the experts' tiles): the model is
+    loaded on the GPU with a KV cache of at most 4096 positions."""
     from .cuda.plan import describe
     from .generate import Engine
     eng = Engine.load(model, "cuda", need_tokenizer=False)

@@ -106,3 +106,32 @@ def test_moe_decode_step_runs_its_plan(mixed_bin, decode_moe, monkeypatch):
     assert [lp.moe for lp in plan.layers] == [True, False, True]
     if decode_moe == "0":
         assert {lp.ffn for lp in plan.layers} == {"moe_acc", "gemv"}
+
+
+@pytest.mark.parametrize("which", ["untied", "mixed"])
+def test_prefill_plan_is_what_the_prefill_takes(untied_bin, mixed_bin, which, monkeypatch):
+    """The prefill plan a loaded model prints (kuiper info --plan) names, for prompts of 2 to 4096 tokens, the path
+    gemm() takes for each projection of every layer and moe_experts' tiles; a real prompt's GEMMs take those paths."""
+    from kuiper_py.cuda.ops import gemm as gm
+    from kuiper_py.cuda.plan import describe
+    m = Qwen3(load(untied_bin if which == "untied" else mixed_bin), oc.CupyOps, 4096)
+    pp, a = m.ops.prefill_plan, m.ops.args
+    for T in (2, 3, 8, 16, 17, 64, 80, 128, 144, 256, 257, 384, 512, 513, 768, 1024, 4096):
+        for layer in m.ops.weights.layers:
+            assert pp.path("q|k|v", T) == oc.gemm_path(T, (layer.wq, layer.wk, layer.wv)), T
+            assert pp.path("o", T) == oc.gemm_path(T, (layer.wo,)), T
+            if layer.router is None:
+                assert pp.path("gate|up", T) == oc.gemm_path(T, (layer.w1, layer.w3)), T
+                assert pp.path("gate", T) == oc.gemm_path(T, (layer.w1,)), T
+                assert pp.path("down", T) == oc.gemm_path(T, (layer.w2,)), T
+            else:
+                want = oc.moe_experts_tile(layer.experts_w13, layer.experts_w2, T * a.num_experts_per_tok)
+                assert pp.experts_tile(T) == want, T
+    taken = []
+    real = gm.gemm_path
+    monkeypatch.setattr(gm, "gemm_path", lambda T, mats: taken.append((T, len(mats), mats[0].K)) or real(T, mats))
+    m.prefill(PROMPT * 10)
+    T = len(PROMPT) * 10
+    assert taken and all(t == T for t, _, _ in taken)
+    text = describe(m)
+    assert "prefill plan on" in text and "\n128 | " in text and "\n8192 | " not in text  # (4096 positions)

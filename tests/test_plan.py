@@ -5,6 +5,7 @@ methods' branches, restated here over the active-settings split rules on a mocke
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from kuiper_py.config import ModelArgs
@@ -160,3 +161,89 @@ def test_short_regimes_pick_their_bound_and_split_count():
         assert [p.split_count(n) for n in (1, 512, 513, 1024, 1025)] == [16, 16, 16 if cm else 32,
                                                                          16 if cm else 32, 33]
         assert "up to 512 keys: a graph of 16 splits" in p.describe()
+
+
+class _Mat:
+    """A stand-in AwqLinear: the shape facts gemm_path reads."""
+
+    def __init__(self, K: int, N: int, group: int):
+        self.K, self.N, self.group_size = K, N, group
+
+
+class _Stack:
+    """A stand-in AwqStack: the shape facts moe_experts_tile reads (w13 [E, D, 2 inter], w2 [E, inter, D])."""
+
+    def __init__(self, E: int, K: int, N: int, group: int):
+        self.E, self.group_size = E, group
+        self.scales = np.zeros((1, 1, N), np.float16)
+        self.qweight = np.zeros((1, K, 1), np.int32)
+
+
+def _gpu_facts(monkeypatch, gpu: plan.Gpu, fused: bool, cublas: bool) -> None:
+    """gemm_path's device queries answered for `gpu` (no CuPy on this host)."""
+    from kuiper_py.cuda.ops import gemm as gm
+    from kuiper_py.cuda.ops import moe as mo
+    monkeypatch.setattr(gm, "device_tuning", lambda: gv.table_for(cfg.SETTINGS, gpu.name))
+    monkeypatch.setattr(gm, "cublas_ready", lambda: cublas)
+    monkeypatch.setattr(gm, "wgmma_available", lambda: fused)
+    monkeypatch.setattr(mo, "wgmma_available", lambda: fused)
+    monkeypatch.setattr(gm, "_dev_id", lambda: 0)
+    gm._GEMM_PATHS.clear()
+
+
+PROMPT_ROWS = sorted({*range(2, 40), 63, 64, 65, 79, 80, 81, 127, 128, 143, 144, 145, 200, 223, 224, 255, 256, 257,
+                      300, 383, 384, 385, 511, 512, 513, 767, 768, 769, 1024, 2048, 8192})
+
+
+@pytest.mark.parametrize("preset", ["8b", "0.6b", "32b", "30b-a3b", "tiny-moe-mixed", "small"])
+@pytest.mark.parametrize("gpu", GPUS[:2] + GPUS[3:])
+@pytest.mark.parametrize("tuning", [{}, {"gemm_rs": "0"}, {"gemm_wgmma": "0", "rows_max_m": 8},
+                                    {"gemm_dequant_min_m": 4096, "gemm_wgmma_min_m": 64}])
+def test_prefill_plan_paths_are_what_the_prefill_gemms_take(preset, gpu, tuning, monkeypatch):
+    """Every projection's path in the prefill plan, at prompt lengths around each rule's bounds, is the one
+    gemm_path picks for that layer's matrices (stand-ins of the same shapes, this GPU's facts mocked); and the
+    experts' tiles are moe_experts_tile's. Without the fused kernels (sm_80) no path is wgmma or rs, without cuBLAS
+    none is dequant, and gemv_rows serves 2..rows_max_m rows only."""
+    from kuiper_py.cuda.ops.gemm import gemm_path
+    from kuiper_py.cuda.ops.moe import moe_experts_tile
+    tune(monkeypatch, **tuning)
+    st, a = cfg.SETTINGS, _args(preset)
+    fused = gpu.cc == 90
+    for cublas in (True, False):
+        _gpu_facts(monkeypatch, gpu, fused, cublas)
+        g = 128 if a.hidden_size % 128 == 0 else 64
+        pp = plan.build_prefill(a, st, gpu, fused, cublas, g, g, fused)
+        D, qd, kvd, I = a.hidden_size, a.q_dim, a.kv_dim, a.intermediate_size
+        mats = {"q|k|v": (_Mat(D, qd, g), _Mat(D, kvd, g), _Mat(D, kvd, g)), "o": (_Mat(qd, D, g),),
+                "gate|up": (_Mat(D, I, g), _Mat(D, I, g)), "gate": (_Mat(D, I, g),), "down": (_Mat(I, D, g),)}
+        names = [p[0] for p in pp.projections]
+        assert names[:2] == ["q|k|v", "o"] and (len(names) == 5) == (not a.num_experts or bool(a.mlp_only_layers))
+        for name in names:
+            for T in PROMPT_ROWS:
+                got = pp.path(name, T)
+                assert got == gemm_path(T, mats[name]), (name, T)
+                assert fused or got not in ("wgmma", "rs")
+                assert cublas or got != "dequant"
+                assert (got == "rows") <= (2 <= T <= st.rows_max_m)
+        if a.num_experts:
+            inter = a.moe_intermediate_size
+            w13, w2 = _Stack(a.num_experts, D, 2 * inter, g), _Stack(a.num_experts, inter, D, g)
+            for T in PROMPT_ROWS:
+                assert pp.experts_tile(T) == moe_experts_tile(w13, w2, T * a.num_experts_per_tok, rs=pp.experts[5])
+
+
+def test_prefill_plan_describe_shows_each_length_and_the_measured_choices(monkeypatch):
+    """describe() prints a line per prompt length up to the cache's capacity, a column per projection (and the
+    experts of a MoE model); on the H100 an 8B prompt of 8 tokens takes gemv_rows for q|k|v and gate|up and the fused
+    wgmma GEMM for o and down (its table's rows_wgmma_min), 2048 tokens dequantization + cuBLAS."""
+    h100 = GPUS[0]
+    pp = plan.build_prefill(_args("8b"), Settings(), h100, True, True, 128)
+    lines = pp.describe(1024).splitlines()
+    assert lines[0].startswith("prefill plan on NVIDIA H100") and lines[1] == "tokens | q|k|v | o | gate|up | down"
+    rows = {int(ln.split(" | ")[0]): ln.split(" | ")[1:] for ln in lines[2:]}
+    assert sorted(rows) == [t for t in plan.PREFILL_SHOWN if t <= 1024]
+    assert rows[8] == ["rows", "wgmma", "rows", "wgmma"] and rows[2] == ["rows"] * 4
+    assert pp.path("q|k|v", 2048) == "dequant"
+    moe = plan.build_prefill(_args("30b-a3b"), Settings(), h100, True, True, 128, 128, True)
+    text = moe.describe(64)
+    assert "| experts (tile rows)" in text and "gate|up" not in text and text.count("\n") == 2 + 5

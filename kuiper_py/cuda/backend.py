@@ -21,18 +21,18 @@ from .runtime.build import (_module, _module_keys, kernel, kernel_build_seconds,
 from .runtime.device import device_name, gpu_memory_used_mib
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
 from .ops.gemv import SUPPORTED_HEAD_DIMS, decode_acc_layout, gemv, gemv_counters, gemv_partial_size
-from .ops.gemm import cublas_ready, gemm, swiglu_prefill
+from .ops.gemm import cublas_ready, gemm, swiglu_prefill, wgmma_available
 from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill
 from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
-                      moe_route, moe_route_decode)
+                      moe_route, moe_route_decode, moe_rs_path)
 from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
 from .ops.rows import ROWS_MAX, rows_lm_head
 from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
 from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
 from .draws import DeviceDraws
-from .plan import DecodePlan, Gpu, build as build_plan, forms as plan_forms
+from .plan import DecodePlan, Gpu, PrefillPlan, build as build_plan, build_prefill, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
 from .batched import PagedSteps, route_rows
@@ -150,6 +150,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         # the kernels' builds side by side while the weights upload (a first run's compiles, else cache loads)
         precompile(families, self.dev.id, groups)
         self.gpu = Gpu.current()
+        self._prefill_plan = None
         self.n_sm = self.gpu.sms
         # the model-wide forms (accumulating modes) the plan's layers follow; the buffers are sized for them
         self._forms = plan_forms(a, self.settings, self.gpu)
@@ -211,6 +212,18 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
                        moe=(self._moe, self.decode_moe_why), graphs=self.graphs, fm=self._forms)
         assert all(p.layers[i].moe == (layer.router is not None) for i, layer in enumerate(self.weights.layers))
         return p
+
+    @property
+    def prefill_plan(self) -> PrefillPlan:
+        """The prefill schedule this backend's prompts take (cuda/plan.py build_prefill), made on first use."""
+        if self._prefill_plan is None:
+            ls = self.weights.layers
+            moe = next((layer for layer in ls if layer.router is not None), None)
+            self._prefill_plan = build_prefill(
+                self.args, cfg.SETTINGS, self.gpu, wgmma_available(), cublas_ready(), ls[0].wq.group_size,
+                moe.experts_w13.group_size if moe else None, moe is not None and moe_rs_path(moe.experts_w13,
+                                                                                              moe.experts_w2))
+        return self._prefill_plan
 
     def _lp(self, layer: Layer):
         """The plan entry of a decoder layer."""

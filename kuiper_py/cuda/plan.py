@@ -1,9 +1,10 @@
-"""The decode schedule as data: per decoder layer, which fused form of its attention half and its FFN half runs,
-which int64 accumulator each launch adds into and which it clears, and the flash-decoding regimes. build() is a pure
-function of the model's shape, the tuning, the GPU's facts and the cache's capacity (plus the one-launch halves'
+"""The schedule as data. The decode plan: per decoder layer, which fused form of its attention half and its FFN half
+runs, which int64 accumulator each launch adds into and which it clears, and the flash-decoding regimes. build() is a
+pure function of the model's shape, the tuning, the GPU's facts and the cache's capacity (plus the one-launch halves'
 launch configurations, which need the GPU's occupancy queries: CupyOps makes them where forms() allows one); CupyOps
-builds the plan at load and again in alloc_cache, and its decode methods read it. describe() is the text
-`kuiper info MODEL --plan` prints."""
+builds the plan at load and again in alloc_cache, and its decode methods read it. The prefill plan (build_prefill):
+for a prompt of T tokens, the GEMM path of each projection and the MoE experts' path and tile, by the rules the
+prefill ops apply (gemm_rule, moe_experts_tile). describe() is the text `kuiper info MODEL --plan` prints."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,9 @@ from .ops.attention import decode_heads_per_block
 from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, GEMV_O_COARSE_SPLITS, GEMV_O_MERGE_COARSE_SPLITS, Facts,
                        attn_cm, attn_min_chunk, attn_short, decode_acc_layout, decode_regime, decode_regimes,
                        gemv_split, o_merge, o_split, table_for)
+from .ops.gemm import GEMM_BM, gemm_rule, wgmma_fits_shape
+from .ops.moe import moe_rs_fits, moe_rs_tile, moe_tc_fits, moe_tc_tile
+from .ops.rows import rows_fit_shape
 from .runtime.registry import ATTN_CM_MAX
 from .settings import Settings
 
@@ -321,6 +325,81 @@ def build(a: ModelArgs, settings: Settings, gpu: Gpu, max_context: int, *, ffn=(
 
 
 def describe(model) -> str:
-    """The decode plan of a model loaded on the GPU (model.Qwen3 over CupyOps), as text: what `kuiper info MODEL
-    --plan` prints."""
-    return model.ops.plan.describe()
+    """The decode and prefill plans of a model loaded on the GPU (model.Qwen3 over CupyOps), as text: what `kuiper
+    info MODEL --plan` prints."""
+    return model.ops.plan.describe() + "\n" + model.ops.prefill_plan.describe(model.ops.max_context)
+
+
+# the prompt lengths describe() shows the prefill plan at
+PREFILL_SHOWN = (2, 4, 8, 16, 17, 64, 128, 256, 512, 1024, 2048, 8192)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The prefill schedule of a model on a GPU: for T prompt rows, the path gemm() takes for each projection of a
+    layer (gemm_rule: "rows" gemv_rows.cu for 2..rows_max_m rows, "wgmma" / "rs" the fused Hopper GEMMs, "dequant"
+    dequantization + cuBLAS, "mma" the W4A16 MMA GEMM) and the MoE experts' path and rows per tile. projections:
+    (name, K, the N of each matrix side by side, group size); experts: (E, top-k, D, expert intermediate, group,
+    whether the Hopper expert GEMMs run) or None. fused_ok: the fused wgmma GEMMs run on this GPU (compute capability
+    9.0, TMA descriptors and cuLaunchKernelEx); cublas: cuBLAS is loaded."""
+    gpu: Gpu
+    settings: Settings
+    fused_ok: bool
+    cublas: bool
+    projections: tuple[tuple[str, int, tuple[int, ...], int], ...]
+    experts: tuple[int, int, int, int, int, bool] | None
+
+    def path(self, name: str, T: int) -> str:
+        """gemm()'s path for T rows of the projection `name` (q|k|v, o, gate|up, gate, down)."""
+        _, K, Ns, g = next(p for p in self.projections if p[0] == name)
+        N = sum(Ns)
+        wg_min = table_for(self.settings, self.gpu.name).get("rows_wgmma_min", {}).get((K, N))
+        return gemm_rule(T, K, N, rows_fit_shape(K, Ns, g), self.fused_ok and wgmma_fits_shape(K, Ns, g),
+                         self.cublas, self.settings, wg_min)
+
+    def experts_tile(self, T: int) -> tuple[bool, int]:
+        """(Hopper expert GEMMs, rows per tile) of moe_experts for T tokens (T * top-k routed rows)."""
+        E, k, D, inter, g, rs = self.experts
+        if not rs:
+            return False, GEMM_BM
+        n = T * k
+        tm = moe_tc_tile(n, E, self.settings) if moe_tc_fits(D, inter, g) else None
+        return True, tm or moe_rs_tile(n, E, self.settings)
+
+    def describe(self, max_t: int) -> str:
+        """The plan as text: a line per prompt length of PREFILL_SHOWN up to max_t, a column per projection."""
+        s = self.settings
+        names = [p[0] for p in self.projections if p[0] != "gate"]
+        out = [f"prefill plan on {self.gpu.name} (sm_{self.gpu.cc}): fused wgmma GEMMs {_yn(self.fused_ok)}, cuBLAS "
+               f"{_yn(self.cublas)}; activations from the arena up to {s.arena_max_t} tokens, graphs up to "
+               f"{s.prefill_graph_max_t}",
+               "tokens | " + " | ".join(names) + (" | experts (tile rows)" if self.experts else "")]
+        for T in (t for t in PREFILL_SHOWN if t <= max_t):
+            cells = []
+            for n in names:
+                p = self.path(n, T)
+                if n == "gate|up" and p not in ("wgmma", "rs", "rows"):  # (swiglu_prefill: gate and up apart)
+                    p = f"{self.path('gate', T)} x2"
+                cells.append(p)
+            if self.experts:
+                rs, tile = self.experts_tile(T)
+                cells.append(f"{'tc' if rs and tile <= 32 else 'rs' if rs else 'mma'} ({tile})")
+            out.append(f"{T} | " + " | ".join(cells))
+        return "\n".join(out)
+
+
+def build_prefill(a: ModelArgs, settings: Settings, gpu: Gpu, fused_ok: bool, cublas: bool, group: int,
+                  experts_group: int | None = None, experts_rs: bool = False) -> PrefillPlan:
+    """The prefill plan of this model (weights quantized in groups of `group`, the experts' in experts_group) on this
+    GPU with this tuning; experts_rs: the Hopper expert GEMMs run (moe_rs_path)."""
+    D, qd, kvd = a.hidden_size, a.q_dim, a.kv_dim
+    projs = [("q|k|v", D, (qd, kvd, kvd), group), ("o", qd, (D,), group)]
+    if not a.num_experts or a.mlp_only_layers:  # (dense FFN layers)
+        I = a.intermediate_size
+        projs += [("gate|up", D, (I, I), group), ("gate", D, (I,), group), ("down", I, (D,), group)]
+    experts = None
+    if a.num_experts:
+        eg = experts_group or group
+        experts = (a.num_experts, a.num_experts_per_tok, D, a.moe_intermediate_size, eg,
+                   experts_rs and moe_rs_fits(D, a.moe_intermediate_size, eg))
+    return PrefillPlan(gpu, settings, fused_ok, cublas, tuple(projs), experts)

@@ -135,8 +135,13 @@ def _pow2_group(group: int) -> bool:
 
 def wgmma_fits(mats) -> bool:
     """gemm_wgmma.cu's shape table: up to 3 matrices with one K, K % 64, N % 256, group a power of two >= 64."""
-    return len(mats) <= 3 and all(m.K == mats[0].K and m.K % 64 == 0 and m.N % 256 == 0 and _pow2_group(m.group_size)
-                                  and m.group_size == mats[0].group_size for m in mats)
+    return (all(m.K == mats[0].K and m.group_size == mats[0].group_size for m in mats)
+            and wgmma_fits_shape(mats[0].K, tuple(m.N for m in mats), mats[0].group_size))
+
+
+def wgmma_fits_shape(K: int, Ns: tuple[int, ...], group: int) -> bool:
+    """wgmma_fits for matrices K x N (each N of Ns) with one group size."""
+    return len(Ns) <= 3 and K % 64 == 0 and all(n % 256 == 0 for n in Ns) and _pow2_group(group)
 
 
 def wgmma_max_m(K: int, N: int) -> int:
@@ -231,20 +236,25 @@ def gemm_path(T: int, mats) -> str:
     if path is not None:
         return path
     K, N = _kn(sig)
-    hopper = wgmma_available() and sig[2]  # the two fused kernels share a shape table
-    if few and rows_fit(mats):
+    # (the two fused kernels share a shape table, sig[2])
+    return _remember(_GEMM_PATHS, key, gemm_rule(T, K, N, rows_fit(mats), wgmma_available() and sig[2],
+                                                 cublas_ready(), st, wg_min))
+
+
+def gemm_rule(T: int, K: int, N: int, rows_ok: bool, fused_ok: bool, cublas: bool, st, wg_min: int | None) -> str:
+    """gemm_path's rule, of facts only (cuda/plan.py's PrefillPlan states it for a model): T rows of a K x N
+    projection (N: its matrices side by side) whose shapes gemv_rows takes (rows_ok) and the fused Hopper GEMMs take
+    on this GPU (fused_ok), with cuBLAS loaded or not, under the tuning st, with this GPU's rows_wgmma_min entry."""
+    if 1 < T <= min(st.rows_max_m, ROWS_MAX) and rows_ok:
         # gemv_rows, unless this GPU's table has the fused GEMM (one 64-row tile, the same weight bytes) faster
         # for this shape from this many rows
-        wg = wg_min is not None and T >= wg_min and hopper and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
-        path = _remember(_GEMM_PATHS, key, "wgmma" if wg else "rows")
-    if path is None:
-        lo, hi = rs_range(K, N)
-        rs = st.gemm_rs != "0" and hopper and (st.gemm_rs == "1" or lo <= T <= hi)
-        fused = (st.gemm_wgmma != "0" and T >= st.gemm_wgmma_min_m and hopper
-                 and (st.gemm_wgmma == "1" or T <= wgmma_max_m(K, N)))
-        path = "rs" if rs else "wgmma" if fused else "dequant" if T >= st.gemm_dequant_min_m and cublas_ready() else "mma"
-        path = _remember(_GEMM_PATHS, key, path)
-    return path
+        wg = wg_min is not None and T >= wg_min and fused_ok and st.gemm_wgmma != "0" and T <= wgmma_max_m(K, N)
+        return "wgmma" if wg else "rows"
+    lo, hi = rs_range(K, N)
+    rs = st.gemm_rs != "0" and fused_ok and (st.gemm_rs == "1" or lo <= T <= hi)
+    fused = (st.gemm_wgmma != "0" and T >= st.gemm_wgmma_min_m and fused_ok
+             and (st.gemm_wgmma == "1" or T <= wgmma_max_m(K, N)))
+    return "rs" if rs else "wgmma" if fused else "dequant" if T >= st.gemm_dequant_min_m and cublas else "mma"
 
 
 def wgmma_plan(T: int, N: int, K: int) -> tuple[int, int, int, int]:

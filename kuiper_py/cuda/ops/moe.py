@@ -214,11 +214,13 @@ def moe_tc_fits(D: int, inter: int, group: int) -> bool:
     return D % 256 == 0 and inter % 256 == 0 and group % 128 == 0
 
 
-def moe_tc_tile(n: int, E: int) -> int | None:
-    """gemm_moe_tc's rows per tile for n routed rows over E experts, or None where gemm_moe_rs is taken (moe_tc)."""
-    if cfg.SETTINGS.moe_tc == "0" or n > cfg.SETTINGS.moe_tc_max_mean * E:
+def moe_tc_tile(n: int, E: int, st=None) -> int | None:
+    """gemm_moe_tc's rows per tile for n routed rows over E experts, or None where gemm_moe_rs is taken (moe_tc);
+    st: the tuning (default the active one)."""
+    st = st or cfg.SETTINGS
+    if st.moe_tc == "0" or n > st.moe_tc_max_mean * E:
         return None
-    return 16 if n <= cfg.SETTINGS.moe_tc_t16_max * E else 32
+    return 16 if n <= st.moe_tc_t16_max * E else 32
 
 
 def moe_rs_fits(D: int, inter: int, group: int) -> bool:
@@ -227,9 +229,10 @@ def moe_rs_fits(D: int, inter: int, group: int) -> bool:
     return D % 256 == 0 and inter % 256 == 0 and _pow2_group(group)
 
 
-def moe_rs_tile(n: int, E: int) -> int:
-    """gemm_moe_rs's rows per tile for n routed rows over E experts (moe_rs_bt128_from)."""
-    return 128 if n >= cfg.SETTINGS.moe_rs_bt128_from * E else 64
+def moe_rs_tile(n: int, E: int, st=None) -> int:
+    """gemm_moe_rs's rows per tile for n routed rows over E experts (moe_rs_bt128_from; st: the tuning, default the
+    active one)."""
+    return 128 if n >= (st or cfg.SETTINGS).moe_rs_bt128_from * E else 64
 
 
 def moe_gather(x, p2u, k: int, out=None):

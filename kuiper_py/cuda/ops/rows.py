@@ -26,9 +26,14 @@ def rows_fit(mats) -> bool:
     """gemv_rows.cu's shape table: up to 3 matrices with one K and group size, K % 32, N % 32 (a tile's zero words
     in 16-byte pieces), group 32 or 64 or a multiple of 128 (a stage's chunk holds whole groups), K whole groups."""
     m0 = mats[0]
-    g = m0.group_size
-    return (len(mats) <= 3 and m0.K % 32 == 0 and (g in (32, 64) or g > 0 and g % ROWS_CHUNK == 0) and m0.K % g == 0
-            and all(m.K == m0.K and m.group_size == g and m.N % 32 == 0 for m in mats))
+    return (all(m.K == m0.K and m.group_size == m0.group_size for m in mats)
+            and rows_fit_shape(m0.K, tuple(m.N for m in mats), m0.group_size))
+
+
+def rows_fit_shape(K: int, Ns: tuple[int, ...], g: int) -> bool:
+    """rows_fit for matrices K x N (each N of Ns) with one group size g."""
+    return (len(Ns) <= 3 and K % 32 == 0 and (g in (32, 64) or g > 0 and g % ROWS_CHUNK == 0) and K % g == 0
+            and all(n % 32 == 0 for n in Ns))
 
 
 def rows_blocks_per_sm() -> int:
