@@ -71,7 +71,8 @@ def pytest_collection_finish(session):
     """With GPU tests selected on a GPU machine: every kernel family a model can use starts building now, side by
     side in worker threads (a model's load does the same: cuda/runtime/build.py precompile), rather than one module
     at a time as each kernel test first launches one (the attention family alone compiles for ~30 s on one core)."""
-    if not (_has_gpu() and any("gpu" in it.keywords for it in session.items)) or os.environ.get("PYTEST_XDIST_WORKER"):
+    if (session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER")
+            or not (_has_gpu() and any("gpu" in it.keywords for it in session.items))):
         return
     import types
 

@@ -129,9 +129,16 @@ def test_prefill_plan_is_what_the_prefill_takes(untied_bin, mixed_bin, which, mo
                 assert pp.experts_tile(T) == want, T
     taken = []
     real = gm.gemm_path
-    monkeypatch.setattr(gm, "gemm_path", lambda T, mats: taken.append((T, len(mats), mats[0].K)) or real(T, mats))
-    m.prefill(PROMPT * 10)
-    T = len(PROMPT) * 10
-    assert taken and all(t == T for t, _, _ in taken)
+
+    def record(T, mats):
+        taken.append((T, tuple((w.K, w.N) for w in mats), real(T, mats)))
+        return taken[-1][2]
+    monkeypatch.setattr(gm, "gemm_path", record)
+    m.prefill(PROMPT * 10)  # (eager: the first prompt of its length bucket)
+    T, D, qd, kvd = len(PROMPT) * 10, a.hidden_size, a.q_dim, a.kv_dim
+    I = a.intermediate_size
+    names = {((D, qd), (D, kvd), (D, kvd)): "q|k|v", ((qd, D),): "o", ((D, I), (D, I)): "gate|up", ((D, I),): "gate",
+             ((I, D),): "down"}
+    assert taken and all(t == T and path == pp.path(names[shapes], T) for t, shapes, path in taken)
     text = describe(m)
     assert "prefill plan on" in text and "\n128 | " in text and "\n8192 | " not in text  # (4096 positions)

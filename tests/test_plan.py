@@ -188,7 +188,7 @@ def _gpu_facts(monkeypatch, gpu: plan.Gpu, fused: bool, cublas: bool) -> None:
     monkeypatch.setattr(gm, "wgmma_available", lambda: fused)
     monkeypatch.setattr(mo, "wgmma_available", lambda: fused)
     monkeypatch.setattr(gm, "_dev_id", lambda: 0)
-    gm._GEMM_PATHS.clear()
+    monkeypatch.setattr(gm, "_GEMM_PATHS", {})  # (paths kept under these stand-in facts stay out of the real cache)
 
 
 PROMPT_ROWS = sorted({*range(2, 40), 63, 64, 65, 79, 80, 81, 127, 128, 143, 144, 145, 200, 223, 224, 255, 256, 257,
@@ -204,16 +204,18 @@ def test_prefill_plan_paths_are_what_the_prefill_gemms_take(preset, gpu, tuning,
     gemm_path picks for that layer's matrices (stand-ins of the same shapes, this GPU's facts mocked); and the
     experts' tiles are moe_experts_tile's. Without the fused kernels (sm_80) no path is wgmma or rs, without cuBLAS
     none is dequant, and gemv_rows serves 2..rows_max_m rows only."""
-    from kuiper_py.cuda.ops.gemm import gemm_path
-    from kuiper_py.cuda.ops.moe import moe_experts_tile
+    from kuiper_py.cuda.ops import gemm as gm
+    from kuiper_py.cuda.ops.moe import moe_experts_tile, moe_rs_path
     tune(monkeypatch, **tuning)
     st, a = cfg.SETTINGS, _args(preset)
     fused = gpu.cc == 90
     for cublas in (True, False):
         _gpu_facts(monkeypatch, gpu, fused, cublas)
         g = 128 if a.hidden_size % 128 == 0 else 64
-        pp = plan.build_prefill(a, st, gpu, fused, cublas, g, g, fused)
         D, qd, kvd, I = a.hidden_size, a.q_dim, a.kv_dim, a.intermediate_size
+        inter = a.moe_intermediate_size
+        w13, w2 = _Stack(a.num_experts, D, 2 * inter, g), _Stack(a.num_experts, inter, D, g)
+        pp = plan.build_prefill(a, st, gpu, fused, cublas, g, g, bool(a.num_experts) and moe_rs_path(w13, w2))
         mats = {"q|k|v": (_Mat(D, qd, g), _Mat(D, kvd, g), _Mat(D, kvd, g)), "o": (_Mat(qd, D, g),),
                 "gate|up": (_Mat(D, I, g), _Mat(D, I, g)), "gate": (_Mat(D, I, g),), "down": (_Mat(I, D, g),)}
         names = [p[0] for p in pp.projections]
@@ -221,15 +223,13 @@ def test_prefill_plan_paths_are_what_the_prefill_gemms_take(preset, gpu, tuning,
         for name in names:
             for T in PROMPT_ROWS:
                 got = pp.path(name, T)
-                assert got == gemm_path(T, mats[name]), (name, T)
+                assert got == gm.gemm_path(T, mats[name]), (name, T)
                 assert fused or got not in ("wgmma", "rs")
                 assert cublas or got != "dequant"
                 assert (got == "rows") <= (2 <= T <= st.rows_max_m)
         if a.num_experts:
-            inter = a.moe_intermediate_size
-            w13, w2 = _Stack(a.num_experts, D, 2 * inter, g), _Stack(a.num_experts, inter, D, g)
-            for T in PROMPT_ROWS:
-                assert pp.experts_tile(T) == moe_experts_tile(w13, w2, T * a.num_experts_per_tok, rs=pp.experts[5])
+            for T in PROMPT_ROWS:  # (moe_experts_tile deciding the Hopper path itself)
+                assert pp.experts_tile(T) == moe_experts_tile(w13, w2, T * a.num_experts_per_tok), T
 
 
 def test_prefill_plan_describe_shows_each_length_and_the_measured_choices(monkeypatch):
@@ -247,3 +247,9 @@ def test_prefill_plan_describe_shows_each_length_and_the_measured_choices(monkey
     moe = plan.build_prefill(_args("30b-a3b"), Settings(), h100, True, True, 128, 128, True)
     text = moe.describe(64)
     assert "| experts (tile rows)" in text and "gate|up" not in text and text.count("\n") == 2 + 5
+    # dense layers by decoder_sparse_step (every other layer sparse), and a tensor-parallel rank's share of experts
+    mixed = plan.build_prefill(dataclasses.replace(_args("30b-a3b"), decoder_sparse_step=2), Settings(), h100, True,
+                               True, 128, 128, True)
+    assert [p[0] for p in mixed.projections] == ["q|k|v", "o", "gate|up", "gate", "down"]
+    rank = plan.build_prefill(_args("30b-a3b"), Settings(), h100, True, True, 128, 128, True, experts=32)
+    assert rank.experts[0] == 32 and rank.experts_tile(512) != moe.experts_tile(512)

@@ -221,8 +221,9 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
             moe = next((layer for layer in ls if layer.router is not None), None)
             self._prefill_plan = build_prefill(
                 self.args, cfg.SETTINGS, self.gpu, wgmma_available(), cublas_ready(), ls[0].wq.group_size,
-                moe.experts_w13.group_size if moe else None, moe is not None and moe_rs_path(moe.experts_w13,
-                                                                                              moe.experts_w2))
+                moe.experts_w13.group_size if moe else None,
+                moe is not None and moe_rs_path(moe.experts_w13, moe.experts_w2),
+                dense=any(layer.router is None for layer in ls), experts=moe.experts_w13.E if moe else None)
         return self._prefill_plan
 
     def _lp(self, layer: Layer):

@@ -372,7 +372,7 @@ class PrefillPlan:
         names = [p[0] for p in self.projections if p[0] != "gate"]
         out = [f"prefill plan on {self.gpu.name} (sm_{self.gpu.cc}): fused wgmma GEMMs {_yn(self.fused_ok)}, cuBLAS "
                f"{_yn(self.cublas)}; activations from the arena up to {s.arena_max_t} tokens, graphs up to "
-               f"{s.prefill_graph_max_t}",
+               f"{s.prefill_graph_max_t} (a replay runs at its bucket's length: the paths of that length's line)",
                "tokens | " + " | ".join(names) + (" | experts (tile rows)" if self.experts else "")]
         for T in (t for t in PREFILL_SHOWN if t <= max_t):
             cells = []
@@ -389,17 +389,20 @@ class PrefillPlan:
 
 
 def build_prefill(a: ModelArgs, settings: Settings, gpu: Gpu, fused_ok: bool, cublas: bool, group: int,
-                  experts_group: int | None = None, experts_rs: bool = False) -> PrefillPlan:
+                  experts_group: int | None = None, experts_rs: bool = False, dense: bool | None = None,
+                  experts: int | None = None) -> PrefillPlan:
     """The prefill plan of this model (weights quantized in groups of `group`, the experts' in experts_group) on this
-    GPU with this tuning; experts_rs: the Hopper expert GEMMs run (moe_rs_path)."""
+    GPU with this tuning; experts_rs: the Hopper expert GEMMs run (moe_rs_path); dense: whether some layers have a
+    dense MLP (default: a dense model, or mlp_only_layers or decoder_sparse_step > 1); experts: the experts a layer's
+    stack holds (default num_experts; a tensor-parallel rank holds its share)."""
     D, qd, kvd = a.hidden_size, a.q_dim, a.kv_dim
     projs = [("q|k|v", D, (qd, kvd, kvd), group), ("o", qd, (D,), group)]
-    if not a.num_experts or a.mlp_only_layers:  # (dense FFN layers)
+    if dense if dense is not None else (not a.num_experts or bool(a.mlp_only_layers) or a.decoder_sparse_step > 1):
         I = a.intermediate_size
         projs += [("gate|up", D, (I, I), group), ("gate", D, (I,), group), ("down", I, (D,), group)]
-    experts = None
+    moe = None
     if a.num_experts:
         eg = experts_group or group
-        experts = (a.num_experts, a.num_experts_per_tok, D, a.moe_intermediate_size, eg,
-                   experts_rs and moe_rs_fits(D, a.moe_intermediate_size, eg))
-    return PrefillPlan(gpu, settings, fused_ok, cublas, tuple(projs), experts)
+        moe = (experts or a.num_experts, a.num_experts_per_tok, D, a.moe_intermediate_size, eg,
+               experts_rs and moe_rs_fits(D, a.moe_intermediate_size, eg))
+    return PrefillPlan(gpu, settings, fused_ok, cublas, tuple(projs), moe)
