@@ -8,11 +8,24 @@ import pytest
 from kuiper_py.backend import SAMPLED_TOKEN, Seq
 from kuiper_py.batch import BatchConfig, BatchEngine
 from kuiper_py.cuda.ops.paged import (DECODE_BUCKETS, decode_bucket, decode_inputs_size, decode_inputs_views,
-                                      pack_decode_inputs)
+                                      pack_decode_inputs, paged_splits, paged_splits_max)
 from kuiper_py.generate import Engine, generate
 from kuiper_py.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def test_paged_attention_splits_by_the_steps_decode_bucket(monkeypatch):
+    """A paged step's attention splits each row's keys by its decode bucket's entry in the tuning's table (an eager
+    step of 5 rows as its 8-row graph replay), one block a row past the table; by default 16 up to 64 rows."""
+    from reference import tune
+    assert [paged_splits(t) for t in (1, 5, 64, 65, 512)] == [16, 16, 16, 1, 1] and paged_splits_max() == 16
+    tune(monkeypatch, paged_splits=((4, 16), (16, 8), (64, 2)))
+    got = {t: paged_splits(t) for t in (1, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)}
+    assert got == {1: 16, 3: 16, 4: 16, 5: 8, 8: 8, 9: 8, 16: 8, 17: 2, 32: 2, 33: 2, 64: 2, 65: 1}
+    assert paged_splits_max() == 16
+    tune(monkeypatch, paged_splits=())
+    assert paged_splits(1) == 1 and paged_splits_max() == 1
 
 
 def test_a_step_replays_the_smallest_bucket_that_holds_it():

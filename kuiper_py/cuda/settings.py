@@ -128,6 +128,8 @@ class Settings:
     # prefills of at most this many tokens take the arena's activations / run as CUDA graphs (0: never)
     arena_max_t: int = 512
     prefill_graph_max_t: int = 512
+    # paged attention: (most rows, blocks sharing each row's keys) of a step, by its decode bucket's rows; 1 past them
+    paged_splits: tuple = ((64, 16),)
     # sampling over several blocks where top-k allows (False: one block always, tests)
     sample_mb: bool = True
     # per-GPU exceptions, keyed on a substring of the device's name

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from .. import settings as cfg
 from ..memory import _BUF_GEN, _f, _i
 from ..runtime.build import kernel
 from ..runtime.device import _dev_id
@@ -18,8 +19,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 PAGED_MAX_GROUP = 8  # paged.cu paged_attention: query heads per KV head (served by one block, at most 8)
-PAGED_SPLITS = 16  # blocks sharing one row's keys where a step has few rows (a decode step): flash decoding
-PAGED_SPLIT_MAX_T = 64  # rows up to which a step splits keys (a longer prefill chunk has blocks enough)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes a paged decode step's graphs are captured at (max_batch)
 
 
@@ -118,15 +117,15 @@ def paged_qk_norm_rope_store(q, k, v, q_norm, k_norm, cos, sin, kb, vb, rows: Pa
 
 def paged_attention(q, kb, vb, rows: PagedRows):
     """Causal GQA of every row over its own sequence's positions 0..its own, read through the block tables:
-    q [T, H, hd] fp16, kb/vb [n_blocks, block_size, KV, hd] (one layer's) -> [T, H*hd] fp16. Up to
-    PAGED_SPLIT_MAX_T rows, each row's keys are split over PAGED_SPLITS blocks whose partials a second launch merges
-    (in paged_scratch: graphs capture it, so its size is settled before a capture)."""
+    q [T, H, hd] fp16, kb/vb [n_blocks, block_size, KV, hd] (one layer's) -> [T, H*hd] fp16. Each row's keys are
+    split over paged_splits(T) blocks, whose partials a second launch merges (in paged_scratch: graphs capture it, so
+    its size is settled before a capture)."""
     T, H, hd = q.shape
     KV = kb.shape[2]
     G = H // KV
     assert T == rows.n_tokens and H % KV == 0 and G <= PAGED_MAX_GROUP and q.flags.c_contiguous
     out = cp.empty((T, H * hd), cp.float16)
-    S = PAGED_SPLITS if T <= PAGED_SPLIT_MAX_T else 1
+    S = paged_splits(T)
     acc, ml = paged_scratch(T * H, hd) if S > 1 else (out, out)  # (unused at S = 1)
     kernel("paged", f"paged_attention<{hd}>")((T, KV, S), (128,), (
         q, kb, vb, rows.tables, _i(rows.tables.shape[1]), rows.tok_seq, rows.tok_pos, out, acc, ml, _i(H), _i(KV),
@@ -136,20 +135,33 @@ def paged_attention(q, kb, vb, rows: PagedRows):
     return out
 
 
+def paged_splits(T: int) -> int:
+    """Blocks sharing one row's keys in a paged step of T rows (flash decoding, where a step has few rows): the
+    tuning's paged_splits entry for the step's decode bucket, so an eager step splits as its graph replay does (and
+    each row's sums are the same bits); 1 past the table (a longer prefill chunk has blocks enough)."""
+    R = decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
+    return next((s for rows, s in cfg.SETTINGS.paged_splits if R <= rows), 1)
+
+
+def paged_splits_max() -> int:
+    """The most splits the tuning's table gives any step (paged_scratch's size)."""
+    return max([1] + [s for _, s in cfg.SETTINGS.paged_splits])
+
+
 _SCRATCH: dict[int, list] = {}
 
 
 def paged_scratch(row_heads: int, hd: int) -> tuple:
-    """(acc [>= row_heads * PAGED_SPLITS * hd], ml [>= row_heads * PAGED_SPLITS * 2]) fp32 partials of split paged
+    """(acc [>= row_heads * S * hd], ml [>= row_heads * S * 2]) fp32 partials of split paged
     attention, per device; grown as needed, which drops the graphs holding the old ones (_BUF_GEN). Every use is
     ordered on one stream and merged before the next layer's, so reuse is safe."""
-    dev, need = _dev_id(), row_heads * PAGED_SPLITS * (hd + 2)
+    dev, need = _dev_id(), row_heads * paged_splits_max() * (hd + 2)
     rec = _SCRATCH.get(dev)
     if rec is None or rec.size < need:
         if rec is not None:
             _BUF_GEN[0] += 1
         rec = _SCRATCH[dev] = cp.empty((need,), cp.float32)
-    n_acc = row_heads * PAGED_SPLITS * hd
+    n_acc = row_heads * paged_splits_max() * hd
     return rec[:n_acc], rec[n_acc:need]
 
 
