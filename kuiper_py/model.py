@@ -48,15 +48,9 @@ class Qwen3:
         for i, layer in enumerate(w.layers):
             ops.begin_layer()
             h, x = ops.add_rmsnorm(h, r, layer.attn_norm)
-            q, k, v = ops.qkv(x, layer)
-            q = ops.qk_norm_rope_store(q, k, v, layer, i, step)
-            r = reduce(ops.linear(ops.attention(q, i, step), layer.wo))
+            r = reduce(ops.attention(x, layer, i, step))
             h, x = ops.add_rmsnorm(h, r, layer.ffn_norm)
-            if layer.router is not None:
-                r = ops.moe(x, layer)
-            else:
-                r = ops.linear(ops.gate_up_silu(x, layer), layer.w2)
-            r = reduce(r)
+            r = reduce(ops.moe(x, layer) if layer.router is not None else ops.mlp(x, layer))
         return ops.add_rmsnorm(h, r, w.final_norm)[1]
 
     def _forward(self, ids: list[int], all_logits: bool = False):

@@ -223,12 +223,20 @@ class NumpyOps:
         """backend.Collectives: the sum of the ranks' partial results; x itself without a communicator."""
         return x if self.comm is None else self.comm.all_reduce_sum(x)
 
-    def linear(self, x, lin: AwqLinear):
+    def attention(self, x, layer: Layer, i: int, step: Step):
+        """The attention block: q, k, v; their RMSNorms and RoPE; the new keys and values into the cache; causal GQA
+        over each sequence's cache; o."""
+        q, k, v = self._linear(x, layer.wq), self._linear(x, layer.wk), self._linear(x, layer.wv)
+        q = self._qk_norm_rope_store(q, k, v, layer, i, step)
+        return self._linear(self._attend_cache(q, i, step), layer.wo)
+
+    def mlp(self, x, layer: Layer):
+        """The SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+        return self._linear(silu(self._linear(x, layer.w1)) * self._linear(x, layer.w3), layer.w2)
+
+    def _linear(self, x, lin: AwqLinear):
         blocks = kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant)
         return awq_linear(x, lin, blocks, per_row=self.batch_invariant)
-
-    def qkv(self, x, layer: Layer):
-        return self.linear(x, layer.wq), self.linear(x, layer.wk), self.linear(x, layer.wv)
 
     @staticmethod
     def _rows(step: Step):
@@ -258,7 +266,7 @@ class NumpyOps:
         shape = (-1, a.num_key_value_heads, a.head_dim)
         return self.k_blocks[i, blk].reshape(shape)[:n], self.v_blocks[i, blk].reshape(shape)[:n]
 
-    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
+    def _qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
         a = self.args
         T = q.shape[0]
         q = rmsnorm(q.reshape(T, a.num_attention_heads, a.head_dim), layer.q_norm, a.rms_norm_eps)
@@ -272,7 +280,7 @@ class NumpyOps:
             out[r0:r1] = rope(q[r0:r1], cos, sin)
         return out
 
-    def attention(self, q, i: int, step: Step):
+    def _attend_cache(self, q, i: int, step: Step):
         """Causal GQA over each sequence's cache. q [T, H, hd], a sequence's rows at its positions pos0.. ->
         [T, H*hd]."""
         T, H, hd = q.shape
@@ -300,9 +308,6 @@ class NumpyOps:
         s = np.exp(s - s.max(axis=-1, keepdims=True))
         p = s / s.sum(axis=-1, keepdims=True)
         return np.matmul(p, Vh).transpose(1, 0, 2).reshape(T, H * hd)
-
-    def gate_up_silu(self, x, layer: Layer):
-        return silu(self.linear(x, layer.w1)) * self.linear(x, layer.w3)
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block through the staged pipeline of moe_ref (the GPU's stages). Each call's expert

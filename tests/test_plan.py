@@ -64,7 +64,7 @@ def _old(a: ModelArgs, router_layers: set[int], max_context: int, ffn_served: bo
             clears = not moe and acc_attn  # moe(): zero = acc_d_qkv if acc_attn
         else:
             form = "ffn_half" if ffn else "gemv_acc" if acc_mode else "gemv"
-            clears = form == "gemv_acc" or form == "gemv" and acc_attn  # gate_up_silu's zero
+            clears = form == "gemv_acc" or form == "gemv" and acc_attn  # the gate|up GEMV's zero
         layers.append(dict(qkv_acc=acc_attn, o_acc=acc_attn, o_clears=ffn or moe, o_router=moe and i in router_layers,
                            ffn=form, ffn_clears=clears))
     return dict(acc=(acc_attn, acc_mode, acc_moe), o_clears=o_clears, layers=layers, splits=splits, merge=merge,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Device diagnostic: run the forward op by op on NumPy and CuPy and print the relative error of each
-intermediate (finds which op loses precision). Usage: diag_layers.py MODEL.bin [T]"""
+"""Device diagnostic: run a prefill block by block on NumPy and CuPy and print the relative error of each layer's
+residual stream, block input and block output (finds which layer and block loses precision). Usage:
+diag_layers.py MODEL.bin [T]"""
 import sys
 
 import numpy as np
@@ -19,7 +20,7 @@ def rel(g, c):
 
 mf = load(sys.argv[1])
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 14
-if T < 2:  # a one-token step defers and fuses ops across calls (kuiper_py/cuda/backend.py _Normed, _Deferred)
+if T < 2:  # a one-token step defers its blocks' launches into the next (kuiper_py/cuda/backend.py _Deferred)
     sys.exit("diag_layers.py compares prefill ops: T must be at least 2")
 ids = np.random.default_rng(0).integers(0, 151643, T).tolist()
 c, g = NumpyOps(mf.args, mf.weights, T + 4), CupyOps(mf.args, mf.weights, T + 4, progress=False)
@@ -29,18 +30,16 @@ rc = rg = None
 for i, (lc, lg) in enumerate(zip(c.weights.layers, g.weights.layers)):
     hc, xc = c.add_rmsnorm(hc, rc, lc.attn_norm)
     hg, xg = g.add_rmsnorm(hg, rg, lg.attn_norm)
-    qc, kc, vc = c.qkv(xc, lc)
-    qg, kg, vg = g.qkv(xg, lg)
-    print(f"L{i} h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} q {rel(qg, qc):.2e} k {rel(kg, kc):.2e} v {rel(vg, vc):.2e}")
-    qrc, qrg = c.qk_norm_rope_store(qc, kc, vc, lc, i, step), g.qk_norm_rope_store(qg, kg, vg, lg, i, step)
-    ac, ag = c.attention(qrc, i, step), g.attention(qrg, i, step)
-    rc, rg = c.linear(ac, lc.wo), g.linear(ag, lg.wo)
-    print(f"   qrot {rel(qrg, qrc):.2e} attn {rel(ag, ac):.2e} o {rel(rg, rc):.2e}")
+    rc, rg = c.attention(xc, lc, i, step), g.attention(xg, lg, i, step)
+    print(f"L{i} h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} attention {rel(rg, rc):.2e}")
     hc, xc = c.add_rmsnorm(hc, rc, lc.ffn_norm)
     hg, xg = g.add_rmsnorm(hg, rg, lg.ffn_norm)
-    mc, mg = c.gate_up_silu(xc, lc), g.gate_up_silu(xg, lg)
-    rc, rg = c.linear(mc, lc.w2), g.linear(mg, lg.w2)
-    print(f"   h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} act {rel(mg, mc):.2e} down {rel(rg, rc):.2e}")
+    if lc.router is not None:
+        rc, rg = c.moe(xc, lc), g.moe(xg, lg)
+        print(f"   h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} (MoE: its sum is taken by the next norm)")
+        continue
+    rc, rg = c.mlp(xc, lc), g.mlp(xg, lg)
+    print(f"   h {rel(hg, hc):.2e} x {rel(xg, xc):.2e} mlp {rel(rg, rc):.2e}")
 hc, xc = c.add_rmsnorm(hc, rc, c.weights.final_norm)
 hg, xg = g.add_rmsnorm(hg, rg, g.weights.final_norm)
 lc_, lg_ = c.logits(xc, True), g.logits(xg, True)

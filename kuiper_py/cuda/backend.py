@@ -22,15 +22,15 @@ from .runtime.device import device_name, gpu_memory_used_mib
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
 from .ops.gemv import SUPPORTED_HEAD_DIMS, decode_acc_layout, gemv, gemv_counters, gemv_partial_size
 from .ops.gemm import cublas_ready, gemm, swiglu_prefill, wgmma_available
-from .ops.attention import _AttnParts, attention_combine, attention_decode, attention_prefill
-from .ops.decode_halves import _FfnIn, decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
+from .ops.attention import attention_combine, attention_decode, attention_prefill
+from .ops.decode_halves import decode_ffn, decode_ffn_plan, decode_moe_ffn, decode_moe_plan
 from .ops.moe import (MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_decode, moe_experts, moe_experts_tile, moe_maps_arrays,
                       moe_route, moe_route_decode, moe_rs_path)
 from .ops.norm import add_rmsnorm, lm_head, qk_norm_rope_store
 from .ops.rows import ROWS_MAX, rows_lm_head
 from ..backend import SAMPLED_TOKEN, Step
 from ..errors import KuiperError, ResourceError
-from ..loader import AwqLinear, Layer, Weights, kv_bytes_per_position
+from ..loader import Layer, Weights, kv_bytes_per_position
 from .draws import DeviceDraws
 from .plan import DecodePlan, Gpu, PrefillPlan, build as build_plan, build_prefill, forms as plan_forms
 from .graphs import CudaGraphs
@@ -50,15 +50,9 @@ except ImportError:  # pragma: no cover - CPU-only installs
 # routing-weighted sum of each token's expert rows) is in the next add_rmsnorm (the [T, D] sum is neither written nor
 # read back). Decode's GEMVs run in accumulating mode where their splits fit (no split-K reduction tail: the residual
 # add, the RMSNorm's 1/rms, SwiGLU and the q/k norm + RoPE + KV write done by the consuming kernel,
-# the MoE layers' expert GEMVs too); gemv_acc False (tests) takes the reduction tails that wider shapes take.
-
-
-class _QkvInput:
-    """Decode's QKV projection not yet launched (ops.qkv's q): qk_norm_rope_store launches it with the
-    norm, RoPE and cache write in its epilogue."""
-
-    def __init__(self, x):
-        self.x = x
+# the MoE layers' expert GEMVs too); gemv_acc False (tensor-parallel ranks) takes the reduction tails that wider
+# shapes take. Between the blocks only the residual stream's values wait: a block's last projection (_Deferred) for the
+# next add_rmsnorm, and that norm (_Normed) for the next block's first GEMV.
 
 
 class _Deferred:
@@ -93,20 +87,6 @@ class _ExpertRows:
 
     def __init__(self, y, u2p, weights):
         self.y, self.u2p, self.weights = y, u2p, weights
-
-
-class _QkvAcc:
-    """Decode's q|k|v sums in accumulating mode: the attention kernel finishes them (norm, RoPE, cache)."""
-
-    def __init__(self, q, layer):
-        self.q, self.layer, self.shape = q, layer, q.shape
-
-
-class _SwigluAcc:
-    """Decode's gate/up sums in accumulating mode (int64 [2, I]): the down GEMV applies SwiGLU."""
-
-    def __init__(self, acc):
-        self.acc, self.shape = acc, (1, acc.size // 2)
 
 
 class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
@@ -332,111 +312,103 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         return h
 
     def add_rmsnorm(self, h, r, w):
+        eps = self.args.rms_norm_eps
+        if isinstance(r, _ExpertRows):  # a MoE prefill's expert rows: their weighted sum added in this kernel
+            return h, add_rmsnorm(h, None, w, eps, experts=(r.y, r.u2p, r.weights))
         if self._paged is not None:
-            if isinstance(r, _ExpertRows):
-                return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
-            return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps)
-        if isinstance(r, _Deferred) and r.run_acc is not None:
-            # the projection adds into an accumulator (its plan entry's form); the consumer adds it to h, writing
-            # the other row
-            hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
-            return hout, _Normed(h, w, r.run_acc(h), hout)
-        if isinstance(r, _Deferred):
+            return h, add_rmsnorm(h, r, w, eps)
+        if isinstance(r, _Deferred):  # a decode block's last projection, launched now
+            if r.run_acc is not None:
+                # it adds into an accumulator (its plan entry's form); the consumer adds it to h, writing the
+                # other row
+                hout = self.d["h2"] if h.data.ptr == self.d["h"].data.ptr else self.d["h"]
+                return hout, _Normed(h, w, r.run_acc(h), hout)
             r.run(h)  # h += r in the projection's epilogue
             r = None
         if h.shape[0] == 1 and r is None:
             return h, _Normed(h, w)
-        if isinstance(r, _ExpertRows):
-            return h, add_rmsnorm(h, None, w, self.args.rms_norm_eps, experts=(r.y, r.u2p, r.weights))
-        out = self.d["x"] if h.shape[0] == 1 else None
-        return h, add_rmsnorm(h, r, w, self.args.rms_norm_eps, out)
+        return h, add_rmsnorm(h, r, w, eps, self.d["x"] if h.shape[0] == 1 else None)
 
     def _x(self, x):
-        """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel
-        without the add, a _Deferred projection launched with its plain fp16 output."""
+        """A deferred decode value made concrete: a _Normed input through the add_rmsnorm kernel without the add, a
+        _Deferred projection launched with its plain fp16 output."""
         if isinstance(x, _Normed):
             out = add_rmsnorm(x.h, None, x.w, self.args.rms_norm_eps, self.d["x"], pend=x.pend)
             if x.pend is not None:  # h += the pending output was done in place: the caller holds hout
                 x.hout[...] = x.h
             return out
-        if isinstance(x, _SwigluAcc):
-            raise AssertionError("the gate/up sums of accumulating mode go to the down GEMV only")
         if isinstance(x, _Deferred):
             return x.run(None)
-        if isinstance(x, _AttnParts):
-            return x.merged if x.merged is not None else attention_combine(x, self.d["attn"])
         return x
 
     def _gemv_in(self, x) -> dict:
-        """gemv()'s input arguments for x: the array, or the fused RMSNorm prologue of a _Normed."""
+        """gemv()'s input arguments for a block's input x: the array, or the fused RMSNorm prologue of a _Normed."""
         if isinstance(x, _Normed):
             return {"x": None, "norm": (x.h, x.w, self.args.rms_norm_eps), "pend": x.pend, "hout": x.hout}
-        if isinstance(x, _SwigluAcc):
-            return {"x": None, "pend": x.acc}
         return {"x": x}
 
-    def qkv(self, x, layer: Layer):
-        a = self.args
+    def attention(self, x, layer: Layer, i: int, step: Step):
+        """The attention block of layer i. A one-token decode step runs the plan's launches: the q|k|v GEMV (the
+        RMSNorm in its prologue; q/k norm, RoPE and the cache write in its epilogue, or its sums accumulated for
+        flash decoding to finish), flash decoding, and the o GEMV (merging the splits' partials in its prologue, or
+        a plain o GEMV after attn_decode_combine where the plan's o prologue does not take that many splits), which is
+        held back (_Deferred) for the next add_rmsnorm to launch with the residual add fused."""
         if self._paged is not None:
-            y = self._paged_proj(x, (layer.wq, layer.wk, layer.wv))
-            return y[:, :a.q_dim], y[:, a.q_dim:a.q_dim + a.kv_dim], y[:, a.q_dim + a.kv_dim:]
-        if x.shape[0] == 1:  # launched by qk_norm_rope_store, with the norm and RoPE in its epilogue
-            return _QkvInput(x), None, None
-        y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
+            return self._paged_attention_block(x, layer, i)
+        pos0 = step.one().pos0
+        if x.shape[0] == 1:
+            return self._decode_attention(x, layer, i, pos0)
+        a = self.args
         qd, kvd = a.q_dim, a.kv_dim
-        return y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:]
-
-    def qk_norm_rope_store(self, q, k, v, layer: Layer, i: int, step: Step):
-        if self._paged is not None:
-            return self._paged_rope(q, k, v, layer, i)
-        pos0 = step.one().pos0
-        a = self.args
-        lp = self.plan.layers[i]
-        if isinstance(q, _QkvInput) and lp.qkv_acc:
-            # q|k|v sums to their accumulator (the attention kernel finishes them); also clears the o
-            # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next
-            # written after this kernel has finished)
-            self._ss_n["attn"] = gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="plain", out=None,
-                                      partial=self.d["partial"], acc_out=self.d["acc_qkv"], zero=self.d["acc_o_gu"],
-                                      ss_out=self.d["ss_attn"], **self._gemv_in(q.x))
-            return _QkvAcc(self.d["qrot"], layer)
-        if isinstance(q, _QkvInput):
-            rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=self.d["qrot"],
-                        kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=self.d["pos"],
-                        eps=a.rms_norm_eps)
-            gemv(mats=[layer.wq, layer.wk, layer.wv], out_kind="qkv_rope", out=None, partial=self.d["partial"],
-                 rope=rope, **self._gemv_in(q.x))
-            return self.d["qrot"]
-        one = q.shape[0] == 1
-        return qk_norm_rope_store(q, k, v, layer.q_norm, layer.k_norm, self.cos, self.sin, self.k_cache[i],
-                                  self.v_cache[i], pos0, a.num_attention_heads, a.rms_norm_eps,
-                                  self.d["qrot"] if one else None, self.d["pos"] if one else self._graph_pos)
-
-    def attention(self, q, i: int, step: Step):
-        if self._paged is not None:
-            return self._paged_attention(q, i)
-        pos0 = step.one().pos0
-        KV = self.args.num_key_value_heads
-        if q.shape[0] == 1:
-            fin = None
-            if self.plan.layers[i].qkv_acc:  # (q a _QkvAcc: its sums are finished here)
-                fin = dict(acc=self.d["acc_qkv"], q_norm=q.layer.q_norm, k_norm=q.layer.k_norm, cos=self.cos,
-                           sin=self.sin, eps=self.args.rms_norm_eps,
-                           ss=(self.d["ss_attn"], self._ss_n["attn"], self.args.hidden_size))
-                q = q.q
-            p = self.plan
-            parts = attention_decode(q, self.k_cache[i], self.v_cache[i], pos0 + 1, KV, p.split_count(pos0 + 1),
-                                     self.d["part_o"], self.d["part_ml"], None,
-                                     self.d["pos"] if self.graphs else None, finish=fin,
-                                     min_chunk=p.attn_min_chunk, o_merge=p.o_merge, max_keys=p.regime(pos0 + 1),
-                                     merged=self.d["attn"] if p.attn_cm else None)
-            if isinstance(parts, _AttnParts):
-                parts.layer = i  # the o GEMV adds the layer's router rows where the MoE FFN half needs them
-            return parts
+        y = gemm(x, (layer.wq, layer.wk, layer.wv))  # one matrix for cuBLAS: k and v alone are narrow
+        q = qk_norm_rope_store(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], layer.q_norm, layer.k_norm, self.cos,
+                               self.sin, self.k_cache[i], self.v_cache[i], pos0, a.num_attention_heads,
+                               a.rms_norm_eps, None, self._graph_pos)
+        KV = a.num_key_value_heads
         if self._graph_pos is not None:  # a prefill graph's capture: the position and maps read on the device
-            return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i, pos_dev=self._graph_pos,
+            o_in = attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i, pos_dev=self._graph_pos,
                                      kvmaps=self._pbuf[:_PBUF_POS])
-        return attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
+        else:
+            o_in = attention_prefill(q, self.k_cache, self.v_cache, pos0, KV, layer=i)
+        return gemm(o_in, layer.wo)
+
+    def _decode_attention(self, x, layer: Layer, i: int, pos0: int):
+        a, d, p = self.args, self.d, self.plan
+        lp = p.layers[i]
+        mats = [layer.wq, layer.wk, layer.wv]
+        if lp.qkv_acc:
+            # q|k|v sums to their accumulator (flash decoding finishes them: norm, RoPE, cache); also clears the o
+            # and gate/up accumulators (last read by the previous layer's gate/up and down GEMVs, next written after
+            # this kernel has finished)
+            self._ss_n["attn"] = gemv(mats=mats, out_kind="plain", out=None, partial=d["partial"],
+                                      acc_out=d["acc_qkv"], zero=d["acc_o_gu"], ss_out=d["ss_attn"],
+                                      **self._gemv_in(x))
+            fin = dict(acc=d["acc_qkv"], q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin,
+                       eps=a.rms_norm_eps, ss=(d["ss_attn"], self._ss_n["attn"], a.hidden_size))
+        else:
+            rope = dict(q_norm=layer.q_norm, k_norm=layer.k_norm, cos=self.cos, sin=self.sin, qout=d["qrot"],
+                        kc=self.k_cache[i], vc=self.v_cache[i], pos0=pos0, pos_dev=d["pos"], eps=a.rms_norm_eps)
+            gemv(mats=mats, out_kind="qkv_rope", out=None, partial=d["partial"], rope=rope, **self._gemv_in(x))
+            fin = None
+        parts = attention_decode(d["qrot"], self.k_cache[i], self.v_cache[i], pos0 + 1, a.num_key_value_heads,
+                                 p.split_count(pos0 + 1), d["part_o"], d["part_ml"], None,
+                                 d["pos"] if self.graphs else None, finish=fin, min_chunk=p.attn_min_chunk,
+                                 o_merge=p.o_merge, max_keys=p.regime(pos0 + 1),
+                                 merged=d["attn"] if p.attn_cm else None)
+        wo = layer.wo
+        if p.o_prologue(parts.splits):  # the o GEMV merges the partials in its prologue
+            def o_acc(h):
+                # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read by this
+                # layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
+                rows = self._router_o[i] if lp.o_router else None  # (the MoE FFN half's logits: (R, Rh))
+                gemv(None, [wo], "plain", None, d["partial"], att=parts, acc_out=d["acc_o"],
+                     zero=d["acc_d_qkv"] if lp.o_clears else None,
+                     router=(*rows, h, d["acc_z"]) if rows is not None else None)
+                return d["acc_o"]
+            return _Deferred(lambda h: gemv(None, [wo], "plain", d["proj"], d["partial"], resid=h, att=parts),
+                             o_acc if lp.o_acc else None)
+        y = parts.merged if parts.merged is not None else attention_combine(parts, d["attn"])
+        return _Deferred(lambda h: gemv(y, [wo], "plain", d["proj"], d["partial"], resid=h))
 
     # ------------------------------------------------------------------ decode as one CUDA graph
     def begin_step(self, step: Step) -> None:
@@ -482,106 +454,47 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         a communicator of several ranks."""
         return tp.all_reduce(self, x) if tp.is_rank(self.comm) else x
 
-    def linear(self, x, lin: AwqLinear):
+    def mlp(self, x, layer: Layer):
+        """The SwiGLU MLP block. A one-token decode step takes the plan's form: the whole FFN half in one launch
+        (ffn_half), gate|up accumulated with SwiGLU in the down GEMV's prologue (gemv_acc), or the gate|up GEMV with
+        SwiGLU in its epilogue then down (gemv); the block's last launch (the down GEMV, or the whole one-launch half)
+        is held back (_Deferred) for the next add_rmsnorm."""
         if self._paged is not None:
-            return self._paged_proj(x, lin)
-        d = self.d
-        if isinstance(x, _AttnParts):  # the o projection: merge the attention partials in its prologue
-            lp = self.plan.layers[x.layer]
-            if self.plan.o_prologue(x.splits):
-                def o_acc(h):
-                    # with a one-launch FFN half, also clears the down and q|k|v accumulators (last read
-                    # by this layer's q|k|v GEMV and attention, next written by that FFN and the next q|k|v)
-                    rows = self._router_o[x.layer] if lp.o_router else None  # (the MoE FFN half's logits: (R, Rh))
-                    gemv(None, [lin], "plain", None, d["partial"], att=x, acc_out=d["acc_o"],
-                         zero=d["acc_d_qkv"] if lp.o_clears else None,
-                         router=(*rows, h, d["acc_z"]) if rows is not None else None)
-                    return d["acc_o"]
-                return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], resid=h, att=x),
-                                 o_acc if lp.o_acc else None)
-        if isinstance(x, _FfnIn):  # the whole FFN half in one launch, its down sums to acc_d
-            assert lin is x.layer.w2
-
-            def ffn_half(h):
-                return decode_ffn(self._ffn, x.x, x.layer, d["acc_d"], self.args.rms_norm_eps)
-            return _Deferred(_acc_only("the one-launch FFN half"), ffn_half)
-        if isinstance(x, _SwigluAcc):  # the down projection of accumulating mode: SwiGLU in its prologue
-            ss = (d["ss_ffn"], self._ss_n["ffn"], self.args.hidden_size, self.args.rms_norm_eps)
+            return self._paged_mlp(x, layer)
+        if x.shape[0] > 1:
+            return gemm(swiglu_prefill(x, layer.w1, layer.w3), layer.w2)
+        a, d, lp, w2 = self.args, self.d, self._lp(layer), layer.w2
+        if lp.ffn == "ffn_half":  # its down sums to acc_d (the next norm's consumer adds them to h)
+            assert isinstance(x, _Normed), "the one-launch FFN half computes its input's RMSNorm itself"
+            return _Deferred(_acc_only("the one-launch FFN half"),
+                             lambda h: decode_ffn(self._ffn, x, layer, d["acc_d"], a.rms_norm_eps))
+        # (where it clears the down and q|k|v accumulators: last read by this layer's q|k|v GEMV and attention,
+        # next written by the down GEMV and the next layer's q|k|v GEMV)
+        zero = d["acc_d_qkv"] if lp.ffn_clears else None
+        if lp.ffn == "gemv_acc":  # [gate | up] sums to their accumulator; the down GEMV applies SwiGLU
+            self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None, partial=d["partial"],
+                                     acc_out=d["acc_gu"], zero=zero, ss_out=d["ss_ffn"], **self._gemv_in(x))
+            acc, ss = d["acc_gu"], (d["ss_ffn"], self._ss_n["ffn"], a.hidden_size, a.rms_norm_eps)
 
             def down_acc(h):
-                gemv(None, [lin], "plain", None, d["partial"], pend=x.acc, acc_out=d["acc_d"], ss_in=ss, zero=None)
+                gemv(None, [w2], "plain", None, d["partial"], pend=acc, acc_out=d["acc_d"], ss_in=ss, zero=None)
                 return d["acc_d"]
-            return _Deferred(lambda h: gemv(None, [lin], "plain", d["proj"], d["partial"], pend=x.acc, resid=h,
+            return _Deferred(lambda h: gemv(None, [w2], "plain", d["proj"], d["partial"], pend=acc, resid=h,
                                             ss_in=ss), down_acc)
-        x = self._x(x)
-        if x.shape[0] == 1:
-            if lin.N == self.args.hidden_size:  # o / down: its output only feeds the residual add
-                return _Deferred(lambda h: gemv(x, [lin], "plain", self.d["proj"], self.d["partial"], resid=h))
-            return gemv(x, [lin], "plain", cp.empty((1, lin.N), cp.float16), self.d["partial"])
-        return gemm(x, lin)
-
-    def gate_up_silu(self, x, layer: Layer):
-        if self._paged is not None:
-            return self._paged_gate_up(x, layer)
-        if x.shape[0] == 1:
-            lp = self._lp(layer)
-            # (where it clears the down and q|k|v accumulators: last read by this layer's q|k|v GEMV and
-            # attention, next written by the down GEMV and the next layer's q|k|v GEMV)
-            zero = self.d["acc_d_qkv"] if lp.ffn_clears else None
-            if lp.ffn == "ffn_half":
-                assert isinstance(x, _Normed)
-                return _FfnIn(x, layer)  # launched by the down projection (linear)
-            if lp.ffn == "gemv_acc":  # [gate | up] sums to their accumulator (the down GEMV applies SwiGLU)
-                self._ss_n["ffn"] = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=None,
-                                         partial=self.d["partial"], acc_out=self.d["acc_gu"],
-                                         zero=zero, ss_out=self.d["ss_ffn"], **self._gemv_in(x))
-                return _SwigluAcc(self.d["acc_gu"])
-            return gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=self.d["act"], partial=self.d["partial"],
-                        zero=zero, **self._gemv_in(x))
-        return swiglu_prefill(x, layer.w1, layer.w3)
+        act = gemv(mats=[layer.w1, layer.w3], out_kind="swiglu", out=d["act"], partial=d["partial"], zero=zero,
+                   **self._gemv_in(x))
+        return _Deferred(lambda h: gemv(act, [w2], "plain", d["proj"], d["partial"], resid=h))
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block, every stage on the device (see moe.cu); x [T, D] fp16 -> [T, D] fp16."""
         if tp.is_rank(self.comm):
             return tp.moe(self, x, layer)
-        a, d = self.args, self.d
+        a = self.args
         k = a.num_experts_per_tok
         lp = self._lp(layer)
-        if isinstance(x, _Normed) and lp.ffn == "moe_half":  # decode: top-k and experts in one launch (the
-            # logits from this layer's o GEMV, its router rows)
-            def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
-                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
-                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
-                if self.routing_log is not None and not self.graphs:  # eager decode only
-                    self.routing_log.append(cp.asnumpy(d["moe_ids"]))
-                return d["acc_d"]
-            return _Deferred(_acc_only("the one-launch MoE FFN half"), moe_half)
-        if isinstance(x, _Normed):  # decode: the norm, router and top-k in one kernel, which also stores x
-            # (and finishes the o projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
-            ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
-                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"], x.pend, x.hout)
-            x = d["x"]
-        else:
-            x = self._x(x)
-            ids = w = None
-        if x.shape[0] == 1 and self._paged is None:  # (a paged step's one row: the rows path below, which reads
-            # no accumulator the decode plan's other launches clear)
-            if ids is None:
-                ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
-            if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
-                self.routing_log.append(cp.asnumpy(ids))
-            # the expert gate/up GEMV clears the down and q|k|v accumulators where the plan says (last read by
-            # this layer's q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
-            zero = d["acc_d_qkv"] if lp.ffn_clears else None
-
-            def run(h):
-                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
-                                  d["proj"], resid=h, zero=zero)
-
-            def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
-                return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
-                                  zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
-            return _Deferred(run, run_acc if lp.ffn == "moe_acc" else None)
+        if self._paged is None and x.shape[0] == 1:
+            return self._decode_moe(x, layer, lp)
+        x = self._x(x)
         w13, w2 = layer.experts_w13, layer.experts_w2
         # (a paged step's expert tiles as its decode bucket's: an eager step takes its graph replay's kernels)
         rs, bt = moe_experts_tile(w13, w2, (x.shape[0] if self._paged is None else route_rows(x.shape[0])) * k)
@@ -591,6 +504,43 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
             self.routing_log.append(cp.asnumpy(ids))
         # the weighted sum in the next add_rmsnorm
         return _ExpertRows(*moe_experts(x, w13, w2, ids, w, rs=rs, finalize=False, maps=maps))
+
+    def _decode_moe(self, x, layer: Layer, lp):
+        """A one-token decode step's MoE block, in the plan's form: top-k and the experts in one launch (moe_half,
+        the router's logits from this layer's o GEMV), or the norm, router and top-k in one kernel, then the experts'
+        GEMVs (their sums accumulated where the plan says: moe_acc); held back (_Deferred) for the next add_rmsnorm."""
+        a, d = self.args, self.d
+        k = a.num_experts_per_tok
+        normed = isinstance(x, _Normed)  # (the block's input, its RMSNorm not yet computed: every single-rank step)
+        if normed and lp.ffn == "moe_half":
+            def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
+                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                               a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
+                if self.routing_log is not None and not self.graphs:  # eager decode only
+                    self.routing_log.append(cp.asnumpy(d["moe_ids"]))
+                return d["acc_d"]
+            return _Deferred(_acc_only("the one-launch MoE FFN half"), moe_half)
+        if normed:  # the norm, router and top-k in one kernel, which also stores x (and finishes the o
+            # projection's pending sums of accumulating mode: h + fp16(o) to x.hout)
+            ids, w = moe_route_decode(x.h, x.w, a.rms_norm_eps, layer.router, k, a.norm_topk_prob, d["moe_logits"],
+                                      d["x"], d["moe_ids"], d["moe_w"], d["moe_counter"], x.pend, x.hout)
+            x = d["x"]
+        else:
+            ids, w = moe_route(x, layer.router, k, a.norm_topk_prob, d["moe_logits"], d["moe_ids"], d["moe_w"])
+        if self.routing_log is not None and not self.graphs:  # eager decode only: a capture cannot copy out
+            self.routing_log.append(cp.asnumpy(ids))
+        # the expert gate/up GEMV clears the down and q|k|v accumulators where the plan says (last read by this
+        # layer's q|k|v GEMV and attention; next written by the expert down GEMV and the next q|k|v GEMV)
+        zero = d["acc_d_qkv"] if lp.ffn_clears else None
+
+        def run(h):
+            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], d["moe_act"],
+                              d["proj"], resid=h, zero=zero)
+
+        def run_acc(h):  # the sums to acc_d: the next norm's consumer adds them to h
+            return moe_decode(x, layer.experts_w13, layer.experts_w2, ids, w, d["partial"], None, None,
+                              zero=zero, acc=(d["acc_gu"][:2 * k * a.moe_intermediate_size], d["acc_d"]))
+        return _Deferred(run, run_acc if lp.ffn == "moe_acc" else None)
 
     def logits(self, x, all_positions: bool = False):
         if tp.is_rank(self.comm):  # vocabulary-parallel: this rank's rows, then every rank's gathered

@@ -169,6 +169,19 @@ class PagedSteps:
             gemm(x[r:r + ROWS_MAX], mats, out[r:r + ROWS_MAX], path="rows")
         return out
 
+    def _paged_attention_block(self, x, layer, i: int):
+        """A paged step's attention block (CupyOps.attention): q|k|v, the per-token q/k norm, RoPE and block write,
+        paged attention, o."""
+        a = self.args
+        qd, kvd = a.q_dim, a.kv_dim
+        y = self._paged_proj(x, (layer.wq, layer.wk, layer.wv))
+        q = self._paged_rope(y[:, :qd], y[:, qd:qd + kvd], y[:, qd + kvd:], layer, i)
+        return self._paged_proj(self._paged_attention(q, i), layer.wo)
+
+    def _paged_mlp(self, x, layer):
+        """A paged step's SwiGLU MLP block (CupyOps.mlp)."""
+        return self._paged_proj(self._paged_gate_up(x, layer), layer.w2)
+
     def _paged_gate_up(self, x, layer):
         mats = (layer.w1, layer.w3)
         path = _paged_path(x.shape[0], mats)

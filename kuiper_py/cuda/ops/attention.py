@@ -178,14 +178,13 @@ def attention_combine(p, out):
 
 class _AttnParts:
     """A decode step's flash-decoding partials, not yet merged: the o projection merges them in its
-    GEMV prologue (gemv(att=...)); any other consumer gets attn_decode_combine's output (CupyOps._x)."""
+    GEMV prologue (gemv(att=...)), or attn_decode_combine merges them first (CupyOps._decode_attention)."""
 
     def __init__(self, part_o, part_ml, splits, heads, hd, n_keys, pos_dev, min_chunk, o_merge=False, merged=None):
         self.part_o, self.part_ml, self.splits, self.heads, self.hd = part_o, part_ml, splits, heads, hd
         self.n_keys, self.pos_dev, self.min_chunk, self.o_merge = n_keys, pos_dev, min_chunk, o_merge
         self.merged = merged  # the merged output (fp16 [1, H*hd]) where the clusters merged, else None
         self.shape = (1, heads * hd)
-        self.layer = None  # the decoder layer (CupyOps.attention sets it)
 
 
 _CL_ATTRS: dict[tuple, ctypes.Array] = {}

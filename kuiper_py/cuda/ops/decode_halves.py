@@ -168,11 +168,3 @@ def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, 
         zacc, w13.qweight, w13.qzeros, w13.scales, w2.qweight, w2.qzeros, w2.scales, ids, weights, acc,
         _i(D), _i(mI), _i(E), _i(k), _i(int(norm_topk))), 0, plan["attrs"])
     return acc
-
-
-class _FfnIn:
-    """A dense decode layer's gate/up input, not yet launched: the down projection launches the
-    whole FFN half (decode_ffn)."""
-
-    def __init__(self, x, layer):
-        self.x, self.layer, self.shape = x, layer, (1, layer.w1.N)
