@@ -261,7 +261,7 @@ def decode_cluster_merge_ab(mf, ids, n_prefill, monkeypatch, graphs=True):
             hb = oc.decode_heads_per_block(a.num_attention_heads, a.num_key_value_heads)
             if not oc.attn_cluster_merge(16, hb, a.head_dim):
                 pytest.skip("no cluster merge on this GPU or shape")
-            assert m.ops._attn_split_count(20) == 16
+            assert m.ops.plan.split_count(20) == 16
         m.prefill(ids[:n_prefill])
         got[cm] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[n_prefill:]])
     assert any(fn is not None for fn in oc._ATTN_CM_FNS.values())  # the clusters' instantiation ran

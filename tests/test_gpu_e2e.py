@@ -443,8 +443,8 @@ def test_short_context_attention_regime_switch(untied_bin, bounds, monkeypatch):
     tune(monkeypatch, attn_short=want)
     for graphs in (True, False):
         m = Qwen3(mf, oc.CupyOps, 64)
-        assert m.ops.attn_short == want and m.ops._attn_split_count(25) == 4 < m.ops.attn_splits
-        assert m.ops._attn_split_count(14) == (2 if len(want) == 2 else 4)
+        assert m.ops.attn_short == want and m.ops.plan.split_count(25) == 4 < m.ops.attn_splits
+        assert m.ops.plan.split_count(14) == (2 if len(want) == 2 else 4)
         m.ops.graphs = graphs
         m.prefill(ids[:10])
         got = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])

@@ -136,17 +136,16 @@ def test_short_regimes_pick_their_bound_and_split_count(cm):
     """Each short-context bound is a regime: n_keys goes to the first bound at or above it, whose keys set the
     split count (capped by the capacity's and, with the clusters' merge, by ATTN_CM_MAX); past the last bound
     the capacity's regime and split count."""
-    from types import SimpleNamespace
-    ops = SimpleNamespace(attn_short=(512, 1024), attn_splits=33, attn_min_chunk=32, attn_cm=cm, max_context=33000)
-    for name in ("_attn_short_bound", "_attn_regime"):
-        setattr(ops, name, getattr(oc.CupyOps, name).__get__(ops))
-    split = oc.CupyOps._attn_split_count.__get__(ops)
-    assert [ops._attn_regime(n) for n in (1, 512, 513, 1024, 1025)] == [512, 512, 1024, 1024, 33000]
+    from kuiper_py.cuda.ops.gemv import decode_regime
+    from kuiper_py.cuda.plan import split_count
+    bounds = (512, 1024)
+    regime = lambda n: decode_regime(bounds, 33000, n)  # noqa: E731 (DecodePlan.regime at a 33000-key capacity)
+    split = lambda n, chunk=32: split_count(bounds, 33, chunk, cm, n)  # noqa: E731 (DecodePlan.split_count)
+    assert [regime(n) for n in (1, 512, 513, 1024, 1025)] == [512, 512, 1024, 1024, 33000]
     assert [split(n) for n in (1, 512, 513, 1024, 1025)] == [16, 16, 16 if cm else 32, 16 if cm else 32, 33]
-    ops.attn_min_chunk = 64
-    assert [split(n) for n in (512, 1024, 5000)] == [8, 16, 33]
-    ops.attn_short = ()
-    assert ops._attn_regime(5) == 33000 and split(5) == 33
+    assert [split(n, 64) for n in (512, 1024, 5000)] == [8, 16, 33]
+    bounds = ()
+    assert regime(5) == 33000 and split(5) == 33
 
 
 def test_attn_min_chunk_follows_the_table(sms, monkeypatch):

@@ -134,7 +134,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         self.n_sm = self.gpu.sms
         # the model-wide forms (accumulating modes) the plan's layers follow; the buffers are sized for them
         self._forms = plan_forms(a, self.settings, self.gpu)
-        self._graphs = {}  # flash decoding's regime (_attn_regime) -> (graph, its argmax's n_valid)
+        self._graphs = {}  # flash decoding's regime (plan.regime) -> (graph, its argmax's n_valid)
         self.graphs = env.cuda_graphs() and not tp.is_rank(comm)  # (a rank's steps run eagerly: cuda/tp.py)
         self._graph = None
         self._dev_pos = None

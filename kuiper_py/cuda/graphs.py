@@ -9,8 +9,7 @@ from . import settings as cfg
 from ..backend import SAMPLED_TOKEN, Step
 from .memory import _ArenaFull, _BUF_GEN, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, prefill_bucket
 from .ops.gemm import _gemm_split_buffers
-from .ops.gemv import decode_regime, decode_regimes, gemv_counters
-from .plan import split_count
+from .ops.gemv import decode_regimes, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.rows import rows_scratch
 from .runtime.build import kernel
@@ -39,7 +38,7 @@ class CudaGraphs:
             self.d["token"].fill(token)
             self._sampled = token
         self._begin(pos0, 1)
-        self._graph, self._graph_argmax_n = self._decode_graph(self._attn_regime(pos0 + 1), body)
+        self._graph, self._graph_argmax_n = self._decode_graph(self.plan.regime(pos0 + 1), body)
         self._graph.launch(self._stream)
         self._dev_pos = pos0 + 1
         self._argmax_ready = True  # until the next step: d["logits"]'s argmax is in the pinned host int
@@ -88,20 +87,6 @@ class CudaGraphs:
             self._decode_graph(regime, lambda: body_at(pos0))
         self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
         return sorted(self._graphs)
-
-    def _attn_short_bound(self, n_keys: int) -> int:
-        """The short-context regime (attn_short) that serves n_keys keys: the first bound at or above n_keys, else
-        0 (the capacity's regime). Each regime is a decode graph of its own."""
-        return decode_regime(self.attn_short, 0, n_keys)
-
-    def _attn_regime(self, n_keys: int) -> int:
-        """The most keys the decode graph that serves n_keys keys serves: its short regime's bound, else the
-        capacity."""
-        return decode_regime(self.attn_short, self.max_context, n_keys)
-
-    def _attn_split_count(self, n_keys: int) -> int:
-        """Flash decoding's grid of splits at n_keys keys (plan.split_count, on this backend's choices)."""
-        return split_count(self.attn_short, self.attn_splits, self.attn_min_chunk, self.attn_cm, n_keys)
 
     # ------------------------------------------------------------------ short prefills as CUDA graphs
     def prefill_graph(self, step: Step, layers):
