@@ -35,7 +35,8 @@ from .draws import DeviceDraws
 from .plan import DecodePlan, Gpu, PrefillPlan, build as build_plan, build_prefill, forms as plan_forms
 from .graphs import CudaGraphs
 from .weights import WeightUpload
-from .batched import PagedSteps, route_rows
+from .batched import PagedSteps
+from .ops.paged import route_rows
 from . import tp
 
 try:

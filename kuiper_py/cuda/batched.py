@@ -25,7 +25,7 @@ from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.norm import lm_head
 from .ops.paged import (DECODE_BUCKETS, PAGED_MAX_GROUP, PagedRows, decode_bucket, decode_inputs_size,
                         decode_inputs_views, pack_decode_inputs, paged_attention, paged_qk_norm_rope_store, paged_scratch,
-                        rows_argmax)
+                        route_rows, rows_argmax)
 from .ops.rows import LM_HEAD_ROWS_MAX, ROWS_MAX, rows_fit, rows_lm_head, rows_scratch
 from .runtime.build import kernel
 
@@ -35,12 +35,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
     cp = None
 
 KV_POOL_HEADROOM = 1 << 30  # bytes of free GPU memory kv_pool_blocks leaves out before its share (activations)
-
-
-def route_rows(T: int) -> int:
-    """The rows a paged step of T rows chooses its kernels by: its decode bucket's, where T has one (an eager step
-    then takes the kernels its bucket's graph replay takes, and its rows' sums are bitwise the replay's), else T."""
-    return decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
 
 
 def _paged_path(T: int, mats) -> str:

@@ -15,7 +15,7 @@ from .ops.attention import decode_heads_per_block
 from .ops.gemv import (GEMV_ATT_ROWS, GEMV_COLS, GEMV_O_COARSE_SPLITS, GEMV_O_MERGE_COARSE_SPLITS, Facts,
                        attn_cm, attn_min_chunk, attn_short, decode_acc_layout, decode_regime, decode_regimes,
                        gemv_split, o_merge, o_split, table_for)
-from .ops.gemm import GEMM_BM, gemm_rule, wgmma_fits_shape
+from .ops.gemm import GEMM_BM, gemm_rule, rows_wgmma_min, wgmma_fits_shape
 from .ops.moe import moe_rs_fits, moe_rs_tile, moe_tc_fits, moe_tc_tile
 from .ops.rows import rows_fit_shape
 from .runtime.registry import ATTN_CM_MAX
@@ -353,7 +353,7 @@ class PrefillPlan:
         """gemm()'s path for T rows of the projection `name` (q|k|v, o, gate|up, gate, down)."""
         _, K, Ns, g = next(p for p in self.projections if p[0] == name)
         N = sum(Ns)
-        wg_min = table_for(self.settings, self.gpu.name).get("rows_wgmma_min", {}).get((K, N))
+        wg_min = rows_wgmma_min(table_for(self.settings, self.gpu.name), K, N)
         return gemm_rule(T, K, N, rows_fit_shape(K, Ns, g), self.fused_ok and wgmma_fits_shape(K, Ns, g),
                          self.cublas, self.settings, wg_min)
 

@@ -222,6 +222,12 @@ def _kn(sig) -> tuple[int, int]:
     return sig[0][0][0], sum(n for _, n in sig[0])
 
 
+def rows_wgmma_min(table: dict, K: int, N: int) -> int | None:
+    """A per-GPU table's rows from which 2..rows_max_m rows of a K x N projection take the fused wgmma GEMM (its
+    "rows_wgmma_min" entry), or None."""
+    return table.get("rows_wgmma_min", {}).get((K, N))
+
+
 def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rows" (2 to rows_max_m rows: gemv_rows.cu),
     "rs" or "wgmma" (the two fused Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
@@ -229,7 +235,7 @@ def gemm_path(T: int, mats) -> str:
     sig, st = _mats_rec(mats)[0], cfg.SETTINGS
     few = 1 < T <= min(st.rows_max_m, ROWS_MAX)
     # this GPU's table's entry, part of the key, looked up only where it decides (a prompt's layers ask per call)
-    wg_min = device_tuning().get("rows_wgmma_min", {}).get(_kn(sig)) if few else None
+    wg_min = rows_wgmma_min(device_tuning(), *_kn(sig)) if few else None
     key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m, wg_min,
            cublas_ready(), _dev_id())
     path = _GEMM_PATHS.get(key)

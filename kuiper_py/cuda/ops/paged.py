@@ -135,12 +135,17 @@ def paged_attention(q, kb, vb, rows: PagedRows):
     return out
 
 
+def route_rows(T: int) -> int:
+    """The rows a paged step of T rows chooses its kernels by: its decode bucket's, where T has one (an eager step
+    then takes the kernels its bucket's graph replay takes, and its rows' sums are bitwise the replay's), else T."""
+    return decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
+
+
 def paged_splits(T: int) -> int:
     """Blocks sharing one row's keys in a paged step of T rows (flash decoding, where a step has few rows): the
-    tuning's paged_splits entry for the step's decode bucket, so an eager step splits as its graph replay does (and
-    each row's sums are the same bits); 1 past the table (a longer prefill chunk has blocks enough)."""
-    R = decode_bucket(T) if T <= DECODE_BUCKETS[-1] else T
-    return next((s for rows, s in cfg.SETTINGS.paged_splits if R <= rows), 1)
+    tuning's paged_splits entry for route_rows(T), so an eager step splits as its graph replay does (and each row's
+    sums are the same bits); 1 past the table (a longer prefill chunk has blocks enough)."""
+    return next((s for rows, s in cfg.SETTINGS.paged_splits if route_rows(T) <= rows), 1)
 
 
 def paged_splits_max() -> int:
@@ -155,13 +160,14 @@ def paged_scratch(row_heads: int, hd: int) -> tuple:
     """(acc [>= row_heads * S * hd], ml [>= row_heads * S * 2]) fp32 partials of split paged
     attention, per device; grown as needed, which drops the graphs holding the old ones (_BUF_GEN). Every use is
     ordered on one stream and merged before the next layer's, so reuse is safe."""
-    dev, need = _dev_id(), row_heads * paged_splits_max() * (hd + 2)
+    S = paged_splits_max()
+    dev, need = _dev_id(), row_heads * S * (hd + 2)
     rec = _SCRATCH.get(dev)
     if rec is None or rec.size < need:
         if rec is not None:
             _BUF_GEN[0] += 1
         rec = _SCRATCH[dev] = cp.empty((need,), cp.float32)
-    n_acc = row_heads * paged_splits_max() * hd
+    n_acc = row_heads * S * hd
     return rec[:n_acc], rec[n_acc:need]
 
 
