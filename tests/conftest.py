@@ -67,21 +67,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_collection_finish(session):
-    """With GPU tests selected on a GPU machine: every kernel family a model can use starts building now, side by
-    side in worker threads (a model's load does the same: cuda/runtime/build.py precompile), rather than one module
-    at a time as each kernel test first launches one (the attention family alone compiles for ~30 s on one core)."""
-    if (session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER")
-            or not (_has_gpu() and any("gpu" in it.keywords for it in session.items))):
-        return
-    import types
-
-    import cupy as cp
-    from kuiper_py.cuda.runtime import build
-    cc = int(cp.cuda.Device().compute_capability)
-    build.precompile(build.model_families(types.SimpleNamespace(num_experts=1), cc) + ["paged"], 0)
-
-
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpts")

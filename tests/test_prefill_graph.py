@@ -150,8 +150,8 @@ class _FakeCupy:
 
 
 def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
-    """build.py with a stand-in CuPy, once the real builds still under way (conftest's precompile on a GPU machine)
-    have finished: a worker that met the stand-in would build a fake module."""
+    """build.py with a stand-in CuPy, once the real builds still under way (an earlier test's model load on a GPU
+    machine) have finished: a worker that met the stand-in would build a fake module."""
     for fut in list(kb._BUILDING.values()):
         try:
             fut.exception()
