@@ -153,6 +153,67 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# A MoE router's near tie: its k-th and (k+1)-th logits closer than this many of the row's standard deviations. The
+# GPU's fp16 activations may pick either expert there, and every later logit then legitimately differs from the
+# reference's (simulated on the CPU: router inputs perturbed by 2e-3 relative flipped picks at gaps up to 1e-2 sd).
+ROUTER_TIE_SD = 0.02
+
+
+class RouterTies:
+    """A context in which the CPU reference's MoE routers (moe_ref.route, the NumPy backend's) note each near tie they
+    meet (ROUTER_TIE_SD) as (call, row): the route calls counted from the context's start, in the order a forward
+    makes them; those in `flip` take the (k+1)-th expert instead of the k-th, weighted as the router weights it."""
+
+    def __init__(self, flip=()):
+        self.flip, self.near, self.calls = set(flip), [], 0
+
+    def __enter__(self):
+        from kuiper_py import moe_ref
+        self._mod, self._real = moe_ref, moe_ref.route
+        moe_ref.route = self._route
+        return self
+
+    def __exit__(self, *exc):
+        self._mod.route = self._real
+
+    def _route(self, x, router, k, norm_topk_prob):
+        ids, w = self._real(x, router, k, norm_topk_prob)
+        logits = x.astype(np.float32) @ router.astype(np.float32).T
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        top = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1)
+        gap = (top[:, 0] - top[:, 1]) / logits.std(axis=-1)
+        self.near += [(self.calls, int(t)) for t in np.nonzero(gap < ROUTER_TIE_SD)[0]]
+        for t in [t for c, t in self.flip if c == self.calls]:
+            p = np.exp(logits[t] - logits[t].max())
+            p /= p.sum()
+            ids[t] = np.concatenate([order[t, :k - 1], order[t, k:k + 1]])
+            w[t] = p[ids[t]] / (p[ids[t]].sum() if norm_topk_prob else 1)
+        self.calls += 1
+        return ids, w
+
+
+def reference_up_to_router_ties(got, run_cpu, max_flips=32):
+    """The CPU reference's output that got is closest to, of run_cpu()'s (a fresh CPU computation, the same route
+    calls each time) and those with one near tie of its routers (RouterTies) resolved the other way, tried while
+    none is within the e2e bound (1e-2) of got: where the GPU's fp16 activations resolved a router's near tie the other
+    way, its every later logit follows the other expert, as accurate against that resolution. Returns (reference, the
+    flipped tie or None). A dense model meets no tie: run_cpu()'s output."""
+    with RouterTies() as ties:
+        ref = run_cpu()
+    best, flipped = ref, None
+    for tie in ties.near[:max_flips]:
+        if rel(got, best) < 1e-2:
+            break
+        with RouterTies([tie]):
+            alt = run_cpu()
+        if rel(got, alt) < rel(got, best):
+            best, flipped = alt, tie
+    if flipped is not None:
+        print(f"closest reference: router near tie {flipped} (call, row) the other way, rel {rel(got, ref):.2e} -> "
+              f"{rel(got, best):.2e}")
+    return best, flipped
+
+
 def gpu_near_tie(mf, ctx, n_valid):
     """The CPU reference's top two tokens after ctx when their logits are closer than the GPU's own largest logit
     error there (a tie neither side resolves; a set of two ids), else an empty set; and whether a GPU path picks
@@ -410,7 +471,8 @@ def assert_prefill_graphs_accurate(mf, prompts, ctx=160, n_greedy=12, after_firs
     the position the ones before left: pos0 > 0). The first prompt of a length bucket runs eagerly, the second
     captures the bucket's graph, later ones replay it at whatever position (returns the buckets served,
     prefill_graph_spy). Every prompt's last logits as accurate against the CPU reference as an eager GPU session's
-    (the prompts of one bucket are different draws: each replay reads its own ids and position); then, after the
+    (the prompts of one bucket are different draws: each replay reads its own ids and position; a MoE router's near
+    tie may go either way: reference_up_to_router_ties); then, after the
     last chat's turns but its last again, the greedy continuation of its last turn equals the CPU's up to a tie
     neither side resolves (the padding's cache rows are overwritten by decode before any step reads them).
     after_first() runs after the first prompt (before the first capture)."""
@@ -422,15 +484,19 @@ def assert_prefill_graphs_accurate(mf, prompts, ctx=160, n_greedy=12, after_firs
     m, eager, cpu = Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, oc.CupyOps, ctx), Qwen3(mf, NumpyOps, ctx)
     eager.ops.prefill_graphs = False
     served = prefill_graph_spy(m)
+    def cpu_turns():  # the CPU reference's logits after the chat's turns so far, from a fresh session
+        s = Qwen3(mf, NumpyOps, ctx)
+        return [s.prefill(ids) for ids in turns][-1]
     for chat in (p if isinstance(p, tuple) else (p,) for p in prompts):
-        for s in (m, eager, cpu):
+        for s in (m, eager):
             s.reset()
         turns = []
         for n in chat:
             turns.append(rng.integers(0, 151643, n).tolist())
             m.ops.d["logits"].fill(np.nan)
             got = cp.asnumpy(m.prefill(turns[-1])).copy()
-            assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(turns[-1])), cpu.prefill(turns[-1]))
+            ref, _ = reference_up_to_router_ties(got, cpu_turns)
+            assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(turns[-1])), ref)
             if after_first is not None and len(served) == 1:
                 after_first()
     m.reset()
@@ -447,7 +513,7 @@ def assert_chat_accurate(binf, turns=6):
     reply's rows written by the decode graphs, queued ahead of the host), at a position > 0, through the prefill
     graph of its bucket, every bucket's captured when the chat began (Chat's warm, Qwen3.warm_prefill_graphs); each
     turn's logits (poisoned before it) are as accurate against a fresh CPU prefill of the whole rendered conversation
-    as the e2e bound asks."""
+    as the e2e bound asks (up to a MoE router's near tie resolved the other way: reference_up_to_router_ties)."""
     import cupy as cp
     from kuiper_py import ops_cupy as oc
     from kuiper_py.generate import Chat, Engine
@@ -470,10 +536,11 @@ def assert_chat_accurate(binf, turns=6):
         ids = chat.render(chat.messages[:-1])
         assert seen[-1][0] == recs[-1].cached_tokens == len(ids) - recs[-1].prompt_tokens
         assert (recs[-1].cached_tokens > 0) == (turn > 0)
-        ref = Qwen3(chat.engine.file, NumpyOps, len(ids)).prefill(ids)
+        ref, tie = reference_up_to_router_ties(seen[-1][1],
+                                               lambda: Qwen3(chat.engine.file, NumpyOps, len(ids)).prefill(ids))
         err = rel(seen[-1][1], ref)
         print(f"turn {turn}: {recs[-1].cached_tokens} cached + {recs[-1].prompt_tokens} new tokens, graph "
-              f"{served[-1]}, rel to the CPU {err:.2e}")
+              f"{served[-1]}, rel to the CPU {err:.2e}{'' if tie is None else ' (a router tie the other way)'}")
         assert err < 1e-2
     if oc.wgmma_available():  # every turn replayed its bucket's graph, the first meeting of a bucket too
         assert chat.warmed == sorted({oc.prefill_bucket(t) for t in range(2, 513)})
