@@ -319,7 +319,7 @@ def _echo_records(records, as_json: bool, label: str = "prefill") -> tuple:
 def _timings(r, chat=None) -> dict:
     """A generation's last record's prompt and generation figures, as the --json records give them (a speculative
     chat's: with its last reply's guesses)."""
-    spec = {"speculative": chat.stats.as_dict()} if hasattr(chat, "stats") else {}
+    spec = {"speculative": chat.stats.as_dict()} if chat is not None and chat.stats is not None else {}
     return {**spec, "prompt_s": round(r.prompt_seconds, 4),
             "prompt_tok_s": round(r.prompt_tokens / max(r.prompt_seconds, 1e-9), 2),
             "generated_tokens": r.gen_tokens, "gen_s": round(r.gen_seconds, 4),
@@ -625,7 +625,7 @@ def _chat_loop(chat, tty: bool, max_tokens: int, params, stop: list[str], as_jso
             reason, t = "interrupted" if interrupted else last.finish_reason, _timings(last)
             log(f"prompt {last.prompt_tokens} new tokens ({last.cached_tokens} cached), {t['prompt_tok_s']:.1f} tok/s | "
                 f"generated {last.gen_tokens} tokens, {t['gen_tok_s']:.1f} tok/s | finish: {reason}"
-                + (f" | {summary(chat.stats.as_dict())}" if hasattr(chat, "stats") else ""))
+                + (f" | {summary(chat.stats.as_dict())}" if chat.stats is not None else ""))
         if interrupted and not tty:
             sys.exit(130)
 

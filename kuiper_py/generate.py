@@ -284,6 +284,8 @@ class Chat:
     (Qwen3's drops the reasoning of answered turns) or a reply's text encodes to other ids than were drawn. When a
     turn and its reply would not fit, the oldest exchanges are dropped (the system message stays)."""
 
+    stats = None  # a speculative chat's counts of its last reply's guesses (speculative.SpeculativeChat)
+
     def __init__(self, engine: Engine, max_context: int, system: str | None = None,
                  enable_thinking: bool | None = None, warm: bool = True):
         if engine.tokenizer is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -50,6 +50,19 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), np.flatnonzero(probs)[-1]))
 
 
+class Proposer(Protocol):
+    """What speculative decoding asks of a source of guesses (Lookup, Draft, Replay)."""
+
+    def start(self, max_context: int) -> None:
+        """Called before each generation or chat reply: a proposer with a cache of its own sizes it to the
+        target's context."""
+
+    def propose(self, seq: list[int], k: int, params, n_valid: int, rng,
+                n_prompt: int = 0) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to k guesses to follow seq, and the distributions they were drawn from (None: drawn from none, each
+        guess proposed with certainty)."""
+
+
 class Lookup:
     """Prompt lookup (--lookup N): the continuation of the latest earlier occurrence of the last N tokens of the
     prompt and output so far; no guess where there is none."""
@@ -58,6 +71,9 @@ class Lookup:
         if n < 1:
             raise KuiperError(f"--lookup {n} must be >= 1")
         self.n = n
+
+    def start(self, max_context: int) -> None:
+        """Nothing to size: the guesses come from the sequence itself."""
 
     def propose(self, seq: list[int], k: int, params, n_valid: int, rng, n_prompt: int = 0) -> tuple[list[int], None]:
         n = self.n
@@ -121,6 +137,9 @@ class Replay:
     def __init__(self, n_prompt: int, continuation: list[int], rate: float = 1.0, seed: int = 0):
         self.n_prompt, self.cont, self.rate = n_prompt, list(continuation), rate
         self.rng = np.random.default_rng(seed)
+
+    def start(self, max_context: int) -> None:
+        """Nothing to size: the guesses come from the continuation given."""
 
     def propose(self, seq: list[int], k: int, params, n_valid: int, rng, n_prompt: int = 0) -> tuple[list[int], None]:
         i = len(seq) - self.n_prompt
@@ -219,7 +238,7 @@ def verify(rows, guesses: list[int], qs, params: SamplingParams, history: list[i
     return out
 
 
-def generate(engine: Engine, proposer, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
+def generate(engine: Engine, proposer: Proposer, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
              k: int = DEFAULT_K, stop: list[str] | None = None, max_context: int | None = None,
              eos_ids: list[int] | None = None, stats: Stats | None = None) -> Iterator[Record]:
     """generate.generate()'s records, drawn speculatively; `stats` (given) is filled as it goes."""
@@ -232,8 +251,7 @@ def generate(engine: Engine, proposer, prompt_ids: list[int], max_tokens: int, p
         raise KuiperError(f"prompt of {len(prompt_ids)} tokens does not fit a context of {ctx} "
                           f"(--max-context; the model's maximum is {args.max_position_embeddings})")
     model = engine.session(ctx)
-    if hasattr(proposer, "start"):  # (a proposer with a cache of its own sizes it to the target's)
-        proposer.start(ctx)
+    proposer.start(ctx)
     return stream(engine, model, proposer, prompt_ids, 0, max_tokens, params, k, stop, eos_ids, stats or Stats())
 
 
@@ -275,7 +293,7 @@ class _Emitter:
         return tok, text, None, None
 
 
-def stream(engine, model: Qwen3, proposer, prompt_ids, cached: int, max_tokens, params, k, stop, eos_ids,
+def stream(engine, model: Qwen3, proposer: Proposer, prompt_ids, cached: int, max_tokens, params, k, stop, eos_ids,
            stats: Stats) -> Iterator[Record]:
     """The loop over a model whose cache holds prompt_ids[:cached]: the rest of the prompt is prefilled and the first
     token drawn from its logits; then each verify step runs the pending token (drawn, not yet in the cache) and the
@@ -330,15 +348,14 @@ class SpeculativeChat(Chat):
     """generate.Chat whose replies are drawn speculatively; `stats` counts the last reply's guesses, `total` the
     conversation's."""
 
-    def __init__(self, engine: Engine, max_context: int, proposer, k: int = DEFAULT_K, **kw):
+    def __init__(self, engine: Engine, max_context: int, proposer: Proposer, k: int = DEFAULT_K, **kw):
         super().__init__(engine, max_context, **kw)
         self.proposer, self.k = proposer, k
         self.stats, self.total = Stats(), Stats()
 
     def _reply(self, ids: list[int], keep: int, max_tokens: int, params: SamplingParams, stop, eos_ids):
         """Chat.turn's reply drawn by stream(); the reply's guesses are counted in `stats` and added to `total`."""
-        if hasattr(self.proposer, "start"):
-            self.proposer.start(self.max_context)
+        self.proposer.start(self.max_context)
         self.stats = Stats()
         try:
             yield from stream(self.engine, self.model, self.proposer, ids, keep, max_tokens, params, self.k, stop,
@@ -348,7 +365,7 @@ class SpeculativeChat(Chat):
                 setattr(self.total, f, getattr(self.total, f) + getattr(self.stats, f))
 
 
-def run_cached(cache, proposer, ids: list[int], max_tokens: int, params: SamplingParams, k: int = DEFAULT_K,
+def run_cached(cache, proposer: Proposer, ids: list[int], max_tokens: int, params: SamplingParams, k: int = DEFAULT_K,
                stop: list[str] | None = None, eos_ids: list[int] | None = None,
                stats: Stats | None = None) -> Iterator[Record]:
     """generate.PrefixCache.run()'s records drawn speculatively (`kuiper serve --draft/--lookup`): the prompt's
