@@ -1,6 +1,6 @@
 """The one-shot all-reduce's host side without a GPU: the buffer layout the kernel writes (slots, halves, flags,
 which block owns which vector), the argument checks, and the rank-order reference sum the GPU must match bit for
-bit (kuiper_py/cuda/ops/allreduce.py; the kernel itself: tests/test_gpu_allreduce.py)."""
+bit (kuiper_py/cuda/ops/allreduce.py; the kernel itself: tests/test_cuda_allreduce.py)."""
 import itertools
 
 import numpy as np

@@ -19,13 +19,20 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-# the slow end-to-end files first: what the limit leaves unreached is then the kernel files' short cases
-FILES = ("tests/test_gpu_e2e.py", "tests/test_cuda_moe.py", "tests/test_hardening.py", "tests/test_gpu_formats.py",
-         "tests/test_gpu_speculative.py", "tests/test_gpu_paged.py", "tests/test_gpu_plan.py", "tests/test_gpu_rows.py",
-         "tests/test_serve_gpu.py", "tests/test_serve_speculative.py", "tests/test_gpu_allreduce.py",
+# the slow end-to-end files first: what the limit leaves unreached is then the kernel files' short cases; every other
+# test file after them (all_files), so that a GPU test in a new file is never left out
+FIRST = ("tests/test_gpu_e2e.py", "tests/test_cuda_moe.py", "tests/test_hardening.py", "tests/test_gpu_formats.py",
+         "tests/test_gpu_speculative.py", "tests/test_gpu_paged.py", "tests/test_gpu_plan.py", "tests/test_cuda_rows.py",
+         "tests/test_serve_gpu.py", "tests/test_serve_speculative.py", "tests/test_cuda_allreduce.py",
          "tests/test_gpu_parallel.py", "tests/test_cuda_gemv.py", "tests/test_cuda_gemm.py",
          "tests/test_cuda_attention.py", "tests/test_cuda_ffn_decode.py", "tests/test_cuda_norm.py",
          "tests/test_cuda_lm_head_sampling.py", "tests/test_cuda_runtime.py")
+
+
+def all_files() -> list[str]:
+    """FIRST, then every other tests/test_*.py (collect() keeps only the tests the marker selects)."""
+    rest = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    return list(FIRST) + [f for f in rest if f not in FIRST]
 # pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
 OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 COUNTED = ("PASSED", "FAILED", "SKIPPED", "ERROR")  # the table's outcome columns
@@ -72,7 +79,7 @@ def outcomes(log: str) -> dict[str, str]:
 @click.option("--left", default=None, help="write the ids no shard reached here (default LOG_DIR/left.txt)")
 @click.option("--log-dir", default=os.environ.get("OUT", "gpu_suite_logs"), help="per-shard logs (default $OUT)")
 def main(files, gpus, limit, marker, fast, only, left, log_dir):
-    files = files or FILES
+    files = files or all_files()
     marker = "gpu and not slow" if fast else marker
     n = gpus or gpu_count()
     if n < 1:
