@@ -25,6 +25,14 @@ def nan_like(shape, dtype):
     return cp.full(shape, np.nan, dtype=dtype)
 
 
+def rand_head(rng, V, D):
+    """A random fp16 lm_head [V, D] with rows of norm ~1 (drawn in float32, scaled in place: the real vocabulary's
+    head is 622M values, whose float64 draw alone took most of a test's time)."""
+    W = rng.standard_normal((V, D), dtype=np.float32)
+    W *= np.float32(1 / np.sqrt(D))
+    return W.astype(np.float16)
+
+
 def rand_awq(rng, K, N, g=128):
     """Random AWQ matrix: device AwqLinear plus the float64 dequantized reference [K, N]."""
     qw, qz, sc = rand_awq_tensors(rng, K, N, g)

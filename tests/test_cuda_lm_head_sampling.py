@@ -4,7 +4,6 @@ kernels_cu/sampling.cu) against NumPy (device machine only): draws follow the Nu
 Every output is poisoned with NaN before the kernel runs, so an element the kernel fails to write
 fails the comparison; inputs are fresh random draws on every run.
 """
-import math
 
 import numpy as np
 import pytest
@@ -14,13 +13,13 @@ from reference import rel, tune
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 oc = pytest.importorskip("kuiper_py.ops_cupy")
-from cuda_common import nan_like  # noqa: E402 (after the module-level skip)
+from cuda_common import nan_like, rand_head  # noqa: E402 (after the module-level skip)
 
 
 @pytest.mark.parametrize("V,D", [(151936, 4096), (151936, 1024), (1000, 128)])
 def test_lm_head(V, D):
     rng = np.random.default_rng()
-    W = (rng.standard_normal((V, D)) / math.sqrt(D)).astype(np.float16)
+    W = rand_head(rng, V, D)
     x = rng.standard_normal(D).astype(np.float16)
     out = nan_like((V,), cp.float32)
     oc.lm_head(cp.asarray(x), cp.asarray(W), out)
@@ -34,7 +33,7 @@ def test_lm_head_greedy_argmax(case):
     kernel wrote, NaN never chosen, the lower id of a tie; all NaN: -1 to the host, 0 to the device token."""
     rng = np.random.default_rng()
     V, D, n_valid = 151936, 1024, 151669
-    W = (rng.standard_normal((V, D)) / math.sqrt(D)).astype(np.float16)
+    W = rand_head(rng, V, D)
     x = rng.standard_normal(D).astype(np.float16)
     W[n_valid + 5] = x * 4  # past n_valid: the largest logit, never chosen
     if case == "tie":

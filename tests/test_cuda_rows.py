@@ -12,6 +12,7 @@ cp = pytest.importorskip("cupy")
 oc = pytest.importorskip("kuiper_py.ops_cupy")
 from kuiper_py.cuda.ops import rows  # noqa: E402
 from kuiper_py.loader import AwqLinear  # noqa: E402
+from cuda_common import rand_head  # noqa: E402 (after the module-level skip)
 
 
 def rand_awq(rng, K, N, g=128):
@@ -72,7 +73,7 @@ def test_rows_lm_head(M, V, D):
     """Logits of M rows in one pass over the head: the float64 dot products to fp32 accuracy, every row and
     vocabulary entry written (poisoned out, V not a multiple of the block's 128 rows)."""
     rng = np.random.default_rng()
-    W = (rng.standard_normal((V, D)) / np.sqrt(D)).astype(np.float16)
+    W = rand_head(rng, V, D)
     x = rng.standard_normal((M, D)).astype(np.float16)
     out = cp.full((M, V), np.nan, cp.float32)
     rows.rows_lm_head(cp.asarray(x), cp.asarray(W), out)
