@@ -180,9 +180,10 @@ class RouterTies:
         ids, w = self._real(x, router, k, norm_topk_prob)
         logits = x.astype(np.float32) @ router.astype(np.float32).T
         order = np.argsort(-logits, axis=-1, kind="stable")
-        top = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1)
-        gap = (top[:, 0] - top[:, 1]) / logits.std(axis=-1)
-        self.near += [(self.calls, int(t)) for t in np.nonzero(gap < ROUTER_TIE_SD)[0]]
+        if k < logits.shape[1]:  # (every expert picked: no tie to resolve)
+            top = np.take_along_axis(logits, order[:, k - 1:k + 1], axis=-1)
+            gap = (top[:, 0] - top[:, 1]) / logits.std(axis=-1)
+            self.near += [(self.calls, int(t)) for t in np.nonzero(gap < ROUTER_TIE_SD)[0]]
         for t in [t for c, t in self.flip if c == self.calls]:
             p = np.exp(logits[t] - logits[t].max())
             p /= p.sum()
@@ -192,24 +193,29 @@ class RouterTies:
         return ids, w
 
 
-def reference_up_to_router_ties(got, run_cpu, max_flips=32):
-    """The CPU reference's output that got is closest to, of run_cpu()'s (a fresh CPU computation, the same route
-    calls each time) and those with one near tie of its routers (RouterTies) resolved the other way, tried while
-    none is within the e2e bound (1e-2) of got: where the GPU's fp16 activations resolved a router's near tie the other
-    way, its every later logit follows the other expert, as accurate against that resolution. Returns (reference, the
+def reference_up_to_router_ties(got, run_cpu, ok=None, max_flips=32):
+    """The CPU reference got is checked against: run_cpu()'s output (a fresh CPU computation, the same route calls
+    each time), or, where that fails ok(reference) (default: got within the e2e bound, 1e-2), the first of those with
+    one near tie of its routers (RouterTies) resolved the other way that passes it: where the GPU's fp16 activations
+    resolved a router's near tie the other way, its every later logit follows the other expert, as accurate against
+    that resolution. Where none passes, the one closest to got (the check then fails on it). Returns (reference, the
     flipped tie or None). A dense model meets no tie: run_cpu()'s output."""
+    ok = ok or (lambda r: rel(got, r) < 1e-2)
     with RouterTies() as ties:
         ref = run_cpu()
+    if ok(ref):
+        return ref, None
     best, flipped = ref, None
     for tie in ties.near[:max_flips]:
-        if rel(got, best) < 1e-2:
-            break
         with RouterTies([tie]):
             alt = run_cpu()
+        if ok(alt):
+            best, flipped = alt, tie
+            break
         if rel(got, alt) < rel(got, best):
             best, flipped = alt, tie
     if flipped is not None:
-        print(f"closest reference: router near tie {flipped} (call, row) the other way, rel {rel(got, ref):.2e} -> "
+        print(f"reference with router near tie {flipped} (call, row) the other way: rel {rel(got, ref):.2e} -> "
               f"{rel(got, best):.2e}")
     return best, flipped
 
@@ -365,6 +371,12 @@ def record_calls(monkeypatch, name, note):
     return seen
 
 
+def as_accurate(fused, separate, cpu) -> bool:
+    """assert_as_accurate's conditions, as a predicate."""
+    e_fused, e_sep = rel(fused, cpu), rel(separate, cpu)
+    return e_fused < 1e-2 and e_fused < 1.5 * e_sep and rel(fused, separate) < 2 * e_sep
+
+
 def assert_as_accurate(name, fused, separate, cpu):
     """A fused decode path's logits against the separate kernels' and the CPU reference's. Both GPU
     paths round activations to fp16 at the same points but sum in different fp32 orders, so a value
@@ -495,8 +507,9 @@ def assert_prefill_graphs_accurate(mf, prompts, ctx=160, n_greedy=12, after_firs
             turns.append(rng.integers(0, 151643, n).tolist())
             m.ops.d["logits"].fill(np.nan)
             got = cp.asnumpy(m.prefill(turns[-1])).copy()
-            ref, _ = reference_up_to_router_ties(got, cpu_turns)
-            assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(turns[-1])), ref)
+            sep = cp.asnumpy(eager.prefill(turns[-1]))
+            ref, _ = reference_up_to_router_ties(got, cpu_turns, ok=lambda r: as_accurate(got, sep, r))
+            assert_as_accurate("prefill graph", got, sep, ref)
             if after_first is not None and len(served) == 1:
                 after_first()
     m.reset()
