@@ -10,9 +10,9 @@ from .cuda.runtime.launch import (_PdlKernel, _cu_fn, _cu_launch_ex, _cu_occupan
                                   allow_dynamic_smem, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters,
                                   tma_map_2d, tma_map_cache)
 from .cuda.runtime.registry import (FFN_GLOBAL_CAPS, FFN_PAIRS, FW_NC3_FROM, MOE_RS_FORMS, MOE_RS_FORMS_ALL,
-                                    MOE_TC_TILES, WGMMA_PRODUCERS, WGMMA_TILES, _FILES, _FILES_SM90, gemv_name)
-from .cuda.runtime.build import (MODULE_PARTS, SM90A_FAMILIES, _compiled, _family_names, _kernel_group, _module,
-                                 _module_keys, _usable_cpus, family_modules, headers_tag, kernel,
+                                    MOE_TC_TILES, WGMMA_PRODUCERS, WGMMA_TILES, FAMILIES, FAMILIES_SM90, gemv_name)
+from .cuda.runtime.build import (MODULE_PARTS, SM90A_FAMILIES, raw_kernel, family_names, kernel_group, load_module,
+                                 module_keys, usable_cpus, family_modules, headers_tag, kernel,
                                  kernel_build_seconds, kernel_dir, model_families, model_groups, precompile)
 from .cuda.ops.gemv import (DECODE_MIN_CHUNK, attn_cm, GEMV_BASE_BLOCKS_PER_SM, GEMV_COLS, GEMV_O_COARSE_SPLITS,
                             GEMV_O_MERGE_COARSE_SPLITS, GEMV_STEP, attn_min_chunk, attn_short, decode_acc_layout,
@@ -44,11 +44,11 @@ __all__ = [
     "GEMV_BASE_BLOCKS_PER_SM", "GEMV_COLS", "GEMV_O_COARSE_SPLITS", "GEMV_O_MERGE_COARSE_SPLITS", "GEMV_STEP",
     "MODULE_PARTS", "MOE_ROUTE_MAX_TILES", "MOE_RS_FORMS", "MOE_RS_FORMS_ALL", "MOE_TC_TILES", "RS_PART_COST",
     "RS_ROWS_SPLIT_KN", "SM90A_FAMILIES", "SMP_CAND", "SMP_CHUNK", "SMP_THREADS", "WGMMA_PRODUCERS", "WGMMA_TILES",
-    "_ATTN_CM_FNS", "_AttnParts", "_BUF_GEN", "_CUBLAS", "_FILES", "_FILES_SM90", "_GEMM_TICKETS", "_I32", "_MATS",
-    "_MOE_COUNTER", "_MOE_TILE_COUNTERS", "_Normed", "_PdlKernel", "_RMMA_FITS", "_RS_CALLS", "_compiled",
-    "_cu_fn", "_cu_launch_ex", "_cu_occupancy_clusters", "_dequant_scratch", "_dev_id", "_family_names",
-    "_ffn_first_fit", "_gemm_split_buffers", "_i", "_kernel_group", "_mats_rec", "_module", "_module_keys",
-    "_pdl_attr", "_rs_call", "_tma_gemm", "_tmap_encode", "_usable_cpus", "_wgmma_call", "add_rmsnorm",
+    "_ATTN_CM_FNS", "_AttnParts", "_BUF_GEN", "_CUBLAS", "FAMILIES", "FAMILIES_SM90", "_GEMM_TICKETS", "_I32", "_MATS",
+    "_MOE_COUNTER", "_MOE_TILE_COUNTERS", "_Normed", "_PdlKernel", "_RMMA_FITS", "_RS_CALLS", "raw_kernel",
+    "_cu_fn", "_cu_launch_ex", "_cu_occupancy_clusters", "_dequant_scratch", "_dev_id", "family_names",
+    "_ffn_first_fit", "_gemm_split_buffers", "_i", "kernel_group", "_mats_rec", "load_module", "module_keys",
+    "_pdl_attr", "_rs_call", "_tma_gemm", "_tmap_encode", "usable_cpus", "_wgmma_call", "add_rmsnorm",
     "allow_dynamic_smem", "attention_combine", "attention_decode", "attention_prefill", "attn_cluster_merge",
     "attn_cm", "attn_min_chunk", "attn_short", "attn_wgmma_fits", "awq_dequant", "awq_dequant3", "blocks_per_sm",
     "check_device", "copy_bandwidth", "cublas_matmul", "cublas_ready", "cuda_available", "decode_acc_layout",

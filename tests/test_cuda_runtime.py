@@ -59,7 +59,7 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
 def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
     """spread_smem's pad lets exactly ceil(blocks / SMs) blocks sit on an SM (the driver's occupancy
     calculator, asked independently here), and none where the registers already cap it lower."""
-    fn = oc._compiled("attn", name)
+    fn = oc.raw_kernel("attn", name)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     occ = oc._cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
 

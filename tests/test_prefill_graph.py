@@ -166,72 +166,72 @@ def _fake_builds(monkeypatch, delays, broken=(), notice_s=0.1):
 
 
 def test_a_slow_kernel_build_says_once_that_it_compiles(monkeypatch, capsys):
-    """build._compiled with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
+    """build.raw_kernel with a stand-in for CuPy's RawModule: a build slower than _BUILD_NOTICE_S prints one line
     on stderr saying that kernels are being compiled (a first run's silent minute looks like a hang), a second slow
     build prints nothing more, a quick one (a disk-cache load) nothing at all; kernel_build_seconds counts the time
     waited."""
     import time
     fams = ["norm", "rope", "lmh"]
-    files = [oc._FILES[f][0] for f in fams]
+    files = [oc.FAMILIES[f][0] for f in fams]
     _fake_builds(monkeypatch, {files[0]: 0.0, files[1]: 0.4, files[2]: 0.4})
     before = oc.kernel_build_seconds()
     t0 = time.perf_counter()
-    oc._compiled(fams[0], oc._FILES[fams[0]][1][0])
+    oc.raw_kernel(fams[0], oc.FAMILIES[fams[0]][1][0])
     assert capsys.readouterr().err == ""
     for f in fams[1:]:
-        oc._compiled(f, oc._FILES[f][1][0])
+        oc.raw_kernel(f, oc.FAMILIES[f][1][0])
     assert capsys.readouterr().err.count("compiling CUDA kernels") == 1
     assert 0.8 <= oc.kernel_build_seconds() - before <= time.perf_counter() - t0
 
 
 def test_precompile_builds_families_side_by_side_once_each(monkeypatch):
     """precompile() starts every family's build at once in worker threads: four 0.5 s builds are all done within
-    well under their 2 s in a row, a family _compiled asks for while its build runs is waited for rather than built
+    well under their 2 s in a row, a family raw_kernel asks for while its build runs is waited for rather than built
     again (one build each), a second precompile() of the same families starts nothing, and each kernel is its own
     family's."""
     import time
     fams = ["norm", "rope", "lmh", "gemm"]  # (one module each)
-    fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.5 for f in fams}, notice_s=60)
+    fake = _fake_builds(monkeypatch, {oc.FAMILIES[f][0]: 0.5 for f in fams}, notice_s=60)
     t0 = time.perf_counter()
     oc.precompile(fams, 0)
     oc.precompile(fams, 0)
-    got = [oc._compiled(f, oc._FILES[f][1][0]) for f in fams]
+    got = [oc.raw_kernel(f, oc.FAMILIES[f][1][0]) for f in fams]
     assert time.perf_counter() - t0 < 1.5
-    assert got == [(oc._FILES[f][0], oc._FILES[f][1][0]) for f in fams]
-    assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
+    assert got == [(oc.FAMILIES[f][0], oc.FAMILIES[f][1][0]) for f in fams]
+    assert fake.builds == {oc.FAMILIES[f][0]: 1 for f in fams}
 
 
 def test_precompile_starts_no_more_threads_than_build_threads(monkeypatch):
     """KUIPER_BUILD_THREADS (BUILD_THREADS) caps precompile()'s workers: at 1, three 0.3 s builds run one after
-    another (0.9 s at least), at 3 side by side where the process may use 3 CPUs (under 0.8 s); _usable_cpus counts
+    another (0.9 s at least), at 3 side by side where the process may use 3 CPUs (under 0.8 s); usable_cpus counts
     the CPUs the process may run on."""
     import os
     import time
-    assert 1 <= oc._usable_cpus() <= (os.cpu_count() or 1)
+    assert 1 <= oc.usable_cpus() <= (os.cpu_count() or 1)
     fams = ["norm", "rope", "lmh"]
     for cap, cpus, fast in ((1, 8, False), (3, 3, True)):
-        fake = _fake_builds(monkeypatch, {oc._FILES[f][0]: 0.3 for f in fams}, notice_s=60)
+        fake = _fake_builds(monkeypatch, {oc.FAMILIES[f][0]: 0.3 for f in fams}, notice_s=60)
         monkeypatch.setattr(kb, "BUILD_THREADS", cap)
-        monkeypatch.setattr(kb, "_usable_cpus", lambda: cpus)
+        monkeypatch.setattr(kb, "usable_cpus", lambda: cpus)
         t0 = time.perf_counter()
         oc.precompile(fams, 0)
         for f in fams:
-            oc._compiled(f, oc._FILES[f][1][0])
+            oc.raw_kernel(f, oc.FAMILIES[f][1][0])
         took = time.perf_counter() - t0
         assert (took < 0.8) if fast else (took >= 0.9), (cap, took)
-        assert fake.builds == {oc._FILES[f][0]: 1 for f in fams}
+        assert fake.builds == {oc.FAMILIES[f][0]: 1 for f in fams}
 
 
 def test_a_failed_background_build_raises_where_its_family_is_used(monkeypatch):
-    """A family whose build fails in precompile()'s worker raises nothing there or for other families; _compiled
+    """A family whose build fails in precompile()'s worker raises nothing there or for other families; raw_kernel
     builds it again when the family is used and raises that compile error as a one-line KuiperError."""
     from kuiper_py.errors import KuiperError
     fake = _fake_builds(monkeypatch, {}, broken=("rope.cu",), notice_s=60)
     oc.precompile(["norm", "rope"], 0)
     kb._BUILDING["rope"].exception()  # (its worker has finished, with the error)
-    assert oc._compiled("norm", "add_rmsnorm") == ("norm.cu", "add_rmsnorm")
+    assert oc.raw_kernel("norm", "add_rmsnorm") == ("norm.cu", "add_rmsnorm")
     with pytest.raises(KuiperError, match="kernel compilation failed for rope.cu"):
-        oc._compiled("rope", "advance_position")
+        oc.raw_kernel("rope", "advance_position")
     assert fake.builds == {"norm.cu": 1, "rope.cu": 2}
 
 
@@ -240,7 +240,7 @@ def test_model_families_name_real_families():
     compute capability 9.0 on, the modules built for sm_90a (wgmma) on 9.0 only (they cannot load elsewhere)."""
     from kuiper_py.config import ModelArgs
     from kuiper_py.synth import hf_config
-    known = set(oc._FILES) | set(oc._FILES_SM90)
+    known = set(oc.FAMILIES) | set(oc.FAMILIES_SM90)
     for preset in ("tiny", "tiny-moe"):
         a = ModelArgs.from_hf_config(hf_config(preset))
         for cc in (80, 86, 90, 100):
@@ -259,16 +259,16 @@ def test_a_family_in_parts_is_built_as_modules_of_shares_of_its_kernels(monkeypa
     fams = list(oc.MODULE_PARTS)
     oc.precompile(fams, 0)
     for f in fams:
-        names = oc._family_names(f)[1]
+        names = oc.family_names(f)[1]
         for x in names:
-            assert oc._compiled(f, x) == (oc._family_names(f)[0], x)
+            assert oc.raw_kernel(f, x) == (oc.family_names(f)[0], x)
         shares = [n for n in fake.names if n[0] in names]
-        groups = {oc._kernel_group(f, x) for x in names}
-        assert len(shares) == len(oc._module_keys(f)) == oc.MODULE_PARTS[f] * len(groups) > 1 and all(shares)
+        groups = {oc.kernel_group(f, x) for x in names}
+        assert len(shares) == len(oc.module_keys(f)) == oc.MODULE_PARTS[f] * len(groups) > 1 and all(shares)
         assert sorted(x for n in shares for x in n) == sorted(names)
-        assert all(len({oc._kernel_group(f, x) for x in n}) == 1 for n in shares)
+        assert all(len({oc.kernel_group(f, x) for x in n}) == 1 for n in shares)
         assert len(oc.family_modules(f)) == len(shares)
-    assert fake.builds == {oc._family_names(f)[0]: len(oc._module_keys(f)) for f in fams}
+    assert fake.builds == {oc.family_names(f)[0]: len(oc.module_keys(f)) for f in fams}
 
 
 def test_a_model_builds_only_the_kernel_groups_it_uses(monkeypatch):
@@ -283,13 +283,13 @@ def test_a_model_builds_only_the_kernel_groups_it_uses(monkeypatch):
         fams, groups = oc.model_families(a, 90), oc.model_groups(a)
         assert groups == want
         oc.precompile(fams, 0, groups)
-        for key in (k for f in fams for k in oc._module_keys(f, groups)):
-            oc._module(key)
+        for key in (k for f in fams for k in oc.module_keys(f, groups)):
+            oc.load_module(key)
         built = {x for n in fake.names for x in n}
         for f in fams:
-            for x in oc._family_names(f)[1]:
-                assert (x in built) == (oc._kernel_group(f, x) in groups | {""}), (preset, f, x)
+            for x in oc.family_names(f)[1]:
+                assert (x in built) == (oc.kernel_group(f, x) in groups | {""}), (preset, f, x)
         assert not any("<64" in x for x in built if x.startswith("attn_decode_gqa")) or a.head_dim == 64
         if not a.num_experts:
             assert not any(x.startswith(("moe_ffn_decode", "gemm_moe_rs")) for x in built)
-            assert oc._compiled("ffn", "moe_ffn_decode<8, 2, 1>") == ("ffn_decode.cu", "moe_ffn_decode<8, 2, 1>")
+            assert oc.raw_kernel("ffn", "moe_ffn_decode<8, 2, 1>") == ("ffn_decode.cu", "moe_ffn_decode<8, 2, 1>")

@@ -273,7 +273,7 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
     tune(monkeypatch, moe_route_wide_t=None)
     patch(monkeypatch, "_dev_id", lambda: 0)
     patch(monkeypatch, "smem_optin", lambda: 227 * 1024)
-    patch(monkeypatch, "_compiled", lambda family, name: Fn())
+    patch(monkeypatch, "raw_kernel", lambda family, name: Fn())
     wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4, 2>", 8)
     for _ in range(3):
         assert oc.moe_rmma_form(128, 128) == wide
@@ -370,7 +370,7 @@ def test_moe_route_passes_the_maps_to_its_last_block(monkeypatch, fused, splits)
     tune(monkeypatch, moe_route_maps=fused)
     tune(monkeypatch, moe_route_splits=str(splits))
     patch(monkeypatch, "moe_rmma_form", lambda T, E: ("moe_route_mma<4, 4>", 16))
-    patch(monkeypatch, "_compiled", lambda family, name: name)
+    patch(monkeypatch, "raw_kernel", lambda family, name: name)
     allowed = []
     patch(monkeypatch, "allow_dynamic_smem", lambda fn, n: allowed.append((fn, n)))
     patch(monkeypatch, "moe_route_counter", lambda: counter)

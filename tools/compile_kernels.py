@@ -42,8 +42,8 @@ def modules(arch: str, families=None) -> list[tuple[str, str, list[str]]]:
     for fam in dict.fromkeys(fams):
         if families and fam not in families:
             continue
-        for key in build._module_keys(fam):
-            fname, names = build._module_names(key)
+        for key in build.module_keys(fam):
+            fname, names = build.module_names(key)
             out.append((key, fname, names))
     return out
 

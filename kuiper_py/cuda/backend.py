@@ -16,7 +16,7 @@ from .. import env
 from . import memory as mem
 from . import settings as cfg
 from .settings import Settings, use_settings
-from .runtime.build import (_module, _module_keys, kernel, kernel_build_seconds, model_families, model_groups,
+from .runtime.build import (load_module, module_keys, kernel, kernel_build_seconds, model_families, model_groups,
                             precompile)
 from .runtime.device import device_name, gpu_memory_used_mib
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
@@ -172,8 +172,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
         # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
-        for key in (k for fam in families for k in _module_keys(fam, groups)):
-            _module(key)
+        for key in (k for fam in families for k in module_keys(fam, groups)):
+            load_module(key)
         cublas_ready()  # the prefill projections go through cuBLAS: load it now, not in the first prompt
 
     # the plan's model-wide choices, under the names the rest of the backend and the tests read

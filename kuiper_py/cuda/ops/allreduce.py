@@ -104,7 +104,7 @@ def _kernel_on(device: int, name: str):
     from ..runtime import build
     with cp.cuda.Device(device):
         build.kernel("ar", name)  # builds (or loads) the module
-        return build._module(build._module_key("ar", name)).get_function(name)
+        return build.load_module(build.module_key("ar", name)).get_function(name)
 
 
 def _checked_out(out, x):

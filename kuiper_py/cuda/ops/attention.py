@@ -11,7 +11,7 @@ from .. import settings as cfg
 from ..memory import _empty, _f, _i
 from .gemm import wgmma_available
 from .gemv import ATTN_LONG_TILE, ATTN_MMA_KEYS, DECODE_MIN_CHUNK, spread_smem
-from ..runtime.build import _compiled, kernel
+from ..runtime.build import raw_kernel, kernel
 from ..runtime.device import _dev_id
 from ..runtime.launch import (_LaunchAttr, _cluster_attr, _cluster_policy_attr, _pdl_attr, _cu_occupancy_clusters,
                               allow_dynamic_smem, launch_ex, pdl_enabled, resident_clusters, tma_map_2d,
@@ -139,7 +139,7 @@ def attention_decode(q, kc, vc, n_keys: int, n_kv_heads: int, max_splits: int, p
     pad = spread_smem("attn", name, grid[0] * grid[1] * S, 128)
     if long_path:
         pad = max(pad, attn_long_smem(hd))
-        allow_dynamic_smem(_compiled("attn", name), pad)
+        allow_dynamic_smem(raw_kernel("attn", name), pad)
     kernel("attn", name)(grid, (128,), args + (np.uint64(0),), shared_mem=pad)
     parts = _AttnParts(part_o, part_ml, S, H, hd, n_keys, pos_dev, min_chunk, o_merge)
     return parts if out is None else attention_combine(parts, out)
@@ -162,7 +162,7 @@ def _attn_cm_fn(name: str, S: int, n: int):
     GPC): the launch then leaves the merge to the o GEMV."""
     key = (_dev_id(), name, S)
     if key not in _ATTN_CM_FNS:
-        fn = _compiled("attncm", name)
+        fn = raw_kernel("attncm", name)
         _ATTN_CM_FNS[key] = fn if resident_clusters(fn, S, n, 128) > 0 else None
     return _ATTN_CM_FNS[key]
 

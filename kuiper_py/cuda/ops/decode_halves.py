@@ -11,7 +11,7 @@ from ..memory import _f, _i
 from .attention import _cluster_launch_attrs
 from .gemv import device_tuning
 from .moe import MOE_MAX_EXPERTS, MOE_MAX_TOPK
-from ..runtime.build import _compiled
+from ..runtime.build import raw_kernel
 from ..runtime.device import device_name, sm_count
 from ..runtime.launch import _cu_occupancy_clusters, _pdl_attr, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters
 from ..runtime.registry import FFN_GLOBAL_CAPS, FFN_PAIRS, FFN_XCH_GLOBAL, FFN_XCH_PUSH
@@ -34,7 +34,7 @@ def ffn_cluster_plan(CL: int, TB: int, n: int, kernel: str = "ffn_decode") -> di
     """The plan for ffn_decode.cu's kernel (ffn_decode or moe_ffn_decode) at its (CL, TB) instantiation
     over n clusters (the cluster's exchange by pushes into receive slots): kernel, launch attributes and how
     many of its clusters can be resident at once (all n must be: the caller checks)."""
-    fn = _compiled("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>")
+    fn = raw_kernel("ffn", f"{kernel}<{CL}, {TB}, {FFN_XCH_PUSH}>")
     return dict(CL=CL, TB=TB, fn=fn, attrs=_cluster_launch_attrs(CL), clusters=resident_clusters(fn, CL, n, FFN_THREADS))
 
 
@@ -125,7 +125,7 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
         cap = -(-CL * n // sms)
     if cap not in FFN_GLOBAL_CAPS:
         return None, f"{CL * n} blocks on {sms} SMs: {cap} per SM is not served"
-    fn = _compiled("ffn", f"ffn_decode<{CL}, {plan['TB']}, {FFN_XCH_GLOBAL}, {cap}>")
+    fn = raw_kernel("ffn", f"ffn_decode<{CL}, {plan['TB']}, {FFN_XCH_GLOBAL}, {cap}>")
     per = blocks_per_sm(fn, FFN_THREADS)
     if per * sms < CL * n or at_cap_only and per != cap:
         return None, f"{CL * n} blocks at {per} per SM, not {cap}"

@@ -10,7 +10,7 @@ from ...config import ModelArgs
 from ...loader import AwqLinear
 from .. import settings as cfg
 from ..memory import _COUNTERS, _device_zeros, _f, _i
-from ..runtime.build import _compiled, kernel
+from ..runtime.build import raw_kernel, kernel
 from ..runtime.device import _dev_id, device_attrs, device_name, sm_count
 from ..runtime.launch import allow_dynamic_smem, blocks_per_sm
 from ..runtime.registry import GEMV_O_MIN_BLOCKS, GEMV_ROWS, gemv_name
@@ -92,7 +92,7 @@ def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
     key = (_dev_id(), family, name, blocks, threads)
     pad = _SPREAD.get(key)
     if pad is None:
-        pad = _SPREAD[key] = _spread_smem(_compiled(family, name), blocks, threads)
+        pad = _SPREAD[key] = _spread_smem(raw_kernel(family, name), blocks, threads)
     return pad
 
 

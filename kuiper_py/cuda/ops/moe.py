@@ -10,7 +10,7 @@ from .. import settings as cfg
 from ..memory import _NULL, _device_zeros, _empty, _f, _i
 from .gemm import GEMM_BM, GEMM_BN, _pow2_group, cublas_ready, rs_smem_bytes, silu_mul, wgmma_available
 from .gemv import gemv
-from ..runtime.build import _compiled, kernel
+from ..runtime.build import raw_kernel, kernel
 from ..runtime.device import _dev_id, sm_count, smem_optin
 from ..runtime.launch import allow_dynamic_smem, launch_ex, tma_map_2d, tma_map_words
 from ..runtime.registry import MOE_RS_FORMS, MOE_RS_TILES, MOE_TC_TILES, moe_rs_name
@@ -64,7 +64,7 @@ def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
         key = (_dev_id(), wide)
         fits = _RMMA_FITS.get(key)
         if fits is None:
-            fits = _RMMA_FITS[key] = moe_rmma_smem(16) + _compiled("moe", wide).shared_size_bytes <= smem_optin()
+            fits = _RMMA_FITS[key] = moe_rmma_smem(16) + raw_kernel("moe", wide).shared_size_bytes <= smem_optin()
         if fits:
             return wide, 16
     return f"moe_route_mma<{ng}, {8 // ng}>", 8
@@ -131,7 +131,7 @@ def moe_route(x, router, k: int, norm_topk: bool, logits=None, ids=None, weights
             split = (_empty((splits, T, E), cp.float32), moe_route_tile_counters())
         else:
             split = ()
-        allow_dynamic_smem(_compiled("moe", name), smem)
+        allow_dynamic_smem(raw_kernel("moe", name), smem)
         fuse = maps is not None and cfg.SETTINGS.moe_route_maps and warps == 16
         if fuse:
             assert all(a.dtype == cp.int32 and a.flags.c_contiguous for a in maps[1:])
@@ -183,7 +183,7 @@ def moe_maps_stage_room() -> int:
     less where the opt-in limit and the kernel's static arrays leave less), allowed once per device."""
     dev = _dev_id()
     if dev not in _MAPS_ROOM:
-        fn = _compiled("moe", "moe_expert_maps")
+        fn = raw_kernel("moe", "moe_expert_maps")
         room = _MAPS_ROOM[dev] = max(0, min(MOE_MAPS_STAGE_MAX, smem_optin() - fn.shared_size_bytes))
         allow_dynamic_smem(fn, room)
     return _MAPS_ROOM[dev]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..memory import _BUF_GEN, _empty, _i
-from ..runtime.build import _compiled, kernel
+from ..runtime.build import raw_kernel, kernel
 from ..runtime.launch import allow_dynamic_smem
 from ..runtime.device import _dev_id, device_attrs, sm_count
 from .gemv import _mat_slots
@@ -103,7 +103,7 @@ def rows_gemm(x, mats, out=None):
     assert tiles <= ROWS_MAX_TILES
     S, rph = rows_split(K, tiles)
     part, counters = rows_scratch(S * M * Ntot if S > 1 else 0)
-    allow_dynamic_smem(_compiled("rows", "gemv_rows"), ROWS_SMEM)
+    allow_dynamic_smem(raw_kernel("rows", "gemv_rows"), ROWS_SMEM)
     kernel("rows", "gemv_rows")((tiles, S), (256,), (x, _i(M), _i(K), _i(mats[0].group_size), *_mat_slots(mats),
                                                       out, _i(Ntot), part, counters, _i(S), _i(rph)),
                                 shared_mem=ROWS_SMEM)

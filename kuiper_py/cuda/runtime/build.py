@@ -19,7 +19,7 @@ from ...errors import KuiperError
 from . import device as _device
 from .device import _dev_id
 from .launch import _PdlKernel, pdl_enabled
-from .registry import (_FILES, _FILES_SM90, ATTN_DECODE_U, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS, GEMV_SUM_BATCH,
+from .registry import (FAMILIES, FAMILIES_SM90, ATTN_DECODE_U, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS, GEMV_SUM_BATCH,
                        PDL_KERNELS)
 
 try:
@@ -49,7 +49,7 @@ def kernel(family: str, name: str):
     """A compiled kernel, launched with PDL where that is safe and available (PDL_KERNELS)."""
     key = (_dev_id(), family, name)
     if key not in _KERNELS:
-        fn = _compiled(family, name)
+        fn = raw_kernel(family, name)
         _KERNELS[key] = _PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
     return _KERNELS[key]
 
@@ -87,7 +87,7 @@ BUILD_TIMES: dict[str, float] = {}  # module key -> seconds its build took (diag
 BUILD_THREADS = env.build_threads()
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the OS has one: a container's share, not the host's)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -127,7 +127,7 @@ SM90A_FAMILIES = ("gemm90", "gemm90rs", "attn90")  # built for sm_90a (wgmma): t
 MODULE_GROUPS = ("hd64", "moe")
 
 
-def _kernel_group(family: str, name: str) -> str:
+def kernel_group(family: str, name: str) -> str:
     """The MODULE_GROUPS group of a family's kernel, or "" for those every model of the family's users needs."""
     if family in ("attn", "attncm") and re.match(r"\w+<64\b", name):
         return "hd64"
@@ -141,18 +141,18 @@ def model_groups(a: ModelArgs) -> set[str]:
     return {g for g, used in zip(MODULE_GROUPS, (a.head_dim == 64, bool(a.num_experts))) if used}
 
 
-def _family_names(family: str) -> tuple[str, list[str]]:
-    return _FILES_SM90[family] if family in _FILES_SM90 else _FILES[family]
+def family_names(family: str) -> tuple[str, list[str]]:
+    return FAMILIES_SM90[family] if family in FAMILIES_SM90 else FAMILIES[family]
 
 
 @functools.cache
 def _module_of(family: str) -> dict[str, str]:
-    """Each kernel of `family` -> the module key holding it, the one rule both ways (_module_key, _module_names,
-    _module_keys): per _kernel_group group ("family" or "family@group"), in the list's order, part i of a
+    """Each kernel of `family` -> the module key holding it, the one rule both ways (module_key, module_names,
+    module_keys): per kernel_group group ("family" or "family@group"), in the list's order, part i of a
     MODULE_PARTS family ("...#i") holds the i-th of its shares of that group's kernels."""
-    names = _family_names(family)[1]
+    names = family_names(family)[1]
     n = MODULE_PARTS.get(family, 1)
-    groups = {x: _kernel_group(family, x) for x in names}
+    groups = {x: kernel_group(family, x) for x in names}
     out = {}
     for g in dict.fromkeys(groups.values()):
         group = [x for x in names if groups[x] == g]
@@ -161,7 +161,7 @@ def _module_of(family: str) -> dict[str, str]:
     return out
 
 
-def _module_keys(family: str, groups=None) -> list[str]:
+def module_keys(family: str, groups=None) -> list[str]:
     """The modules a family is built as (_module_of), those of the kernels every user needs first, each group's in
     part order; groups (a set of MODULE_GROUPS names) keeps only those groups' modules beside the common ones, None
     keeps all."""
@@ -169,20 +169,20 @@ def _module_keys(family: str, groups=None) -> list[str]:
     return [k for k in keys if groups is None or "@" not in k or k.partition("@")[2].partition("#")[0] in groups]
 
 
-def _module_key(family: str, name: str) -> str:
+def module_key(family: str, name: str) -> str:
     """The module holding kernel `name` of `family` (_module_of)."""
     return _module_of(family)[name]
 
 
-def _module_names(key: str) -> tuple[str, list[str]]:
+def module_names(key: str) -> tuple[str, list[str]]:
     """(file, the kernels it instantiates) of a module key."""
     family = key.partition("#")[0].partition("@")[0]
-    return _family_names(family)[0], [x for x, k in _module_of(family).items() if k == key]
+    return family_names(family)[0], [x for x, k in _module_of(family).items() if k == key]
 
 
 def family_modules(family: str) -> list:
     """The built modules of a family (its parts in order)."""
-    return [_MODULES[k] for k in _module_keys(family) if k in _MODULES]
+    return [_MODULES[k] for k in module_keys(family) if k in _MODULES]
 
 
 def build_options(family: str) -> tuple[str, ...]:
@@ -204,7 +204,7 @@ def _build(key: str):
     source gets a #line so NVRTC errors name the real .cu file; CuPy keys its disk cache on the source and options,
     so a second start does not recompile."""
     family = key.partition("#")[0].partition("@")[0]
-    fname, names = _module_names(key)
+    fname, names = module_names(key)
     d = kernel_dir()
     src = f'#line 1 "{d / fname}"\n' + (d / fname).read_text() + headers_tag()
     opts = build_options(family)
@@ -227,14 +227,14 @@ def _build(key: str):
 
 
 def precompile(families, device_id: int, groups=None) -> None:
-    """Start building the kernel modules of `families` (of their MODULE_GROUPS only `groups`', as _module_keys picks)
+    """Start building the kernel modules of `families` (of their MODULE_GROUPS only `groups`', as module_keys picks)
     that are not built yet, in worker threads (NVRTC releases the GIL), on device device_id: a first run compiled them
     one after another as each was first used (87.0 s for Qwen3-8B on the H200 machine), now side by side while the
-    weights upload (20.8 s; 11.9 s with the groups, parts and threads). _compiled waits for a
+    weights upload (20.8 s; 11.9 s with the groups, parts and threads). raw_kernel waits for a
     module's build; a build that failed there is redone in the caller, so its error is raised where the family is
     used."""
     with _BUILD_LOCK:
-        keys = [k for f in families for k in _module_keys(f, groups)]
+        keys = [k for f in families for k in module_keys(f, groups)]
         todo = [k for k in dict.fromkeys(keys) if k not in _MODULES and k not in _BUILDING]
         if not todo:
             return
@@ -254,10 +254,10 @@ def precompile(families, device_id: int, groups=None) -> None:
                     return
                 try:
                     fut.set_result(_build(f))
-                except BaseException as e:  # noqa: BLE001 (given to _compiled, which builds again and raises)
+                except BaseException as e:  # noqa: BLE001 (given to raw_kernel, which builds again and raises)
                     fut.set_exception(e)
 
-    for _ in range(min(len(todo), _usable_cpus(), BUILD_THREADS)):
+    for _ in range(min(len(todo), usable_cpus(), BUILD_THREADS)):
         threading.Thread(target=worker, name="kuiper-build", daemon=True).start()
 
 
@@ -279,18 +279,18 @@ def _function_device() -> int:
     return 0 if _device.cp is None else _dev_id()
 
 
-def _compiled(family: str, name: str):
+def raw_kernel(family: str, name: str):
     """A compiled kernel, looked up once (CuPy's get_function builds a new RawKernel per call, and
     attention_decode asks on every launch); its module built here, or by precompile()'s worker. One per device: a
     function is loaded into one device's context (one process driving several GPUs: --tp)."""
     key = (_function_device(), family, name)
     fn = _FNS.get(key)
     if fn is None:
-        fn = _FNS[key] = _module(_module_key(family, name)).get_function(name)
+        fn = _FNS[key] = load_module(module_key(family, name)).get_function(name)
     return fn
 
 
-def _module(key: str):
+def load_module(key: str):
     """The built module of a module key: built here, or precompile()'s build waited for (one that failed there is
     built again here, which raises its error)."""
     if key not in _MODULES:

@@ -99,7 +99,7 @@ def fw_name(st: int, pipe: int, nc: int) -> str:
 MOE_RMMA_NAMES = [f"moe_route_mma{sp}<{ng}, {w // ng}>" for ng in (4, 8) for w in (8, 16) for sp in ("", "_split")]
 
 
-_FILES = {
+FAMILIES = {
     "gemv": ("gemv_w4a16.cu", [gemv_name(*f) for f in GEMV_FORMS]),
     "gemm90": ("gemm_wgmma.cu", [f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, r))}, {np_}>"
                                  for (bm, bn), r in WGMMA_TILES.items() for np_ in WGMMA_PRODUCERS]),
@@ -151,7 +151,7 @@ ATTN_CM_HB = (1, 2, 4, 8)  # heads per block of attention.cu's cluster-merge ins
 ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
 
 
-_FILES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
+FAMILIES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
                                            for hb in ATTN_CM_HB]),
                "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
                        + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
