@@ -440,11 +440,11 @@ def assert_arena_prefills_same_bits(mf, monkeypatch, lengths=(37, 37, 12, 5)):
         for j, ids in enumerate(prompts):
             if j < len(prompts) - 1:
                 m.reset()
-            for _, _, a in m.ops._arena.slots.values():
+            for _, _, a in m.ops.arena.slots.values():
                 a.fill(-1 if a.dtype.kind == "i" else np.nan)
             out.append(cp.asnumpy(m.prefill(ids, all_logits=True)))
-            assert mem._ARENA is None
-            assert bool(m.ops._arena.slots) == on
+            assert mem.active_arena() is None
+            assert bool(m.ops.arena.slots) == on
         got[on] = out
     for a, b in zip(got[True], got[False]):
         assert np.isfinite(a).all()

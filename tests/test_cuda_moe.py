@@ -667,7 +667,7 @@ def test_decode_plan_of_a_moe_model(moe_bin):
     """A MoE model's decode plan has a MoE layer's launches, the one-launch MoE half where the backend took it."""
     m = Qwen3(load(moe_bin), oc.CupyOps, 64)
     p = m.ops.plan
-    assert p.moe_layer and (p.moe_layer[-1].kernel == "moe_ffn_decode") == (m.ops._moe is not None)
+    assert p.moe_layer and (p.moe_layer[-1].kernel == "moe_ffn_decode") == (m.ops.moe_plan is not None)
     assert "(MoE):" in p.describe()  # (its run of MoE layers)
 
 
@@ -888,7 +888,7 @@ def _fused_moe_decode(mf, ids, n_prefill, graphs, on, monkeypatch):
     routing log of the decode steps (eager only: [step * MoE layers + layer] -> ids [1, k])."""
     tune(monkeypatch, decode_moe="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, 64)
-    assert (m.ops._moe is not None) == on, m.ops.decode_moe_why
+    assert (m.ops.moe_plan is not None) == on, m.ops.decode_moe_why
     m.ops.graphs = graphs
     m.prefill(ids[:n_prefill])
     m.ops.routing_log = []
@@ -961,6 +961,6 @@ def test_one_launch_moe_greedy_and_deterministic(fused_moe_bin, monkeypatch):
     else:
         pytest.fail("the GPU and the CPU chose different experts (or tied) within the first 10 tokens in 3 draws")
     ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
-    assert ops._moe is not None
+    assert ops.moe_plan is not None
     assert np.array_equal(a, b)  # fixed-point sums, rank-ordered cluster sums: bitwise the same
     assert int(cp.count_nonzero(ops.d["acc_qkv"])) == int(cp.count_nonzero(ops.d["acc_d"])) == 0

@@ -35,7 +35,7 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
     a prompt past the arena_max_t setting gives the arena's arrays back before it runs."""
     m = Qwen3(load(model_bin[0]), oc.CupyOps, 64)
     m.prefill(list(range(1, 9)))
-    assert m.ops._arena.slots and mem._ARENA is None
+    assert m.ops.arena.slots and mem.active_arena() is None
 
     def fail(*a, **k):
         raise RuntimeError("injected")
@@ -43,12 +43,12 @@ def test_prefill_arena_released_after_an_error_and_by_a_long_prompt(model_bin, m
     m.reset()
     with pytest.raises(RuntimeError, match="injected"):
         m.prefill(list(range(1, 9)))
-    assert mem._ARENA is None
+    assert mem.active_arena() is None
     monkeypatch.undo()
     tune(monkeypatch, arena_max_t=4)
     m.reset()
     m.prefill(list(range(1, 9)))
-    assert not m.ops._arena.slots and mem._ARENA is None
+    assert not m.ops.arena.slots and mem.active_arena() is None
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_chat_decode_graphs_captured_at_start_give_the_same_replies(small_bin, m
     replies = {}
     for warm in (True, False):
         chat = Chat(Engine.load(small_bin, "cuda"), 512, enable_thinking=False, warm=warm)
-        graphs = chat.model.ops._graphs
+        graphs = chat.model.ops.decode_graph_cache
         assert chat.warmed_decode == ([256, 512] if warm else []) and sorted(graphs) == chat.warmed_decode
         replies[warm] = [list(chat.turn(t, 40, SamplingParams(temperature=0.0), eos_ids=[]))[-1].tokens
                          for t in msgs]
@@ -139,16 +139,16 @@ def test_generate_captures_its_decode_graphs_before_the_prompt(small_bin, monkey
     prompt = np.random.default_rng().integers(0, 1000, size=40).tolist()
     eng = Engine.load(small_bin, "cuda", need_tokenizer=False)
     for n, regimes in ((300, [256, 512]), (40, [256])):
-        eng.session(512).ops._graphs.clear()
+        eng.session(512).ops.decode_graph_cache.clear()
         records = generate(eng, prompt, n, greedy, max_context=512, eos_ids=[])
-        assert sorted(eng.model.ops._graphs) == regimes
+        assert sorted(eng.model.ops.decode_graph_cache) == regimes
         last = list(records)[-1]
-        assert sorted(eng.model.ops._graphs) == regimes and len(last.tokens) == n and last.warmup_seconds > 0
+        assert sorted(eng.model.ops.decode_graph_cache) == regimes and len(last.tokens) == n and last.warmup_seconds > 0
     ops = eng.model.ops
     monkeypatch.setattr(ops, "warm_decode_graphs", lambda *a, **k: [])
-    ops._graphs.clear()
+    ops.decode_graph_cache.clear()
     lazy = list(generate(eng, prompt, 40, greedy, max_context=512, eos_ids=[]))[-1]
-    assert lazy.warmup_seconds < last.warmup_seconds and sorted(ops._graphs) == [256]
+    assert lazy.warmup_seconds < last.warmup_seconds and sorted(ops.decode_graph_cache) == [256]
     assert lazy.tokens == last.tokens
 
 
@@ -256,21 +256,21 @@ def test_prefill_graph_lifecycle(small_bin):
         return m.prefill(rng.integers(0, 151643, n).tolist(), **kw)
     fresh(20)
     fresh(30)
-    assert served == [None, 32] and set(m.ops._pgraphs) == {32}
-    g32 = m.ops._pgraphs[32][0]
+    assert served == [None, 32] and set(m.ops.prefill_graph_cache) == {32}
+    g32 = m.ops.prefill_graph_cache[32][0]
     m.prefill(rng.integers(0, 151643, 20).tolist())  # continues at position 30: the same graph
-    assert served == [None, 32, 32] and m.ops._pgraphs[32][0] is g32
+    assert served == [None, 32, 32] and m.ops.prefill_graph_cache[32][0] is g32
     fresh(25, all_logits=True)  # (a verify step's form: the same graph, every row's logits after it)
     assert served == [None, 32, 32, 32]
     oc._BUF_GEN[0] += 1  # as _gemm_split_buffers replacing its partial sums
     fresh(31)
-    assert served[-1] == 32 and m.ops._pgraphs[32][0] is not g32
-    sizes = (m.ops._parena.size(0), m.ops._parena.size(1))
+    assert served[-1] == 32 and m.ops.prefill_graph_cache[32][0] is not g32
+    sizes = (m.ops.prefill_arena.size(0), m.ops.prefill_arena.size(1))
     fresh(150)
     fresh(160)
     assert served[-2:] == [None, 160]
-    grew = sizes != (m.ops._parena.size(0), m.ops._parena.size(1))
-    assert set(m.ops._pgraphs) == ({160} if grew else {32, 160})
+    grew = sizes != (m.ops.prefill_arena.size(0), m.ops.prefill_arena.size(1))
+    assert set(m.ops.prefill_graph_cache) == ({160} if grew else {32, 160})
     ids = rng.integers(0, 151643, 29).tolist()
     for s in (m, eager, cpu):
         s.reset()
@@ -280,12 +280,12 @@ def test_prefill_graph_lifecycle(small_bin):
     assert_as_accurate("prefill graph", got, cp.asnumpy(eager.prefill(ids)), cpu.prefill(ids))
     fresh(193)  # bucket 224 > 200 positions
     fresh(193)
-    assert served[-2:] == [None, None] and 224 not in m.ops._pgraphs
+    assert served[-2:] == [None, None] and 224 not in m.ops.prefill_graph_cache
     fresh(170)
     m.prefill(rng.integers(0, 151643, 20).tolist())  # 170 + 20 positions fit, 170 + its bucket's 32 do not
     assert served[-1] is None
     m.set_context(256)
-    assert not m.ops._pgraphs
+    assert not m.ops.prefill_graph_cache
     fresh(30)
     assert served[-1] is None
     m.ops.prefill_graphs = False
@@ -448,7 +448,7 @@ def test_short_context_attention_regime_switch(untied_bin, bounds, monkeypatch):
         m.ops.graphs = graphs
         m.prefill(ids[:10])
         got = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[10:]])
-        assert len(m.ops._graphs) == ((1 + len(want)) if graphs else 0)
+        assert len(m.ops.decode_graph_cache) == ((1 + len(want)) if graphs else 0)
         assert rel(got, ref) < 1e-3
 
 
@@ -482,7 +482,7 @@ def test_long_splits_on_tensor_cores_decode(untied_bin, min_chunk, monkeypatch):
         m = Qwen3(mf, oc.CupyOps, 3100)
         m.prefill(ids[:3000])
         got[on] = np.stack([cp.asnumpy(m.decode(t)).copy() for t in ids[3000:]])
-        assert len(m.ops._graphs) == 1
+        assert len(m.ops.decode_graph_cache) == 1
     ref = Qwen3(mf, NumpyOps, 3100)
     ref.prefill(ids[:3000])
     cpu = np.stack([ref.decode(t) for t in ids[3000:]])
@@ -618,7 +618,7 @@ def ffn_bin(request, ckpt_root):
 def _ffn_decode(mf, ids, n_prefill, graphs, on, monkeypatch, ctx=96):
     tune(monkeypatch, decode_ffn="1" if on else "0")
     m = Qwen3(mf, oc.CupyOps, ctx)
-    assert (m.ops._ffn is not None) == on, m.ops.decode_ffn_why
+    assert (m.ops.ffn_plan is not None) == on, m.ops.decode_ffn_why
     m.ops.graphs = graphs
     m.prefill(ids[:n_prefill])
     if on:  # poison the decode buffers: a stale value read by the fused path would pass unnoticed
@@ -650,11 +650,11 @@ def test_one_launch_ffn_global_exchange(ffn_bin, graphs, monkeypatch):
     mf = load(ffn_bin)
     tune(monkeypatch, ffn_global="1")
     m, glob = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
-    assert m.ops._ffn.get("xslots") is not None, m.ops.decode_ffn_why
+    assert m.ops.ffn_plan.get("xslots") is not None, m.ops.decode_ffn_why
     assert int(cp.count_nonzero(m.ops.d["acc_d"])) == 0
     tune(monkeypatch, ffn_global="0")
     m2, clus = _ffn_decode(mf, ids, 10, graphs, True, monkeypatch)
-    assert m2.ops._ffn.get("xslots") is None
+    assert m2.ops.ffn_plan.get("xslots") is None
     np.testing.assert_array_equal(glob, clus)
     if graphs:
         tune(monkeypatch, ffn_global="1")
@@ -668,5 +668,5 @@ def test_one_launch_ffn_half_greedy_and_deterministic(ffn_bin, monkeypatch):
     fused = greedy_tokens(Qwen3(mf, oc.CupyOps, len(PROMPT) + 24), PROMPT, 24)
     assert fused == greedy_tokens(Qwen3(mf, NumpyOps, len(PROMPT) + 24), PROMPT, 24)
     ops, a, b = decode_step_twice(mf, PROMPT, len(PROMPT) - 1, 64)
-    assert ops._ffn is not None
+    assert ops.ffn_plan is not None
     assert np.array_equal(a, b)  # fixed-point sums, rank-ordered cluster sums: bitwise the same

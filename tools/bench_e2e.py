@@ -168,7 +168,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         m = eng.session(p)
         m.ops.prefill_graphs = True
         gs = [prefill_wall(m, ids) for _ in range(PREFILL_REPS + 2)][2:]
-        served = oc.prefill_bucket(p) in m.ops._pgraphs
+        served = oc.prefill_bucket(p) in m.ops.prefill_graph_cache
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
                                "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,
                                "gpu_mib_graph": cp.get_default_memory_pool().total_bytes() / 2**20})

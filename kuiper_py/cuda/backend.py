@@ -135,20 +135,20 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         self.n_sm = self.gpu.sms
         # the model-wide forms (accumulating modes) the plan's layers follow; the buffers are sized for them
         self._forms = plan_forms(a, self.settings, self.gpu)
-        self._graphs = {}  # flash decoding's regime (plan.regime) -> (graph, its argmax's n_valid)
+        self.decode_graph_cache = {}  # flash decoding's regime (plan.regime) -> (graph, its argmax's n_valid)
         self.graphs = env.cuda_graphs() and not tp.is_rank(comm)  # (a rank's steps run eagerly: cuda/tp.py)
         self._graph = None
         self._dev_pos = None
-        self._arena = _Arena()  # short prefills' activations (arena_max_t)
+        self.arena = _Arena()  # short prefills' activations (arena_max_t)
         # prefill graphs (prefill_graph): bucket -> (graph, its x [B, D], the allocations it holds, _BUF_GEN);
         # the buckets met once (the first prefill of a bucket runs eagerly); those whose prefill cannot be captured
         # (cuBLAS: shapes the fused GEMMs do not take, GPUs before sm_90); the graphs' shared activations; what the
         # graphs read (_pbuf: K's and V's maps, the position, the ids; _PBUF_*); prefill_graphs False runs every
         # prefill eagerly (tests)
-        self._pgraphs: dict[int, tuple] = {}
+        self.prefill_graph_cache: dict[int, tuple] = {}
         self._pseen: set[int] = set()
         self._pnever: set[int] = set()
-        self._parena = _BumpArena()
+        self.prefill_arena = _BumpArena()
         self._pbuf = self._graph_ids = self._graph_pos = None
         self.prefill_graphs = self.graphs and cfg.SETTINGS.prefill_graph_max_t > 1
         # a blocking stream: ordered with the default stream that eager kernels use, and capturable
@@ -163,12 +163,12 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         self._layer_i = {id(layer): i for i, layer in enumerate(self.weights.layers)}
         # the one-launch FFN / MoE FFN halves' launch configurations, where the plan's forms allow them (they
         # clear nothing themselves: the o GEMV before them clears their accumulator)
-        self._ffn, self.decode_ffn_why = (decode_ffn_plan(a) if self._forms.ffn_half_allowed else
+        self.ffn_plan, self.decode_ffn_why = (decode_ffn_plan(a) if self._forms.ffn_half_allowed else
                                           (None, "needs accumulating mode and the o GEMV's merge prologue"))
-        self._moe, self.decode_moe_why = (decode_moe_plan(a) if self._forms.moe_half_allowed(a) else
+        self.moe_plan, self.decode_moe_why = (decode_moe_plan(a) if self._forms.moe_half_allowed(a) else
                                           (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
                                                  "prologue"))
-        self._router_o = self._router_o_rows() if self._moe is not None else {}
+        self._router_o = self._router_o_rows() if self.moe_plan is not None else {}
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only
         # those of this GPU's architecture (the sm_90a modules load on compute capability 9.0 only)
@@ -189,8 +189,8 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
     def _make_plan(self, max_context: int) -> DecodePlan:
         """The decode schedule this backend runs (cuda/plan.py) at this cache capacity; every layer's weights
         match its plan entry's kind."""
-        p = build_plan(self.args, cfg.SETTINGS, self.gpu, max_context, ffn=(self._ffn, self.decode_ffn_why),
-                       moe=(self._moe, self.decode_moe_why), graphs=self.graphs, fm=self._forms)
+        p = build_plan(self.args, cfg.SETTINGS, self.gpu, max_context, ffn=(self.ffn_plan, self.decode_ffn_why),
+                       moe=(self.moe_plan, self.decode_moe_why), graphs=self.graphs, fm=self._forms)
         assert all(p.layers[i].moe == (layer.router is not None) for i, layer in enumerate(self.weights.layers))
         return p
 
@@ -216,10 +216,10 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         a = self.args
         L, KV, hd = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         self.k_cache = self.v_cache = None
-        self._arena.clear()
+        self.arena.clear()
         # the prefill graphs hold the old cache's addresses: they, their activations and the buckets met go
         # before the pool gives its free blocks back
-        self._pgraphs, self._pseen, self._parena = {}, set(), _BumpArena()
+        self.prefill_graph_cache, self._pseen, self.prefill_arena = {}, set(), _BumpArena()
         cp.get_default_memory_pool().free_all_blocks()
         try:
             self.k_cache = cp.empty((L, max_context, KV, hd), dtype=cp.float16)
@@ -239,7 +239,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         self.d["part_o"] = cp.empty((H * self.attn_splits * hd,), cp.float32)
         self.d["part_ml"] = cp.empty((H * self.attn_splits * 2,), cp.float32)
         self.max_context = max_context
-        self._graph, self._graphs = None, {}  # they hold the old cache's addresses
+        self._graph, self.decode_graph_cache = None, {}  # they hold the old cache's addresses
 
     @staticmethod
     def synchronize() -> None:
@@ -428,17 +428,18 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
             self.d["pos"].fill(pos0)
             self._dev_pos = pos0
         if 1 < n_tokens <= cfg.SETTINGS.arena_max_t:
-            mem._ARENA = self._arena
+            mem.use_arena(self.arena)
         elif n_tokens > 1:
-            self._arena.clear()
+            self.arena.clear()
 
     def begin_layer(self) -> None:
         """The model's loop starts a decoder layer (the arena's slots alternate by layer)."""
-        if mem._ARENA is not None:
-            mem._ARENA.begin_layer()
+        arena = mem.active_arena()
+        if arena is not None:
+            arena.begin_layer()
 
     def end_step(self) -> None:
-        mem._ARENA = None
+        mem.use_arena(None)
         self._paged = None
 
 
@@ -468,7 +469,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         if lp.ffn == "ffn_half":  # its down sums to acc_d (the next norm's consumer adds them to h)
             assert isinstance(x, _Normed), "the one-launch FFN half computes its input's RMSNorm itself"
             return _Deferred(_acc_only("the one-launch FFN half"),
-                             lambda h: decode_ffn(self._ffn, x, layer, d["acc_d"], a.rms_norm_eps))
+                             lambda h: decode_ffn(self.ffn_plan, x, layer, d["acc_d"], a.rms_norm_eps))
         # (where it clears the down and q|k|v accumulators: last read by this layer's q|k|v GEMV and attention,
         # next written by the down GEMV and the next layer's q|k|v GEMV)
         zero = d["acc_d_qkv"] if lp.ffn_clears else None
@@ -515,7 +516,7 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         normed = isinstance(x, _Normed)  # (the block's input, its RMSNorm not yet computed: every single-rank step)
         if normed and lp.ffn == "moe_half":
             def moe_half(h):  # the weighted sum to acc_d (the next norm's consumer adds it to h)
-                decode_moe_ffn(self._moe, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
+                decode_moe_ffn(self.moe_plan, x, layer, d["moe_ids"], d["moe_w"], d["acc_d"],
                                a.rms_norm_eps, k, a.norm_topk_prob, d["acc_z"])
                 if self.routing_log is not None and not self.graphs:  # eager decode only
                     self.routing_log.append(cp.asnumpy(d["moe_ids"]))

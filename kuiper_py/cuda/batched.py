@@ -129,7 +129,7 @@ class PagedSteps:
         if self.k_blocks is None or step.batch > self.max_batch:
             raise NotImplementedError(f"a paged step of {step.batch} sequences needs alloc_blocks() and at most "
                                       f"{self.max_batch} sequences")
-        mem._ARENA = None  # (fresh arrays: the arena's slots serve single-sequence prefills)
+        mem.use_arena(None)  # (fresh arrays: the arena's slots serve single-sequence prefills)
         self._argmax_ready = False
         self._paged = PagedRows(step.seqs, self.block_size)
         return True
@@ -277,7 +277,7 @@ class PagedSteps:
             keep.append(m)
             return m
         self._argmax_ready = False
-        mem._ARENA = None  # (activations from the pool, kept with the graph)
+        mem.use_arena(None)  # (activations from the pool, kept with the graph)
         self._paged = _DecodeRows(self._in_dev, self._seq_of_row, self._table_width, bucket, self.block_size)
         _CAPTURING[0], out = True, None
         try:

@@ -50,7 +50,7 @@ class CudaGraphs:
     def _decode_graph(self, regime: int, body) -> tuple:
         """(graph, the ids its fused argmax covers) of a flash-decoding regime (attn_short: a graph per regime),
         captured from body() where the regime has none."""
-        if regime not in self._graphs:
+        if regime not in self.decode_graph_cache:
             stream = self._stream
             # greedy decode's draw rides in the graph: lm_head max's each block's best (logit, id) of the
             # first n_valid ids (the last draw's, else the vocabulary) into d["argmax"], advance_position
@@ -68,8 +68,8 @@ class CudaGraphs:
                     graph = stream.end_capture()
                     self._capture_argmax = 0
             assert out.data.ptr == self.d["logits"].data.ptr
-            self._graphs[regime] = graph, n
-        return self._graphs[regime]
+            self.decode_graph_cache[regime] = graph, n
+        return self.decode_graph_cache[regime]
 
     def warm_decode_graphs(self, body_at, n_valid: int, keys: tuple[int, int] | None = None) -> list[int]:
         """Capture now the decode graph of every flash-decoding regime this cache has (attn_short's bounds within it,
@@ -86,7 +86,7 @@ class CudaGraphs:
             self._begin(pos0, 1)
             self._decode_graph(regime, lambda: body_at(pos0))
         self._dev_pos = None  # (d["pos"] was filled for the captures: the next step writes its own)
-        return sorted(self._graphs)
+        return sorted(self.decode_graph_cache)
 
     # ------------------------------------------------------------------ short prefills as CUDA graphs
     def prefill_graph(self, step: Step, layers):
@@ -151,9 +151,9 @@ class CudaGraphs:
     def _current_prefill_graph(self, B: int) -> tuple | None:
         """Bucket B's graph where it holds today's module buffers, else None (a stale one is dropped: a module
         buffer it reads was replaced since its capture, _BUF_GEN)."""
-        rec = self._pgraphs.get(B)
+        rec = self.prefill_graph_cache.get(B)
         if rec is not None and rec[3] != _BUF_GEN[0]:
-            del self._pgraphs[B]
+            del self.prefill_graph_cache[B]
             rec = None
         return rec
 
@@ -170,7 +170,7 @@ class CudaGraphs:
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
         # captured, not run, and a capture that is retried or refused would leave them holding garbage
         gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
-        pool, arena, stream = cp.get_default_memory_pool(), self._parena, self._stream
+        pool, arena, stream = cp.get_default_memory_pool(), self.prefill_arena, self._stream
         for _ in range(64):
             keep, full, gen, refused = [], None, _BUF_GEN[0], False
 
@@ -179,7 +179,7 @@ class CudaGraphs:
                 keep.append(m)
                 return m
             arena.reset()
-            prev, mem._ARENA = mem._ARENA, arena
+            prev = mem.use_arena(arena)
             self._graph_ids = self._pbuf[_PBUF_IDS:_PBUF_IDS + 4 * B].view(cp.int32)
             self._graph_pos = self._pbuf[_PBUF_POS:_PBUF_IDS].view(cp.int32)
             _CAPTURING[0] = True
@@ -195,17 +195,17 @@ class CudaGraphs:
                     finally:
                         graph = stream.end_capture()
             finally:
-                mem._ARENA = prev
+                mem.use_arena(prev)
                 self._graph_ids = self._graph_pos = None
                 _CAPTURING[0] = False
             if refused:
                 self._pnever.add(B)
                 return None
             if full is not None:
-                self._pgraphs.clear()
+                self.prefill_graph_cache.clear()
                 arena.grow(*full)
             elif gen == _BUF_GEN[0]:  # (else a module buffer grew during the capture: the retry meets the new one)
                 assert x.shape[0] == B
-                self._pgraphs[B] = rec = (graph, x, keep, gen)
+                self.prefill_graph_cache[B] = rec = (graph, x, keep, gen)
                 return rec
         raise AssertionError("a prefill graph's capture did not settle in 64 tries")

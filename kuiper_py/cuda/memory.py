@@ -1,5 +1,5 @@
 """Device memory the ops share: the qweight tiling the kernels read, the arenas a short prefill's activations come
-from (switched through _ARENA while a forward is enqueued), prefill graph buckets, zeroed counters and launch-argument
+from (use_arena: the one a forward being enqueued takes), prefill graph buckets, zeroed counters and launch-argument
 scalars."""
 from __future__ import annotations
 
@@ -46,7 +46,21 @@ def device_linear(lin, segments: int = 1):
 # cupy.empty: short prefills are host-bound, and the ~18 allocations of a MoE layer were
 # ~3.5 ms of a 512-token Qwen3-30B-A3B prefill's ~18 ms of enqueue on the H200. 0 turns it off. Longer
 # prompts are GPU-bound, and their activations are large: they keep the pool, which reuses one layer's blocks
-_ARENA = None  # the _Arena of the forward being enqueued (CupyOps.begin_step / end_step), or None
+_ARENA = None  # the _Arena of the forward being enqueued, or None: set only through use_arena
+
+
+def use_arena(arena):
+    """Make `arena` (an _Arena, a capture's _BumpArena, or None for the pool) the one the prefill ops' outputs come
+    from until the next call; returns the previous one. One per process, like CuPy's current stream: CupyOps sets it
+    for a short forward's enqueue (begin_step .. end_step) and a prefill graph's capture."""
+    global _ARENA
+    prev, _ARENA = _ARENA, arena
+    return prev
+
+
+def active_arena():
+    """The arena use_arena set last (None: outputs come from CuPy's pool)."""
+    return _ARENA
 
 
 class _Arena:
