@@ -125,7 +125,7 @@ class Record:
     logprob: tuple[float, list[tuple[int, float]]] | None = None
 
 
-def _held_back(text: str, stops: list[str]) -> int:
+def held_back(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that could still grow into a stop string."""
     best = 0
     for s in stops:
@@ -244,7 +244,7 @@ def _stream(engine: Engine, model: Qwen3, prompt_ids: list[int], cached: int, ma
                 if hit >= 0:
                     yield rec(tok, pending[:hit], "stop", out_ids[:_covering(decoded, emitted + hit)])
                     return
-                keep = _held_back(pending, stops)
+                keep = held_back(pending, stops)
                 text, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
                 emitted += len(text)
             else:

@@ -4,9 +4,9 @@ registry and builds; settings.py: the tuning)."""
 from .cuda.backend import CupyOps, _Normed
 from .cuda.memory import _BUF_GEN, _I32, _i, device_linear, prefill_bucket
 from .cuda.sampling import SMP_CAND, SMP_CHUNK, SMP_THREADS, draw_plan
-from .cuda.runtime.device import (_dev_id, check_device, copy_bandwidth, cuda_available, device_name,
+from .cuda.runtime.device import (current_device_id, check_device, copy_bandwidth, cuda_available, device_name,
                                   gpu_memory_used_mib, gpu_name, sm_count, smem_optin)
-from .cuda.runtime.launch import (_PdlKernel, _cu_fn, _cu_launch_ex, _cu_occupancy_clusters, _pdl_attr, _tmap_encode,
+from .cuda.runtime.launch import (PdlKernel, cu_fn, cu_launch_ex, cu_occupancy_clusters, pdl_attr, tmap_encode,
                                   allow_dynamic_smem, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters,
                                   tma_map_2d, tma_map_cache)
 from .cuda.runtime.registry import (FFN_GLOBAL_CAPS, FFN_PAIRS, FW_NC3_FROM, MOE_RS_FORMS, MOE_RS_FORMS_ALL,
@@ -19,13 +19,13 @@ from .cuda.ops.gemv import (DECODE_MIN_CHUNK, attn_cm, GEMV_BASE_BLOCKS_PER_SM, 
                             decode_regime, decode_regimes, device_tuning, gemv, gemv_blocks_per_sm, gemv_counters,
                             gemv_partial_size, gemv_split, o_merge, o_split, spread_smem)
 from .cuda.ops.gemm import (GEMM_BM, RS_PART_COST, RS_ROWS_SPLIT_KN, _CUBLAS, _GEMM_TICKETS, _MATS, _RS_CALLS,
-                            _dequant_scratch, _gemm_split_buffers, _mats_rec, _rs_call, _tma_gemm, _wgmma_call,
+                            dequant_scratch, gemm_split_buffers, mats_record, rs_call, tma_gemm, wgmma_call,
                             awq_dequant, awq_dequant3, cublas_matmul, cublas_ready, gemm, gemm_path, gemm_rs,
                             gemm_wgmma, rs_choose, rs_cost, rs_plan, rs_rows_split, swiglu_prefill, wgmma_available,
                             wgmma_fits, wgmma_plan)
 from .cuda.ops.attention import (_ATTN_CM_FNS, _AttnParts, attention_combine, attention_decode, attention_prefill,
                                  attn_cluster_merge, attn_wgmma_fits, decode_heads_per_block)
-from .cuda.ops.decode_halves import (FFN_THREADS, _ffn_first_fit, decode_ffn, decode_ffn_plan, decode_moe_ffn,
+from .cuda.ops.decode_halves import (FFN_THREADS, ffn_first_fit, decode_ffn, decode_ffn_plan, decode_moe_ffn,
                                      ffn_cluster_plan, ffn_global_plan)
 from .cuda.ops.moe import (MOE_ROUTE_MAX_TILES, _MOE_COUNTER, _MOE_TILE_COUNTERS, _RMMA_FITS, gemm_moe_rs,
                            gemm_moe_tc, moe_decode, moe_experts, moe_experts_tile, moe_finalize, moe_gate_up_views,
@@ -45,10 +45,10 @@ __all__ = [
     "MODULE_PARTS", "MOE_ROUTE_MAX_TILES", "MOE_RS_FORMS", "MOE_RS_FORMS_ALL", "MOE_TC_TILES", "RS_PART_COST",
     "RS_ROWS_SPLIT_KN", "SM90A_FAMILIES", "SMP_CAND", "SMP_CHUNK", "SMP_THREADS", "WGMMA_PRODUCERS", "WGMMA_TILES",
     "_ATTN_CM_FNS", "_AttnParts", "_BUF_GEN", "_CUBLAS", "FAMILIES", "FAMILIES_SM90", "_GEMM_TICKETS", "_I32", "_MATS",
-    "_MOE_COUNTER", "_MOE_TILE_COUNTERS", "_Normed", "_PdlKernel", "_RMMA_FITS", "_RS_CALLS", "raw_kernel",
-    "_cu_fn", "_cu_launch_ex", "_cu_occupancy_clusters", "_dequant_scratch", "_dev_id", "family_names",
-    "_ffn_first_fit", "_gemm_split_buffers", "_i", "kernel_group", "_mats_rec", "load_module", "module_keys",
-    "_pdl_attr", "_rs_call", "_tma_gemm", "_tmap_encode", "usable_cpus", "_wgmma_call", "add_rmsnorm",
+    "_MOE_COUNTER", "_MOE_TILE_COUNTERS", "_Normed", "PdlKernel", "_RMMA_FITS", "_RS_CALLS", "raw_kernel",
+    "cu_fn", "cu_launch_ex", "cu_occupancy_clusters", "dequant_scratch", "current_device_id", "family_names",
+    "ffn_first_fit", "gemm_split_buffers", "_i", "kernel_group", "mats_record", "load_module", "module_keys",
+    "pdl_attr", "rs_call", "tma_gemm", "tmap_encode", "usable_cpus", "wgmma_call", "add_rmsnorm",
     "allow_dynamic_smem", "attention_combine", "attention_decode", "attention_prefill", "attn_cluster_merge",
     "attn_cm", "attn_min_chunk", "attn_short", "attn_wgmma_fits", "awq_dequant", "awq_dequant3", "blocks_per_sm",
     "check_device", "copy_bandwidth", "cublas_matmul", "cublas_ready", "cuda_available", "decode_acc_layout",

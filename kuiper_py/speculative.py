@@ -16,7 +16,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from .errors import KuiperError
-from .generate import Chat, Engine, Record, _check_request, _covering, _held_back, common_prefix
+from .generate import Chat, Engine, Record, _check_request, _covering, held_back, common_prefix
 from .model import Qwen3
 from .sampling import SamplingParams, apply_openai_penalties, apply_repetition_penalty, filter_logits
 from .tokenizer import StreamDecoder
@@ -281,7 +281,7 @@ class _Emitter:
             hit = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
             if hit >= 0:
                 return tok, self.pending[:hit], "stop", self.out[:_covering(self.decoded, self.emitted + hit)]
-            keep = _held_back(self.pending, self.stops)
+            keep = held_back(self.pending, self.stops)
             text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             self.emitted += len(text)
         else:

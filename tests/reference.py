@@ -398,7 +398,7 @@ def cluster_plan_or_skip(kernel, CL, TB, n_clusters):
     (before sm_90); its clusters must all be resident."""
     import pytest
     from kuiper_py import ops_cupy as oc
-    if not oc.pdl_enabled() or oc._cu_occupancy_clusters() is None:
+    if not oc.pdl_enabled() or oc.cu_occupancy_clusters() is None:
         pytest.skip("thread-block clusters need compute capability 9.0")
     plan = oc.ffn_cluster_plan(CL, TB, n_clusters, kernel)
     assert plan["clusters"] >= n_clusters

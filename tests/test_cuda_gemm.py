@@ -72,7 +72,7 @@ def test_gemm_dequant_path(M, K, N):
     the scratch matrix is poisoned first, so a dequantization that skips elements shows."""
     rng = np.random.default_rng()
     m, r = rand_awq(rng, K, N, 32 if K == 384 else 128)
-    oc._dequant_scratch(K * N).fill(np.nan)
+    oc.dequant_scratch(K * N).fill(np.nan)
     x = rng.standard_normal((M, K)).astype(np.float16)
     out = nan_like((M, N), cp.float16)
     oc.gemm(cp.asarray(x), m, out, path=None if M >= cfg.SETTINGS.gemm_dequant_min_m else "dequant")  # None: the dispatch
@@ -89,7 +89,7 @@ def test_gemm_group(M, path):
     D, kv = 4096, 1024
     mats = [rand_awq(rng, D, n) for n in (D, kv, kv)]
     ref = np.concatenate([r for _, r in mats], axis=1)
-    oc._dequant_scratch(D * (D + 2 * kv)).fill(np.nan)
+    oc.dequant_scratch(D * (D + 2 * kv)).fill(np.nan)
     x = rng.standard_normal((M, D)).astype(np.float16)
     out = nan_like((M, D + 2 * kv), cp.float16)
     oc.gemm(cp.asarray(x), tuple(m for m, _ in mats), out, path=path)
@@ -175,7 +175,7 @@ def test_gemm_rs_prototype(M, bt, split):
         return oc.gemm_rs(x, mats, out, bt, split)
 
     check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
-    assert not oc._gemm_split_buffers(0)[1].any()
+    assert not oc.gemm_split_buffers(0)[1].any()
 
 
 @pytest.mark.parametrize("T,N,K", [(512, 6144, 4096), (512, 4096, 4096), (512, 12288, 4096), (2048, 6144, 4096),
@@ -216,7 +216,7 @@ def test_gemm_rs_path(M):
         return oc.gemm(x, mats, out, path="rs")
 
     check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
-    assert not oc._gemm_split_buffers(0)[1].any()
+    assert not oc.gemm_split_buffers(0)[1].any()
 
 
 @pytest.mark.parametrize("M", [257, 300, 320])
@@ -241,7 +241,7 @@ def test_gemm_rs_rows_split(monkeypatch, M):
 
     check_wgmma(np.random.default_rng(), M, run, run, repeats=2)
     assert seen == [(256, 256), (M - 256, 64)] * 3
-    assert not oc._gemm_split_buffers(0)[1].any()
+    assert not oc.gemm_split_buffers(0)[1].any()
 
 
 def test_gemm_path_routes_rs(monkeypatch):
@@ -321,7 +321,7 @@ def test_gemm_wgmma_split(M, full, split, tile, producers):
                 lambda x, mats, out: oc.gemm_wgmma(x, mats, out, plan=(*tile, full, split), producers=producers),
                 lambda x, mats, out: oc.gemm_wgmma(x, mats, out, plan=(*tile, full // 2, split), producers=producers),
                 repeats=2)
-    assert not oc._gemm_split_buffers(0)[1].any()
+    assert not oc.gemm_split_buffers(0)[1].any()
 
 
 @pytest.mark.parametrize("T,N,K", [(512, 6144, 4096), (512, 4096, 4096), (512, 5120, 2048), (2048, 4096, 12288),

@@ -25,8 +25,8 @@ def test_pdl_chain_of_dependent_kernels_in_a_graph():
     with programmatic dependent launch each kernel starts before its predecessor ends, so a missing
     wait would read stale activations. Checked against NumPy on every replay."""
     if int(cp.cuda.Device().compute_capability) >= 90 and os.environ.get("KUIPER_PDL", "1") != "0":
-        assert isinstance(oc.kernel("gemv", oc.gemv_name(False)), oc._PdlKernel)
-        assert isinstance(oc.kernel("norm", "add_rmsnorm"), oc._PdlKernel)
+        assert isinstance(oc.kernel("gemv", oc.gemv_name(False)), oc.PdlKernel)
+        assert isinstance(oc.kernel("norm", "add_rmsnorm"), oc.PdlKernel)
     rng = np.random.default_rng()
     D, eps = 4096, 1e-6
     mats = [rand_awq(rng, D, D) for _ in range(6)]
@@ -61,7 +61,7 @@ def test_spread_smem_caps_blocks_per_sm(name, threads, blocks_per_sm):
     calculator, asked independently here), and none where the registers already cap it lower."""
     fn = oc.raw_kernel("attn", name)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    occ = oc._cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    occ = oc.cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
 
     def fit(smem):
         n = ctypes.c_int(-1)
@@ -93,7 +93,7 @@ def test_launch_ex_parameter_layout(attr):
     pointer, a float, a 64-byte aligned struct by value (as the TMA descriptor is: the kernel's offset
     for it is padded) and a uint64 and int after it reads back every value, launch after launch with
     fresh values (the buffer is refilled), with and without a launch attribute."""
-    if oc._cu_launch_ex() is None:
+    if oc.cu_launch_ex() is None:
         pytest.skip("no cuLaunchKernelEx")
     fn = cp.RawModule(code=_ARGS_PROBE, options=("--std=c++17",)).get_function("args_probe")
     rng = np.random.default_rng()
@@ -105,6 +105,6 @@ def test_launch_ex_parameter_layout(attr):
         desc = (ctypes.c_uint64 * 16)(*vals)  # what tma_map_2d returns
         out = nan_like((21,), cp.float64)
         oc.launch_ex(fn, (1,), (1,), (np.int32(a), p, np.float32(f), desc, np.uint64(u), np.int32(b), out),
-                     attr=oc._pdl_attr() if attr else None)
+                     attr=oc.pdl_attr() if attr else None)
         want = [a, p.data.ptr, f, *vals, u, b]
         assert out.get().tolist() == [float(v) for v in want]

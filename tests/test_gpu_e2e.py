@@ -262,7 +262,7 @@ def test_prefill_graph_lifecycle(small_bin):
     assert served == [None, 32, 32] and m.ops.prefill_graph_cache[32][0] is g32
     fresh(25, all_logits=True)  # (a verify step's form: the same graph, every row's logits after it)
     assert served == [None, 32, 32, 32]
-    oc._BUF_GEN[0] += 1  # as _gemm_split_buffers replacing its partial sums
+    oc._BUF_GEN[0] += 1  # as gemm_split_buffers replacing its partial sums
     fresh(31)
     assert served[-1] == 32 and m.ops.prefill_graph_cache[32][0] is not g32
     sizes = (m.ops.prefill_arena.size(0), m.ops.prefill_arena.size(1))
@@ -558,8 +558,8 @@ def test_new_prompt_length_plans_each_shape_once_not_each_layer(ckpt_root, monke
     m = Qwen3(mf, oc.CupyOps, 128)
     m.prefill(ids[:100])
     shapes = lambda x, mats, *a: tuple((w.K, w.N) for w in mats)  # noqa: E731
-    wg, rs = record_calls(monkeypatch, "_wgmma_call", shapes), record_calls(monkeypatch, "_rs_call", shapes)
-    encodes = record_calls(monkeypatch, "_tmap_encode", lambda dtype, ptr, *a: ptr)
+    wg, rs = record_calls(monkeypatch, "wgmma_call", shapes), record_calls(monkeypatch, "rs_call", shapes)
+    encodes = record_calls(monkeypatch, "tmap_encode", lambda dtype, ptr, *a: ptr)
     m.reset()
     new = cp.asnumpy(m.prefill(ids[:113], all_logits=True))
     builds = wg + rs

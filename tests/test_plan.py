@@ -187,7 +187,7 @@ def _gpu_facts(monkeypatch, gpu: plan.Gpu, fused: bool, cublas: bool) -> None:
     monkeypatch.setattr(gm, "cublas_ready", lambda: cublas)
     monkeypatch.setattr(gm, "wgmma_available", lambda: fused)
     monkeypatch.setattr(mo, "wgmma_available", lambda: fused)
-    monkeypatch.setattr(gm, "_dev_id", lambda: 0)
+    monkeypatch.setattr(gm, "current_device_id", lambda: 0)
     monkeypatch.setattr(gm, "_GEMM_PATHS", {})  # (paths kept under these stand-in facts stay out of the real cache)
 
 

@@ -170,9 +170,9 @@ def test_ffn_off_entry_turns_off_only_the_cluster_launch(sms, monkeypatch):
     sms(132, "NVIDIA H200")
     tune(monkeypatch, device_tables={"H200": {"ffn_off": {(4096, 12288)}}})
     patch(monkeypatch, "pdl_enabled", lambda: True)
-    patch(monkeypatch, "_cu_occupancy_clusters", lambda: object())
+    patch(monkeypatch, "cu_occupancy_clusters", lambda: object())
     cluster = {"CL": 8, "TB": 2, "kind": "cluster"}
-    patch(monkeypatch, "_ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
+    patch(monkeypatch, "ffn_first_fit", lambda kernel, D, n: (dict(cluster), "cluster"))
     glob = {"applies": False}
 
     def global_plan(plan, n, at_cap_only=False):
@@ -271,7 +271,7 @@ def test_moe_rmma_form_asks_the_fit_once_per_device(sms, monkeypatch, static, fi
 
     patch(monkeypatch, "_RMMA_FITS", {})
     tune(monkeypatch, moe_route_wide_t=None)
-    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "current_device_id", lambda: 0)
     patch(monkeypatch, "smem_optin", lambda: 227 * 1024)
     patch(monkeypatch, "raw_kernel", lambda family, name: Fn())
     wide = ("moe_route_mma<4, 4>", 16) if fits else ("moe_route_mma<4, 2>", 8)
@@ -299,7 +299,7 @@ def test_int32_arguments_made_once_and_range_checked_every_time():
 
 
 def test_gemm_matrix_records_shared_by_shape_and_dropped_with_the_weights():
-    """_mats_rec: one entry per tuple of matrices (the same list again), a shape signature that two layers' q|k|v
+    """mats_record: one entry per tuple of matrices (the same list again), a shape signature that two layers' q|k|v
     share (so a new prompt length plans the shape once), and no reference that keeps a model's weights alive: the
     entry goes when a matrix is collected."""
     import gc
@@ -311,10 +311,10 @@ def test_gemm_matrix_records_shared_by_shape_and_dropped_with_the_weights():
         return AwqLinear(np.zeros((K, N // 8), np.int32), np.zeros((K // 128, N // 8), np.int32),
                          np.ones((K // 128, N), np.float16), 128)
     a, b = (lin(2048, 4096), lin(2048, 512), lin(2048, 512)), (lin(2048, 4096), lin(2048, 512), lin(2048, 512))
-    ra, rb = oc._mats_rec(a), oc._mats_rec(b)
-    assert oc._mats_rec(a) is ra and ra is not rb and ra[0] == rb[0] == (((2048, 4096), (2048, 512), (2048, 512)), 128,
-                                                                         True)
-    assert oc._mats_rec(a[:1])[0] == (((2048, 4096),), 128, True) and not oc._mats_rec((lin(2048, 384),))[0][2]
+    ra, rb = oc.mats_record(a), oc.mats_record(b)
+    assert oc.mats_record(a) is ra and ra is not rb
+    assert ra[0] == rb[0] == (((2048, 4096), (2048, 512), (2048, 512)), 128, True)
+    assert oc.mats_record(a[:1])[0] == (((2048, 4096),), 128, True) and not oc.mats_record((lin(2048, 384),))[0][2]
     key, alive = tuple(map(id, a)), weakref.ref(a[1])
     assert key in oc._MATS
     del a, ra
@@ -323,7 +323,7 @@ def test_gemm_matrix_records_shared_by_shape_and_dropped_with_the_weights():
 
 
 def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
-    """_tma_gemm (the launch mocked): two layers' q|k|v of one shape share one plan (build called once), and each
+    """tma_gemm (the launch mocked): two layers' q|k|v of one shape share one plan (build called once), and each
     launch carries its own layer's matrices (_mat_slots) between x's descriptor and out, then the plan's tail."""
     import numpy as np
     from kuiper_py.loader import AwqLinear
@@ -333,7 +333,7 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
                          np.ones((K // 128, N), np.float16), 128)
     layers = [(lin(2048, 4096), lin(2048, 512), lin(2048, 512)) for _ in range(2)]
     launches, builds = [], []
-    patch(monkeypatch, "_dev_id", lambda: 0)
+    patch(monkeypatch, "current_device_id", lambda: 0)
     patch(monkeypatch, "tma_map_2d", lambda a, rows, cols: ("map", rows))
     patch(monkeypatch, "launch_ex", lambda fn, grid, block, args, smem: launches.append((fn, args)))
     x, out = np.zeros((100, 2048), np.float16), np.zeros((100, 5120), np.float16)
@@ -343,7 +343,7 @@ def test_fused_gemm_plan_shared_by_layers_arguments_per_layer(monkeypatch):
         builds.append(1)
         return "fn", (1,), (128,), 0, 64, ("tail",)
     for mats in layers * 2:
-        oc._tma_gemm(cache, x, mats, out, ("s",), build)
+        oc.tma_gemm(cache, x, mats, out, ("s",), build)
     assert len(builds) == 1 and len(cache) == 1 and len(launches) == 4
     for (fn, args), mats in zip(launches, layers * 2):
         assert fn == "fn" and args[0] == ("map", 64) and args[-2] is out and args[-1] == "tail"

@@ -1,7 +1,7 @@
 """Tokenizer built from qwen.tiktoken: ids, round trips, chat template, streaming detokenization."""
 import pytest
 
-from kuiper_py.generate import _held_back
+from kuiper_py.generate import held_back
 from kuiper_py.loader import load
 from kuiper_py.tokenizer import ChatTokenizer, StreamDecoder
 
@@ -75,6 +75,6 @@ def test_emoji_split_over_byte_tokens_is_held_back(tok):
 
 
 def test_stop_string_hold_back():
-    assert _held_back("hello wor", ["world"]) == 3
-    assert _held_back("hello", ["xyz"]) == 0
-    assert _held_back("a<", ["<|im_end|>", "<stop>"]) == 1
+    assert held_back("hello wor", ["world"]) == 3
+    assert held_back("hello", ["xyz"]) == 0
+    assert held_back("a<", ["<|im_end|>", "<stop>"]) == 1

@@ -27,7 +27,7 @@ import cupy as cp  # noqa: E402
 
 from kuiper_py.config import ModelArgs  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import (_AttnParts, _Normed, _pdl_attr, awq_dequant, copy_bandwidth,  # noqa: E402
+from kuiper_py.ops_cupy import (_AttnParts, _Normed, pdl_attr, awq_dequant, copy_bandwidth,  # noqa: E402
                                 decode_ffn, decode_ffn_plan, gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir,
                                 launch_ex, lm_head, moe_gate_up_views, pdl_enabled, sm_count, wgmma_available, wgmma_fits)
 
@@ -115,7 +115,7 @@ def read_chain_launcher(pre: int, per_sm: int):
         _READ_MOD = cp.RawModule(code=_READ + headers_tag(), options=("-std=c++17", f"-I{kernel_dir()}"),
                                  name_expressions=[f"read_chain<{p}>" for p in (0, 1, 4)])
     fn = _READ_MOD.get_function(f"read_chain<{pre}>")
-    grid, attr = (sm_count() * per_sm,), _pdl_attr() if pdl_enabled() else None
+    grid, attr = (sm_count() * per_sm,), pdl_attr() if pdl_enabled() else None
     return lambda buf, nbytes, sink: launch_ex(fn, grid, (256,), (buf, np.uint64(nbytes // 16), sink), 0, attr)
 
 

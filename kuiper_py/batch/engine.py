@@ -16,7 +16,7 @@ import numpy as np
 
 from ..backend import Seq, Step
 from ..errors import KuiperError, ResourceError
-from ..generate import Engine, Record, _check_request, _covering, _held_back
+from ..generate import Engine, Record, _check_request, _covering, held_back
 from ..sampling import RowDraw, SamplingParams, device_seed, sample, token_logprobs
 from ..speculative import plain_greedy
 from ..tokenizer import StreamDecoder
@@ -200,7 +200,7 @@ class BatchEngine:
             if hit >= 0:
                 cut = h.out[:_covering(h.decoded, h.emitted + hit)]
                 return self._finish(h, self._rec(h, tok, h.pending[:hit], "stop", cut, lp))
-            keep = _held_back(h.pending, h.stop)
+            keep = held_back(h.pending, h.stop)
             text = h.pending[:len(h.pending) - keep]
             h.emitted += len(text)
         h.pending = h.pending[len(text):]

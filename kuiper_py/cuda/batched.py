@@ -18,7 +18,7 @@ from ..config import rope_tables
 from ..errors import ResourceError
 from . import memory as mem
 from .memory import _BUF_GEN, _CAPTURING, _NotCapturable, _i
-from .ops.gemm import (_gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_mul, swiglu_prefill,
+from .ops.gemm import (gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_mul, swiglu_prefill,
                        wgmma_available)
 from .ops.gemv import gemv, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
@@ -250,7 +250,7 @@ class PagedSteps:
             return None
         # the kernels' zeroed counters and scratch made now (a captured cp.zeros's memset would not run), gemm_path's
         # device probes run (cuBLAS's is a matmul), and the paged kernels built (the load builds the model's others)
-        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
+        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), gemm_split_buffers(0), rows_scratch()
         cublas_ready(), wgmma_available()
         for name in ("paged_qk_norm_rope_store", "paged_attention", "paged_attention_merge"):
             kernel("paged", f"{name}<{self.args.head_dim}>")

@@ -8,7 +8,7 @@ from . import memory as mem
 from . import settings as cfg
 from ..backend import SAMPLED_TOKEN, Step
 from .memory import _ArenaFull, _BUF_GEN, _CAPTURING, _NotCapturable, _PBUF_IDS, _PBUF_POS, prefill_bucket
-from .ops.gemm import _gemm_split_buffers
+from .ops.gemm import gemm_split_buffers
 from .ops.gemv import decode_regimes, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters
 from .ops.rows import rows_scratch
@@ -169,7 +169,7 @@ class CudaGraphs:
             self._pbuf = cp.zeros((_PBUF_IDS + 4 * cfg.SETTINGS.prefill_graph_max_t,), cp.uint8)
         # the kernels' counters that are made zeroed on first use, made now: inside a capture cp.zeros's memset is
         # captured, not run, and a capture that is retried or refused would leave them holding garbage
-        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), _gemm_split_buffers(0), rows_scratch()
+        gemv_counters(), moe_route_counter(), moe_route_tile_counters(), gemm_split_buffers(0), rows_scratch()
         pool, arena, stream = cp.get_default_memory_pool(), self.prefill_arena, self._stream
         for _ in range(64):
             keep, full, gen, refused = [], None, _BUF_GEN[0], False

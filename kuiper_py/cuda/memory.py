@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..errors import KuiperError
-from .runtime.device import _dev_id
+from .runtime.device import current_device_id
 
 try:
     import cupy as cp
@@ -105,7 +105,7 @@ class _Arena:
 _PBUF_POS, _PBUF_IDS = 256, 260
 
 
-# bumped whenever a module-level device buffer is replaced by a larger one (_dequant_scratch, _gemm_split_buffers):
+# bumped whenever a module-level device buffer is replaced by a larger one (dequant_scratch, gemm_split_buffers):
 # a graph captured before holds the old address, so it is dropped
 _BUF_GEN = [0]
 
@@ -204,7 +204,7 @@ _COUNTERS: dict[int, object] = {}
 
 def _device_zeros(cache: dict, n: int):
     """cache's int32 [n] for the current device, zeroed when first made: the arrival counters kernels leave at zero."""
-    dev = _dev_id()
+    dev = current_device_id()
     a = cache.get(dev)
     if a is None:
         # (inside a prefill graph's capture the memset would be captured, not run: _capture_prefill makes them first)

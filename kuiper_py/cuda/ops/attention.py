@@ -12,8 +12,8 @@ from ..memory import _empty, _f, _i
 from .gemm import wgmma_available
 from .gemv import ATTN_LONG_TILE, ATTN_MMA_KEYS, DECODE_MIN_CHUNK, spread_smem
 from ..runtime.build import raw_kernel, kernel
-from ..runtime.device import _dev_id
-from ..runtime.launch import (_LaunchAttr, _cluster_attr, _cluster_policy_attr, _pdl_attr, _cu_occupancy_clusters,
+from ..runtime.device import current_device_id
+from ..runtime.launch import (_LaunchAttr, _cluster_attr, _cluster_policy_attr, pdl_attr, cu_occupancy_clusters,
                               allow_dynamic_smem, launch_ex, pdl_enabled, resident_clusters, tma_map_2d,
                               tma_map_cache)
 from ..runtime.registry import ATTN_CM_HB, ATTN_CM_MAX, FW_CONFIGS, FW_NC3_FROM, fw_name
@@ -150,7 +150,7 @@ def attn_cluster_merge(S: int, hb: int, hd: int) -> bool:
     PDL, an instantiation for hb, at most ATTN_CM_MAX splits, and each block's share of the head group's
     elements a whole number of 16-byte pushes."""
     return (hb in ATTN_CM_HB and 1 <= S <= ATTN_CM_MAX and (hb * hd) % (4 * S) == 0
-            and pdl_enabled() and _cu_occupancy_clusters() is not None)
+            and pdl_enabled() and cu_occupancy_clusters() is not None)
 
 
 _ATTN_CM_FNS: dict[tuple, object] = {}
@@ -160,7 +160,7 @@ def _attn_cm_fn(name: str, S: int, n: int):
     """The CM instantiation for a launch of n clusters of S blocks, or None where no such cluster can be
     resident (the driver refuses clusters past 8 blocks, or a partitioned GPU's SMs cannot hold 16 blocks of a
     GPC): the launch then leaves the merge to the o GEMV."""
-    key = (_dev_id(), name, S)
+    key = (current_device_id(), name, S)
     if key not in _ATTN_CM_FNS:
         fn = raw_kernel("attncm", name)
         _ATTN_CM_FNS[key] = fn if resident_clusters(fn, S, n, 128) > 0 else None
@@ -195,5 +195,5 @@ def _cluster_launch_attrs(CL: int) -> ctypes.Array:
     (size, policy): launch_ex keys its launch configurations on the object, so per-step launches reuse them."""
     key = (CL, cfg.SETTINGS.cluster_policy)
     if key not in _CL_ATTRS:
-        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), _pdl_attr(), _cluster_policy_attr(key[1]))
+        _CL_ATTRS[key] = (_LaunchAttr * 3)(_cluster_attr(CL), pdl_attr(), _cluster_policy_attr(key[1]))
     return _CL_ATTRS[key]

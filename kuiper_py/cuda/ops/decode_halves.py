@@ -13,7 +13,7 @@ from .gemv import device_tuning
 from .moe import MOE_MAX_EXPERTS, MOE_MAX_TOPK
 from ..runtime.build import raw_kernel
 from ..runtime.device import device_name, sm_count
-from ..runtime.launch import _cu_occupancy_clusters, _pdl_attr, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters
+from ..runtime.launch import cu_occupancy_clusters, pdl_attr, blocks_per_sm, launch_ex, pdl_enabled, resident_clusters
 from ..runtime.registry import FFN_GLOBAL_CAPS, FFN_PAIRS, FFN_XCH_GLOBAL, FFN_XCH_PUSH
 
 try:
@@ -43,7 +43,7 @@ def _ffn_pairs(D: int) -> list[tuple[int, int]]:
     return [(CL, TB) for CL, TB in FFN_PAIRS if D == 256 * CL * TB and D // CL <= FFN_MAX_SPAN]
 
 
-def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
+def ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
     """(plan, why) of ffn_decode.cu's kernel over n clusters: of the (CL, TB) pairs that tile the hidden
     size D, the one with the most blocks whose clusters all fit at once (a second wave would double the
     FFN's time), or None and the counts tried."""
@@ -59,16 +59,16 @@ def _ffn_first_fit(kernel: str, D: int, n: int) -> tuple[dict | None, str]:
 def decode_ffn_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for ffn_decode (the FFN half of a dense decode layer in one cluster launch): the plan
     (CL blocks per cluster, TB down column tiles per block, kernel, launch attributes) or None, and a
-    line saying why not. A cluster owns 256 intermediate channels (_ffn_first_fit picks the pair)."""
+    line saying why not. A cluster owns 256 intermediate channels (ffn_first_fit picks the pair)."""
     if cfg.SETTINGS.decode_ffn not in ("auto", "1"):
         return None, "off (decode_ffn=0)"
-    if not pdl_enabled() or _cu_occupancy_clusters() is None:
+    if not pdl_enabled() or cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, I = a.hidden_size, a.intermediate_size
     if a.group_size != 128 or I % FFN_CH:
         return None, f"shape not served (group size {a.group_size}, intermediate {I})"
     n = I // FFN_CH
-    plan, why = _ffn_first_fit("ffn_decode", D, n)
+    plan, why = ffn_first_fit("ffn_decode", D, n)
     # the form without a cluster launch needs only a (CL, TB) pair, not clusters that fit
     pair = plan or next((dict(CL=cl, TB=tb) for cl, tb in _ffn_pairs(D)), None)
     if pair is not None and cfg.SETTINGS.decode_ffn == "auto" and pair["CL"] * n < FFN_AUTO_BLOCKS_PER_SM * sm_count():
@@ -129,7 +129,7 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
     per = blocks_per_sm(fn, FFN_THREADS)
     if per * sms < CL * n or at_cap_only and per != cap:
         return None, f"{CL * n} blocks at {per} per SM, not {cap}"
-    return (dict(plan, fn=fn, attrs=_pdl_attr(), xslots=cp.zeros((n * FFN_SLOT_BYTES // 4,), cp.float32),
+    return (dict(plan, fn=fn, attrs=pdl_attr(), xslots=cp.zeros((n * FFN_SLOT_BYTES // 4,), cp.float32),
                  xcnt=cp.zeros((n,), cp.uint64)),
             f"on, without a cluster launch: {n} channel tiles of {CL} blocks, {plan['TB']} down tiles per block "
             f"({CL * n} blocks at {per} per SM), the exchange through global memory")
@@ -143,15 +143,15 @@ def ffn_global_plan(plan: dict, n: int, at_cap_only: bool = False, cap: int = FF
 def decode_moe_plan(a: ModelArgs) -> tuple[dict | None, str]:
     """(plan, why) for moe_ffn_decode (a MoE decode layer's top-k and experts in one cluster launch):
     the plan or None, and a line saying why not. A cluster owns 256 channels of one selected expert,
-    k * moe_intermediate / 256 clusters in all (_ffn_first_fit picks the pair)."""
+    k * moe_intermediate / 256 clusters in all (ffn_first_fit picks the pair)."""
     if cfg.SETTINGS.decode_moe not in ("auto", "1"):
         return None, "off (decode_moe=0)"
-    if not pdl_enabled() or _cu_occupancy_clusters() is None:
+    if not pdl_enabled() or cu_occupancy_clusters() is None:
         return None, "needs compute capability 9.0 (clusters, PDL)"
     D, mI, E, k = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok
     if a.group_size != 128 or mI % FFN_CH or E > MOE_MAX_EXPERTS or k > MOE_MAX_TOPK:
         return None, f"shape not served (group size {a.group_size}, expert intermediate {mI}, {E} experts, top {k})"
-    return _ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
+    return ffn_first_fit("moe_ffn_decode", D, k * mI // FFN_CH)
 
 
 def decode_moe_ffn(plan: dict, x, layer, ids, weights, acc, eps: float, k: int, norm_topk: bool, zacc):

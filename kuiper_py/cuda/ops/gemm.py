@@ -14,8 +14,8 @@ from ..memory import _BUF_GEN, _CAPTURING, _NULL, _NotCapturable, _device_zeros,
 from .gemv import GEMV_COLS, _mat_slots, device_tuning
 from .rows import ROWS_MAX, rows_fit, rows_gemm
 from ..runtime.build import kernel
-from ..runtime.device import _dev_id, sm_count
-from ..runtime.launch import _cu_launch_ex, _cu_tmap_encode, _remember, allow_dynamic_smem, launch_ex, tma_map_2d
+from ..runtime.device import current_device_id, sm_count
+from ..runtime.launch import cu_launch_ex, _cu_tmap_encode, _remember, allow_dynamic_smem, launch_ex, tma_map_2d
 from ..runtime.registry import RS_STAGES, WGMMA_PRODUCERS, WGMMA_TILES, WGMMA_TILE_EFF
 
 try:
@@ -30,10 +30,10 @@ GEMM_BM, GEMM_BN = 64, 128  # the MoE grouped GEMM's tile (moe_maps' tile_m); de
 _DEQ: dict[int, object] = {}
 
 
-def _dequant_scratch(n: int):
+def dequant_scratch(n: int):
     """The fp16 matrix the large-M path dequantizes into: one per device, grown to the largest
     projection group met (100 MB at 8B). Every use is ordered on one stream, so reuse is safe."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _DEQ or _DEQ[dev].size < n:
         _BUF_GEN[0] += 1
         _DEQ.pop(dev, None)
@@ -50,7 +50,7 @@ def _dequant_blocks(N: int, K: int) -> int:
 def awq_dequant(m: AwqLinear, out=None):
     """The fp16 matrix [K, N] of a device AwqLinear (qweight tiled), (q - z) * s per element. out may
     be a column slice [K, N] of a wider row-major matrix (its row stride is passed on)."""
-    out = _dequant_scratch(m.K * m.N).reshape(m.K, m.N) if out is None else out
+    out = dequant_scratch(m.K * m.N).reshape(m.K, m.N) if out is None else out
     assert out.shape == (m.K, m.N) and out.strides[1] == 2 and out.strides[0] % 16 == 0
     kernel("gemm", "awq_dequant")((_dequant_blocks(m.N, m.K),), (256,), (m.qweight, m.qzeros, m.scales, out,
                                                                          _i(m.N), _i(m.K), _i(m.group_size),
@@ -103,7 +103,7 @@ _CUBLAS: dict[int, bool] = {}
 def cublas_ready() -> bool:
     """cuBLAS loaded and its handle made on this device (one tiny fp16 matmul). If the library cannot
     be loaded, one stderr line, and dense prefill stays on the fused MMA GEMM."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _CUBLAS:
         try:
             cp.matmul(cp.zeros((2, 64), cp.float16), cp.zeros((64, 64), cp.float16))
@@ -121,10 +121,10 @@ _WGMMA_OK: dict[int, bool] = {}
 def wgmma_available() -> bool:
     """The fused wgmma GEMM can run here: compute capability exactly 9.0 (sm_90a code runs nowhere
     else) and a driver with TMA descriptors (cuTensorMapEncodeTiled, CUDA 12.0) and cuLaunchKernelEx."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _WGMMA_OK:
         _WGMMA_OK[dev] = (int(cp.cuda.Device().compute_capability) == 90 and _cu_tmap_encode() is not None
-                          and _cu_launch_ex() is not None)
+                          and cu_launch_ex() is not None)
     return _WGMMA_OK[dev]
 
 
@@ -197,7 +197,7 @@ def rs_rows_split(T: int, K: int, N: int) -> int:
 _MATS: dict[tuple, list] = {}
 
 
-def _mats_rec(mats) -> list:
+def mats_record(mats) -> list:
     """[shape signature, kernel arguments or None] of a projection's matrices, kept by their ids until one of them
     is collected (a finalizer drops the entry then, before its id can be reused; a model's weights are not kept
     alive by this cache): the signature ((K, N) of each, group size, whether gemm_wgmma.cu's shape table takes
@@ -232,12 +232,12 @@ def gemm_path(T: int, mats) -> str:
     """The prefill path gemm() takes for T rows of the matrices mats: "rows" (2 to rows_max_m rows: gemv_rows.cu),
     "rs" or "wgmma" (the two fused Hopper GEMMs), "dequant" (cuBLAS) or "mma". Kept per (rows, the matrices' shape signature, the settings it
     reads): every prefill layer asks again."""
-    sig, st = _mats_rec(mats)[0], cfg.SETTINGS
+    sig, st = mats_record(mats)[0], cfg.SETTINGS
     few = 1 < T <= min(st.rows_max_m, ROWS_MAX)
     # this GPU's table's entry, part of the key, looked up only where it decides (a prompt's layers ask per call)
     wg_min = rows_wgmma_min(device_tuning(), *_kn(sig)) if few else None
     key = (T, sig, st.gemm_rs, st.gemm_wgmma, st.gemm_wgmma_min_m, st.gemm_dequant_min_m, st.rows_max_m, wg_min,
-           cublas_ready(), _dev_id())
+           cublas_ready(), current_device_id())
     path = _GEMM_PATHS.get(key)
     if path is not None:
         return path
@@ -287,10 +287,10 @@ _GEMM_SPLIT: dict[int, object] = {}
 _GEMM_TICKETS: dict[int, object] = {}
 
 
-def _gemm_split_buffers(n_part: int):
+def gemm_split_buffers(n_part: int):
     """(partial sums, tickets) of gemm_wgmma.cu's split tiles, per device: the fp32 partials grown as needed, the
     tickets zero between launches. Every use is ordered on one stream, so reuse is safe."""
-    dev = _dev_id()
+    dev = current_device_id()
     part = _GEMM_SPLIT.get(dev)
     if part is None or part.size < n_part:
         if part is not None:  # (a graph captured before holds the old partials)
@@ -317,20 +317,20 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     once per (the matrices' shapes, x's and out's shapes and strides, tile, plan, producers) and kept: a
     prefill repeats them per layer and per prompt, and the checks and plan had cost more host time than
     the launch."""
-    return _tma_gemm(_WGMMA_CALLS, x, mats, out, (tile, plan, producers),
-                     lambda: _wgmma_call(x, mats, out, tile, plan, producers))
+    return tma_gemm(_WGMMA_CALLS, x, mats, out, (tile, plan, producers),
+                     lambda: wgmma_call(x, mats, out, tile, plan, producers))
 
 
-def _tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
+def tma_gemm(cache: dict, x, mats, out, settings: tuple, build):
     """Launch one of gemm_wgmma.cu's fused GEMMs from its plan in cache, keyed by (the matrices' shape
     signature, x's and out's shapes and strides, settings, device), so every layer's projection of one shape
     shares it; build() makes the plan on a miss: (kernel, grid, block, shared memory, rows per TMA box of x,
-    the arguments after out). The matrices' own arguments come from _mats_rec; x's descriptor and out are
+    the arguments after out). The matrices' own arguments come from mats_record; x's descriptor and out are
     per call."""
-    mrec = _mats_rec(mats)
+    mrec = mats_record(mats)
     if mrec[1] is None:
         mrec[1] = tuple(_mat_slots(mats))
-    key = (mrec[0], x.shape, x.strides, out.shape, out.strides, settings, _dev_id())
+    key = (mrec[0], x.shape, x.strides, out.shape, out.strides, settings, current_device_id())
     rec = cache.get(key)
     if rec is None:
         rec = _remember(cache, key, build())
@@ -390,11 +390,11 @@ def gemm_rs(x, mats, out, bt: int | None = None, split: int | None = None):
     (64, 128, or 256 with blocks of 128 channels); each tile's K cut into split ranges. By default
     rs_choose's bt and split (with bt given, rs_plan's split). As gemm_wgmma, everything but x's descriptor
     is worked out once per (matrices, shapes, strides, bt, split) and kept."""
-    return _tma_gemm(_RS_CALLS, x, mats, out, (bt, split), lambda: _rs_call(x, mats, out, bt, split))
+    return tma_gemm(_RS_CALLS, x, mats, out, (bt, split), lambda: rs_call(x, mats, out, bt, split))
 
 
-def _rs_call(x, mats, out, bt, split) -> tuple:
-    """gemm_rs's launch plan for these shapes, laid out as _wgmma_call's."""
+def rs_call(x, mats, out, bt, split) -> tuple:
+    """gemm_rs's launch plan for these shapes, laid out as wgmma_call's."""
     T, K = x.shape
     N = sum(m.N for m in mats)
     assert wgmma_fits(mats) and mats[0].K == K and out.shape[0] == T and out.shape[1] >= N
@@ -406,7 +406,7 @@ def _rs_call(x, mats, out, bt, split) -> tuple:
     bc, st = rs_channels(bt), RS_STAGES[bt]
     tiles = math.ceil(T / bt) * (N // bc)
     assert 1 <= split <= K // 64
-    part, ticket = _gemm_split_buffers(tiles * split * bt // 2 * (2 * bc) if split > 1 else 0)  # bt / 2 per thread
+    part, ticket = gemm_split_buffers(tiles * split * bt // 2 * (2 * bc) if split > 1 else 0)  # bt / 2 per thread
     assert split == 1 or tiles <= ticket.size
     fn = kernel("gemm90rs", f"gemm_w4a16_rs<{st}, {bt}>")
     smem = rs_smem_bytes(st, bt)
@@ -416,7 +416,7 @@ def _rs_call(x, mats, out, bt, split) -> tuple:
     return fn, (math.ceil(T / bt), N // bc, split), (2 * bc,), smem, bt, tail
 
 
-def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
+def wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
     """gemm_wgmma's launch plan for these shapes: (kernel, grid, block, shared memory, BM, the arguments
     after out). The plan holds the split-K buffers it was made with (a later, larger plan allocates new
     ones)."""
@@ -432,7 +432,7 @@ def _wgmma_call(x, mats, out, tile, plan, producers) -> tuple:
         bm, bn, n_full, split = wgmma_plan(T, N, K)
     assert 1 <= split <= K // 64 and 0 <= n_full <= math.ceil(T / bm) * (N // bn)
     n_split = math.ceil(T / bm) * (N // bn) - n_full
-    part, ticket = _gemm_split_buffers(n_split * split * bm * bn)
+    part, ticket = gemm_split_buffers(n_split * split * bm * bn)
     assert n_split <= ticket.size
     rings = WGMMA_TILES[(bm, bn)]
     fn = kernel("gemm90", f"gemm_w4a16_ws<{bm}, {bn}, {', '.join(map(str, rings))}, {producers or WGMMA_PRODUCERS[-1]}>")
@@ -470,7 +470,7 @@ def gemm(x, m, out=None, path: str | None = None):
     if path == "dequant":
         if _CAPTURING[0]:  # (CuPy refuses cuBLAS calls while a stream captures)
             raise _NotCapturable("cuBLAS")
-        W = _dequant_scratch(K * N).reshape(K, N)
+        W = dequant_scratch(K * N).reshape(K, N)
         if len(mats) == 1:
             awq_dequant(mats[0], W)
         else:  # side by side in one launch: one cuBLAS call for q, k and v (k and v alone are narrow)

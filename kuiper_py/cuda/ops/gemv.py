@@ -11,7 +11,7 @@ from ...loader import AwqLinear
 from .. import settings as cfg
 from ..memory import _COUNTERS, _device_zeros, _f, _i
 from ..runtime.build import raw_kernel, kernel
-from ..runtime.device import _dev_id, device_attrs, device_name, sm_count
+from ..runtime.device import current_device_id, device_attrs, device_name, sm_count
 from ..runtime.launch import allow_dynamic_smem, blocks_per_sm
 from ..runtime.registry import GEMV_O_MIN_BLOCKS, GEMV_ROWS, gemv_name
 
@@ -89,7 +89,7 @@ def spread_smem(family: str, name: str, blocks: int, threads: int) -> int:
     of kernel `name` of `family` sit on one SM, or 0 where its registers already do (or no size does). A
     grid of fewer blocks than the SMs could hold is otherwise placed where space frees first: flash
     decoding's 264 blocks landed on ~93 SMs, up to 4 per SM, beside idle ones. Worked out once per (device, kernel, grid, block); a launch then costs one dict lookup."""
-    key = (_dev_id(), family, name, blocks, threads)
+    key = (current_device_id(), family, name, blocks, threads)
     pad = _SPREAD.get(key)
     if pad is None:
         pad = _SPREAD[key] = _spread_smem(raw_kernel(family, name), blocks, threads)

@@ -11,7 +11,7 @@ from ..memory import _NULL, _device_zeros, _empty, _f, _i
 from .gemm import GEMM_BM, GEMM_BN, _pow2_group, cublas_ready, rs_smem_bytes, silu_mul, wgmma_available
 from .gemv import gemv
 from ..runtime.build import raw_kernel, kernel
-from ..runtime.device import _dev_id, sm_count, smem_optin
+from ..runtime.device import current_device_id, sm_count, smem_optin
 from ..runtime.launch import allow_dynamic_smem, launch_ex, tma_map_2d, tma_map_words
 from ..runtime.registry import MOE_RS_FORMS, MOE_RS_TILES, MOE_TC_TILES, moe_rs_name
 
@@ -61,7 +61,7 @@ def moe_rmma_form(T: int, E: int) -> tuple[str, int]:
     ng = moe_rmma_groups(E)
     if T <= moe_route_wide_t():
         wide = f"moe_route_mma<{ng}, {16 // ng}>"
-        key = (_dev_id(), wide)
+        key = (current_device_id(), wide)
         fits = _RMMA_FITS.get(key)
         if fits is None:
             fits = _RMMA_FITS[key] = moe_rmma_smem(16) + raw_kernel("moe", wide).shared_size_bytes <= smem_optin()
@@ -181,7 +181,7 @@ _MAPS_ROOM: dict[int, int] = {}
 def moe_maps_stage_room() -> int:
     """The bytes of dynamic shared memory moe_expert_maps may stage p2u in on this device (MOE_MAPS_STAGE_MAX, or
     less where the opt-in limit and the kernel's static arrays leave less), allowed once per device."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _MAPS_ROOM:
         fn = raw_kernel("moe", "moe_expert_maps")
         room = _MAPS_ROOM[dev] = max(0, min(MOE_MAPS_STAGE_MAX, smem_optin() - fn.shared_size_bytes))

@@ -11,7 +11,7 @@ import numpy as np
 from .. import settings as cfg
 from ..memory import _BUF_GEN, _f, _i
 from ..runtime.build import kernel
-from ..runtime.device import _dev_id
+from ..runtime.device import current_device_id
 
 try:
     import cupy as cp
@@ -161,7 +161,7 @@ def paged_scratch(row_heads: int, hd: int) -> tuple:
     attention, per device; grown as needed, which drops the graphs holding the old ones (_BUF_GEN). Every use is
     ordered on one stream and merged before the next layer's, so reuse is safe."""
     S = paged_splits_max()
-    dev, need = _dev_id(), row_heads * S * (hd + 2)
+    dev, need = current_device_id(), row_heads * S * (hd + 2)
     rec = _SCRATCH.get(dev)
     if rec is None or rec.size < need:
         if rec is not None:

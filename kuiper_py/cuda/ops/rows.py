@@ -8,7 +8,7 @@ import math
 from ..memory import _BUF_GEN, _empty, _i
 from ..runtime.build import raw_kernel, kernel
 from ..runtime.launch import allow_dynamic_smem
-from ..runtime.device import _dev_id, device_attrs, sm_count
+from ..runtime.device import current_device_id, device_attrs, sm_count
 from .gemv import _mat_slots
 
 try:
@@ -79,7 +79,7 @@ def rows_scratch(n_partial: int = 0):
     between launches (the last block of each tile clears its own): made before any graph capture (graphs.py), since
     a captured cp.zeros does not run. The partials grow as needed, which drops the graphs that hold the old ones
     (_BUF_GEN). Every use is ordered on one stream, so reuse is safe."""
-    dev = _dev_id()
+    dev = current_device_id()
     rec = _SCRATCH.get(dev)
     if rec is None:
         rec = _SCRATCH[dev] = [cp.empty((4 << 20,), cp.float32), cp.zeros((ROWS_MAX_TILES,), cp.uint32)]

@@ -17,8 +17,8 @@ from ... import env
 from ...config import ModelArgs
 from ...errors import KuiperError
 from . import device as _device
-from .device import _dev_id
-from .launch import _PdlKernel, pdl_enabled
+from .device import current_device_id
+from .launch import PdlKernel, pdl_enabled
 from .registry import (FAMILIES, FAMILIES_SM90, ATTN_DECODE_U, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS, GEMV_SUM_BATCH,
                        PDL_KERNELS)
 
@@ -47,10 +47,10 @@ _KERNELS: dict[tuple, object] = {}
 
 def kernel(family: str, name: str):
     """A compiled kernel, launched with PDL where that is safe and available (PDL_KERNELS)."""
-    key = (_dev_id(), family, name)
+    key = (current_device_id(), family, name)
     if key not in _KERNELS:
         fn = raw_kernel(family, name)
-        _KERNELS[key] = _PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
+        _KERNELS[key] = PdlKernel(fn) if name in PDL_KERNELS and pdl_enabled() else fn
     return _KERNELS[key]
 
 
@@ -276,7 +276,7 @@ def model_families(a: ModelArgs, cc: int) -> list[str]:
 
 def _function_device() -> int:
     """The device whose context a function is loaded into: the current one (0 without CuPy: stand-in builds)."""
-    return 0 if _device.cp is None else _dev_id()
+    return 0 if _device.cp is None else current_device_id()
 
 
 def raw_kernel(family: str, name: str):

@@ -73,13 +73,13 @@ _OPTIN: dict[int, int] = {}
 
 def smem_optin() -> int:
     """The current device's most shared memory per block with the opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _OPTIN:
         _OPTIN[dev] = cp.cuda.runtime.deviceGetAttribute(97, dev)
     return _OPTIN[dev]
 
 
-def _dev_id() -> int:
+def current_device_id() -> int:
     """The current device's ordinal (the runtime call; building a cupy Device object per launch showed up
     in prefill's host time)."""
     return cp.cuda.runtime.getDevice()
@@ -94,7 +94,7 @@ _DEV_NAMES: dict[int, str] = {}
 def device_attrs() -> dict:
     """The current device's attributes, read once (Device.attributes reads every attribute, too slow
     for a per-launch call)."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _DEV_ATTRS:
         _DEV_ATTRS[dev] = cp.cuda.Device(dev).attributes
     return _DEV_ATTRS[dev]
@@ -107,7 +107,7 @@ def sm_count() -> int:
 
 def device_name() -> str:
     """The current device's name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"), read once."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _DEV_NAMES:
         name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
         _DEV_NAMES[dev] = name.decode() if isinstance(name, bytes) else str(name)

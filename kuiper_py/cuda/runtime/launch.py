@@ -8,7 +8,7 @@ import struct
 import numpy as np
 
 from ... import env
-from .device import _dev_id
+from .device import current_device_id
 
 try:
     import cupy as cp
@@ -27,10 +27,10 @@ _PDL: dict[int, bool] = {}
 
 def pdl_enabled() -> bool:
     """Programmatic dependent launch: Hopper or newer, unless KUIPER_PDL=0."""
-    dev = _dev_id()
+    dev = current_device_id()
     if dev not in _PDL:
         _PDL[dev] = (env.pdl()
-                     and int(cp.cuda.Device(dev).compute_capability) >= 90 and _cu_launch_ex() is not None)
+                     and int(cp.cuda.Device(dev).compute_capability) >= 90 and cu_launch_ex() is not None)
     return _PDL[dev]
 
 
@@ -55,7 +55,7 @@ _CU_ARGTYPES = {  # the driver entry points called through ctypes (each returns 
 }
 
 
-def _cu_fn(name: str):
+def cu_fn(name: str):
     """The driver entry point `name` (one of _CU_ARGTYPES), looked up once, or None where the driver
     lacks it (or there is no libcuda). Every launch_ex asks for cuLaunchKernelEx: one dict lookup."""
     f = _CU_FNS.get(name)
@@ -69,9 +69,9 @@ def _cu_fn(name: str):
     return f
 
 
-def _cu_launch_ex():
+def cu_launch_ex():
     """The driver's cuLaunchKernelEx (CuPy's launcher takes no launch attributes), or None."""
-    return _cu_fn("cuLaunchKernelEx")
+    return cu_fn("cuLaunchKernelEx")
 
 
 class _ArgPack:
@@ -124,20 +124,20 @@ def _remember(cache: dict, key, value):
     return value
 
 
-def _pdl_attr() -> _LaunchAttr:
+def pdl_attr() -> _LaunchAttr:
     """The programmatic-stream-serialization launch attribute (PDL)."""
     attr = _LaunchAttr(_CU_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
     attr.value[0] = 1
     return attr
 
 
-class _PdlKernel:
+class PdlKernel:
     """A kernel launched through cuLaunchKernelEx with the programmatic-stream-serialization
     attribute (captured into CUDA graphs as a programmatic edge); same call form as CuPy's."""
 
     def __init__(self, fn):
         self.ptr = getattr(fn, "kernel", fn).ptr  # RawKernel -> its CUfunction (its module stays in _MODULES)
-        self.attr = _pdl_attr()
+        self.attr = pdl_attr()
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
         launch_ex(self.ptr, grid, block, args, smem=shared_mem, attr=self.attr)
@@ -160,7 +160,7 @@ def launch_ex(fn, grid, block, args, smem: int = 0, attr=None):
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         cfg = _launch_config(grid, block, smem, stream, attr)
         _remember(_LAUNCH_CFGS, key, cfg)
-    err = _cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
+    err = cu_launch_ex()(ctypes.byref(cfg), ptr, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
@@ -180,10 +180,10 @@ def _launch_config(grid, block, smem: int, stream: int, attr) -> _LaunchConfig:
 
 def _cu_tmap_encode():
     """The driver's cuTensorMapEncodeTiled (CUDA 12.0+), or None."""
-    return _cu_fn("cuTensorMapEncodeTiled")
+    return cu_fn("cuTensorMapEncodeTiled")
 
 
-def _tmap_encode(dtype: int, ptr: int, dims, strides, box):
+def tmap_encode(dtype: int, ptr: int, dims, strides, box):
     """cuTensorMapEncodeTiled into a new 128-byte map: CUtensorMapDataType dtype, dims innermost first, byte
     strides of the outer dims, box sizes; element strides 1, interleave none, the 128-byte swizzle, L2
     promotion 128B, out-of-bounds elements filled with zeros."""
@@ -203,14 +203,14 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
     (row stride a multiple of 16 bytes): boxes of box_rows x box_cols with the 128-byte swizzle
     (box_cols * 2 == 128), rows past the end zero-filled. Kept per (address, shape, stride, box):
     a prefill's activation buffers come back from the pool at the same addresses."""
-    key = (_dev_id(), a.data.ptr, a.shape, a.strides, box_rows, box_cols)
+    key = (current_device_id(), a.data.ptr, a.shape, a.strides, box_rows, box_cols)
     m = _TMAPS.get(key)
     if m is not None:
         return m
     assert a.dtype == cp.float16 and a.strides[1] == 2 and a.strides[0] % 16 == 0 and a.data.ptr % 16 == 0
     assert box_cols * 2 == 128
     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
-    return _remember(_TMAPS, key, _tmap_encode(6, a.data.ptr, (a.shape[1], a.shape[0]), (a.strides[0],),
+    return _remember(_TMAPS, key, tmap_encode(6, a.data.ptr, (a.shape[1], a.shape[0]), (a.strides[0],),
                                                (box_cols, box_rows)))
 
 
@@ -219,27 +219,27 @@ def tma_map_cache(c, n: int):
     [L][n][KV*hd], boxes of 64 rows x 64 columns of one layer with the 128-byte swizzle, rows past n zero-filled
     (flash_attn_wgmma's K and V). One map per cache and length serves every layer: a map per layer made a prefill
     of a length not seen before encode 2 L of them."""
-    key = (_dev_id(), c.data.ptr, c.shape, n)
+    key = (current_device_id(), c.data.ptr, c.shape, n)
     m = _TMAPS.get(key)
     if m is not None:
         return m
     L, ctx, KV, hd = c.shape
     W = KV * hd
     assert c.dtype == cp.float16 and c.flags.c_contiguous and c.data.ptr % 16 == 0 and 0 < n <= ctx and W % 64 == 0
-    return _remember(_TMAPS, key, _tmap_encode(6, c.data.ptr, (W, n, L), (W * 2, ctx * W * 2), (64, 64, 1)))
+    return _remember(_TMAPS, key, tmap_encode(6, c.data.ptr, (W, n, L), (W * 2, ctx * W * 2), (64, 64, 1)))
 
 
 def tma_map_words(qw, wg: int):
     """A CUtensorMap of a tiled qweight (int32, contiguous; common.cuh's layout, whole 32-word tiles) as
     [row quads][4 quarters][32 words] (a quarter: 8 words x 4 rows, 128 bytes), boxes of 32 x wg x 16 (the quarters
     of wg consumer warpgroups over one 64-k tile) with the 128-byte swizzle, for gemm_moe_rs."""
-    key = (_dev_id(), qw.data.ptr, qw.size, wg)
+    key = (current_device_id(), qw.data.ptr, qw.size, wg)
     m = _TMAPS.get(key)
     if m is not None:
         return m
     assert qw.dtype == cp.int32 and qw.flags.c_contiguous and qw.size % 128 == 0 and qw.data.ptr % 16 == 0
     # CU_TENSOR_MAP_DATA_TYPE_UINT32 = 2
-    return _remember(_TMAPS, key, _tmap_encode(2, qw.data.ptr, (32, 4, qw.size // 128), (128, 512), (32, wg, 16)))
+    return _remember(_TMAPS, key, tmap_encode(2, qw.data.ptr, (32, 4, qw.size // 128), (128, 512), (32, wg, 16)))
 
 
 _DYN_SMEM: dict[int, int] = {}
@@ -259,7 +259,7 @@ def allow_dynamic_smem(fn, nbytes: int) -> None:
 def blocks_per_sm(fn, threads: int, smem: int = 0) -> int:
     """How many blocks of kernel fn (threads each, smem bytes of dynamic shared memory) fit on one SM by
     the driver's occupancy calculator, or -1 where it cannot say."""
-    occ = _cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    occ = cu_fn("cuOccupancyMaxActiveBlocksPerMultiprocessor")
     if occ is None:
         return -1
     n = ctypes.c_int(0)
@@ -275,9 +275,9 @@ _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY = 5
 
 
-def _cu_occupancy_clusters():
+def cu_occupancy_clusters():
     """The driver's cuOccupancyMaxActiveClusters, or None."""
-    return _cu_fn("cuOccupancyMaxActiveClusters")
+    return cu_fn("cuOccupancyMaxActiveClusters")
 
 
 def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
@@ -291,14 +291,14 @@ def resident_clusters(fn, CL: int, n: int, threads: int, smem: int = 0) -> int:
         return 0
     cfg = _launch_config((CL, n, 1), (threads, 1, 1), smem, 0, _cluster_attr(CL))
     k = ctypes.c_int(0)
-    err = _cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
+    err = cu_occupancy_clusters()(ctypes.byref(k), ptr, ctypes.byref(cfg))
     return 0 if err else k.value
 
 
 def allow_nonportable_clusters(fn) -> bool:
     """Lets kernel fn launch clusters of more than 8 blocks: Hopper has 16-block clusters, but they are
     "non-portable" and the driver wants them asked for. False where the driver refuses."""
-    set_attr = _cu_fn("cuFuncSetAttribute")
+    set_attr = cu_fn("cuFuncSetAttribute")
     ptr = getattr(fn, "kernel", fn).ptr
     return set_attr is not None and not set_attr(ptr, _CU_FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
 
