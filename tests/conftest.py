@@ -129,6 +129,13 @@ def copy_ckpt(tmp_path):
     return _copy
 
 
+def child_env(**extra) -> dict:
+    """The environment of a CLI or server subprocess: this one's, with the checkout first on PYTHONPATH (the
+    entries already there kept: packages installed with `pip --target` stay importable) and `extra` on top."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def run_cli(*args, input=None, timeout=300, env=None, preexec_fn=None):
     """Run the real CLI as a subprocess; returns CompletedProcess with text stdout/stderr."""
     return run_python("-m", "kuiper_py", *args, input=input, timeout=timeout, env=env, preexec_fn=preexec_fn)
@@ -137,6 +144,6 @@ def run_cli(*args, input=None, timeout=300, env=None, preexec_fn=None):
 def run_python(*args, input=None, timeout=300, env=None, preexec_fn=None, cwd=None):
     """Run a fresh Python (`-c CODE ...`, `-m MODULE ...`) with the checkout on its path; CompletedProcess with text
     stdout/stderr."""
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    e = child_env(**(env or {}))
     return subprocess.run([sys.executable, *map(str, args)], input=input, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=e, preexec_fn=preexec_fn)

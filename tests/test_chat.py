@@ -1,14 +1,13 @@
 """Chats on one KV cache (generate.Chat, `kuiper chat`): each turn prefills only what the cache lacks, and its reply
 is the one a fresh session gives the whole conversation (the CPU backend; test_gpu_e2e.py checks the GPU's)."""
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import child_env, run_cli
 from kuiper_py.generate import Chat, Engine, common_prefix, generate
 from kuiper_py.sampling import SamplingParams
 from reference import reference_engine
@@ -56,7 +55,7 @@ def _assert_parted_at_a_tie(binf, ids, got, want):
 def _run_bytes(*args, input: bytes):
     """run_cli with bytes in and out (no text-mode newline translation)."""
     return subprocess.run([sys.executable, "-m", "kuiper_py", *map(str, args)], input=input, capture_output=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+                          env=child_env(), timeout=300)
 
 
 def _turn(chat, text, n, binf, prefills, reset=False):
@@ -173,7 +172,7 @@ def test_cli_generate_prompt_not_utf8_is_one_line(tiny_bin):
     """A prompt argument with a byte that is not UTF-8 (Python holds it as a lone surrogate) is the user's error."""
     r = subprocess.run([sys.executable, "-m", "kuiper_py", "generate", "-m", str(tiny_bin), "--device", "cpu",
                         "-n", "2", "-p", b"ab\xffcd"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       env=child_env())
     errs = [ln for ln in r.stderr.splitlines() if ln.startswith("kuiper: error")]
     assert r.returncode == 2 and len(errs) == 1 and "Unicode" in errs[0] and "internal" not in errs[0], r.stderr
     assert r.stdout == ""
@@ -200,7 +199,7 @@ def test_cli_chat_ctrl_c_during_a_reply(tiny_bin):
     import signal
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "chat", "-m", str(tiny_bin), "--device", "cpu", "--temp",
                           "0", "-n", "4000", "--max-context", "4096", "-v"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
     p.stdin.write(b"Tell me a long story\nand another\n")
     p.stdin.flush()
     first = p.stdout.read(8)  # some of the reply has streamed: we are in its decode loop

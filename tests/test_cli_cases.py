@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import run_cli
+from conftest import run_cli, run_python
 from kuiper_py import format as fmt
 from test_cli import _one_line_error
 
@@ -133,3 +133,14 @@ def test_lying_safetensors_header_cli(untied_dir, copy_ckpt, tmp_path):
     f.write_bytes(bytes(raw))
     _one_line_error(run_cli("export", d, "-o", tmp_path / "m.bin", "-q"), match="larger than the file")
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_serve_without_its_extra_says_what_to_install(tiny_bin):
+    """`kuiper serve` where the serve extra is not installed (uvicorn made unimportable here): one line naming the
+    extra and the missing module, a non-zero exit, no traceback."""
+    code = ("import sys; sys.modules['uvicorn'] = None; from kuiper_py.cli import main; "
+            f"main(['serve', '-m', {str(tiny_bin)!r}, '--device', 'cpu', '--port', '0'])")
+    r = run_python("-c", code, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'kuiper[serve]'" in lines[0] and "uvicorn" in lines[0], r.stderr

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, child_env, run_cli
 from kuiper_py import format as fmt
 from test_cli import _one_line_error
 
@@ -277,7 +277,7 @@ def test_info_human_summary(tiny_bin, tmp_path):
 def _run_with_tty_stderr(args, timeout=300):
     """The CLI with stderr on a pseudo-terminal (stdout a pipe): (rc, stdout, what the terminal showed)."""
     master, slave = pty.openpty()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", *map(str, args)], stdout=subprocess.PIPE,
                          stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
@@ -323,7 +323,7 @@ def test_prefill_ticker_on_a_terminal(tmp_path):
 
 def test_bench_rows_survive_ctrl_c(tiny_bin):
     """The finished rows are on stdout before the next test ends; Ctrl-C then closes the JSON array."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "bench", "-m", str(tiny_bin), "-p", "4", "-n", "30000",
                           "-r", "1", "-o", "json", *CPU], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first, fd = b"", p.stdout.fileno()

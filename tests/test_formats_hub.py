@@ -164,10 +164,10 @@ def test_serve_takes_a_hub_id_and_serves_it_under_that_name(hf_cache):
 
     import httpx
 
-    from conftest import ROOT
+    from conftest import child_env
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "serve", "-m", "Qwen/Tiny-AWQ", "--device", "cpu",
                           "--port", "0", "--max-context", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         text=True, env=child_env())
     try:
         lines = []
         while not any("ready on" in ln for ln in lines):

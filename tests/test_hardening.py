@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import child_env, run_cli
 from test_cli import _one_line_error
 
 
@@ -37,7 +37,7 @@ def test_unreadable_model(tiny_bin, tmp_path):
     p = tmp_path / "locked.bin"
     p.write_bytes(tiny_bin.read_bytes()[:1000])
     p.chmod(0)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     cmd = [sys.executable, "-m", "kuiper_py"]
     try:
         probe = subprocess.run(["cat", str(p)], capture_output=True, preexec_fn=_without_dac_override)
@@ -53,7 +53,7 @@ def test_unreadable_model(tiny_bin, tmp_path):
 def _export_limited(src, out, limit):
     def lim():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "kuiper_py", "export", str(src), "-o", str(out), "-q"],
                           capture_output=True, text=True, timeout=300, env=env, preexec_fn=lim)
 
@@ -79,7 +79,7 @@ def test_export_output_directory_problems(untied_dir, tmp_path):
 
 
 def _spawn(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "kuiper_py", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
 

@@ -2,7 +2,6 @@
 template takes tools (written for this test in the manner of Qwen3's), driven by the official openai client and
 httpx. The oracle for generated text is `kuiper generate` (the same engine without the server)."""
 import json
-import os
 import re
 import shutil
 import signal
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, child_env, run_cli
 from kuiper_py.export import export
 from kuiper_py.generate import Engine
 
@@ -61,7 +60,7 @@ def model_file(tiny_dir, tmp_path_factory):
 
 def start_server(model, *extra):
     """A `kuiper serve` subprocess on a free port; (process, base URL) once /health says 200."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "serve", "-m", str(model), "--device", "cpu",
                           "--port", "0", *map(str, extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)

@@ -4,7 +4,6 @@ before anything loads where out of range or where requests run one at a time; in
 (its ready line says so); prefix-cache hits counted on /metrics, and none with caching off; tools/bench_serve.py
 --shared-prefix against such a server."""
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, child_env, run_cli
 
 CTX = 512
 VOCAB = 151643  # the ordinary (non-special) token ids
@@ -25,7 +24,7 @@ VOCAB = 151643  # the ordinary (non-special) token ids
 def _start(model, *extra) -> tuple[subprocess.Popen, str, list[str]]:
     """A `kuiper serve` subprocess on a free port: (process, base URL, its stderr lines so far, still filling) once
     /health says 200 and the ready line is out."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     p = subprocess.Popen([sys.executable, "-m", "kuiper_py", "serve", "-m", str(model), "--device", "cpu",
                           "--port", "0", "--max-context", str(CTX), *map(str, extra)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)

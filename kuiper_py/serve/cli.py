@@ -103,13 +103,17 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
         raise KuiperError(f"--port {port} must be in 0..65535")
-    import uvicorn
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .engine_worker import EngineWorker
+        from .metrics import Metrics
+    except ImportError as e:  # (the serve extra is optional: a plain install has no HTTP stack)
+        raise KuiperError(f"kuiper serve needs the serve extra (FastAPI, uvicorn, pydantic, prometheus-client): "
+                          f"pip install 'kuiper[serve]' ({e.name or e} is missing)") from None
 
     from ..hub import is_hub_id, resolve_model
-
-    from .app import create_app
-    from .engine_worker import EngineWorker
-    from .metrics import Metrics
 
     path = resolve_model(model)  # (before listening: an export's progress and errors come first)
     from ..generate import ops_class, pick_device
