@@ -36,7 +36,8 @@ def _has_gpu() -> bool:
 
 # The fast GPU tier, `pytest -m "gpu and not slow"`: every GPU test function runs, a parametrized one on two of its
 # cases (its first and last), the end-to-end and checkpoint-format files on their first case only; the other cases
-# (the exhaustive shape sweeps) carry the `slow` mark: 258 tests, about 5 minutes on an H100 with a fresh kernel cache.
+# (the exhaustive shape sweeps) carry the `slow` mark, as do cases a test marks slow itself (its heaviest shapes):
+# 256 tests, about 5 minutes on an H100 with a warm kernel cache (a fresh machine compiles the kernels first).
 FAST_CASES, FAST_CASES_BY_FILE = 2, {"test_gpu_e2e.py": 1, "test_gpu_formats.py": 1}
 
 

@@ -16,7 +16,9 @@ oc = pytest.importorskip("kuiper_py.ops_cupy")
 from cuda_common import nan_like, rand_head  # noqa: E402 (after the module-level skip)
 
 
-@pytest.mark.parametrize("V,D", [(151936, 4096), (151936, 1024), (1000, 128)])
+# the fast tier runs the first and last case: the real vocabulary at 1024 wide and a small head (the 8B-wide head took
+# 18.7 s on an H100, most of it drawing and checking its 622M weights on the host)
+@pytest.mark.parametrize("V,D", [(151936, 1024), (151936, 4096), (1000, 128)])
 def test_lm_head(V, D):
     rng = np.random.default_rng()
     W = rand_head(rng, V, D)
