@@ -11,6 +11,10 @@ import click
 from ..errors import KuiperError
 from ..parallel import TP_HELP
 
+# the top-level modules of the serve extra (pyproject's [serve]) and what they import
+SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "prometheus_client", "anyio", "h11",
+               "annotated_doc", "annotated_types", "typing_inspection"}
+
 
 def _listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so a taken port is one clear error (and --port 0 picks a free one)."""
@@ -110,8 +114,10 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         from .engine_worker import EngineWorker
         from .metrics import Metrics
     except ImportError as e:  # (the serve extra is optional: a plain install has no HTTP stack)
+        if (e.name or "").partition(".")[0] not in SERVE_EXTRA:
+            raise  # (not a missing dependency: a fault of ours, reported as one)
         raise KuiperError(f"kuiper serve needs the serve extra (FastAPI, uvicorn, pydantic, prometheus-client): "
-                          f"pip install 'kuiper[serve]' ({e.name or e} is missing)") from None
+                          f"pip install 'kuiper[serve]' ({e.name} is missing)") from None
 
     from ..hub import is_hub_id, resolve_model
 
