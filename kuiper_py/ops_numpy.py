@@ -2,7 +2,7 @@
 
 Kept obviously right rather than fast: weights stay packed in the mapped file and each
 linear dequantizes group-aligned row blocks on the fly. A file whose float32 forms fit the host
-(_DEQ_KEEP_BYTES: a quarter of its available memory; the lm_head in what the linears leave of it) keeps the
+(DEQ_KEEP_BYTES: a quarter of its available memory; the lm_head in what the linears leave of it) keeps the
 same blocks after their first use, which gives the same sums.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from .loader import AwqLinear, Layer, Weights
 from .backend import SAMPLED_TOKEN, Seq, Step
 from .sampling import SamplingParams, sample
 
-_BLOCK_BYTES = 4 << 20  # float32 bytes of a linear's dequantized rows per block (dequant_blocks), whole groups
+BLOCK_BYTES = 4 << 20  # float32 bytes of a linear's dequantized rows per block (dequant_blocks), whole groups
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
 # an fp32 lm_head up to this size (the test presets' and Qwen3-0.6B's 622 MB), or up to what the kept linears leave of
-# _DEQ_KEEP_BYTES (30B-A3B's and 8B's, 1.2 and 2.5 GB, on a host with ~20 GB free), is converted once and kept
+# DEQ_KEEP_BYTES (30B-A3B's and 8B's, 1.2 and 2.5 GB, on a host with ~20 GB free), is converted once and kept
 # (kept_blocks): otherwise a decode step spends ~1 s converting the head
-_LM_KEEP_BYTES = 1 << 30
+LM_KEEP_BYTES = 1 << 30
 
 
 def _available_bytes() -> int:
@@ -42,7 +42,7 @@ def _available_bytes() -> int:
     return avail
 
 
-def _deq_keep_budget() -> int:
+def deq_keep_budget() -> int:
     """Float32 bytes of dense linears a file may keep (kept_blocks): a quarter of the host memory available when
     the module loads, at most 8 GiB, at least 256 MiB (the test presets': 50 MB for "small"). Qwen3-0.6B's 1.8 GB
     fit on a host with 8 GB free: its CPU decode then reads float32 weights instead of dequantizing every linear
@@ -51,7 +51,7 @@ def _deq_keep_budget() -> int:
 
 
 # a file whose dense AWQ linears all dequantize to at most this keeps each one's float32 blocks after its first use
-_DEQ_KEEP_BYTES = _deq_keep_budget()
+DEQ_KEEP_BYTES = deq_keep_budget()
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -62,12 +62,12 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 def dequant_blocks(lin: AwqLinear):
     """W [K, N] = (q - z) * s as float32 blocks of group-aligned rows, columns in the packed words' stored order
     (awq.unpack_stored; awq_linear puts its product back in logical order): (first row, block [rows, N]). Each block
-    is unpacked by byte masks and scaled in place, group by group, about _BLOCK_BYTES at a time so it stays in cache
+    is unpacked by byte masks and scaled in place, group by group, about BLOCK_BYTES at a time so it stays in cache
     (2.5-3x faster than awq.dequantize's per-nibble shifts and per-row copies of z and s on a 2-core host)."""
     g, N = lin.group_size, lin.N
     z = awq.unpack_stored(lin.qzeros)
     s = lin.scales.reshape(-1, N // 8, 8)[:, :, awq.STORED_COLUMNS].reshape(-1, N).astype(np.float32)
-    step = max(g, _BLOCK_BYTES // (4 * N) // g * g)
+    step = max(g, BLOCK_BYTES // (4 * N) // g * g)
     for k0 in range(0, lin.K, step):
         W = awq.unpack_stored(lin.qweight[k0:k0 + step])
         for j in range(0, W.shape[0], g):  # (a last group may be short)
@@ -142,10 +142,10 @@ class NumpyOps:
         dense = [lin for L in weights.layers for lin in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w2, L.w3) if lin is not None]
         ranks = 1 if comm is None else comm.size  # (a group's ranks share the host: each keeps its part of the budget)
         dense_f32 = sum(lin.K * lin.N * 4 for lin in dense)
-        self._keep_dequant = dense_f32 * ranks <= _DEQ_KEEP_BYTES
-        # the float32 lm_head is kept where it fits what the linears leave of the budget (or _LM_KEEP_BYTES)
-        self._keep_lm = weights.lm_head.size * 4 * ranks <= max(
-            _LM_KEEP_BYTES, _DEQ_KEEP_BYTES - (dense_f32 * ranks if self._keep_dequant else 0))
+        self.keep_dequant = dense_f32 * ranks <= DEQ_KEEP_BYTES
+        # the float32 lm_head is kept where it fits what the linears leave of the budget (or LM_KEEP_BYTES)
+        self.keep_lm = weights.lm_head.size * 4 * ranks <= max(
+            LM_KEEP_BYTES, DEQ_KEEP_BYTES - (dense_f32 * ranks if self.keep_dequant else 0))
         self.alloc_cache(max_context)
 
     def alloc_cache(self, max_context: int) -> None:
@@ -235,7 +235,7 @@ class NumpyOps:
         return self._linear(silu(self._linear(x, layer.w1)) * self._linear(x, layer.w3), layer.w2)
 
     def _linear(self, x, lin: AwqLinear):
-        blocks = kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self._keep_dequant)
+        blocks = kept_blocks(lin, "_f32_blocks", dequant_blocks(lin), self.keep_dequant)
         return awq_linear(x, lin, blocks, per_row=self.batch_invariant)
 
     @staticmethod
@@ -387,7 +387,7 @@ class NumpyOps:
         W = self.weights.lm_head  # [V, D] fp16, converted _LM_BLOCK rows at a time
         out = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
         blocks = ((r0, W[r0:r0 + _LM_BLOCK].astype(np.float32)) for r0 in range(0, W.shape[0], _LM_BLOCK))
-        for r0, Wf in kept_blocks(self.weights, "_lm_f32_blocks", blocks, self._keep_lm):
+        for r0, Wf in kept_blocks(self.weights, "_lm_f32_blocks", blocks, self.keep_lm):
             if self.batch_invariant:
                 for t in range(x.shape[0]):
                     out[t, r0:r0 + Wf.shape[0]] = x[t] @ Wf.T

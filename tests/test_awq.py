@@ -56,7 +56,7 @@ def test_awq_linear_matches_the_dequantized_product(K, N, T, block_bytes, monkey
     over 8, one group each) against x @ W in float64 with W from the nibble-by-nibble reference dequantization."""
     from kuiper_py import ops_numpy
     from kuiper_py.loader import AwqLinear
-    monkeypatch.setattr(ops_numpy, "_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(ops_numpy, "BLOCK_BYTES", block_bytes)
     rng = np.random.default_rng()
     g = 128
     qw = rng.integers(-2**31, 2**31, size=(K, N // 8), dtype=np.int64).astype(np.int32)

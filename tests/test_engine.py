@@ -69,8 +69,8 @@ def test_kept_fp32_weights_give_the_same_logits(untied_bin, monkeypatch):
     assert isinstance(blocks, list) and isinstance(wq, list)
     Qwen3(mf, NumpyOps, 16).prefill(ids[:2])  # (a second model on the file: it finds the kept blocks)
     assert mf.weights._lm_f32_blocks is blocks and mf.weights.layers[-1].wq._f32_blocks is wq
-    monkeypatch.setattr(ops_numpy, "_LM_KEEP_BYTES", 0)
-    monkeypatch.setattr(ops_numpy, "_DEQ_KEEP_BYTES", 0)
+    monkeypatch.setattr(ops_numpy, "LM_KEEP_BYTES", 0)
+    monkeypatch.setattr(ops_numpy, "DEQ_KEEP_BYTES", 0)
     other = load(untied_bin)
     fresh = Qwen3(other, NumpyOps, 16)
     want = [fresh.prefill(ids, all_logits=True), fresh.decode(ids[0])]
@@ -81,8 +81,8 @@ def test_kept_fp32_weights_give_the_same_logits(untied_bin, monkeypatch):
 
 
 def test_lm_head_kept_in_what_the_linears_leave_of_the_budget(untied_bin, monkeypatch):
-    """The CPU engine keeps its float32 linears when they fit _DEQ_KEEP_BYTES, and the float32 lm_head when it fits
-    what they leave of it, or _LM_KEEP_BYTES by itself: each bound met exactly and missed by one byte."""
+    """The CPU engine keeps its float32 linears when they fit DEQ_KEEP_BYTES, and the float32 lm_head when it fits
+    what they leave of it, or LM_KEEP_BYTES by itself: each bound met exactly and missed by one byte."""
     from kuiper_py import ops_numpy
     mf = load(untied_bin)
     w = mf.weights
@@ -90,10 +90,10 @@ def test_lm_head_kept_in_what_the_linears_leave_of_the_budget(untied_bin, monkey
     lm = w.lm_head.shape[0] * w.lm_head.shape[1] * 4
     for lm_floor, budget, want in ((0, dense + lm, (True, True)), (0, dense + lm - 1, (True, False)),
                                    (0, dense - 1, (False, False)), (lm, 0, (False, True)), (lm - 1, 0, (False, False))):
-        monkeypatch.setattr(ops_numpy, "_LM_KEEP_BYTES", lm_floor)
-        monkeypatch.setattr(ops_numpy, "_DEQ_KEEP_BYTES", budget)
+        monkeypatch.setattr(ops_numpy, "LM_KEEP_BYTES", lm_floor)
+        monkeypatch.setattr(ops_numpy, "DEQ_KEEP_BYTES", budget)
         ops = NumpyOps(mf.args, w, 8)
-        assert (ops._keep_dequant, ops._keep_lm) == want, (lm_floor, budget)
+        assert (ops.keep_dequant, ops.keep_lm) == want, (lm_floor, budget)
 
 
 def test_context_overflow_is_an_error(tiny_bin):
@@ -147,7 +147,7 @@ def test_cpu_keep_budget_follows_the_available_memory():
     from pathlib import Path
 
     from kuiper_py import ops_numpy
-    got = ops_numpy._deq_keep_budget()
+    got = ops_numpy.deq_keep_budget()
     assert 256 << 20 <= got <= 8 << 30
     info = Path("/proc/meminfo")
     if info.exists():
