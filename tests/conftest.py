@@ -35,9 +35,9 @@ def _has_gpu() -> bool:
 
 
 # The fast GPU tier, `pytest -m "gpu and not slow"`: every GPU test function runs, a parametrized one on two of its
-# cases (its first and last), the end-to-end and checkpoint-format files on their first case only; the other cases
-# (the exhaustive shape sweeps) carry the `slow` mark, as do cases a test marks slow itself (its heaviest shapes):
-# 256 tests, about 5 minutes on an H100 with a warm kernel cache (a fresh machine compiles the kernels first).
+# cases (the first and last of those the test has not marked slow itself: its heaviest shapes), the end-to-end and
+# checkpoint-format files on their first case only; the other cases (the exhaustive shape sweeps) carry the `slow`
+# mark: about 5 minutes on an H100 with a warm kernel cache (a fresh machine compiles the kernels first).
 FAST_CASES, FAST_CASES_BY_FILE = 2, {"test_gpu_e2e.py": 1, "test_gpu_formats.py": 1}
 
 
@@ -48,9 +48,10 @@ def _mark_slow_sweeps(items) -> None:
         if "gpu" in it.keywords and getattr(it, "callspec", None) is not None:
             sweeps.setdefault((str(it.path), it.originalname), []).append(it)
     for (path, _), cases in sweeps.items():
-        keep = min(len(cases), FAST_CASES_BY_FILE.get(Path(path).name, FAST_CASES))
-        picks = {round(i * (len(cases) - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else {0}
-        for i, it in enumerate(cases):
+        free = [it for it in cases if it.get_closest_marker("slow") is None]  # (not marked slow by the test)
+        keep = min(len(free), FAST_CASES_BY_FILE.get(Path(path).name, FAST_CASES))
+        picks = {round(i * (len(free) - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else {0}
+        for i, it in enumerate(free):
             if i not in picks:
                 it.add_marker(pytest.mark.slow)
 

