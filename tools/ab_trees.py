@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """An older tree against this one on the same GPU, in one run (device machine): greedy tokens of the same model file,
 then `tools/bench_e2e.py` figures, the trees alternated round by round, one process per run, and the medians side by
-side with their ratio. The file is written by the OLD tree's maker (a newer loader reads older files; the reverse
-need not hold), so both load the very same bytes.
+side with the change. The file is written anew by the OLD tree's maker (a newer loader reads older files; the
+reverse need not hold), so both load the very same bytes. Each tree must import its own kuiper_py and compile its own
+kernels_cu (an editable install of one tree would hand its kernels to the other): the tool checks, and refuses.
 
     git worktree add ../old REV   (or: mkdir ../old && git archive REV | tar -x -C ../old)
     python tools/ab_trees.py ../old --models 8b,30b-a3b --rounds 3 --dir /dev/shm --json ab.json
 
-Each run has a time limit (--budget for the whole): what is left unrun is reported, never guessed. The table goes to
-stdout, progress to stderr."""
+Each run has a time limit (--budget for the whole): what failed or was left unrun is reported, never guessed, and the
+results so far are written even when a later model fails. The table goes to stdout, progress to stderr."""
 import json
 import statistics
 import subprocess
@@ -65,48 +66,82 @@ def medians(runs: list[dict]) -> dict[str, float]:
 def main(old, models, rounds, ctx, prompts, tokens, model_dir, budget, json_out):
     t0, old, new = time.monotonic(), Path(old).resolve(), ROOT
     left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
+    for tree in (old, new):
+        check_tree(tree)
     res = {"old": str(old), "new": str(new), "models": {}}
-    for m in models.split(","):
-        out = res["models"][m] = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0}
-        path = Path(model_dir) / f"ab-{m}.bin"
-        if not path.exists():
-            log(f"# writing {path} with the old tree's maker")
-            r = run(old, ["tools/make_synthetic.py", str(path), "--ak48", "--preset", m], left())
-            if r is None or r.returncode:
-                raise click.ClickException(f"the old tree could not write {m}: {r.stderr[-500:] if r else 'timeout'}")
-        toks = {}
-        for name, tree in (("old", old), ("new", new)):
-            r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", str(tokens), "--raw",
-                           "--temp", "0", "--json"], min(300.0, left()))
-            toks[name] = json.loads(r.stdout)["tokens"] if r is not None and r.returncode == 0 else None
-            if toks[name] is None:
-                log(f"# {m} greedy on the {name} tree failed: {r.stderr[-500:] if r else 'timeout'}")
-        if None not in toks.values():
-            out["greedy"] = {"equal": first_difference(toks["old"], toks["new"]), "of": len(toks["new"])}
-        for i in range(rounds):
-            for name, tree in (("old", old), ("new", new)) if i % 2 == 0 else (("new", new), ("old", old)):
-                if left() < 60:
-                    out["unrun"] += 1
-                    continue
-                js = Path(model_dir) / f"ab-{m}-{name}-{i}.json"
-                r = run(tree, ["tools/bench_e2e.py", str(path), "--ctx", ctx, "--prompts", prompts, "--no-hf",
-                               "--json", str(js)], left() - 5)
-                if r is None or r.returncode or not js.exists():
-                    log(f"# {m} bench on the {name} tree failed: {r.stderr[-500:] if r else 'timeout'}")
-                    continue
-                out["runs"][name].append(json.loads(js.read_text()))
-                log(f"# {m} {name} round {i + 1} done ({left():.0f} s left)")
+    try:
+        for m in models.split(","):
+            res["models"][m] = compare(m, old, new, rounds, ctx, prompts, tokens, Path(model_dir), left)
+    finally:
+        report(res, json_out)
+    failed = [m for m, out in res["models"].items() if out.get("error")]
+    if failed:
+        raise click.ClickException(f"{', '.join(failed)}: {res['models'][failed[0]]['error']}")
+
+
+def check_tree(tree: Path) -> None:
+    """Refuse a tree whose kuiper_py or kernel sources resolve outside it."""
+    code = "import kuiper_py, kuiper_py.ops_cupy as oc; print(kuiper_py.__file__); print(oc.kernel_dir())"
+    r = run(tree, ["-c", code], 120)
+    paths = r.stdout.split() if r is not None and r.returncode == 0 else []
+    if len(paths) != 2 or not all(Path(p).resolve().is_relative_to(tree) for p in paths):
+        raise click.ClickException(f"{tree}: its kuiper_py or kernels resolve to {paths or 'nothing'}, not inside it "
+                                   f"(an editable install of another tree?); run where no kuiper is installed")
+
+
+def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) -> dict:
+    """One model: the file by the old tree's maker, greedy tokens of both, then the bench rounds alternated."""
+    out = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0, "error": None}
+    path = model_dir / f"ab-{m}.bin"
+    log(f"# writing {path} with the old tree's maker")
+    path.unlink(missing_ok=True)
+    r = run(old, ["tools/make_synthetic.py", str(path), "--ak48", "--preset", m], max(1.0, left()))
+    if r is None or r.returncode:
+        out["error"] = f"the old tree could not write {m}: " + (r.stderr.strip()[-300:] if r else "out of time")
+        return out
+    toks = {}
+    for name, tree in (("old", old), ("new", new)):
+        r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", str(tokens), "--raw",
+                       "--temp", "0", "--json"], max(1.0, min(300.0, left())))
+        try:
+            toks[name] = json.loads(r.stdout)["tokens"]
+        except (AttributeError, ValueError, KeyError):
+            log(f"# {m} greedy on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+    if len(toks) == 2:
+        out["greedy"] = {"equal": first_difference(toks["old"], toks["new"]),
+                         "old": len(toks["old"]), "new": len(toks["new"])}
+    for i in range(rounds):
+        for name, tree in (("old", old), ("new", new)) if i % 2 == 0 else (("new", new), ("old", old)):
+            if left() < 60:
+                out["unrun"] += 1
+                continue
+            js = model_dir / f"ab-{m}-{name}-{i}.json"
+            js.unlink(missing_ok=True)
+            r = run(tree, ["tools/bench_e2e.py", str(path), "--ctx", ctx, "--prompts", prompts, "--no-hf",
+                           "--json", str(js)], left() - 5)
+            if r is None or r.returncode or not js.exists():
+                log(f"# {m} bench on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+                continue
+            out["runs"][name].append(json.loads(js.read_text()))
+            log(f"# {m} {name} round {i + 1} done ({left():.0f} s left)")
+    return out
+
+
+def report(res: dict, json_out) -> None:
+    """The table per model on stdout (medians, change of new against old), and the JSON."""
     for m, out in res["models"].items():
         g = out["greedy"]
-        click.echo(f"\n{m}: greedy " + (f"{g['equal']} of {g['of']} tokens equal" if g else "not compared")
-                   + f"; bench runs old {len(out['runs']['old'])}, new {len(out['runs']['new'])}"
-                   + (f", {out['unrun']} left unrun" if out["unrun"] else ""))
+        same = f"{g['equal']} of {max(g['old'], g['new'])} tokens equal" if g else "not compared"
+        click.echo(f"\n{m}: greedy {same}; bench runs old {len(out['runs']['old'])}, new {len(out['runs']['new'])}"
+                   + (f", {out['unrun']} left unrun" if out["unrun"] else "")
+                   + (f"; {out['error']}" if out["error"] else ""))
         mo, mn = medians(out["runs"]["old"]), medians(out["runs"]["new"])
         out["medians"] = {"old": mo, "new": mn}
-        click.echo("| tok/s | old | new | new/old |\n| --- | --- | --- | --- |")
-        for k in mn:
-            if k in mo:
-                click.echo(f"| {k} | {mo[k]:.1f} | {mn[k]:.1f} | {100 * (mn[k] / mo[k] - 1):+.1f}% |")
+        click.echo("| tok/s | old | new | change |\n| --- | --- | --- | --- |")
+        for k in dict.fromkeys([*mo, *mn]):
+            o, n = mo.get(k), mn.get(k)
+            change = f"{100 * (n / o - 1):+.1f}%" if o and n else "-"
+            click.echo(f"| {k} | {o or float('nan'):.1f} | {n or float('nan'):.1f} | {change} |")
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
 
