@@ -16,7 +16,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from .errors import KuiperError
-from .generate import Chat, Engine, Record, _check_request, _covering, held_back, common_prefix
+from .generate import Chat, Engine, Record, _check_request, _covering, common_prefix, held_back
 from .model import Qwen3
 from .sampling import SamplingParams, apply_openai_penalties, apply_repetition_penalty, filter_logits
 from .tokenizer import StreamDecoder

@@ -27,9 +27,10 @@ import cupy as cp  # noqa: E402
 
 from kuiper_py.config import ModelArgs  # noqa: E402
 from kuiper_py.loader import AwqLinear, AwqStack  # noqa: E402
-from kuiper_py.ops_cupy import (_AttnParts, _Normed, pdl_attr, awq_dequant, copy_bandwidth,  # noqa: E402
-                                decode_ffn, decode_ffn_plan, gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir,
-                                launch_ex, lm_head, moe_gate_up_views, pdl_enabled, sm_count, wgmma_available, wgmma_fits)
+from kuiper_py.ops_cupy import (_AttnParts, _Normed, awq_dequant, copy_bandwidth, decode_ffn,  # noqa: E402
+                                decode_ffn_plan, gemm, gemm_path, gemv, gpu_name, headers_tag, kernel_dir, launch_ex,
+                                lm_head, moe_gate_up_views, pdl_attr, pdl_enabled, sm_count, wgmma_available,
+                                wgmma_fits)
 
 DEC = {"qkv 4096->6144": [(4096, 4096), (4096, 1024), (4096, 1024)], "o 4096->4096": [(4096, 4096)],
        "gate/up 4096->2x12288": [(4096, 12288), (4096, 12288)], "down 12288->4096": [(12288, 4096)]}

@@ -1,6 +1,6 @@
 """Every GPU-marked test, sharded over the GPUs of one machine: one pytest process per GPU (CUDA_VISIBLE_DEVICES),
-all under one time limit. On one H100 the whole suite takes about 12 minutes: the fast tier (`--fast`, 258 tests,
-5 minutes) and the slow one (`--marker "gpu and slow"`, 1496 tests, 7 minutes) can also run apart.
+all under one time limit. On one H100 the whole suite takes about 12 minutes: the fast tier (`--fast`, 259 tests,
+5 minutes) and the slow one (`--marker "gpu and slow"`, about 1500 tests, 7 minutes) can also run apart.
 Several processes on one GPU stall each other: the decode kernels that spin on cluster or global exchanges,
 time-sliced against another context, ran for minutes.
 
@@ -33,6 +33,8 @@ def all_files() -> list[str]:
     """FIRST, then every other tests/test_*.py (collect() keeps only the tests the marker selects)."""
     rest = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
     return list(FIRST) + [f for f in rest if f not in FIRST]
+
+
 # pytest -v's line for a finished test: its id, then the outcome (setup errors are reported as ERROR)
 OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 COUNTED = ("PASSED", "FAILED", "SKIPPED", "ERROR")  # the table's outcome columns

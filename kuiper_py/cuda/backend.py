@@ -16,7 +16,7 @@ from .. import env
 from . import memory as mem
 from . import settings as cfg
 from .settings import Settings, use_settings
-from .runtime.build import (load_module, module_keys, kernel, kernel_build_seconds, model_families, model_groups,
+from .runtime.build import (kernel, kernel_build_seconds, load_module, model_families, model_groups, module_keys,
                             precompile)
 from .runtime.device import device_name, gpu_memory_used_mib
 from .memory import _Arena, _BumpArena, _PBUF_POS, _i
@@ -164,10 +164,10 @@ class CupyOps(WeightUpload, CudaGraphs, DeviceDraws, PagedSteps):
         # the one-launch FFN / MoE FFN halves' launch configurations, where the plan's forms allow them (they
         # clear nothing themselves: the o GEMV before them clears their accumulator)
         self.ffn_plan, self.decode_ffn_why = (decode_ffn_plan(a) if self._forms.ffn_half_allowed else
-                                          (None, "needs accumulating mode and the o GEMV's merge prologue"))
+                                              (None, "needs accumulating mode and the o GEMV's merge prologue"))
         self.moe_plan, self.decode_moe_why = (decode_moe_plan(a) if self._forms.moe_half_allowed(a) else
-                                          (None, "needs a MoE model in accumulating mode with the o GEMV's merge "
-                                                 "prologue"))
+                                              (None, "needs a MoE model in accumulating mode with the o GEMV's "
+                                                     "merge prologue"))
         self._router_o = self._router_o_rows() if self.moe_plan is not None else {}
         self.alloc_cache(max_context)
         # every family this model uses built (or precompile's builds waited for) before anything is timed; only

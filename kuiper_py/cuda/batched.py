@@ -18,7 +18,7 @@ from ..config import rope_tables
 from ..errors import ResourceError
 from . import memory as mem
 from .memory import _BUF_GEN, _CAPTURING, _NotCapturable, _i
-from .ops.gemm import (gemm_split_buffers, cublas_ready, gemm, gemm_path, silu_mul, swiglu_prefill,
+from .ops.gemm import (cublas_ready, gemm, gemm_path, gemm_split_buffers, silu_mul, swiglu_prefill,
                        wgmma_available)
 from .ops.gemv import gemv, gemv_counters
 from .ops.moe import moe_route_counter, moe_route_tile_counters

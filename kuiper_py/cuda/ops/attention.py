@@ -11,10 +11,10 @@ from .. import settings as cfg
 from ..memory import _empty, _f, _i
 from .gemm import wgmma_available
 from .gemv import ATTN_LONG_TILE, ATTN_MMA_KEYS, DECODE_MIN_CHUNK, spread_smem
-from ..runtime.build import raw_kernel, kernel
+from ..runtime.build import kernel, raw_kernel
 from ..runtime.device import current_device_id
-from ..runtime.launch import (_LaunchAttr, _cluster_attr, _cluster_policy_attr, pdl_attr, cu_occupancy_clusters,
-                              allow_dynamic_smem, launch_ex, pdl_enabled, resident_clusters, tma_map_2d,
+from ..runtime.launch import (_LaunchAttr, _cluster_attr, _cluster_policy_attr, allow_dynamic_smem,
+                              cu_occupancy_clusters, launch_ex, pdl_attr, pdl_enabled, resident_clusters, tma_map_2d,
                               tma_map_cache)
 from ..runtime.registry import ATTN_CM_HB, ATTN_CM_MAX, FW_CONFIGS, FW_NC3_FROM, fw_name
 

@@ -318,7 +318,7 @@ def gemm_wgmma(x, mats, out, tile: tuple[int, int] | None = None, plan: tuple | 
     prefill repeats them per layer and per prompt, and the checks and plan had cost more host time than
     the launch."""
     return tma_gemm(_WGMMA_CALLS, x, mats, out, (tile, plan, producers),
-                     lambda: wgmma_call(x, mats, out, tile, plan, producers))
+                    lambda: wgmma_call(x, mats, out, tile, plan, producers))
 
 
 def tma_gemm(cache: dict, x, mats, out, settings: tuple, build):

@@ -10,7 +10,7 @@ from ...config import ModelArgs
 from ...loader import AwqLinear
 from .. import settings as cfg
 from ..memory import _COUNTERS, _device_zeros, _f, _i
-from ..runtime.build import raw_kernel, kernel
+from ..runtime.build import kernel, raw_kernel
 from ..runtime.device import current_device_id, device_attrs, device_name, sm_count
 from ..runtime.launch import allow_dynamic_smem, blocks_per_sm
 from ..runtime.registry import GEMV_O_MIN_BLOCKS, GEMV_ROWS, gemv_name

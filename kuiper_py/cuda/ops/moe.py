@@ -10,7 +10,7 @@ from .. import settings as cfg
 from ..memory import _NULL, _device_zeros, _empty, _f, _i
 from .gemm import GEMM_BM, GEMM_BN, _pow2_group, cublas_ready, rs_smem_bytes, silu_mul, wgmma_available
 from .gemv import gemv
-from ..runtime.build import raw_kernel, kernel
+from ..runtime.build import kernel, raw_kernel
 from ..runtime.device import current_device_id, sm_count, smem_optin
 from ..runtime.launch import allow_dynamic_smem, launch_ex, tma_map_2d, tma_map_words
 from ..runtime.registry import MOE_RS_FORMS, MOE_RS_TILES, MOE_TC_TILES, moe_rs_name

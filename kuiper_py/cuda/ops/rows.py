@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..memory import _BUF_GEN, _empty, _i
-from ..runtime.build import raw_kernel, kernel
+from ..runtime.build import kernel, raw_kernel
 from ..runtime.launch import allow_dynamic_smem
 from ..runtime.device import current_device_id, device_attrs, sm_count
 from .gemv import _mat_slots

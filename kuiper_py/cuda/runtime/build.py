@@ -19,8 +19,8 @@ from ...errors import KuiperError
 from . import device as _device
 from .device import current_device_id
 from .launch import PdlKernel, pdl_enabled
-from .registry import (FAMILIES, FAMILIES_SM90, ATTN_DECODE_U, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS, GEMV_SUM_BATCH,
-                       PDL_KERNELS)
+from .registry import (ATTN_DECODE_U, FAMILIES, FAMILIES_SM90, GEMV_MIN_BLOCKS, GEMV_O_MIN_BLOCKS, GEMV_ROWS,
+                       GEMV_SUM_BATCH, PDL_KERNELS)
 
 try:
     import cupy as cp

@@ -211,7 +211,7 @@ def tma_map_2d(a, box_rows: int, box_cols: int):
     assert box_cols * 2 == 128
     # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
     return _remember(_TMAPS, key, tmap_encode(6, a.data.ptr, (a.shape[1], a.shape[0]), (a.strides[0],),
-                                               (box_cols, box_rows)))
+                                              (box_cols, box_rows)))
 
 
 def tma_map_cache(c, n: int):

@@ -152,11 +152,11 @@ ATTN_CM_MAX = 16  # attention.cu ATTN_CM_MAX: the most splits one cluster merges
 
 
 FAMILIES_SM90 = {"attncm": ("attention.cu", [f"attn_decode_gqa<{hd},{hb},false,true>" for hd in (64, 128)
-                                           for hb in ATTN_CM_HB]),
-               "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
-                       + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
-                          for cl, tb in FFN_PAIRS]
-                       + [f"moe_ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS])}
+                                             for hb in ATTN_CM_HB]),
+                 "ffn": ("ffn_decode.cu", [f"ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS]
+                         + [f"ffn_decode<{cl}, {tb}, {FFN_XCH_GLOBAL}, {m}>" for m in FFN_GLOBAL_CAPS
+                            for cl, tb in FFN_PAIRS]
+                         + [f"moe_ffn_decode<{cl}, {tb}, {FFN_XCH_PUSH}>" for cl, tb in FFN_PAIRS])}
 
 
 # Kernels that call pdl_wait() before touching anything but weights (common.cuh), so they may be
