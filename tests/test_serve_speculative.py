@@ -251,7 +251,8 @@ def test_a_reply_cut_short_inside_a_step_leaves_the_cache_a_prefix_of_it(files):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+# (lookup is the slow tier's: test_gpu_speculative runs it on the GPU, and the draft is what the server adds there)
+@pytest.mark.parametrize("mode", [pytest.param("lookup", marks=pytest.mark.slow), "draft"])
 def test_gpu_server_equals_generate(files, mode):
     """--device cuda (device machine only): the draft loads and warms its graphs on the GPU; a fresh server's first
     greedy reply is `kuiper generate`'s with the same flags (the same verify steps on the same kernels), counted
