@@ -35,6 +35,14 @@ def run(tree: Path, argv: list[str], timeout: float) -> subprocess.CompletedProc
         return None
 
 
+def bench_reps(old: Path, new: Path) -> dict:
+    """The --prefill-reps each tree's bench_e2e is given, so that both report medians of as many prefills after as much
+    back-to-back work: a tree whose bench lacks the option times 3 eager prefills and 3 graph replays."""
+    has = {t: "--prefill-reps" in (t / "tools" / "bench_e2e.py").read_text() for t in (old, new)}
+    reps = [] if all(has.values()) else ["--prefill-reps", "3"]
+    return {t: reps if has[t] else [] for t in (old, new)}
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     """How many leading tokens two greedy runs share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -92,6 +100,8 @@ def check_tree(tree: Path) -> None:
 def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) -> dict:
     """One model: the file by the old tree's maker, greedy tokens of both, then the bench rounds alternated."""
     out = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0, "error": None}
+    reps = bench_reps(old, new)
+    out["prefill_reps"] = {name: int(reps[t][1]) if reps[t] else None for name, t in (("old", old), ("new", new))}
     path = model_dir / f"ab-{m}.bin"
     log(f"# writing {path} with the old tree's maker")
     path.unlink(missing_ok=True)
@@ -118,7 +128,7 @@ def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) ->
             js = model_dir / f"ab-{m}-{name}-{i}.json"
             js.unlink(missing_ok=True)
             r = run(tree, ["tools/bench_e2e.py", str(path), "--ctx", ctx, "--prompts", prompts, "--no-hf",
-                           "--json", str(js)], left() - 5)
+                           "--json", str(js), *reps[tree]], left() - 5)
             if r is None or r.returncode or not js.exists():
                 log(f"# {m} bench on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
                 continue

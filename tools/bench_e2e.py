@@ -28,9 +28,6 @@ from kuiper_py import ops_cupy as oc  # noqa: E402
 from kuiper_py.ops_cupy import copy_bandwidth, gpu_name  # noqa: E402
 from kuiper_py.sampling import SamplingParams  # noqa: E402
 
-# timed eager prefills (and graph replays) per prompt length, their median reported: a 128-token prefill is host-bound
-# (~7 ms on an H100, 8B), and one machine's host jitter moved a median of 3 by 25% between runs of one tree
-PREFILL_REPS = 9
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 
@@ -127,7 +124,11 @@ def hf_model(mf):
 @click.option("--steps", default=64)
 @click.option("--no-hf", is_flag=True)
 @click.option("--json", "json_out", default=None)
-def main(model, ctx, prompts, steps, no_hf, json_out):
+# a 128-token prefill is host-bound (~7 ms on an H100, 8B), and one machine's host jitter moved a median of 3 by 25%
+# between runs of one tree; tools/ab_trees.py sets 3 against a tree whose bench times 3
+@click.option("--prefill-reps", default=9, show_default=True,
+              help="timed prefills per prompt length, eager and graph replays each: their median is reported")
+def main(model, ctx, prompts, steps, no_hf, json_out, prefill_reps):
     ctxs, pls = [int(x) for x in ctx.split(",")], [int(x) for x in prompts.split(",")]
     copies = copy_bandwidth()
     res = {"gpu": gpu_name(), "copy_GBps": copies["best"], "copy_detail_GBps": copies, "decode": [], "prefill": []}
@@ -149,7 +150,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         m.ops.prefill_graphs = False  # tok/s and warm tok/s: eager prefills, as a prompt meets them the first time
         ids = rng.integers(0, 151643, p).tolist()
         ts = []
-        for rep in range(PREFILL_REPS + 1):  # (the first untimed)
+        for rep in range(prefill_reps + 1):  # (the first untimed)
             m.set_context(p)  # frees the pool's cached blocks and allocates a KV cache for p positions
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
@@ -167,7 +168,7 @@ def main(model, ctx, prompts, steps, no_hf, json_out):
         # prefill of the bucket ran eagerly, the second captured it; None where no graph serves p tokens
         m = eng.session(p)
         m.ops.prefill_graphs = True
-        gs = [prefill_wall(m, ids) for _ in range(PREFILL_REPS + 2)][2:]
+        gs = [prefill_wall(m, ids) for _ in range(prefill_reps + 2)][2:]
         served = oc.prefill_bucket(p) in m.ops.prefill_graph_cache
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
                                "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,
