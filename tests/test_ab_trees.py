@@ -9,12 +9,15 @@ from conftest import ROOT, run_python
 
 def test_a_tree_against_itself_is_equal(tmp_path):
     r = run_python("tools/ab_trees.py", str(ROOT), "--models", "tiny", "--rounds", "0", "--tokens", "12",
-                   "--dir", str(tmp_path), "--json", str(tmp_path / "ab.json"), cwd=ROOT)
+                   "--first-run", "--dir", str(tmp_path), "--json", str(tmp_path / "ab.json"), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "tiny: greedy 12 of 12 tokens equal" in r.stdout
     got = json.loads((tmp_path / "ab.json").read_text())["models"]["tiny"]
     assert got["greedy"] == {"equal": 12, "old": 12, "new": 12}
     assert got["prefill_reps"] == {"old": None, "new": None}  # (both benches take the option: each its default)
+    for tree in ("old", "new"):  # (the CPU engine: no kernels, so no build time)
+        assert [got["load"][tree][k]["load_s"] > 0 for k in ("first", "cached")] == [True, True]
+    assert "| first load_s |" in r.stdout and "| cached load_s |" in r.stdout
 
 
 def test_an_older_bench_sets_the_prefill_count_of_both(tmp_path):

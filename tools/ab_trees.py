@@ -7,13 +7,19 @@ kernels_cu (an editable install of one tree would hand its kernels to the other)
 
     git worktree add ../old REV   (or: mkdir ../old && git archive REV | tar -x -C ../old)
     python tools/ab_trees.py ../old --models 8b,30b-a3b --rounds 3 --dir /dev/shm --json ab.json
+    python tools/ab_trees.py ../old --models 8b --rounds 0 --first-run     # the load times only
+
+--first-run also times each tree's load as a machine's first run meets it (an empty CuPy kernel cache: every kernel
+compiled) and again with the kernels that run cached, from `kuiper generate --json`'s timings.
 
 Each run has a time limit (--budget for the whole): what failed or was left unrun is reported, never guessed, and the
 results so far are written even when a later model fails. The table goes to stdout, progress to stderr."""
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,10 +33,11 @@ def log(msg: str) -> None:
     click.echo(msg, err=True)
 
 
-def run(tree: Path, argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+def run(tree: Path, argv: list[str], timeout: float, env=None) -> subprocess.CompletedProcess | None:
     """argv run with the tree as its working directory and first on the path (None: it ran past timeout)."""
     try:
-        return subprocess.run([sys.executable, *argv], cwd=tree, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([sys.executable, *argv], cwd=tree, capture_output=True, text=True, timeout=timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return None
 
@@ -70,8 +77,9 @@ def medians(runs: list[dict]) -> dict[str, float]:
 @click.option("--tokens", type=int, default=48, show_default=True, help="greedy tokens compared")
 @click.option("--dir", "model_dir", default="/dev/shm", show_default=True, help="where the model files go")
 @click.option("--budget", type=float, default=3600.0, show_default=True, help="seconds for the whole comparison")
+@click.option("--first-run", is_flag=True, help="also time each tree's load with an empty kernel cache, then cached")
 @click.option("--json", "json_out", default=None, help="write the results here")
-def main(old, models, rounds, ctx, prompts, tokens, model_dir, budget, json_out):
+def main(old, models, rounds, ctx, prompts, tokens, model_dir, budget, first_run, json_out):
     t0, old, new = time.monotonic(), Path(old).resolve(), ROOT
     left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
     for tree in (old, new):
@@ -79,7 +87,7 @@ def main(old, models, rounds, ctx, prompts, tokens, model_dir, budget, json_out)
     res = {"old": str(old), "new": str(new), "models": {}}
     try:
         for m in models.split(","):
-            res["models"][m] = compare(m, old, new, rounds, ctx, prompts, tokens, Path(model_dir), left)
+            res["models"][m] = compare(m, old, new, rounds, ctx, prompts, tokens, Path(model_dir), left, first_run)
     finally:
         report(res, json_out)
     failed = [m for m, out in res["models"].items() if out.get("error")]
@@ -97,7 +105,7 @@ def check_tree(tree: Path) -> None:
                                    f"(an editable install of another tree?); run where no kuiper is installed")
 
 
-def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) -> dict:
+def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left, first_run=False) -> dict:
     """One model: the file by the old tree's maker, greedy tokens of both, then the bench rounds alternated."""
     out = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0, "error": None}
     reps = bench_reps(old, new)
@@ -120,6 +128,8 @@ def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) ->
     if len(toks) == 2:
         out["greedy"] = {"equal": first_difference(toks["old"], toks["new"]),
                          "old": len(toks["old"]), "new": len(toks["new"])}
+    if first_run:
+        out["load"] = {name: load_times(m, name, tree, path, left) for name, tree in (("old", old), ("new", new))}
     for i in range(rounds):
         for name, tree in (("old", old), ("new", new)) if i % 2 == 0 else (("new", new), ("old", old)):
             if left() < 60:
@@ -134,6 +144,25 @@ def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left) ->
                 continue
             out["runs"][name].append(json.loads(js.read_text()))
             log(f"# {m} {name} round {i + 1} done ({left():.0f} s left)")
+    return out
+
+
+def load_times(m: str, name: str, tree: Path, path: Path, left) -> dict | None:
+    """`kuiper generate --json` timings (load_s, warmup_s, kernel_build_s) of one token with an empty CuPy kernel cache
+    ("first": a machine's first run compiles every kernel it launches) and then with that cache ("cached")."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="ab-cupy-") as cache:
+        env = dict(os.environ, CUPY_CACHE_DIR=cache)
+        for key in ("first", "cached"):
+            r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", "1", "--raw", "--temp",
+                           "0", "--json"], max(1.0, min(900.0, left())), env)
+            try:
+                t = json.loads(r.stdout)["timings"]
+            except (AttributeError, ValueError, KeyError):
+                log(f"# {m} {key} load on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+                return None
+            out[key] = {k: t.get(k) for k in ("load_s", "warmup_s", "kernel_build_s")}
+    log(f"# {m} {name} load timed ({left():.0f} s left)")
     return out
 
 
@@ -152,6 +181,12 @@ def report(res: dict, json_out) -> None:
             o, n = mo.get(k), mn.get(k)
             change = f"{100 * (n / o - 1):+.1f}%" if o and n else "-"
             click.echo(f"| {k} | {o or float('nan'):.1f} | {n or float('nan'):.1f} | {change} |")
+        if out.get("load"):
+            click.echo("| load s | old | new |\n| --- | --- | --- |")
+            for key in ("first", "cached"):
+                for k in ("load_s", "warmup_s", "kernel_build_s"):
+                    cell = [(out["load"][t] or {}).get(key, {}).get(k) for t in ("old", "new")]
+                    click.echo(f"| {key} {k} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cell) + " |")
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1))
 
