@@ -29,7 +29,7 @@ def rand_head(rng, V, D):
     """A random fp16 lm_head [V, D] on the host with rows of norm ~1, drawn on the GPU from a seed rng gives: the real
     vocabulary's head is 155M-622M values, whose host draw took 3-4 s of each test (an H100 host)."""
     W = cp.random.RandomState(int(rng.integers(2**31))).standard_normal((V, D), dtype=cp.float32)
-    W *= 1 / np.sqrt(D)
+    W *= float(1 / np.sqrt(D))
     return cp.asnumpy(W.astype(cp.float16))
 
 
