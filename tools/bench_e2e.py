@@ -172,7 +172,10 @@ def main(model, ctx, prompts, steps, no_hf, json_out, prefill_reps):
         served = oc.prefill_bucket(p) in m.ops.prefill_graph_cache
         res["prefill"].append({"prompt": p, "tok_s": p / float(np.median(ts)), "tok_s_warm": float(np.median(warm)),
                                "tok_s_graph": p / float(np.median(gs)) if served else None, "gpu_mib": mib,
-                               "gpu_mib_graph": cp.get_default_memory_pool().total_bytes() / 2**20})
+                               "gpu_mib_graph": cp.get_default_memory_pool().total_bytes() / 2**20,
+                               # every timed run in order: a drift across them shows here, not in the median
+                               "eager_ms": [round(t * 1e3, 3) for t in ts],
+                               "graph_ms": [round(t * 1e3, 3) for t in gs] if served else None})
     res["ours_gpu_mib"] = cp.get_default_memory_pool().total_bytes() / 2**20
     emb = eng.model.ops.weights.embed  # an untied embedding table stays in pinned host memory (cuda/weights.py)
     res["ours_host_pinned_mib"] = emb.nbytes / 2**20 if isinstance(emb, np.ndarray) else 0.0
