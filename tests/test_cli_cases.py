@@ -147,3 +147,15 @@ def test_serve_without_its_extra_says_what_to_install(tiny_bin, missing):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and missing in lines[0], r.stderr
     assert ("pip install 'kuiper[serve]'" in lines[0]) == (missing == "uvicorn"), r.stderr
+
+
+def test_info_plan_without_a_gpu_says_so(tiny_bin):
+    """`kuiper info --plan` (a GPU's plan) where no GPU is visible: one line naming --plan, not advice to pass a
+    --device that info does not take; a non-zero exit."""
+    code = ("import os; os.environ['CUDA_VISIBLE_DEVICES'] = ''; from kuiper_py.cli import main; "
+            f"main(['info', {str(tiny_bin)!r}, '--plan'])")
+    r = run_python("-c", code, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--plan" in lines[0] and "no CUDA GPU" in lines[0], r.stderr
+    assert "--device" not in lines[0], r.stderr
