@@ -78,12 +78,8 @@ def _print_plan(model: str) -> None:
     """The decode plan of the GPU at hand (which launches a layer makes, what they accumulate, the attention
     regimes) and the prefill plan (each projection's GEMM path by prompt length, the experts' tiles): the model is
     loaded on the GPU with a KV cache of at most 4096 positions."""
-    try:
-        from .cuda.runtime.device import cuda_available
-        gpu = cuda_available()
-    except ImportError:
-        gpu = False
-    if not gpu:
+    from .cuda.runtime.device import cuda_available  # (False without CuPy: device.py guards its import)
+    if not cuda_available():
         raise KuiperError("--plan: no CUDA GPU is visible here (the plan is a GPU's: run it where the model will run)")
     from .cuda.plan import describe
     from .generate import Engine

@@ -43,11 +43,24 @@ def run(tree: Path, argv: list[str], timeout: float, env=None) -> subprocess.Com
 
 
 def bench_reps(old: Path, new: Path) -> dict:
-    """The --prefill-reps each tree's bench_e2e is given, so that both report medians of as many prefills after as much
-    back-to-back work: a tree whose bench lacks the option times 3 eager prefills and 3 graph replays."""
-    has = {t: "--prefill-reps" in (t / "tools" / "bench_e2e.py").read_text() for t in (old, new)}
-    reps = [] if all(has.values()) else ["--prefill-reps", "3"]
-    return {t: reps if has[t] else [] for t in (old, new)}
+    """{"old"|"new": the --prefill-reps its bench_e2e is given, None for its default}, so that both report medians of
+    as many prefills after as much back-to-back work: a tree whose bench lacks the option times 3 eager prefills and 3
+    graph replays."""
+    has = {name: "--prefill-reps" in (t / "tools" / "bench_e2e.py").read_text()
+           for name, t in (("old", old), ("new", new))}
+    return {name: None if all(has.values()) or not has[name] else 3 for name in has}
+
+
+def generate_json(tree: Path, path: Path, n: int, timeout: float, what: str, env=None) -> dict | None:
+    """`kuiper generate --json` of n greedy tokens after PROMPT, on the tree: its JSON (None, logged as `what`, where it
+    failed or ran out of time)."""
+    r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", str(n), "--raw", "--temp", "0",
+                   "--json"], timeout, env)
+    try:
+        return json.loads(r.stdout)
+    except (AttributeError, ValueError):
+        log(f"# {what} failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+        return None
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -85,9 +98,11 @@ def main(old, models, rounds, ctx, prompts, tokens, model_dir, budget, first_run
     for tree in (old, new):
         check_tree(tree)
     res = {"old": str(old), "new": str(new), "models": {}}
+    reps = bench_reps(old, new)
     try:
         for m in models.split(","):
-            res["models"][m] = compare(m, old, new, rounds, ctx, prompts, tokens, Path(model_dir), left, first_run)
+            res["models"][m] = compare(m, old, new, rounds, ctx, prompts, tokens, Path(model_dir), left, first_run,
+                                       reps)
     finally:
         report(res, json_out)
     failed = [m for m, out in res["models"].items() if out.get("error")]
@@ -105,11 +120,9 @@ def check_tree(tree: Path) -> None:
                                    f"(an editable install of another tree?); run where no kuiper is installed")
 
 
-def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left, first_run=False) -> dict:
+def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left, first_run, reps) -> dict:
     """One model: the file by the old tree's maker, greedy tokens of both, then the bench rounds alternated."""
-    out = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0, "error": None}
-    reps = bench_reps(old, new)
-    out["prefill_reps"] = {name: int(reps[t][1]) if reps[t] else None for name, t in (("old", old), ("new", new))}
+    out = {"greedy": None, "runs": {"old": [], "new": []}, "unrun": 0, "error": None, "prefill_reps": reps}
     path = model_dir / f"ab-{m}.bin"
     log(f"# writing {path} with the old tree's maker")
     path.unlink(missing_ok=True)
@@ -119,12 +132,9 @@ def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left, fi
         return out
     toks = {}
     for name, tree in (("old", old), ("new", new)):
-        r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", str(tokens), "--raw",
-                       "--temp", "0", "--json"], max(1.0, min(300.0, left())))
-        try:
-            toks[name] = json.loads(r.stdout)["tokens"]
-        except (AttributeError, ValueError, KeyError):
-            log(f"# {m} greedy on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+        js = generate_json(tree, path, tokens, max(1.0, min(300.0, left())), f"{m} greedy on the {name} tree")
+        if js is not None:
+            toks[name] = js["tokens"]
     if len(toks) == 2:
         out["greedy"] = {"equal": first_difference(toks["old"], toks["new"]),
                          "old": len(toks["old"]), "new": len(toks["new"])}
@@ -137,8 +147,9 @@ def compare(m, old, new, rounds, ctx, prompts, tokens, model_dir: Path, left, fi
                 continue
             js = model_dir / f"ab-{m}-{name}-{i}.json"
             js.unlink(missing_ok=True)
+            n_reps = [] if reps[name] is None else ["--prefill-reps", str(reps[name])]
             r = run(tree, ["tools/bench_e2e.py", str(path), "--ctx", ctx, "--prompts", prompts, "--no-hf",
-                           "--json", str(js), *reps[tree]], left() - 5)
+                           "--json", str(js), *n_reps], left() - 5)
             if r is None or r.returncode or not js.exists():
                 log(f"# {m} bench on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
                 continue
@@ -154,14 +165,10 @@ def load_times(m: str, name: str, tree: Path, path: Path, left) -> dict | None:
     with tempfile.TemporaryDirectory(prefix="ab-cupy-") as cache:
         env = dict(os.environ, CUPY_CACHE_DIR=cache)
         for key in ("first", "cached"):
-            r = run(tree, ["-m", "kuiper_py", "generate", "-m", str(path), "-p", PROMPT, "-n", "1", "--raw", "--temp",
-                           "0", "--json"], max(1.0, min(900.0, left())), env)
-            try:
-                t = json.loads(r.stdout)["timings"]
-            except (AttributeError, ValueError, KeyError):
-                log(f"# {m} {key} load on the {name} tree failed: {r.stderr.strip()[-300:] if r else 'out of time'}")
+            js = generate_json(tree, path, 1, max(1.0, min(900.0, left())), f"{m} {key} load on the {name} tree", env)
+            if js is None:
                 return None
-            out[key] = {k: t.get(k) for k in ("load_s", "warmup_s", "kernel_build_s")}
+            out[key] = {k: js["timings"].get(k) for k in ("load_s", "warmup_s", "kernel_build_s")}
     log(f"# {m} {name} load timed ({left():.0f} s left)")
     return out
 
