@@ -41,6 +41,12 @@ def _has_gpu() -> bool:
 FAST_CASES, FAST_CASES_BY_FILE = 2, {"test_gpu_e2e.py": 1, "test_gpu_formats.py": 1}
 
 
+def slow_cases(values, slow) -> list:
+    """A parametrize's (or a module fixture's) values with those in `slow` marked for the slow tier: the fast tier
+    picks its cases among the rest (_mark_slow_sweeps)."""
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
 def _mark_slow_sweeps(items) -> None:
     """The `slow` mark on the GPU cases left out of the fast tier (see FAST_CASES)."""
     sweeps = {}

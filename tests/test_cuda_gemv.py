@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import slow_cases
 from kuiper_py import awq
 from kuiper_py.loader import AwqLinear, AwqStack
 from reference import dequant_reference, rand_awq_tensors, rel
@@ -23,7 +24,7 @@ from cuda_common import (SHAPES, nan_like, qkv_case, qkv_rope_ref, rand_awq,  # 
 
 # 8B's and 32B's shapes are the slow tier's (6.7 and 14.3 s on an H100, mostly drawing them): the fast tier runs 0.6B's
 # and 4B's
-@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m in ("8b", "32b") else m for m in SHAPES])
+@pytest.mark.parametrize("model", slow_cases(SHAPES, ("8b", "32b")))
 def test_gemv_fused_shapes(model):
     rng = np.random.default_rng()
     s = SHAPES[model]

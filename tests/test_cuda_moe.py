@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+from conftest import slow_cases
 from kuiper_py.cuda import settings as cfg
 from kuiper_py import moe_ref, synth
 from kuiper_py.export import export
@@ -31,12 +32,6 @@ D, E, K_TOP, INTER, G = 2048, 128, 8, 768, 128
 # a 2048-token prompt in the stage tests is the slow tier's (3.9, 5.9 and 7.2 s on an H100): the fast tier's longest,
 # 300 tokens, already gives experts of many tiles whose last tile ends inside the expert
 PROMPT_2048 = pytest.param(2048, marks=pytest.mark.slow)
-
-
-def first_fast(values) -> list:
-    """values with all but the first the slow tier's: the 235B-shape checks (4 s each on an H100) run one form in the
-    fast tier, whose stage sweeps run every form."""
-    return [v if i == 0 else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
 
 
 def rand_stack(rng, n_exp, K, N, segments=1):
@@ -237,7 +232,8 @@ def test_moe_rs_stages_match_reference(layer, T, form, monkeypatch):
         assert row_rel(cp.asnumpy(got), r.out) < 1e-2, rs
 
 
-@pytest.mark.parametrize("form", first_fast(oc.MOE_RS_FORMS_ALL), ids=rs_form_ids)
+# the 235B-shape checks (4 s each on an H100) run one form in the fast tier, whose stage sweeps run every form
+@pytest.mark.parametrize("form", slow_cases(oc.MOE_RS_FORMS_ALL, oc.MOE_RS_FORMS_ALL[1:]), ids=rs_form_ids)
 def test_gemm_moe_rs_at_235b_shapes(form, monkeypatch):
     """gemm_moe_rs (each compiled form, its gate|up on the gathered rows) at Qwen3-235B-A22B's expert shapes
     (check_experts_at_235b_shapes)."""
@@ -277,7 +273,7 @@ def test_moe_tc_stages_match_reference(layer, T, tm, monkeypatch):
     assert row_rel(cp.asnumpy(got), r.out) < 1e-2
 
 
-@pytest.mark.parametrize("tm", first_fast(oc.MOE_TC_TILES))
+@pytest.mark.parametrize("tm", slow_cases(oc.MOE_TC_TILES, oc.MOE_TC_TILES[1:]))
 def test_gemm_moe_tc_at_235b_shapes(tm):
     """gemm_moe_tc (16- and 32-row tiles, its gate|up reading the token rows through the permutation) at
     Qwen3-235B-A22B's expert shapes (check_experts_at_235b_shapes)."""
@@ -884,8 +880,7 @@ _FUSED_MOE = {"m1k": (1024, 1024, 2, 8, 2, 128, True, 32, 4, 256, ()),
 
 # the 2048-wide model is the slow tier's (its three tests took 23 s of a warm fast tier on an H100; the 30B-A3B cluster
 # of 8 stays in the fast tier through test_moe_ffn_decode_cluster_kernel)
-@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "m2k-mixed" else k
-                                        for k in _FUSED_MOE])
+@pytest.fixture(scope="module", params=slow_cases(_FUSED_MOE, ("m2k-mixed",)))
 def fused_moe_bin(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     with pytest.MonkeyPatch.context() as mp:

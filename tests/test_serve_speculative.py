@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, slow_cases
 from kuiper_py import speculative
 from kuiper_py.generate import Engine, PrefixCache
 from kuiper_py.sampling import SamplingParams
@@ -252,7 +252,7 @@ def test_a_reply_cut_short_inside_a_step_leaves_the_cache_a_prefix_of_it(files):
 
 @pytest.mark.gpu
 # (lookup is the slow tier's: test_gpu_speculative runs it on the GPU, and the draft is what the server adds there)
-@pytest.mark.parametrize("mode", [pytest.param("lookup", marks=pytest.mark.slow), "draft"])
+@pytest.mark.parametrize("mode", slow_cases(MODES, ("lookup",)))
 def test_gpu_server_equals_generate(files, mode):
     """--device cuda (device machine only): the draft loads and warms its graphs on the GPU; a fresh server's first
     greedy reply is `kuiper generate`'s with the same flags (the same verify steps on the same kernels), counted
