@@ -3,6 +3,7 @@ untied_dir, moe_dir) and their exported ak48 files (tiny_bin, untied_bin, moe_bi
 one works on copy_ckpt's copy."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ _THREADS = 1 if _CORES <= 4 else max(1, _CORES // int(os.environ.get("PYTEST_XDI
 if _THREADS < _CORES:
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, str(_THREADS))
+
+# A run started in the background of a shell without job control (`cmd &` in a script) inherits SIGINT ignored, and so
+# would every CLI it starts (an ignored signal stays ignored across exec), where the Ctrl-C tests need a terminal's
+# Ctrl-C: a handler here is reset to the default in the children, whose Python then raises KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from kuiper_py import synth  # noqa: E402 (after the thread settings)
 from kuiper_py.export import export  # noqa: E402
