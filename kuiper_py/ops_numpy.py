@@ -20,6 +20,9 @@ from .sampling import SamplingParams, sample
 
 BLOCK_BYTES = 4 << 20  # float32 bytes of a linear's dequantized rows per block (dequant_blocks), whole groups
 _LM_BLOCK = 16384  # lm_head rows converted to float32 at a time
+# float32 bytes of one array of attention scores [heads, query rows, keys]: a longer prompt's rows are attended a
+# share at a time (a whole 13,890-token prompt's scores and their temporaries held 18 GB on the tiny test model)
+SCORES_BYTES = 256 << 20
 # an fp32 lm_head up to this size (the test presets' and Qwen3-0.6B's 622 MB), or up to what the kept linears leave of
 # DEQ_KEEP_BYTES (30B-A3B's and 8B's, 1.2 and 2.5 GB, on a host with ~20 GB free), is converted once and kept
 # (kept_blocks): otherwise a decode step spends ~1 s converting the head
@@ -296,18 +299,24 @@ class NumpyOps:
         return out
 
     def _attend(self, q, K, V, pos0: int):
-        """q [T, H, hd] at positions pos0.. over keys and values [n, KV, hd] -> [T, H*hd]."""
+        """q [T, H, hd] at positions pos0.. over keys and values [n, KV, hd] -> [T, H*hd], SCORES_BYTES of scores
+        at a time (each row's softmax is its own: a share of the rows gives the same values, to rounding)."""
         T, H, hd = q.shape
         n = K.shape[0]
         group = H // self.args.num_key_value_heads
         Kh = np.repeat(K, group, axis=1).transpose(1, 2, 0)  # [H, hd, n]
         Vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)  # [H, n, hd]
-        s = np.matmul(q.transpose(1, 0, 2), Kh) / np.sqrt(hd)  # [H, T, n]
-        mask = np.arange(n)[None, :] > (pos0 + np.arange(T))[:, None]
-        s = np.where(mask[None], -np.inf, s)
-        s = np.exp(s - s.max(axis=-1, keepdims=True))
-        p = s / s.sum(axis=-1, keepdims=True)
-        return np.matmul(p, Vh).transpose(1, 0, 2).reshape(T, H * hd)
+        rows = max(1, SCORES_BYTES // (4 * H * n))
+        out = np.empty((T, H * hd), dtype=np.float32)
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            s = np.matmul(q[t0:t1].transpose(1, 0, 2), Kh) / np.sqrt(hd)  # [H, rows, n]
+            mask = np.arange(n)[None, :] > (pos0 + np.arange(t0, t1))[:, None]
+            s = np.where(mask[None], -np.inf, s)
+            s = np.exp(s - s.max(axis=-1, keepdims=True))
+            p = s / s.sum(axis=-1, keepdims=True)
+            out[t0:t1] = np.matmul(p, Vh).transpose(1, 0, 2).reshape(t1 - t0, H * hd)
+        return out
 
     def moe(self, x, layer: Layer):
         """Qwen3-MoE block through the staged pipeline of moe_ref (the GPU's stages). Each call's expert

@@ -155,3 +155,22 @@ def test_cpu_keep_budget_follows_the_available_memory():
                      if line.startswith("MemAvailable:"))
         want = max(256 << 20, min(8 << 30, avail // 4))
         assert abs(got - want) <= max(64 << 20, want // 20)  # (the memory available moves a little between reads)
+
+
+def test_a_long_prompt_attends_a_share_of_its_rows_at_a_time(untied_bin, monkeypatch):
+    """Attention scores held SCORES_BYTES at a time: a prompt whose rows are attended a few at a time (7 here, the
+    last share shorter) and after cached keys gives the logits of every position of the whole-prompt pass (to the
+    rounding of the products, whose shapes differ)."""
+    from kuiper_py import ops_numpy
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 151643, size=61).tolist()
+    mf = load(untied_bin)
+
+    def logits():
+        m = Qwen3(mf, NumpyOps, 64)
+        return np.concatenate([m.prefill(ids[:40], all_logits=True), m.prefill(ids[40:], all_logits=True)])
+    want = logits()
+    a = mf.args
+    monkeypatch.setattr(ops_numpy, "SCORES_BYTES", 4 * a.num_attention_heads * 64 * 7)
+    got = logits()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
