@@ -312,10 +312,10 @@ def test_bench_progress_on_a_terminal(tiny_bin):
 
 def test_prefill_ticker_on_a_terminal(tiny_bin):
     """A prefill that takes seconds on the CPU shows a counter on the terminal; it is cleared before the text."""
-    # 3000 tokens on the tiny file: a 3.7 s prefill on a 2-core host with one BLAS thread (as the CPU suite runs;
-    # 2000 tokens took 1.8 s: the attention is quadratic), so a host twice as fast still passes the Ticker's 1 s
-    # delay. (A file of the "small" preset took 6 s to write and 18 s to prefill these 3000 tokens.)
-    prompt = " ".join(["word"] * 3000)
+    # 4000 tokens on the tiny file: a 6.5 s prefill on a 2-core host with one BLAS thread (as the CPU suite runs),
+    # so a host several times as fast still passes the Ticker's 1 s delay. (A file of the "small" preset took 6 s to
+    # write and 18 s to prefill 3000 tokens.)
+    prompt = " ".join(["word"] * 4000)
     rc, out, tty = _run_with_tty_stderr(["generate", "-m", tiny_bin, "-p", prompt, "--raw", "-n", 1, *CPU])
     assert rc == 0, tty
     assert "prefill of" in tty and " s" in tty and "\x1b[K" in tty

@@ -158,19 +158,30 @@ def test_cpu_keep_budget_follows_the_available_memory():
 
 
 def test_a_long_prompt_attends_a_share_of_its_rows_at_a_time(untied_bin, monkeypatch):
-    """Attention scores held SCORES_BYTES at a time: a prompt whose rows are attended a few at a time (7 here, the
-    last share shorter) and after cached keys gives the logits of every position of the whole-prompt pass (to the
-    rounding of the products, whose shapes differ)."""
+    """Attention scores held SCORES_BYTES at a time: two prefills whose rows are attended a few at a time (448 // keys
+    rows a share: 11 + 11 + 11 + 7 rows over 40 keys, then 7 + 7 + 7 after the cached ones) give the logits of every
+    position that one share per prefill gives (to the rounding of the products, whose shapes differ)."""
     from kuiper_py import ops_numpy
     rng = np.random.default_rng()
     ids = rng.integers(0, 151643, size=61).tolist()
     mf = load(untied_bin)
+    a = mf.args
+    matmul, shares = np.matmul, []
+
+    def counted(x, y, *args, **kw):  # the scores' products: [H, rows, hd] @ [H, hd, keys]
+        if np.ndim(x) == 3 and np.ndim(y) == 3 and np.shape(y)[1] == a.head_dim:
+            shares.append(np.shape(x)[1])
+        return matmul(x, y, *args, **kw)
 
     def logits():
         m = Qwen3(mf, NumpyOps, 64)
         return np.concatenate([m.prefill(ids[:40], all_logits=True), m.prefill(ids[40:], all_logits=True)])
+    monkeypatch.setattr(ops_numpy.np, "matmul", counted)
     want = logits()
-    a = mf.args
+    L = a.num_hidden_layers  # (each prefill runs every layer)
+    assert shares == [40] * L + [21] * L
+    shares.clear()
     monkeypatch.setattr(ops_numpy, "SCORES_BYTES", 4 * a.num_attention_heads * 64 * 7)
     got = logits()
+    assert shares == [11, 11, 11, 7] * L + [7, 7, 7] * L
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
